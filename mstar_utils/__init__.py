@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/99_api.ipynb #8c093b2e
+# %% ../nbs/99_api.ipynb #0bdc0c4b
 __version__ = "0.0.1"
 from .checkpoints import *
-from . import checkpoints as _checkpoints
+from .loading import *
+from . import checkpoints as _checkpoints, loading as _loading
 
-__all__ = [*_checkpoints.__all__]
+__all__ = [*_checkpoints.__all__, *_loading.__all__]
