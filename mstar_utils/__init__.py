@@ -5,10 +5,12 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/99_api.ipynb #0bdc0c4b
+# %% ../nbs/99_api.ipynb #6ce7716a
 __version__ = "0.0.1"
 from .checkpoints import *
 from .loading import *
-from . import checkpoints as _checkpoints, loading as _loading
+from .kv import *
+from .generation import *
+from . import checkpoints as _checkpoints, loading as _loading, kv as _kv, generation as _generation
 
-__all__ = [*_checkpoints.__all__, *_loading.__all__]
+__all__ = [*_checkpoints.__all__, *_loading.__all__, *_kv.__all__, *_generation.__all__]

@@ -1,0 +1,229 @@
+"Loader behaviour on real checkpoints (SmolLM2, all-MiniLM-L6-v2): one test per promise of the loading notebook."
+import json, os, shutil
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import init_empty_weights
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from mstar_utils import (ModuleAndPrefix, check_loaded, load_weights, load_weights_from_file,
+                         load_weights_from_hf_shards, process_weights_after_loading, smollm2_checkpoint, minilm_checkpoint)
+
+SMOL = smollm2_checkpoint()
+CONFIG = AutoConfig.from_pretrained(SMOL)
+
+
+def meta_smol(dtype=torch.bfloat16):
+    with init_empty_weights(include_buffers=False):
+        m = AutoModelForCausalLM.from_config(CONFIG, dtype=dtype)
+    m.tie_weights()
+    return m
+
+
+@pytest.fixture(scope='module')
+def ref():
+    return AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.bfloat16)
+
+
+def test_meta_module_is_filled_and_equals_from_pretrained(ref):
+    m = meta_smol()
+    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)])
+    check_loaded(m, loaded, 'smol')
+    assert not any(p.is_meta for p in m.parameters())
+    sd, rsd = m.state_dict(), ref.state_dict()
+    assert sorted(sd) == sorted(rsd)
+    for k in rsd: assert torch.equal(sd[k], rsd[k]), k
+
+
+def test_declared_dtype_is_kept():
+    m = meta_smol(torch.float32)
+    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')])
+    assert loaded == {'weight'} and m.model.norm.weight.dtype == torch.float32
+
+
+def test_materialized_module_is_copied_into(ref):
+    m = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.bfloat16)
+    w = m.model.layers[0].mlp.up_proj.weight
+    ptr = w.data_ptr()
+    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.layers[0], 'model.layers.0.')])
+    assert m.model.layers[0].mlp.up_proj.weight is w and w.data_ptr() == ptr
+    assert torch.equal(w, ref.model.layers[0].mlp.up_proj.weight)
+
+
+def test_materialized_fp32_module_gets_cast_copy(ref):
+    m = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.float32)
+    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.layers[1], 'model.layers.1.')])
+    assert m.model.layers[1].self_attn.q_proj.weight.dtype == torch.float32
+    assert torch.equal(m.model.layers[1].self_attn.q_proj.weight, ref.model.layers[1].self_attn.q_proj.weight.float())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason='needs two CUDA devices')
+def test_any_device_string():
+    m = meta_smol()
+    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], device='cuda:1')
+    assert m.model.norm.weight.device == torch.device('cuda:1')
+
+
+def test_meta_device_target_is_refused_by_check_loaded():
+    # loading "onto" meta would be a silent no-op copy; the result must not pass check_loaded
+    m = meta_smol()
+    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], device='meta')
+    with pytest.raises(RuntimeError, match='still on meta'):
+        check_loaded(m.model.norm, loaded, 'norm')
+
+
+def test_ties_survive_and_one_name_fills_all():
+    idx = json.loads((SMOL/'model.safetensors.index.json').read_text())
+    assert 'lm_head.weight' not in idx['weight_map']  # the checkpoint stores only the embedding
+    m = meta_smol()
+    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)])
+    assert 'lm_head.weight' in loaded
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+
+
+def test_tied_materialized_module_stays_tied():
+    m = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.bfloat16)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)])
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+
+
+def test_loaded_names_per_module_in_order():
+    m = meta_smol()
+    mods = [ModuleAndPrefix(m.model.layers[3], 'model.layers.3.'), ModuleAndPrefix(m.model.embed_tokens, 'model.embed_tokens.'),
+            ModuleAndPrefix(m.model.norm, 'model.norm')]
+    got = load_weights_from_hf_shards(SMOL, mods)
+    assert [len(g) for g in got] == [9, 1, 1]
+    assert got[1] == {'weight'} and 'mlp.down_proj.weight' in got[0]
+    for mp, g in zip(mods, got): check_loaded(mp.module, g, 'part')
+
+
+def test_check_loaded_message_names_what_count_and_missing():
+    m = meta_smol()
+    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.layers[0], 'model.layers.0.')])
+    with pytest.raises(RuntimeError, match=r"layer0: 1 of 9 .*mlp\.up_proj\.weight"):
+        check_loaded(m.model.layers[0], loaded - {'mlp.up_proj.weight'}, 'layer0')
+
+
+def test_check_loaded_refuses_meta_buffer():
+    with torch.device('meta'):
+        m = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.bfloat16)  # inv_freq on meta too
+    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)])
+    with pytest.raises(RuntimeError, match=r'still on meta: .*inv_freq'):
+        check_loaded(m, loaded, 'smol')
+
+
+def test_missing_keys_raise_with_prefix():
+    m = meta_smol()
+    with pytest.raises(KeyError, match=r"missing key.*prefix 'model\.layers\.3\.'.*model\.layers\.3\.extra"):
+        class Extra(torch.nn.Module):
+            def __init__(self):
+                super().__init__(); self.input_layernorm = m.model.layers[3].input_layernorm
+                self.extra = torch.nn.Parameter(torch.zeros(2))
+        load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(Extra(), 'model.layers.3.')])
+
+
+def test_missing_keys_tolerated_when_not_enforced():
+    e = torch.nn.Module(); e.input_layernorm = torch.nn.RMSNorm(576); e.extra = torch.nn.Parameter(torch.zeros(2))
+    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(e, 'model.layers.3.', enforce_missing_keys=False)])
+    assert loaded == {'input_layernorm.weight'}
+    with pytest.raises(RuntimeError, match='extra'): check_loaded(e, loaded, 'extra')
+
+
+def test_shape_mismatch_names_key_and_shapes():
+    lin = torch.nn.Linear(576, 100, bias=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*checkpoint has \[1536, 576\].*expects \[100, 576\]"):
+        load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(lin, 'model.layers.0.mlp.up_proj.')])
+
+
+def test_single_file_path_minilm_embeddings_match():
+    mini = minilm_checkpoint()
+    with init_empty_weights(include_buffers=False):
+        bert = AutoModel.from_config(AutoConfig.from_pretrained(mini))
+    [loaded] = load_weights_from_hf_shards(mini, [ModuleAndPrefix(bert)])
+    check_loaded(bert, loaded, 'minilm')
+    ref = AutoModel.from_pretrained(mini)
+    for k, v in ref.state_dict().items(): assert torch.equal(bert.state_dict()[k], v), k
+
+
+def test_load_weights_from_file_reads_one_shard():
+    m = meta_smol()
+    shard = SMOL/json.loads((SMOL/'model.safetensors.index.json').read_text())['weight_map']['model.norm.weight']
+    [loaded] = load_weights_from_file(str(shard), [ModuleAndPrefix(m.model.norm, 'model.norm.')])
+    assert loaded == {'weight'}
+
+
+def link_checkpoint(tmp_path) -> Path:
+    d = tmp_path/'ckpt'; d.mkdir()
+    for f in SMOL.iterdir():
+        if f.name != '.complete': os.link(f, d/f.name)
+    return d
+
+
+def test_index_is_truth_stray_single_file_ignored(tmp_path):
+    d = link_checkpoint(tmp_path)
+    save_file({'model.norm.weight': torch.full((576,), 7.0, dtype=torch.bfloat16)}, d/'model.safetensors')
+    m = meta_smol()
+    load_weights_from_hf_shards(d, [ModuleAndPrefix(m.model.norm, 'model.norm.')])
+    assert not torch.equal(m.model.norm.weight, torch.full((576,), 7.0, dtype=torch.bfloat16))
+
+
+def test_index_is_truth_tensor_in_other_shard_ignored(tmp_path):
+    d = link_checkpoint(tmp_path)
+    idx = json.loads((d/'model.safetensors.index.json').read_text())
+    owner = idx['weight_map']['model.norm.weight']
+    other = next(s for s in sorted(set(idx['weight_map'].values())) if s != owner)
+    # rewrite `other` with an extra, wrong copy of model.norm.weight
+    from safetensors.torch import load_file
+    sd = load_file(d/other); sd['model.norm.weight'] = torch.full((576,), 7.0, dtype=torch.bfloat16)
+    (d/other).unlink(); save_file(sd, d/other)
+    m = meta_smol()
+    load_weights_from_hf_shards(d, [ModuleAndPrefix(m.model.norm, 'model.norm.')])
+    truth = load_file(SMOL/owner)['model.norm.weight']
+    assert torch.equal(m.model.norm.weight, truth)
+
+
+def test_missing_shard_names_shard_and_key(tmp_path):
+    d = link_checkpoint(tmp_path)
+    (d/'model-00002-of-00003.safetensors').unlink()
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00003\.safetensors.*should hold 'model\."):
+        load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
+
+
+@pytest.mark.parametrize('bad', ['/etc/passwd', '../outside.safetensors', 'sub/../../x.safetensors'])
+def test_shard_outside_repo_refused(tmp_path, bad):
+    d = link_checkpoint(tmp_path)
+    idx = json.loads((d/'model.safetensors.index.json').read_text())
+    idx['weight_map']['model.norm.weight'] = bad
+    (d/'model.safetensors.index.json').unlink(); (d/'model.safetensors.index.json').write_text(json.dumps(idx))
+    with pytest.raises(ValueError, match='outside the checkpoint folder'):
+        load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
+
+
+def test_progress_bar_off_when_not_interactive_or_turned_off(capsys):
+    m = meta_smol()
+    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')])  # stderr is not a tty under pytest
+    assert 'tensor' not in capsys.readouterr().err
+    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=False)
+    assert capsys.readouterr().err == ''
+    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=True)
+    assert 'tensor/s' in capsys.readouterr().err
+
+
+def test_process_weights_after_loading_each_module_once_root_included():
+    calls = []
+    class P(torch.nn.Module):
+        def process_weights_after_loading(self, device): calls.append((id(self), device))
+    shared = P(); root = P(); root.a = shared; root.b = torch.nn.Sequential(shared, P())
+    process_weights_after_loading(root, 'cpu')
+    assert len(calls) == 3 and len({c[0] for c in calls}) == 3 and calls[0][0] == id(root)
+
+
+def test_load_weights_from_state_dict_prefix_and_ties():
+    emb = torch.nn.Embedding(5, 3); head = torch.nn.Linear(3, 5, bias=False)
+    m = torch.nn.Module(); m.emb, m.head = emb, head; m.head.weight = m.emb.weight
+    w = torch.randn(5, 3)
+    loaded = load_weights({'x.head.weight': w}, m, prefix='x.')
+    assert loaded == {'emb.weight', 'head.weight'} and m.head.weight is m.emb.weight and torch.equal(m.emb.weight, w)
