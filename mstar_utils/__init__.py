@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/99_api.ipynb #6ce7716a
+# %% ../nbs/99_api.ipynb #e0495a5a
 __version__ = "0.0.1"
 from .checkpoints import *
 from .loading import *
 from .kv import *
 from .generation import *
-from . import checkpoints as _checkpoints, loading as _loading, kv as _kv, generation as _generation
+from .detokenize import *
+from . import checkpoints as _checkpoints, loading as _loading, kv as _kv, generation as _generation, detokenize as _detokenize
 
-__all__ = [*_checkpoints.__all__, *_loading.__all__, *_kv.__all__, *_generation.__all__]
+__all__ = [*_checkpoints.__all__, *_loading.__all__, *_kv.__all__, *_generation.__all__, *_detokenize.__all__]

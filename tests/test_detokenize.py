@@ -1,0 +1,526 @@
+"""Streaming detokenizers on real tokenizers: a corpus, hypothesis text and random ids, split streams, stop tokens, bad ids, threads.
+
+Every expected value comes from the tokenizer itself (`decode`, `encode`, `convert_tokens_to_ids`) or from the
+rules the notebook states; nothing is a hand-typed byte string except where the issue fixes the text.
+
+The corpus (`CORPUS`, >= 300 strings) is built deterministically:
+1. `HAND`: hand-written strings, grouped by what they exercise (English, code with indentation and runs of spaces,
+   CJK, Arabic, Hindi, emoji with ZWJ sequences and skin tones, combining marks, CRLF, control characters, cleanup traps);
+2. every hand-written string again with a leading space and with a trailing newline (a word-initial space is a
+   different token in both families, and a final newline often merges with the text before it);
+3. 200 combinations drawn with `random.Random(20250311)`: two to four hand-written strings from different groups,
+   joined by separators drawn from spaces, runs of spaces, tabs, "\\n", "\\r\\n" and U+3000.
+Duplicates are dropped keeping the first occurrence, so the list and its order are the same on every run.
+"""
+import codecs, functools, json, pickle, random, shutil, sys, threading, unicodedata
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, tokenizer_folder
+from mstar_utils.detokenize import (ByteLevelDetokenizer, SentencePieceDetokenizer, TextChunkDetokenizer, TextOutput,
+                                    drop_stop_tokens)
+
+# ---------------------------------------------------------------- corpus
+HAND = {
+    'english': [
+        'Hello, world!', 'The quick brown fox jumps over the lazy dog.', "Don't stop; it's fine, isn't it?",
+        'Dear [Name], I hope this message finds you well.', 'e.g. U.S.A. vs. U.K. -- 3.14159 and 1,000,000.',
+        'Mr. Smith paid $42.50 (tax incl.) on 2024-02-29 at 11:59pm.', '"Quoted," she said. \'Single\' too.',
+        'ALL CAPS AND lower case AND MiXeD CaSe', 'hyphen-ated, en–dash, em—dash, ellipsis…',
+        'a', ' ', '', 'I', '?!', 'The end.\n',
+    ],
+    'code': [
+        'def f(x):\n    return x * 2\n', 'if (a) {\n\tb();\n}', 'a    b', 'x  =  1;   y   =   2',
+        'for i in range(10):\n        print(i)\n\n\n', '    indented\n        more\n            most',
+        "{'a': 'search', 'b': 'replace'}", "d = {'key': 'value'}  # comment", '$ ls -la | grep "\\.py$"',
+        'SELECT * FROM t WHERE x <> 0;', '<div class="x">&amp;</div>', '```python\nprint(1)\n```',
+        'λx. x + 1', 'let v: Vec<u8> = vec![0; 16];', '#include <stdio.h>\nint main(void) { return 0; }',
+    ],
+    'cjk': [
+        '你好，世界', '北京欢迎你', '我爱自然语言处理', '机器学习和深度学习', '東京の天気は晴れです。',
+        '今日は良い天気ですね', 'カタカナとひらがな', '안녕하세요, 세계!', '北東爿', '龘靐齉爩',
+        '中文English混合text', '「引用」と『二重引用』', '𠀀𠀁𪚥', '１２３ＡＢＣ', '漢字\u3000全角スペース',
+    ],
+    'arabic': [
+        'مرحبا بالعالم', 'السلام عليكم ورحمة الله', 'اللغة العربية جميلة', 'رقم ١٢٣ و 456',
+        'كِتَابٌ مُشَكَّلٌ', 'English then عربي then English',
+    ],
+    'hindi': [
+        'नमस्ते दुनिया', 'हिन्दी भाषा', 'क्षत्रिय और ज्ञान', 'मैं ठीक हूँ।', 'संस्कृतम् ॐ', 'Hindi हिन्दी mixed',
+    ],
+    'emoji': [
+        '👍', '👍🏽', '👩‍💻', '👩🏽‍💻', '👨‍👩‍👧‍👦', '🏳️‍🌈', '❤️', '🇫🇷🇯🇵', '🧑🏿‍🤝‍🧑🏻',
+        'Great job 👏🏼👏🏼!', '1️⃣ keycap', '😀😃😄😁', '🫠 new emoji 🪿',
+    ],
+    'combining': [
+        'e\u0301', 'cafe\u0301 vs café', 'n\u0303 n\u0303\u0301', 'Z\u0351\u0352\u0353a\u0354\u0355lgo',
+        'a\u0308o\u0308u\u0308', 'ṩ vs s\u0323\u0307', 'Å vs A\u030a', '\u0915\u094d\u0937',
+    ],
+    'crlf': [
+        'line one\r\nline two\r\n', '\r\n', 'a\r\n\r\nb', 'windows\r\nstyle\r\n  indented\r\n', 'mixed\n\r\nends\r',
+    ],
+    'control': [
+        'tab\there', 'bell\x07 and null\x00 byte', 'esc\x1b[31mred\x1b[0m', 'form\x0cfeed and vt\x0b',
+        'del\x7f char', 'nbsp\u00a0here', 'zwsp\u200bhere', 'bom\ufeffhere', 'soft\u00adhyphen', 'c1\x85\x9ccontrols',
+    ],
+}
+SEPARATORS = [' ', '', '\n', '\r\n', '\t', '    ', '  ', '\u3000', ' \n']
+
+
+def build_corpus() -> list[str]:
+    out = []
+    for texts in HAND.values(): out += texts
+    for texts in HAND.values(): out += [' ' + t for t in texts] + [t + '\n' for t in texts]
+    rng, groups = random.Random(20250311), list(HAND)
+    for _ in range(200):
+        parts = [rng.choice(HAND[g]) for g in rng.sample(groups, rng.randint(2, 4))]
+        out.append(''.join(p + rng.choice(SEPARATORS) for p in parts[:-1]) + parts[-1])
+    return list(dict.fromkeys(out))
+
+
+CORPUS = build_corpus()
+BYTE_LEVEL = ['gpt2', 'whisper-multilingual', 'qwen', 'smollm2']
+SENTENCEPIECE = ['mistral-v1', 'mistral-v3']
+
+
+def test_corpus_covers_what_the_issue_asks():
+    assert len(CORPUS) >= 300
+    joined = ''.join(CORPUS)
+    def has(pred): return any(pred(c) for c in joined)
+    assert has(lambda c: '\u4e00' <= c <= '\u9fff') and has(lambda c: '\u0600' <= c <= '\u06ff') and has(lambda c: '\u0900' <= c <= '\u097f')
+    assert '\u200d' in joined and has(lambda c: '\U0001f3fb' <= c <= '\U0001f3ff')      # ZWJ, skin tones
+    assert has(lambda c: unicodedata.category(c) == 'Mn')                                # combining marks
+    assert '\r\n' in joined and 'a    b' in CORPUS and "{'a': 'search', 'b': 'replace'}" in CORPUS
+    assert has(lambda c: unicodedata.category(c) == 'Cc' and c not in '\r\n\t')           # control characters
+    assert build_corpus() == CORPUS                                                       # deterministic
+
+
+# ---------------------------------------------------------------- tokenizers (loaded once)
+@functools.cache
+def load(name):
+    "The tokenizer `name` (one of BYTE_LEVEL + SENTENCEPIECE), loaded once per session."
+    return AutoTokenizer.from_pretrained(smollm2_checkpoint() if name == 'smollm2' else tokenizer_folder(name))
+
+
+class _Toks:
+    def __getitem__(self, name): return load(name)
+
+
+@pytest.fixture(scope='module')
+def toks(): return _Toks()
+
+
+def strip1(s: str) -> str:
+    "The notebook's SentencePiece rule: decode == our text less one leading space."
+    return s[1:] if s.startswith(' ') else s
+
+
+def random_split(ids, rng):
+    cuts = sorted(rng.sample(range(1, len(ids)), rng.randint(0, len(ids) - 1))) if len(ids) > 1 else []
+    return [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+
+
+def check_stream(det, ids, rng, text=None) -> int:
+    """Any split into consecutive chunks joins to to_bytes(ids); a strict UTF-8 incremental decoder fed the chunks
+    never raises and ends at `text`. Returns how many chunks ended inside a character."""
+    whole, partial = det.to_bytes(ids), 0
+    for _ in range(3):
+        chunks = [det.to_bytes(c) for c in random_split(ids, rng)]
+        assert b''.join(chunks) == whole
+        if text is not None:
+            dec, got = codecs.getincrementaldecoder('utf-8')('strict'), []
+            for c in chunks:
+                got.append(dec.decode(c))
+                partial += bool(dec.getstate()[0])
+            got.append(dec.decode(b'', final=True))
+            assert ''.join(got) == text
+    return partial
+
+
+# ---------------------------------------------------------------- byte-level
+@pytest.mark.parametrize('name', BYTE_LEVEL)
+def test_byte_level_corpus(toks, name):
+    tok = toks[name]
+    plain, kept = ByteLevelDetokenizer(tok), ByteLevelDetokenizer(tok, keep_special=True)
+    assert ByteLevelDetokenizer.is_byte_level(tok)
+    specials = sorted(plain.special_ids)
+    assert specials, name
+    rng, partial = random.Random(name), 0
+    for text in CORPUS:
+        ids = tok.encode(text, add_special_tokens=False)
+        wrapped = [specials[0], *ids, specials[-1]]
+        for det, keep in ((plain, False), (kept, True)):
+            for seq in (ids, wrapped):
+                got = det.to_bytes(seq)
+                assert b''.join(det.token_bytes(i) for i in seq) == got
+                assert got.decode() == tok.decode(seq, skip_special_tokens=not keep), (name, text, keep)
+        partial += check_stream(plain, ids, rng, tok.decode(ids))
+    assert partial > 50, partial  # the corpus really splits characters across chunks
+
+
+@pytest.mark.parametrize('name', SENTENCEPIECE)
+def test_sentencepiece_corpus(toks, name):
+    tok = toks[name]
+    sp = SentencePieceDetokenizer(json.loads((tokenizer_folder(name)/'tokenizer.json').read_text()))
+    chunk = TextChunkDetokenizer(tok)
+    assert sp.model_type == 'BPE' and chunk.mode == 'sentencepiece'
+    rng, partial, stripped = random.Random(name), 0, 0
+    for text in CORPUS:
+        ids = tok.encode(text, add_special_tokens=False)
+        wrapped = [tok.bos_token_id, *ids, tok.eos_token_id]
+        ours = sp.to_bytes(ids).decode()
+        assert b''.join(sp.piece_bytes(i) for i in ids) == sp.to_bytes(ids)
+        assert strip1(ours) == tok.decode(ids, skip_special_tokens=True), (name, text)
+        assert sp.to_bytes(wrapped) == sp.to_bytes(ids)                       # special tokens give nothing
+        assert strip1(chunk.to_bytes(wrapped).decode()) == tok.decode(wrapped)  # ... unless kept
+        stripped += ours != tok.decode(ids, skip_special_tokens=True)
+        partial += check_stream(sp, ids, rng, ours)
+    assert partial > 20 and stripped > 100, (partial, stripped)
+
+
+# ---------------------------------------------------------------- hypothesis: text and random ids
+@pytest.mark.parametrize('name', BYTE_LEVEL + SENTENCEPIECE)
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(max_size=40), seed=st.integers(0, 2**16))
+def test_hypothesis_text(name, text, seed):
+    tok = load(name)
+    ids = tok.encode(text, add_special_tokens=False)
+    det = _chunk(tok) if name in SENTENCEPIECE else _byte_level(tok)
+    got = det.to_bytes(ids)
+    try: ours = got.decode()
+    except UnicodeDecodeError:
+        # the vocabulary lacks a byte the text needs (SmolLM2 has no token for some lead bytes such as 0xF1), so
+        # encode dropped it: the ids are not valid UTF-8 on their own, and decode shows U+FFFD where ours has raw bytes
+        want = tok.decode(ids, skip_special_tokens=True)
+        assert name not in SENTENCEPIECE and '\ufffd' in want and got.decode('utf-8', 'replace') == want
+        return
+    # the byte-level detokenizer drops special tokens (hypothesis also tries strings like '<|im_end|>'); TextChunk keeps them
+    if name in SENTENCEPIECE: assert strip1(ours) == tok.decode(ids)
+    else: assert ours == tok.decode(ids, skip_special_tokens=True)
+    check_stream(det, ids, random.Random(seed), ours)
+
+
+_DETS = {}
+def _byte_level(tok, keep_special=False):
+    "One detokenizer per tokenizer for the hypothesis tests, so examples share a warm memo."
+    key = ('bl', id(tok), keep_special)
+    if key not in _DETS: _DETS[key] = ByteLevelDetokenizer(tok, keep_special=keep_special)
+    return _DETS[key]
+
+
+def _chunk(tok):
+    key = ('chunk', id(tok))
+    if key not in _DETS: _DETS[key] = TextChunkDetokenizer(tok)
+    return _DETS[key]
+
+
+def _ids_strategy(tok, byte_ids):
+    "Random ids: anywhere in the vocabulary, byte tokens (which split characters), and the added tokens."
+    return st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(byte_ids),
+                              st.sampled_from(sorted(tok.added_tokens_decoder))), max_size=30)
+
+
+@pytest.mark.parametrize('name', BYTE_LEVEL)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_byte_level_random_ids(name, data):
+    tok = load(name)
+    byte_ids = tok.convert_tokens_to_ids([c for c in _byte_chars()])
+    ids = data.draw(_ids_strategy(tok, byte_ids))
+    for keep in (False, True):
+        det = _byte_level(tok, keep)
+        got = det.to_bytes(ids)
+        # Python's 'replace' and Rust's from_utf8_lossy both substitute maximal subparts
+        assert got.decode('utf-8', 'replace') == tok.decode(ids, skip_special_tokens=not keep)
+        assert b''.join(det.to_bytes(c) for c in random_split(ids, random.Random(len(ids)))) == got
+
+
+def _byte_chars():
+    from mstar_utils.detokenize import _BYTE_DECODER
+    return list(_BYTE_DECODER)
+
+
+@pytest.mark.parametrize('name', SENTENCEPIECE)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_sentencepiece_random_ids(name, data):
+    tok = load(name)
+    byte_ids = tok.convert_tokens_to_ids([f'<0x{b:02X}>' for b in range(256)])
+    ids = data.draw(_ids_strategy(tok, byte_ids))
+    det = _chunk(tok)
+    got, want = det.to_bytes(ids), tok.decode(ids)
+    try: text = got.decode()
+    except UnicodeDecodeError:
+        # ByteFallback writes an invalid byte run as one U+FFFD per byte; ours stays bytes for the client to judge
+        assert '\ufffd' in want
+    else: assert strip1(text) == want
+    assert b''.join(det.to_bytes(c) for c in random_split(ids, random.Random(len(ids)))) == got
+
+
+# ---------------------------------------------------------------- the cases the issue names
+@pytest.mark.parametrize('name', ['smollm2', 'gpt2'])
+def test_cjk_character_across_two_tokens(toks, name):
+    tok = toks[name]
+    ids = tok.encode('你', add_special_tokens=False)
+    assert len(ids) == 2 and [tok.decode([i]) for i in ids] == ['\ufffd', '\ufffd']
+    det = TextChunkDetokenizer(tok)
+    first, second = det.token_bytes(ids[0]), det.token_bytes(ids[1])
+    assert first + second == '你'.encode() and len(first) in (1, 2)
+    client = codecs.getincrementaldecoder('utf-8')('strict')
+    assert client.decode(first) == '' and client.decode(second) == '你'
+
+
+@pytest.mark.parametrize('name', SENTENCEPIECE)
+def test_sentencepiece_pieces_bei_dong_pan(toks, name):
+    tok = toks[name]
+    ids = tok.convert_tokens_to_ids(['▁', '北', '東', '<0xE7>', '<0x88>', '<0xBF>'])
+    sp = SentencePieceDetokenizer(json.loads((tokenizer_folder(name)/'tokenizer.json').read_text()))
+    assert sp.to_bytes(ids).decode() == ' 北東爿' == ' ' + tok.decode(ids)
+    assert [sp.piece_bytes(i) for i in ids[3:]] == [bytes([b]) for b in '爿'.encode()]
+
+
+def test_qwen_chatml_stop(toks):
+    qwen = toks['qwen']
+    assert qwen.convert_tokens_to_ids('<|im_end|>') == 151645
+    to = TextOutput(TextChunkDetokenizer(qwen), frozenset({151645}))
+    ids = qwen.encode('Hello<|im_end|>', add_special_tokens=False)
+    assert ids[-1] == 151645 and qwen.decode(ids[:-1]) == 'Hello'
+    assert to.output_bytes(torch.tensor(ids)) == b'Hello'
+    assert b''.join(to.step_bytes(torch.tensor([i])) for i in ids) == b'Hello'
+    chunks = [to.step_bytes(torch.tensor([i]), {'ignore_eos': True}) for i in ids]
+    assert chunks == [b'Hello', b'<|im_end|>'] and b''.join(chunks).decode() == qwen.decode(ids)
+
+
+# ---------------------------------------------------------------- modes, added tokens, cleanup, slow, Unigram
+def test_text_chunk_modes(toks):
+    for n in BYTE_LEVEL: assert TextChunkDetokenizer(toks[n]).mode == 'byte_level'
+    for n in SENTENCEPIECE: assert TextChunkDetokenizer(toks[n]).mode == 'sentencepiece'
+    mini = AutoTokenizer.from_pretrained(minilm_checkpoint())
+    det = TextChunkDetokenizer(mini)
+    assert det.mode == 'decode'
+    ids = mini.encode('Streaming tokenizers, one step at a time', add_special_tokens=True)
+    assert [det.token_bytes(i) for i in ids] == [mini.decode([i]).encode() for i in ids]
+    assert det.to_bytes(ids) == mini.decode(ids).encode()
+    with pytest.raises(ValueError, match="'WordPiece'"):
+        SentencePieceDetokenizer(json.loads((minilm_checkpoint()/'tokenizer.json').read_text()))
+
+
+def test_word_spaces_survive_sentencepiece(toks):
+    tok = toks['mistral-v3']
+    ids = tok.encode('Dear [Name], I hope', add_special_tokens=False)
+    per_step = ''.join(tok.decode([i]) for i in ids)
+    assert per_step == 'Dear[Name],Ihope'       # what the contract's per-step decode streams
+    det = TextChunkDetokenizer(tok)
+    assert strip1(b''.join(det.token_bytes(i) for i in ids).decode()) == tok.decode(ids) == 'Dear [Name], I hope'
+
+
+def test_added_tokens_are_text(toks):
+    qwen = AutoTokenizer.from_pretrained(tokenizer_folder('qwen'))
+    qwen.add_tokens(['<tool_call>\n', ' hi there', '\n</tool_call>'])
+    qwen.add_special_tokens({'additional_special_tokens': ['<|tool sep|>\n']})
+    text = 'x<tool_call>\n{"a": 1}\n</tool_call> hi there<|tool sep|>\nend'
+    ids = qwen.encode(text, add_special_tokens=False)
+    for keep in (False, True):
+        det = ByteLevelDetokenizer(qwen, keep_special=keep)
+        assert det.to_bytes(ids).decode() == qwen.decode(ids, skip_special_tokens=not keep)
+    det = ByteLevelDetokenizer(qwen)
+    sep = qwen.convert_tokens_to_ids('<|tool sep|>\n')
+    assert det.token_bytes(qwen.convert_tokens_to_ids(' hi there')) == b' hi there' and det.token_bytes(sep) == b''
+    assert ByteLevelDetokenizer(qwen, keep_special=True).token_bytes(sep) == b'<|tool sep|>\n'
+    # an added token written only in byte-map characters is still its text: tokenizers' decode maps it through
+    # the byte table ('café' -> b'caf\xe9', invalid UTF-8), the detokenizer gives what encode() matched
+    qwen.add_tokens(['café'])
+    cafe = qwen.convert_tokens_to_ids('café')
+    assert qwen.encode('café', add_special_tokens=False) == [cafe] and ByteLevelDetokenizer(qwen).token_bytes(cafe) == 'café'.encode()
+
+
+def test_no_cleanup_rewrite(toks):
+    text = "{'a': 'search'} isn't it ?"
+    on = AutoTokenizer.from_pretrained(smollm2_checkpoint(), clean_up_tokenization_spaces=True)
+    ids = on.encode(text, add_special_tokens=False)
+    # transformers 5 ignores the flag for BPE, so decode is unchanged and the tokenizer still counts as byte-level
+    assert ByteLevelDetokenizer.is_byte_level(on) and on.decode(ids) == text
+    assert TextChunkDetokenizer(on).to_bytes(ids).decode() == text
+    forced = AutoTokenizer.from_pretrained(smollm2_checkpoint(), clean_up_tokenization_spaces=True,
+                                           clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    assert forced.decode(ids) != text                                  # "':'search"
+    assert not ByteLevelDetokenizer.is_byte_level(forced) and TextChunkDetokenizer(forced).mode == 'decode'
+    with pytest.raises(ValueError, match='clean_up_tokenization_spaces'): ByteLevelDetokenizer(forced)
+    for n in BYTE_LEVEL: assert ByteLevelDetokenizer(toks[n]).to_bytes(toks[n].encode(text)).decode() == text
+
+
+def _gpt2_slow(tmp_path, **kw):
+    "A slow (Python) byte-level tokenizer over GPT-2's real vocabulary: ClvpTokenizer reads GPT-2's vocab.json/merges.txt format."
+    from transformers import ClvpTokenizer
+    model = json.loads((tokenizer_folder('gpt2')/'tokenizer.json').read_text())['model']
+    (tmp_path/'vocab.json').write_text(json.dumps(model['vocab']))
+    merges = [m if isinstance(m, str) else ' '.join(m) for m in model['merges']]
+    (tmp_path/'merges.txt').write_text('#version: 0.2\n' + '\n'.join(merges) + '\n')
+    return ClvpTokenizer(str(tmp_path/'vocab.json'), str(tmp_path/'merges.txt'), **kw)
+
+
+def test_slow_byte_level_tokenizer(toks, tmp_path):
+    slow = _gpt2_slow(tmp_path, clean_up_tokenization_spaces=False)
+    assert not hasattr(slow, 'backend_tokenizer') and ByteLevelDetokenizer.is_byte_level(slow)
+    fast = toks['gpt2']
+    for keep in (False, True):
+        det = ByteLevelDetokenizer(slow, keep_special=keep)
+        for text in CORPUS[::7]:
+            ids = [slow.bos_token_id, *fast.encode(text, add_special_tokens=False), slow.eos_token_id]
+            assert det.to_bytes(ids).decode() == slow.decode(ids, skip_special_tokens=not keep), text
+    assert not ByteLevelDetokenizer.is_byte_level(_gpt2_slow(tmp_path, clean_up_tokenization_spaces=True))
+
+
+def _unigram_tokenizer():
+    "A small SentencePiece-style Unigram tokenizer with byte fallback, built with HF tokenizers (no real Unigram vocabulary ships in a package we pin)."
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    words = ['▁', '▁the', '▁quick', '▁brown', '▁fox', '▁hello', '▁world', 'ing', 's', '▁a', '▁b', '北', '東', '▁你好']
+    letters = sorted(set('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?\'"():;[]{}-_=#*'))
+    vocab = [('<unk>', 0.0), ('<s>', 0.0), ('</s>', 0.0)] + [(f'<0x{b:02X}>', -20.0) for b in range(256)]
+    vocab += [(w, -2.0 - 0.1 * k) for k, w in enumerate(words)] + [(c, -8.0) for c in letters]
+    tk = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend('▁'), normalizers.Replace(' ', '▁')])
+    tk.decoder = decoders.Sequence([decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(' ', 1, 0)])
+    tk.add_special_tokens(['<unk>', '<s>', '</s>'])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token='<unk>', bos_token='<s>', eos_token='</s>')
+
+
+def test_unigram_byte_fallback():
+    tok = _unigram_tokenizer()
+    sp = SentencePieceDetokenizer(json.loads(tok.backend_tokenizer.to_str()))
+    det = TextChunkDetokenizer(tok)
+    assert sp.model_type == 'Unigram' and det.mode == 'sentencepiece'
+    fallback = 0
+    for text in CORPUS:
+        ids = tok.encode(text, add_special_tokens=False)
+        wrapped = [tok.bos_token_id, *ids, tok.eos_token_id]
+        assert strip1(sp.to_bytes(wrapped).decode()) == tok.decode(wrapped, skip_special_tokens=True), text
+        assert strip1(det.to_bytes(wrapped).decode()) == tok.decode(wrapped), text
+        fallback += any(3 <= i < 259 for i in ids)
+    assert fallback > 100
+
+
+# ---------------------------------------------------------------- bad ids
+@pytest.mark.parametrize('kind', ['byte_level', 'sentencepiece', 'chunk_sp', 'chunk_decode'])
+def test_bad_ids(toks, kind):
+    det = {'byte_level': lambda: ByteLevelDetokenizer(toks['smollm2']),
+           'sentencepiece': lambda: SentencePieceDetokenizer(json.loads((tokenizer_folder('mistral-v1')/'tokenizer.json').read_text())),
+           'chunk_sp': lambda: TextChunkDetokenizer(toks['mistral-v3']),
+           'chunk_decode': lambda: TextChunkDetokenizer(AutoTokenizer.from_pretrained(minilm_checkpoint()))}[kind]()
+    size = det.vocab_size
+    det.token_bytes(1); det.token_bytes(size - 1)  # warm: equal floats and bools must still be refused
+    for bad in (-1, size, size + 1, 10**12, 1.0, 1.5, True, float(size - 1), '3', None, torch.tensor(1)):
+        with pytest.raises(ValueError) as e: det.token_bytes(bad)
+        assert str(size) in str(e.value) and (repr(bad) in str(e.value) or str(bad) in str(e.value)), e.value
+        with pytest.raises(ValueError): det.to_bytes([1, bad])
+    assert det.token_bytes(np.int64(1)) == det.token_bytes(1)
+    assert det.to_bytes(torch.tensor([1, size - 1])) == det.to_bytes([1, size - 1])
+    with pytest.raises(ValueError, match=str(size)):
+        TextOutput(det, frozenset()).step_bytes(torch.tensor([size]))
+
+
+# ---------------------------------------------------------------- threads
+@pytest.mark.parametrize('make', ['byte_level', 'sentencepiece'])
+def test_memo_is_thread_safe(toks, make):
+    tok = toks['qwen' if make == 'byte_level' else 'mistral-v1']
+    ids = sorted({i for t in CORPUS for i in tok.encode(t, add_special_tokens=False)} | set(range(0, len(tok), 97)))
+    reference = TextChunkDetokenizer(tok)
+    want = {i: reference.token_bytes(i) for i in ids}
+    det = TextChunkDetokenizer(tok)   # cold memo, shared by 8 threads
+    barrier, results, errors = threading.Barrier(8), [None] * 8, []
+    def work(k):
+        try:
+            order = ids[:]; random.Random(k).shuffle(order)
+            barrier.wait()
+            got = {i: det.token_bytes(i) for i in order}
+            for bad in (-1, len(tok)):
+                try: det.token_bytes(bad)
+                except ValueError: pass
+                else: errors.append(f'{bad} accepted')
+            results[k] = got
+        except Exception as e: errors.append(repr(e))
+    old = sys.getswitchinterval(); sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+    finally: sys.setswitchinterval(old)
+    assert not errors, errors
+    for got in results: assert got == want
+    # one canonical object per id, whichever thread computed it
+    assert all(all(r[i] is results[0][i] for r in results) for i in ids)
+    assert det.token_bytes.cache_info().currsize == len(ids)
+
+
+# ---------------------------------------------------------------- stop tokens and TextOutput
+def test_drop_stop_tokens():
+    out = torch.tensor([[[5, 2]], [[7, 9]]])
+    assert drop_stop_tokens(out, {2, 9}, None) == [5, 7]
+    assert drop_stop_tokens(out, frozenset({2, 9}), {}) == [5, 7]
+    assert drop_stop_tokens(out, [2, 9], {'ignore_eos': False}) == [5, 7]
+    assert drop_stop_tokens(out, {2, 9}, {'ignore_eos': True}) == [5, 2, 7, 9]
+    assert drop_stop_tokens(out, {2, 9}, {'ignore_eos': 1, 'temperature': 0}) == [5, 2, 7, 9]
+    assert drop_stop_tokens(torch.tensor(2), {2}, None) == []
+    assert drop_stop_tokens(torch.tensor([2, 2, 2]), {2}, None) == []
+    assert drop_stop_tokens(torch.tensor([], dtype=torch.long), {2}, None) == []
+    assert drop_stop_tokens(torch.tensor([3, 4], dtype=torch.int32), set(), None) == [3, 4]
+    assert drop_stop_tokens([3, 2, 4], {2}, None) == [3, 4]
+    for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1 + 0j])):
+        with pytest.raises(ValueError, match='integer tensor'): drop_stop_tokens(bad, {2}, None)
+
+
+@pytest.mark.parametrize('name', ['smollm2', 'qwen', 'mistral-v1'])
+def test_step_and_output_bytes_agree(toks, name):
+    tok = toks[name]
+    to = TextOutput(TextChunkDetokenizer(tok), frozenset({tok.eos_token_id}))
+    for text in CORPUS[::5]:
+        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        steps = b''.join(to.step_bytes(torch.tensor([[i]]), None) for i in ids)
+        assert steps == to.output_bytes(torch.tensor(ids)) == to.detokenizer.to_bytes(ids[:-1])
+        kept = b''.join(to.step_bytes(torch.tensor([i]), {'ignore_eos': True}) for i in ids)
+        assert kept == to.detokenizer.to_bytes(ids)
+
+
+def _checkpoint(folder, generation_config, tokenizer_source=None):
+    "A checkpoint folder with this generation_config.json (a dict, or raw text; None for none) and, if given, `tokenizer_source`'s tokenizer files."
+    folder.mkdir()
+    if tokenizer_source is not None:
+        for f in ('tokenizer.json', 'tokenizer_config.json'): shutil.copy(tokenizer_source/f, folder/f)
+    if generation_config is not None:
+        raw = generation_config if isinstance(generation_config, str) else json.dumps(generation_config)
+        (folder/'generation_config.json').write_text(raw)
+    return folder
+
+
+def test_from_checkpoint(toks, tmp_path):
+    to = TextOutput.from_checkpoint(smollm2_checkpoint(), tokenizer=toks['smollm2'])
+    assert to.stop_token_ids == {2} and to.detokenizer.mode == 'byte_level'
+    assert TextOutput.from_checkpoint(smollm2_checkpoint()).stop_token_ids == {2}         # loads the tokenizer itself
+    mistral = TextOutput.from_checkpoint(_checkpoint(tmp_path/'m', {'eos_token_id': 2}, tokenizer_folder('mistral-v1')))
+    assert mistral.detokenizer.mode == 'sentencepiece' and mistral.stop_token_ids == {2}
+    # Llama-3-style list; Qwen's vocabulary (151646 ids) holds both ids, and its tokenizer's eos is <|endoftext|> 151643
+    qwen = toks['qwen']
+    def stops(name, cfg): return TextOutput.from_checkpoint(_checkpoint(tmp_path/name, cfg), tokenizer=qwen).stop_token_ids
+    assert stops('a', {'eos_token_id': [128001, 128009]}) == {128001, 128009, 151643}
+    assert stops('b', {'eos_token_id': 151645, 'bos_token_id': 151643}) == {151645, 151643}
+    assert stops('c', None) == {151643} and stops('d', {'eos_token_id': None}) == {151643}
+    for k, (cfg, msg) in enumerate([({'eos_token_id': 'x'}, 'eos_token_id must be an int'),
+                                    ({'eos_token_id': [2, None]}, 'eos_token_id must be an int'),
+                                    ({'eos_token_id': True}, 'eos_token_id must be an int'),
+                                    ({'eos_token_id': 10**9}, 'eos_token_id is 1000000000, outside .*vocabulary size 151646'),
+                                    ('{not json', 'is not a JSON object'), ('[1, 2]', 'is not a JSON object')]):
+        with pytest.raises(ValueError, match=msg) as e: stops(f'bad{k}', cfg)
+        assert 'generation_config.json' in str(e.value)
+    with pytest.raises(ValueError, match='no tokenizer loads from'): TextOutput.from_checkpoint(tmp_path/'missing')
+
+
+def test_pickle_round_trip(toks):
+    to = TextOutput(TextChunkDetokenizer(toks['gpt2']), frozenset({50256}))
+    ids = toks['gpt2'].encode('你好 pickle', add_special_tokens=False)
+    back = pickle.loads(pickle.dumps(to))
+    assert back.stop_token_ids == to.stop_token_ids and back.output_bytes(torch.tensor(ids)) == to.output_bytes(torch.tensor(ids))
+    assert back.detokenizer.token_bytes(ids[0]) == to.detokenizer.token_bytes(ids[0])
