@@ -5,13 +5,17 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/99_api.ipynb #e0495a5a
+# %% ../nbs/99_api.ipynb #c33053af
 __version__ = "0.0.1"
 from .checkpoints import *
 from .loading import *
 from .kv import *
 from .generation import *
 from .detokenize import *
-from . import checkpoints as _checkpoints, loading as _loading, kv as _kv, generation as _generation, detokenize as _detokenize
+from .convert import *
+from .mla import *
+from . import (checkpoints as _checkpoints, loading as _loading, kv as _kv, generation as _generation,
+                         detokenize as _detokenize, convert as _convert, mla as _mla)
 
-__all__ = [*_checkpoints.__all__, *_loading.__all__, *_kv.__all__, *_generation.__all__, *_detokenize.__all__]
+__all__ = [*_checkpoints.__all__, *_loading.__all__, *_kv.__all__, *_generation.__all__, *_detokenize.__all__,
+           *_convert.__all__, *_mla.__all__]
