@@ -140,10 +140,15 @@ class SentencePieceDetokenizer(_TokenMemo):
                  tokenizer_json: dict, # a parsed tokenizer.json whose `model` is BPE or Unigram
                  extra_skip_ids: set[int] = frozenset(), # ids that give b'' besides the special added tokens
                 ):
-        model = tokenizer_json.get('model') or {}
+        if not isinstance(tokenizer_json, dict): raise ValueError(f'tokenizer_json must be a parsed tokenizer.json (a dict), got {type(tokenizer_json).__name__}')
+        model = tokenizer_json.get('model')
+        if not isinstance(model, dict): raise ValueError("tokenizer.json has no 'model' object: SentencePieceDetokenizer needs its BPE or Unigram vocabulary")
         self.model_type = kind = model.get('type')
-        if kind == 'BPE': self._pieces = {i: p for p, i in model['vocab'].items()}
-        elif kind == 'Unigram': self._pieces = {i: p for i, (p, _score) in enumerate(model['vocab'])}
+        vocab = model.get('vocab')
+        if kind == 'BPE' and not isinstance(vocab, dict): raise ValueError(f"tokenizer.json BPE model: 'vocab' must map pieces to ids, got {type(vocab).__name__}")
+        if kind == 'Unigram' and not isinstance(vocab, list): raise ValueError(f"tokenizer.json Unigram model: 'vocab' must be a list of [piece, score], got {type(vocab).__name__}")
+        if kind == 'BPE': self._pieces = {i: p for p, i in vocab.items()}
+        elif kind == 'Unigram': self._pieces = {i: p for i, (p, _score) in enumerate(vocab)}
         else: raise ValueError(f"tokenizer.json model type is {kind!r}: SentencePieceDetokenizer reads 'BPE' or 'Unigram' "
                                "models, whose pieces mark a word start with ▁ and spell missing characters as <0xNN> bytes")
         added = tokenizer_json.get('added_tokens') or []

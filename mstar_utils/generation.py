@@ -31,7 +31,7 @@ def _read_generation_config(path: Path) -> dict:
         _log.warning(f'cannot read {path} ({e}); using no generation defaults from it')
         return {}
     try: cfg = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, an int past Python's digit limit, nesting too deep
         _log.warning(f'{path} is not valid JSON ({e}); using no generation defaults from it')
         return {}
     if not isinstance(cfg, dict):

@@ -62,49 +62,95 @@ class _DictSource:
         self.sd, self.what = state_dict, what
     def keys(self): return self.sd.keys()
     def __contains__(self, k): return k in self.sd
-    def shape(self, k): return tuple(torch.as_tensor(self.sd[k]).shape) if not isinstance(self.sd[k], torch.Tensor) else tuple(self.sd[k].shape)
-    def where(self, k): return self.what
-    def dtype(self, k): return self.get(k).dtype
-    def get(self, k, out=None):
+    def _tensor(self, k) -> torch.Tensor:
         t = self.sd[k]
-        return t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+        if not isinstance(t, torch.Tensor):
+            try: t = torch.as_tensor(t)
+            except (TypeError, ValueError, RuntimeError) as e: raise ValueError(f'{self.what}[{k!r}] is a {type(t).__name__}, not a tensor ({e})') from None
+        if t.is_meta: raise ValueError(f'{self.what}[{k!r}] is on meta: it has a shape but no data to load')
+        return t
+    def shape(self, k): return tuple(self._tensor(k).shape)
+    def where(self, k): return self.what
+    def dtype(self, k): return self._tensor(k).dtype
+    def get(self, k, out=None):
+        t = self._tensor(k)
+        return t if out is None else out.copy_(t)
     def close(self): pass
 
 _DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
            'I64': torch.int64, 'I32': torch.int32, 'I16': torch.int16, 'I8': torch.int8, 'U8': torch.uint8,
-           'BOOL': torch.bool, 'U16': torch.uint16, 'U32': torch.uint32, 'U64': torch.uint64,
+           'BOOL': torch.bool, 'U16': torch.uint16, 'U32': torch.uint32, 'U64': torch.uint64, 'C64': torch.complex64,
            'F8_E4M3': torch.float8_e4m3fn, 'F8_E5M2': torch.float8_e5m2}
+_DTYPES.update({k: getattr(torch, v) for k, v in {'F8_E8M0': 'float8_e8m0fnu', 'F8_E4M3FNUZ': 'float8_e4m3fnuz',
+                                                  'F8_E5M2FNUZ': 'float8_e5m2fnuz'}.items() if hasattr(torch, v)})
+_MAX_HEADER = 100_000_000  # safetensors refuses larger headers
 
-def _read_header(path: Path) -> tuple[int, dict]:
-    "(offset of the data section, {key: (torch dtype, shape, begin, end)}) of a safetensors file, after `safe_open` has validated it."
+def _readinto(f, buf, what: str):
+    "Fill the writable buffer `buf` from the binary file `f` at its position; `ValueError` naming `what` if the file ends first."
+    view, got = memoryview(buf).cast('B'), 0
+    while got < len(view):  # one read returns at most ~2 GiB on Linux
+        n = f.readinto(view[got:])
+        if not n: raise ValueError(f'{what} is cut short: read {got} of {len(view)} bytes')
+        got += n
+
+def _cut_short(header: dict, avail: int) -> str | None:
+    "Why the data section (`avail` bytes) is too short for the tensors `header` lists, naming the first one cut off; None when it is long enough or the header is malformed (safe_open says how)."
+    try: ends = sorted((int(v['data_offsets'][1]), k) for k, v in header.items() if k != '__metadata__')
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError): return None
+    cut = next((k for e, k in ends if e > avail), None)
+    if cut is None: return None
+    return f'data cut short: the header needs {ends[-1][0]} bytes of tensor data, the file holds {avail}, so tensor {cut!r} and any after it are incomplete'
+
+def _open(path: Path):
+    try: return open(path, 'rb', buffering=0)
+    except FileNotFoundError: raise FileNotFoundError(f'{path}: safetensors file not found') from None
+
+def _read_header(path: Path, f=None) -> tuple[int, dict]:
+    """(offset of the data section, {key: (torch dtype, shape, begin, end)}) of the safetensors file `path`, read through the open binary file `f` if given.
+
+    Checks, each with its own `ValueError`: at least 8 bytes; a header length within the file; a JSON object header; a data section as long as the header's offsets need; then all `safe_open` checks (dtype names, byte spans against shapes, offsets that tile the data); then a dtype torch has."""
+    if f is None:
+        with _open(path) as f: return _read_header(path, f)
+    size = os.fstat(f.fileno()).st_size
+    if size < 8: raise ValueError(f'{path}: {size} bytes, too short for a safetensors file, which starts with an 8-byte header length: empty or cut short')
+    head = bytearray(8); f.seek(0); _readinto(f, head, f'{path}: header length')
+    n = int.from_bytes(head, 'little')
+    if n > size - 8: raise ValueError(f'{path}: header length is {n} bytes, but only {size - 8} bytes follow it: header cut short, or not a safetensors file')
+    if n > _MAX_HEADER: raise ValueError(f'{path}: header length is {n} bytes, over safetensors\' limit of {_MAX_HEADER}')
+    raw = bytearray(n); _readinto(f, raw, f'{path}: header')
+    try: header = json.loads(raw)
+    except (ValueError, RecursionError) as e: raise ValueError(f'{path}: header is not valid JSON ({type(e).__name__}: {e})') from None
+    if not isinstance(header, dict): raise ValueError(f'{path}: header is a JSON {type(header).__name__}, not an object of tensors')
+    problem = _cut_short(header, size - 8 - n)
+    if problem: raise ValueError(f'{path}: {problem}')
     try:
         with safe_open(str(path), framework='pt'): pass
-    except FileNotFoundError: raise FileNotFoundError(f'{path}: safetensors file not found') from None
-    except Exception as e: raise ValueError(f'{path}: not a readable safetensors file ({type(e).__name__}: {e})') from e
-    with open(path, 'rb') as f:
-        n = int.from_bytes(f.read(8), 'little')
-        header = json.loads(f.read(n))
+    except Exception as e: raise ValueError(f'{path}: not a readable safetensors file ({type(e).__name__}: {e})') from None
     out = {}
     for k, v in header.items():
         if k == '__metadata__': continue
         dt = _DTYPES.get(v['dtype'])
-        if dt is None: raise ValueError(f'{path}: tensor {k!r} has dtype {v["dtype"]}, which torch cannot hold (known: {sorted(_DTYPES)})')
+        if dt is None: raise ValueError(f'{path}: tensor {k!r} has dtype {v["dtype"]}, which has no torch dtype to load it into (readable: {", ".join(sorted(_DTYPES))})')
         out[k] = (dt, tuple(v['shape']), *v['data_offsets'])
     return 8 + n, out
 
 class _FileSource:
     """Tensors from safetensors files. `key_to_file` maps each key to the file the caller trusts for it (the index's shard, or the one file).
 
-    Each tensor is read with one `readinto` straight into its destination memory: no mmap stays mapped, so the resident memory a load adds is the tensors themselves."""
+    A file is opened once, when its header is first needed, and its tensors are read through that same handle, so a file replaced on disk after its header was checked is still read as checked. Each tensor is read with one `readinto` straight into its destination memory: no mmap stays mapped, so the resident memory a load adds is the tensors themselves."""
     def __init__(self, key_to_file: dict, what: str):
         self.k2f, self.what, self._headers, self._files = key_to_file, what, {}, {}
     def keys(self): return self.k2f.keys()
     def __contains__(self, k): return k in self.k2f
     def where(self, k): return str(self.k2f[k])
+    def _file(self, path):
+        f = self._files.get(path)
+        if f is None: f = self._files[path] = _open(path)
+        return f
     def _info(self, k):
         path = self.k2f[k]
         h = self._headers.get(path)
-        if h is None: h = self._headers[path] = _read_header(path)
+        if h is None: h = self._headers[path] = _read_header(path, self._file(path))
         if k not in h[1]: raise KeyError(f'{path}: has no tensor {k!r}, which {self.what} assigns to it')
         return path, h[0], h[1][k]
     def shape(self, k): return self._info(k)[2][1]
@@ -113,18 +159,11 @@ class _FileSource:
         "The tensor `k`, read into `out` when given (a contiguous CPU tensor of the checkpoint's dtype and shape)."
         path, start, (dt, shape, begin, end) = self._info(k)
         t = torch.empty(shape, dtype=dt) if out is None else out
-        buf = t.view(-1).view(torch.uint8).numpy() if t.numel() else None
-        if buf is not None and buf.nbytes != end - begin:
-            raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {buf.nbytes}')
-        f = self._files.get(path)
-        if f is None: f = self._files[path] = open(path, 'rb', buffering=0)
-        if buf is not None:
-            f.seek(start + begin)
-            view, got = memoryview(buf), 0
-            while got < buf.nbytes:  # one read returns at most ~2 GiB on Linux
-                n = f.readinto(view[got:])
-                if not n: raise ValueError(f'{path}: tensor {k!r} is cut short: read {got} of {buf.nbytes} bytes')
-                got += n
+        if t.numel():
+            buf = t.view(-1).view(torch.uint8).numpy()
+            if buf.nbytes != end - begin: raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {buf.nbytes}')
+            f = self._file(path); f.seek(start + begin)
+            _readinto(f, buf, f'{path}: tensor {k!r}')
         return t
     def close(self):
         for f in self._files.values(): f.close()
@@ -156,13 +195,17 @@ def _plan(source, mp: ModuleAndPrefix, what: str):
         if ck != mod:
             raise ValueError(f'{what}: shape mismatch for {key!r} in {source.where(key)}: checkpoint has {list(ck)}, '
                              f'module {type(mp.module).__name__} expects {list(mod)} for {s.names[0]!r}')
+        if source.dtype(key).is_complex and not s.tensor.dtype.is_complex:
+            raise ValueError(f'{what}: {key!r} in {source.where(key)} is {source.dtype(key)}, which {s.tensor.dtype} {s.names[0]!r} '
+                             'cannot hold without dropping the imaginary part')
         plan.append((s, key))
     if missing and mp.enforce_missing_keys:
         names = [prefix + s.names[0] for s in missing]
-        if not plan and slots and prefix:
-            alt = _suggest_prefixes(prefix, [n for s in slots for n in s.names], list(source.keys()))
+        alt = _suggest_prefixes(prefix, [n for s in slots for n in s.names], list(source.keys())) if not plan and slots else []
+        if not plan and slots and (prefix or alt):
             hint = f'; the module\'s names occur under {alt}' if alt else '; no key ends with any of the module\'s names'
-            raise KeyError(f'{what}: no key starts with prefix {prefix!r} for module {type(mp.module).__name__}{hint}')
+            where = f'starts with prefix {prefix!r}' if prefix else "is one of its names as they are (prefix '')"
+            raise KeyError(f'{what}: no key {where} for module {type(mp.module).__name__}{hint}')
         shown = ', '.join(names[:10]) + (f', ... ({len(names) - 10} more)' if len(names) > 10 else '')
         raise KeyError(f'{what}: {len(names)} missing key(s) for module {type(mp.module).__name__} under prefix {prefix!r}: {shown}')
     return plan
@@ -178,30 +221,43 @@ def _progress(total, progress, desc):
     "A tqdm bar; `progress=None` lets tqdm decide (off when stderr is not a terminal)."
     return tqdm(total=total, desc=desc, unit='tensor', disable=None if progress is None else not progress, leave=False)
 
+def _note(e: BaseException, msg: str):
+    if hasattr(e, 'add_note'): e.add_note(msg)  # Python >= 3.11
+
 def _fill(source, modules, device, what, progress=None) -> list:
-    "Plan every module, then read, cast and place every tensor; returns the loaded names per module."
+    """Plan every module, then read, cast and place every tensor; returns the loaded names per module.
+
+    Tensors that need new storage (the slot is on meta or another device) are read first and assigned only after every read succeeded;
+    materialized slots are overwritten last, so a failure before that pass leaves every module as it was."""
     device = torch.device(device)
     plans = [_plan(source, mp, what) for mp in modules]
-    staged, loaded = [], [set() for _ in modules]
-    with torch.no_grad(), _progress(sum(map(len, plans)), progress, f'loading {Path(what).name}') as bar:
-        for i, (mp, plan) in enumerate(zip(modules, plans)):
-            for s, key in plan:
+    fresh, in_place = [], []
+    for i, (mp, plan) in enumerate(zip(modules, plans)):
+        for s, key in plan: (in_place if s.tensor.device == device and not s.tensor.is_meta else fresh).append((i, mp, s, key))
+    staged, loaded, written = [], [set() for _ in modules], 0
+    with torch.no_grad(), _progress(len(fresh) + len(in_place), progress, f'loading {Path(what).name}') as bar:
+        for i, mp, s, key in fresh:
+            t = source.get(key)
+            if t.dtype != s.tensor.dtype or t.device != device: t = t.to(device=device, dtype=s.tensor.dtype)
+            new = torch.nn.Parameter(t, requires_grad=s.tensor.requires_grad) if s.is_param else t
+            staged.append((mp.module, s.names, new))
+            del t
+            bar.update()
+        try:
+            for i, mp, s, key in in_place:
                 target = s.tensor
-                in_place = target.device == device and not target.is_meta
-                if in_place and target.dtype == source.dtype(key) and target.is_contiguous() and device.type == 'cpu':
-                    source.get(key, out=target)  # straight into the module's memory
-                elif in_place:
-                    target.copy_(source.get(key))
-                else:
-                    t = source.get(key)
-                    if t.dtype != target.dtype or t.device != device: t = t.to(device=device, dtype=target.dtype)
-                    new = torch.nn.Parameter(t, requires_grad=target.requires_grad) if s.is_param else t
-                    staged.append((mp.module, s.names, new))
-                    del t
-                loaded[i].update(s.names)
+                if target.dtype == source.dtype(key) and target.is_contiguous() and device.type == 'cpu':
+                    t = source.get(key, out=target)  # straight into the module's memory
+                    if t is not target: target.copy_(t)  # a source that ignores `out`
+                else: target.copy_(source.get(key))
+                written += 1
                 bar.update()
+        except BaseException as e:
+            if written: _note(e, f'{what}: {written} of {len(in_place)} materialized tensors were already overwritten; reload the modules before use')
+            raise
     for module, names, new in staged:
         for n in names: _replace(module, n, new)
+    for (i, mp, s, key) in fresh + in_place: loaded[i].update(s.names)
     return loaded
 
 # %% ../nbs/01_loading.ipynb #fd516a88
@@ -231,7 +287,7 @@ def load_weights_from_file(safetensors_file: str, modules: list[ModuleAndPrefix]
     """Fill each of `modules` from one safetensors file; tensors land on `device` (any torch device string, e.g. 'cuda:1') in each parameter's declared dtype.
 
     Returns one set of loaded module-relative names per entry of `modules`, in order. `progress`: a tqdm bar (None: only when stderr is a terminal).
-    Raises `FileNotFoundError` for a missing file, `ValueError` for an unreadable one or a shape mismatch, `KeyError` for missing keys.
+    Raises `FileNotFoundError` for a missing file; `ValueError` for a file that is not valid safetensors (empty, header or data cut short, header not JSON, a dtype torch lacks: the message says which) and for a shape mismatch; `KeyError` for missing keys. Nothing is changed unless every tensor loads.
     """
     modules = _check_modules(modules)
     path = Path(safetensors_file)
@@ -242,10 +298,30 @@ def load_weights_from_file(safetensors_file: str, modules: list[ModuleAndPrefix]
 # %% ../nbs/01_loading.ipynb #e0cb31ce
 INDEX_FILE, SINGLE_FILE = 'model.safetensors.index.json', 'model.safetensors'
 
+class _Object(dict):
+    "A JSON object that records the keys it met twice with different values, in `clashes`."
+    def __init__(self, pairs):
+        super().__init__(); self.clashes = []
+        for k, v in pairs:
+            if k in self and self[k] != v: self.clashes.append((k, self[k], v))
+            self[k] = v
+
+def _shard_path(index: Path, root: Path, key: str, shard) -> Path:
+    "The file `root/shard` the index names for `key`, after checking it is a relative name inside `root` that exists."
+    if not isinstance(shard, str) or not shard: raise ValueError(f'{index}: weight_map[{key!r}] is {shard!r}, not a shard file name')
+    try: inside = '\x00' not in shard and not os.path.isabs(shard) and (root/shard).resolve().is_relative_to(root)
+    except (OSError, RuntimeError) as e: raise ValueError(f'{index}: shard {shard!r} for key {key!r} is not a usable file name ({e})') from None
+    if not inside: raise ValueError(f'{index}: shard {shard!r} for key {key!r} is outside the checkpoint folder {root}')
+    p = root/shard
+    try: found = p.is_file()
+    except OSError as e: raise ValueError(f'{index}: shard {shard!r} for key {key!r} is not a usable file name ({e})') from None
+    if not found: raise FileNotFoundError(f'{index}: shard {shard} is missing from {root} (it should hold {key!r})')
+    return p
+
 def read_weight_map(repo_dir) -> dict[str, Path]:
     """Checkpoint key -> shard path for the checkpoint folder `repo_dir`, from `model.safetensors.index.json` (HF `save_pretrained` format: `{"metadata": ..., "weight_map": {key: shard}}`), or every key of the lone `model.safetensors` when there is no index.
 
-    Raises `FileNotFoundError` when the folder, a named shard (with one key it should hold) or both files are missing; `ValueError` for an index that is not JSON, lacks `weight_map`, or names a shard outside `repo_dir`.
+    Raises `FileNotFoundError` when the folder, a named shard (with one key it should hold) or both files are missing; `ValueError` for an index that is not JSON, lacks `weight_map`, maps a key to something other than a file name, names a shard outside `repo_dir`, or lists one key twice with different shards (JSON parsers would silently keep the last); `ValueError` as `load_weights_from_file` for an unreadable lone `model.safetensors`.
     """
     repo = Path(repo_dir)
     if not repo.is_dir(): raise FileNotFoundError(f'{repo}: checkpoint folder not found')
@@ -254,19 +330,20 @@ def read_weight_map(repo_dir) -> dict[str, Path]:
         single = repo/SINGLE_FILE
         if not single.exists(): raise FileNotFoundError(f'{repo}: neither {INDEX_FILE} nor {SINGLE_FILE} found')
         return {k: single for k in _file_keys(single)}
-    try: data = json.loads(index.read_text(encoding='utf-8'))
-    except (ValueError, UnicodeDecodeError) as e: raise ValueError(f'{index}: invalid JSON ({e})') from e
+    try: data = json.loads(index.read_text(encoding='utf-8'), object_pairs_hook=_Object)
+    except (ValueError, RecursionError) as e: raise ValueError(f'{index}: invalid JSON ({type(e).__name__}: {e})') from None
     wm = data.get('weight_map') if isinstance(data, dict) else None
     if not isinstance(wm, dict): raise ValueError(f'{index}: no "weight_map" object mapping tensor names to shard files')
+    if any(k == 'weight_map' for k, *_ in data.clashes): raise ValueError(f'{index}: "weight_map" appears twice, with different contents')
+    if wm.clashes:
+        key, a, b = wm.clashes[0]
+        raise ValueError(f'{index}: key {key!r} is listed twice in weight_map, in shard {a!r} and in shard {b!r}; '
+                         'a key must be in one shard')
     root, out, seen = repo.resolve(), {}, {}
     for key, shard in wm.items():
-        if shard not in seen:
-            if not isinstance(shard, str) or not shard or os.path.isabs(shard) or not (root/shard).resolve().is_relative_to(root):
-                raise ValueError(f'{index}: shard {shard!r} for key {key!r} is outside the checkpoint folder {root}')
-            p = root/shard
-            if not p.is_file(): raise FileNotFoundError(f'{index}: shard {shard} is missing from {root} (it should hold {key!r})')
-            seen[shard] = p
-        out[key] = seen[shard]
+        p = seen.get(shard) if isinstance(shard, str) else None
+        if p is None: p = seen[shard] = _shard_path(index, root, key, shard)
+        out[key] = p
     return out
 
 def load_weights_from_hf_shards(repo_dir: str | Path, modules: list[ModuleAndPrefix], device: str = 'cpu',
@@ -276,7 +353,7 @@ def load_weights_from_hf_shards(repo_dir: str | Path, modules: list[ModuleAndPre
     Each key is read only from the shard its `weight_map` names; only the keys the modules need are read. Tensors land on `device` (e.g. 'cpu', 'cuda:1') in each parameter's declared dtype; modules on `meta` are filled with new tensors, tied parameters stay one tensor.
     Returns one set of loaded module-relative names per entry of `modules`, in order, for `check_loaded`.
     `conv`: a list of `WeightConverter` recipes for fused layouts (see `mstar_utils.convert`): their target keys replace the source keys they consume; without `mstar_utils.convert` a non-empty `conv` raises `NotImplementedError`.
-    Raises as `read_weight_map`, plus `KeyError` for missing keys (prefix named) and `ValueError` for a shape mismatch (key and both shapes named).
+    Raises as `read_weight_map`, plus `ValueError` for a shard that is not valid safetensors (as `load_weights_from_file`) or a shape mismatch (key and both shapes named), and `KeyError` for missing keys (prefix named, with the closest prefixes that do match) or a key missing from the shard the index names. Nothing is changed unless every tensor loads.
     """
     modules = _check_modules(modules)
     src = _FileSource(read_weight_map(repo_dir), str(repo_dir))
