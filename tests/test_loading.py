@@ -227,3 +227,19 @@ def test_load_weights_from_state_dict_prefix_and_ties():
     w = torch.randn(5, 3)
     loaded = load_weights({'x.head.weight': w}, m, prefix='x.')
     assert loaded == {'emb.weight', 'head.weight'} and m.head.weight is m.emb.weight and torch.equal(m.emb.weight, w)
+
+
+def test_mmap_mode_equal_tied_and_copy_on_write(tmp_path, ref):
+    d = link_checkpoint(tmp_path)
+    before = {f.name: f.read_bytes() for f in d.glob('*.safetensors')}
+    m = meta_smol()
+    [loaded] = load_weights_from_hf_shards(d, [ModuleAndPrefix(m)], mmap=True)
+    check_loaded(m, loaded, 'smol mmap')
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    for k, v in ref.state_dict().items(): assert torch.equal(m.state_dict()[k], v), k
+    with torch.no_grad(): m.model.norm.weight.fill_(3)  # a private mapping: the shard on disk must not change
+    assert {f.name: f.read_bytes() for f in d.glob('*.safetensors')} == before
+    # a cast still copies: a float32 module gets its own memory
+    m32 = meta_smol(torch.float32)
+    load_weights_from_hf_shards(d, [ModuleAndPrefix(m32.model.norm, 'model.norm.')], mmap=True)
+    assert m32.model.norm.weight.dtype == torch.float32 and torch.equal(m32.model.norm.weight, ref.model.norm.weight.float())
