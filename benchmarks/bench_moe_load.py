@@ -60,19 +60,7 @@ def _build():
         if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
 
 
-class PeakRSS:
-    "Largest RSS of this process seen by a thread sampling every `interval` seconds."
-    def __init__(self, interval=0.001):
-        self.interval, self.peak, self._stop, self._proc = interval, 0, threading.Event(), psutil.Process()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(self.interval)
-    def __enter__(self): self.peak = self._proc.memory_info().rss; self._thread.start(); return self
-    def __exit__(self, *a):
-        self._stop.set(); self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
+from bench_load import RssSampler as PeakRSS  # the same psutil sampling thread as the dense benchmark
 
 
 def measure(method: str) -> dict:
