@@ -86,6 +86,12 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args): pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    "A local server that stays silent when the browser drops a connection it no longer needs (a cancelled request)."
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError): super().handle_error(request, client_address)
+
+
 @pytest.fixture(scope='module')
 def site():
     "Build the site with tools/docs, serve _docs/ on 127.0.0.1 for this module's tests, then stop the server."
@@ -93,7 +99,7 @@ def site():
     r = subprocess.run([sys.executable, str(ROOT/'tools'/'docs')], cwd=ROOT, capture_output=True, text=True, timeout=600)
     if r.returncode: pytest.fail(f'tools/docs failed (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}', pytrace=False)
     print(f'tools/docs: {time.time()-t:.0f} s')
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), functools.partial(_Quiet, directory=str(DOCS)))
+    server = _Server(('127.0.0.1', 0), functools.partial(_Quiet, directory=str(DOCS)))
     server.timeout = 5
     thread = threading.Thread(target=server.serve_forever, kwargs={'poll_interval': 0.1}, daemon=True)
     thread.start()
