@@ -163,7 +163,7 @@ def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-I
             max_concurrent_requests: int = None,  # Admission cap to check against --kv-pages
             plot: str = None,  # Write the KV pages / concurrency figure to this path (PNG)
            ) -> int:
-    "Report what a HuggingFace checkpoint folder holds; with --prompt, load it with mstar_utils and answer. Exit status: 0, 1 when --kv-pages refuses the cap, 2 for a folder that is not a checkpoint."
+    "Report what a HuggingFace checkpoint folder holds; with --prompt, load it with mstar_utils and answer. Exit status: 0, 1 when --kv-pages refuses the cap, 2 for a folder that is not a checkpoint. Options may be spelled with dashes too (--max-new-tokens)."
     if checkpoint_dir is None:
         from mstar_utils.checkpoints import smollm2_checkpoint
         checkpoint_dir = smollm2_checkpoint()
