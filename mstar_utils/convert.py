@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .loading import _DictSource  # the loader's in-memory source, for convert_state_dict
+
 # %% auto #0
 __all__ = ['OPERATIONS', 'MIXTRAL_CONVERSIONS', 'QWEN2_MOE_CONVERSIONS', 'QWEN3_MOE_CONVERSIONS', 'DEEPSEEK_V2_CONVERSIONS',
            'Operation', 'WeightConverter', 'KeysAndConverter', 'group_keys', 'ConvertedSource', 'converted_source',
@@ -264,18 +266,6 @@ def converted_source(src, conv: list[WeightConverter], what: str | None = None) 
     return ConvertedSource(src, conv, what or getattr(src, 'what', 'checkpoint'))
 
 # %% ../nbs/06_convert.ipynb #86b40bc3
-class _DictSource:
-    def __init__(self, sd): self.sd = sd
-    def keys(self): return self.sd.keys()
-    def __contains__(self, k): return k in self.sd
-    def shape(self, k): return tuple(self.sd[k].shape)
-    def dtype(self, k): return self.sd[k].dtype
-    def where(self, k): return 'state_dict'
-    def get(self, k, out=None):
-        if out is None: return self.sd[k]
-        out.copy_(self.sd[k]); return out
-    def close(self): pass
-
 def convert_state_dict(state_dict: dict[str, torch.Tensor], conv: list[WeightConverter]) -> dict[str, torch.Tensor]:
     "A new state_dict in which the rules `conv` have replaced the keys they consume by their targets (new tensors); other entries are passed through as they are. Raises as `converted_source`."
     src = ConvertedSource(_DictSource(state_dict), conv, 'state_dict')
