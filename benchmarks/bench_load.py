@@ -11,7 +11,7 @@ transformers takes ~10 s here and belongs to no method; `--spawn` starts a new i
 Prints the table and the targets of issue 7, writes benchmarks/results/load.json and benchmarks/results/load.png.
 """
 from __future__ import annotations
-import gc, json, math, mmap, os, platform, shutil, statistics, subprocess, sys, tempfile, threading, time, traceback
+import gc, json, mmap, os, platform, shutil, statistics, subprocess, sys, threading, time, traceback
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -56,20 +56,12 @@ def synth_checkpoint(build: bool = True) -> Path:
 def _build_synth():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    out = cache_root()/SYNTH_NAME
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f'.{SYNTH_NAME}-', dir=out.parent))
-    try:
+    from mstar_utils.checkpoints import _cached_folder  # build into a temporary folder, rename into place when complete
+    def write(tmp):
         torch.manual_seed(0)
         config = LlamaConfig(**SYNTH_CONFIG, dtype='bfloat16')
-        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
-        model.save_pretrained(tmp, max_shard_size=SYNTH_SHARD)
-        (tmp/'.complete').write_text('ok\n')
-        tmp.chmod(0o755)
-        if out.exists(): shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
+        LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).save_pretrained(tmp, max_shard_size=SYNTH_SHARD)
+    _cached_folder('bench', SYNTH_NAME, write)
 
 def checkpoint_tensors(ckpt: Path) -> list[dict]:
     "Every tensor of the checkpoint: key, file, dtype string, shape, absolute byte offset in the file and byte count; file then offset order."

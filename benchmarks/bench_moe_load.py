@@ -15,7 +15,7 @@ state_dicts are fingerprinted (crc32 of every tensor's bytes) and must agree. Pr
 writes benchmarks/results/moe_load.json.
 """
 from __future__ import annotations
-import json, os, platform, shutil, statistics, subprocess, sys, tempfile, threading, time, zlib
+import json, os, platform, statistics, subprocess, sys, time, zlib
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -47,17 +47,11 @@ def checkpoint(build: bool = True) -> Path:
 def _build():
     import torch
     from transformers import Qwen3MoeConfig, AutoModelForCausalLM
-    out = checkpoint(build=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f'.{NAME}-', dir=out.parent))
-    try:
+    from mstar_utils.checkpoints import _cached_folder  # build into a temporary folder, rename into place when complete
+    def write(tmp):
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(Qwen3MoeConfig(**CONFIG), dtype=torch.bfloat16).save_pretrained(tmp, max_shard_size=SHARD)
-        (tmp/'.complete').write_text('ok\n')
-        if out.exists(): shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
+    _cached_folder('bench', NAME, write)
 
 
 from bench_load import RssSampler as PeakRSS  # the same psutil sampling thread as the dense benchmark
