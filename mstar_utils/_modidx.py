@@ -257,4 +257,11 @@ d = { 'settings': { 'branch': 'main',
                                  'mstar_utils.mla.MLARMSNorm.__init__': ('mla.html#mlarmsnorm.__init__', 'mstar_utils/mla.py'),
                                  'mstar_utils.mla.MLARMSNorm.forward': ('mla.html#mlarmsnorm.forward', 'mstar_utils/mla.py'),
                                  'mstar_utils.mla.apply_rope': ('mla.html#apply_rope', 'mstar_utils/mla.py'),
-                                 'mstar_utils.mla.rope_freqs': ('mla.html#rope_freqs', 'mstar_utils/mla.py')}}}
+                                 'mstar_utils.mla.rope_freqs': ('mla.html#rope_freqs', 'mstar_utils/mla.py')},
+            'mstar_utils.testing': { 'mstar_utils.testing.ListHandler': ('testing.html#listhandler', 'mstar_utils/testing.py'),
+                                     'mstar_utils.testing.ListHandler.__init__': ( 'testing.html#listhandler.__init__',
+                                                                                   'mstar_utils/testing.py'),
+                                     'mstar_utils.testing.ListHandler.emit': ('testing.html#listhandler.emit', 'mstar_utils/testing.py'),
+                                     'mstar_utils.testing.PrintHandler': ('testing.html#printhandler', 'mstar_utils/testing.py'),
+                                     'mstar_utils.testing.PrintHandler.emit': ( 'testing.html#printhandler.emit',
+                                                                                'mstar_utils/testing.py')}}}

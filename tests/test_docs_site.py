@@ -24,7 +24,7 @@ CHROMIUM = os.environ.get('MSTAR_CHROMIUM', '/usr/bin/chromium')
 FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking', '--no-first-run',
          '--disable-quic', '--disable-component-update', '--disable-sync']
 SITE_URL = yaml.safe_load((ROOT/'_quarto.yml').read_text())['website']['site-url'].rstrip('/') + '/'
-LOADING_NB = '01_loading.ipynb'  # the page the screenshot shows
+LOADING_NB = '02_loading.ipynb'  # the page the screenshot shows
 
 
 def notebooks() -> list[Path]:
@@ -34,7 +34,7 @@ def notebooks() -> list[Path]:
 
 
 def page_of(nb: Path) -> str:
-    "The page nbdev gives a notebook (`01_loading.ipynb` -> `loading.html`), the name its links point at."
+    "The page nbdev gives a notebook (`02_loading.ipynb` -> `loading.html`), the name its links point at."
     from nbdev.doclinks import _nbpath2html
     return _nbpath2html(nb.relative_to(NBS)).as_posix()
 
