@@ -375,6 +375,8 @@ d = { 'settings': { 'branch': 'main',
                                      'mstar_utils.testing.ListHandler.emit': ('testing.html#listhandler.emit', 'mstar_utils/testing.py'),
                                      'mstar_utils.testing.PrintHandler': ('testing.html#printhandler', 'mstar_utils/testing.py'),
                                      'mstar_utils.testing.PrintHandler.emit': ('testing.html#printhandler.emit', 'mstar_utils/testing.py'),
+                                     'mstar_utils.testing.save_mla_checkpoint': ( 'testing.html#save_mla_checkpoint',
+                                                                                  'mstar_utils/testing.py'),
                                      'mstar_utils.testing.save_tiny': ('testing.html#save_tiny', 'mstar_utils/testing.py'),
                                      'mstar_utils.testing.tiny_configs': ('testing.html#tiny_configs', 'mstar_utils/testing.py'),
                                      'mstar_utils.testing.tiny_model': ('testing.html#tiny_model', 'mstar_utils/testing.py')}}}
