@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint']
+__all__ = ['MLA_CONFIG', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint',
+           'jfk_resampled']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -92,3 +93,21 @@ def save_mla_checkpoint(folder, # where save_pretrained writes it
             else: p.copy_(1 + 0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #a895c165
+def jfk_resampled(folder, # where to write the file
+                  rate: int = 44100, # its sampling rate in Hz
+                  channels: int = 2, # how many (identical) channels
+                  name: str = 'jfk.wav', # its file name; the extension picks the format (.wav, .flac, .ogg)
+                 ) -> Path:
+    "The JFK clip (`checkpoints.jfk_audio`, 16 kHz mono) written as 16-bit `folder/name` at `rate` Hz with `channels` channels."
+    import math, numpy as np, soundfile as sf
+    from scipy.signal import resample_poly
+    from mstar_utils.checkpoints import jfk_audio
+    data, src_rate = sf.read(str(jfk_audio()), dtype='float32')
+    g = math.gcd(rate, src_rate)
+    out = resample_poly(data, rate // g, src_rate // g)
+    path = Path(folder)/name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(str(path), np.repeat(out[:, None], channels, axis=1), rate, subtype='PCM_16')
+    return path
