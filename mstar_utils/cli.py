@@ -58,7 +58,7 @@ def checkpoint_report(checkpoint_dir) -> dict:
     shards with sizes in bytes, tensor and parameter counts (total and by name prefix), dtypes, tokenizer kind and vocabulary size, stop token ids, generation_config and the sampling defaults `load_generation_defaults` derives from it.
     Raises `NotACheckpoint` for a folder that is not a checkpoint."""
     ckpt = _require_checkpoint(checkpoint_dir)
-    config = _json.loads((ckpt/'config.json').read_text())
+    config = _json.loads((ckpt/'config.json').read_text(encoding='utf-8'))
     wm = read_weight_map(ckpt)
     shards = sorted(set(wm.values()))
     by_prefix, dtypes, n_params = Counter(), Counter(), 0
@@ -69,7 +69,7 @@ def checkpoint_report(checkpoint_dir) -> dict:
             n = 1
             for d in shape: n *= d
             n_params += n; by_prefix[_group(k)] += n; dtypes[str(dt).removeprefix('torch.')] += 1
-    tok_json = _json.loads((ckpt/'tokenizer.json').read_text()) if (ckpt/'tokenizer.json').is_file() else None
+    tok_json = _json.loads((ckpt/'tokenizer.json').read_text(encoding='utf-8')) if (ckpt/'tokenizer.json').is_file() else None
     tokenizer = None
     if tok_json is not None:
         from tokenizers import Tokenizer
@@ -82,7 +82,7 @@ def checkpoint_report(checkpoint_dir) -> dict:
         'tensors': len(wm), 'parameters': n_params, 'parameters_by_prefix': dict(by_prefix.most_common()),
         'dtypes': dict(dtypes), 'tie_word_embeddings': config.get('tie_word_embeddings'),
         'tokenizer': tokenizer, 'stop_token_ids': _stop_token_ids(ckpt),
-        'generation_config': _json.loads(gc.read_text()) if gc.is_file() else None,
+        'generation_config': _json.loads(gc.read_text(encoding='utf-8')) if gc.is_file() else None,
         'sampling_defaults': load_generation_defaults(ckpt),
     }
 
