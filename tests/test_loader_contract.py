@@ -319,7 +319,7 @@ def test_every_text_file_is_read_and_written_as_utf8():
 
 def test_inspect_under_the_c_locale_without_utf8_mode():
     env = {**os.environ, 'LC_ALL': 'C', 'LANG': 'C', 'PYTHONUTF8': '0', 'PYTHONIOENCODING': 'ascii:backslashreplace', 'HF_HUB_OFFLINE': '1'}
-    p = subprocess.run([sys.executable, '-m', 'mstar_utils.cli', 'inspect', str(SMOL)], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run([sys.executable, '-m', 'mstar_utils', 'inspect', str(SMOL)], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert 'LlamaForCausalLM' in p.stdout
 
