@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['whisper_report', 'read_audio', 'log_mel', 'generate_stream', 'timestamp_ids', 'transcribe_stream']
+__all__ = ['whisper_config_json', 'whisper_report', 'read_audio', 'log_mel', 'generate_stream', 'timestamp_ids',
+           'transcribe_stream']
 
 # %% ../nbs/11_speech.ipynb #85ae6d5b
 def _count_lists(d: dict, longest: int = 8) -> dict:
@@ -23,12 +24,21 @@ def _count_lists(d: dict, longest: int = 8) -> dict:
         return v
     return {k: short(v) for k, v in d.items()}
 
+# %% ../nbs/11_speech.ipynb #3ba5947a
+def whisper_config_json(checkpoint_dir) -> dict:
+    "The parsed config.json of a Whisper checkpoint folder. Raises `ValueError` naming the folder when it has no readable config.json or its model_type is not 'whisper'."
+    path = Path(checkpoint_dir)/'config.json'
+    try: cfg = json.loads(path.read_text(encoding='utf-8'))
+    except (OSError, ValueError) as e: raise ValueError(f'{Path(checkpoint_dir).name}: cannot read config.json ({e}); expected a Whisper checkpoint folder') from None
+    if not isinstance(cfg, dict) or cfg.get('model_type') != 'whisper':
+        kind = cfg.get('model_type') if isinstance(cfg, dict) else None
+        raise ValueError(f'{Path(checkpoint_dir).name} holds a {kind!r} model (config.json model_type), not Whisper: speech needs a Whisper checkpoint')
+    return cfg
+
 # %% ../nbs/11_speech.ipynb #241b45f9
 def whisper_report(checkpoint_dir) -> dict:
-    "A summary of the Whisper checkpoint in `checkpoint_dir` from its config.json, generation_config.json and tokenizer: encoder and decoder sizes, the audio window, special ids and the generation settings, long lists as counts. Raises `ValueError` naming the folder when its model_type is not 'whisper'."
-    d = Path(checkpoint_dir)
-    cfg = json.loads((d/'config.json').read_text())
-    if cfg.get('model_type') != 'whisper': raise ValueError(f"{d} holds a {cfg.get('model_type')!r} model, not a Whisper one (config.json model_type)")
+    "A summary of the Whisper checkpoint in `checkpoint_dir` from its config.json, generation_config.json and tokenizer: encoder and decoder sizes, the audio window, special ids and the generation settings, long lists as counts. Raises `ValueError` (from `whisper_config_json`) for a folder that is not Whisper."
+    d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
     gen = json.loads((d/'generation_config.json').read_text()) if (d/'generation_config.json').exists() else {}
     pre = json.loads((d/'preprocessor_config.json').read_text()) if (d/'preprocessor_config.json').exists() else {}
     half = lambda side, positions: dict(layers=cfg[f'{side}_layers'], heads=cfg[f'{side}_attention_heads'], d_model=cfg['d_model'],
@@ -114,9 +124,10 @@ def transcribe_stream(checkpoint_dir, # a Whisper checkpoint folder (config.json
                       keep_special: bool = False, # True: special and timestamp tokens' text is streamed too
                       **generate_kwargs, # for `generate`: language='de', task='translate', return_timestamps=True, max_new_tokens=...
                      ) -> Iterator[bytes]:
-    "The transcription of `audio_path` as it decodes, one bytes chunk per generated token (stop token: b''); a chunk may end inside a UTF-8 character. Joined, the chunks equal the tokenizer's `decode(ids, skip_special_tokens=True)`, or with `keep_special` its `decode(ids, decode_with_timestamps=True)`."
+    "The transcription of `audio_path` as it decodes, one bytes chunk per generated token (stop token: b''); a chunk may end inside a UTF-8 character. Joined, the chunks equal the tokenizer's `decode(ids, skip_special_tokens=True)`, or with `keep_special` its `decode(ids, decode_with_timestamps=True)`. Raises `ValueError` for a folder that is not Whisper, or audio that cannot be read or is over 30 s."
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.model import load_model
+    whisper_config_json(checkpoint_dir)
     if model is None: model = load_model(checkpoint_dir, device=device, dtype=dtype)
     features = log_mel(checkpoint_dir, read_audio(audio_path))
     out = TextOutput.from_checkpoint(checkpoint_dir, keep_special=keep_special, extra_skip_ids=() if keep_special else timestamp_ids(checkpoint_dir))
