@@ -108,3 +108,81 @@ def test_load_model_equals_from_pretrained(name, jfk):
     assert got == want
     assert JFK in AutoTokenizer.from_pretrained(ckpt).decode(got, skip_special_tokens=True)
     assert list(generate_stream(ours, features)) == want + [ours.generation_config.eos_token_id]
+
+
+# ---------------------------------------------------------------- streaming: TextOutput.from_checkpoint on Whisper
+
+@pytest.fixture(scope='module')
+def tiny_model():
+    return load_model(ck.whisper_checkpoint('tiny.en'), dtype=torch.float32)
+
+
+def test_stream_is_byte_exact(jfk, tiny_model):
+    "Each generated token gives one chunk; joined they are the tokenizer's decode, timestamps and specials dropped unless asked for."
+    from transformers import AutoTokenizer
+    from mstar_utils.detokenize import TextOutput
+    from mstar_utils.speech import transcribe_stream, timestamp_ids
+    ckpt = ck.whisper_checkpoint('tiny.en')
+    tok, features = AutoTokenizer.from_pretrained(ckpt), log_mel(ckpt, jfk)
+    ids = list(generate_stream(tiny_model, features, return_timestamps=True))
+    assert sum(i in timestamp_ids(ckpt) for i in ids) >= 2
+    plain = list(transcribe_stream(ckpt, ck.jfk_audio(), model=tiny_model, return_timestamps=True))
+    assert len(plain) == len(ids) and plain[-1] == b''  # the stop token gives no bytes
+    assert b''.join(plain) == tok.decode(ids, skip_special_tokens=True).encode() and b'<|' not in b''.join(plain)
+    # asked for: what transcribe_stream(keep_special=True) streams, on the same ids
+    kept = TextOutput.from_checkpoint(ckpt, keep_special=True)
+    shown = b''.join(kept.step_bytes([i]) for i in ids)
+    assert shown == tok.decode(ids[:-1], decode_with_timestamps=True).encode() and shown.startswith(b'<|0.00|>')
+
+
+def test_stream_reads_other_rates(tmp_path, tiny_model):
+    "A 44.1 kHz stereo FLAC of the clip is resampled to 16 kHz mono and transcribed."
+    from mstar_utils.speech import transcribe_stream
+    from mstar_utils.testing import jfk_resampled
+    path = jfk_resampled(tmp_path, 44100, 2, 'jfk.flac')
+    text = b''.join(transcribe_stream(ck.whisper_checkpoint('tiny.en'), path, model=tiny_model)).decode()
+    assert JFK in text
+
+
+def test_stream_refusals(tmp_path, tiny_model):
+    from mstar_utils.speech import transcribe_stream
+    import numpy as np, soundfile as sf
+    with pytest.raises(ValueError, match="'llama' model .* not Whisper"): next(transcribe_stream(ck.smollm2_checkpoint(), ck.jfk_audio()))
+    sf.write(tmp_path/'long.wav', np.zeros(31 * 16000, np.float32), 16000)
+    with pytest.raises(ValueError, match='31.0 s of audio is longer than the 30 s window'):
+        next(transcribe_stream(ck.whisper_checkpoint('tiny.en'), tmp_path/'long.wav', model=tiny_model))
+    (tmp_path/'x.wav').write_text('not audio')
+    with pytest.raises(ValueError, match='cannot read audio from x.wav'):
+        next(transcribe_stream(ck.whisper_checkpoint('tiny.en'), tmp_path/'x.wav', model=tiny_model))
+
+
+@SLOW
+def test_base_streams_a_non_english_reply(jfk):
+    "The multilingual model told to write Korean: chunks split characters, the joined bytes are the tokenizer's decode."
+    from transformers import AutoTokenizer
+    from mstar_utils.speech import transcribe_stream
+    ckpt = ck.whisper_checkpoint('base')
+    model, tok = load_model(ckpt, dtype=torch.float32), AutoTokenizer.from_pretrained(ckpt)
+    ids = list(generate_stream(model, log_mel(ckpt, jfk), language='ko', max_new_tokens=24))
+    chunks = list(transcribe_stream(ckpt, ck.jfk_audio(), model=model, language='ko', max_new_tokens=24))
+    assert b''.join(chunks) == tok.decode(ids, skip_special_tokens=True).encode()
+    def whole(c):
+        try: c.decode(); return True
+        except UnicodeDecodeError: return False
+    assert not all(map(whole, chunks))
+
+
+@SLOW
+@pytest.mark.parametrize('text', ['Frag nicht, was dein Land für dich tun kann.', 'Не спрашивай, что твоя страна может сделать для тебя.',
+                                  '国があなたのために何ができるかを問うな。', '不要问你的国家能为你做什么。🇺🇸'])
+def test_base_streams_tokenizer_ids(text):
+    "A reply's ids from the tokenizer, with Whisper's prompt, timestamps and end: the text's bytes exactly, specials and timestamps dropped."
+    from transformers import AutoTokenizer
+    from mstar_utils.detokenize import TextOutput
+    from mstar_utils.speech import timestamp_ids
+    ckpt = ck.whisper_checkpoint('base')
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    ts = timestamp_ids(ckpt)
+    ids = tok.convert_tokens_to_ids(['<|startoftranscript|>', '<|de|>', '<|transcribe|>']) + [ts[0], *tok.encode(text, add_special_tokens=False), ts[100], tok.eos_token_id]
+    out = TextOutput.from_checkpoint(ckpt, keep_special=False, extra_skip_ids=ts)
+    assert b''.join(out.step_bytes([i]) for i in ids) == text.encode() == tok.decode(ids, skip_special_tokens=True).encode()
