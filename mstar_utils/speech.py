@@ -78,6 +78,7 @@ def log_mel(checkpoint_dir, # a Whisper folder with preprocessor_config.json
 
 # %% ../nbs/11_speech.ipynb #4d482170
 from transformers.generation.streamers import BaseStreamer
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 class _IdQueue(BaseStreamer):
     "A streamer for `generate` that puts each generated id on `queue` and `None` at the end; the prompt (the first `put`) is skipped."
@@ -88,21 +89,32 @@ class _IdQueue(BaseStreamer):
             for i in value.reshape(-1).tolist(): self.queue.put(i)
     def end(self): self.queue.put(None)
 
-# %% ../nbs/11_speech.ipynb #e5dd0b53
+class _Cancelled(StoppingCriteria):
+    "Stops `generate` at its next step once `event` is set: the reader of the stream went away."
+    def __init__(self, event: threading.Event): self.event = event
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+# %% ../nbs/11_speech.ipynb #bc0ec52a
 def generate_stream(model, # a transformers model that can `generate`, e.g. `WhisperForConditionalGeneration`
                     input_features: torch.Tensor, # its input, e.g. `log_mel(...)`; cast to the model's dtype and device
                     **generate_kwargs, # passed to `model.generate` (language=, task=, return_timestamps=, max_new_tokens=, ...)
                    ) -> Iterator[int]:
-    "The ids `model.generate(input_features, **generate_kwargs)` decodes, one at a time as they come, the final stop token included (greedy unless the kwargs or generation config say otherwise). An exception in `generate` is raised here."
-    ids, failed = _IdQueue(), []
+    "The ids `model.generate(input_features, **generate_kwargs)` decodes, one at a time as they come, the final stop token included (greedy unless the kwargs or generation config say otherwise). An exception in `generate` is raised here; closing the iterator early stops `generate` at its next step."
+    ids, failed, cancel = _IdQueue(), [], threading.Event()
+    stops = StoppingCriteriaList([*(generate_kwargs.pop('stopping_criteria', None) or []), _Cancelled(cancel)])
     def run():
         try:
-            with torch.inference_mode(): model.generate(input_features.to(model.device, model.dtype), streamer=ids, **generate_kwargs)
+            with torch.inference_mode():
+                model.generate(input_features.to(model.device, model.dtype), streamer=ids, stopping_criteria=stops, **generate_kwargs)
         except BaseException as e: failed.append(e); ids.end()
     worker = threading.Thread(target=run, name='generate_stream', daemon=True)
     worker.start()
-    while (i := ids.queue.get()) is not None: yield i
-    worker.join()
+    try:
+        while (i := ids.queue.get()) is not None: yield i
+    finally:
+        cancel.set()
+        worker.join()
     if failed: raise failed[0]
 
 # %% ../nbs/11_speech.ipynb #f090b69c

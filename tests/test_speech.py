@@ -186,3 +186,17 @@ def test_base_streams_tokenizer_ids(text):
     ids = tok.convert_tokens_to_ids(['<|startoftranscript|>', '<|de|>', '<|transcribe|>']) + [ts[0], *tok.encode(text, add_special_tokens=False), ts[100], tok.eos_token_id]
     out = TextOutput.from_checkpoint(ckpt, keep_special=False, extra_skip_ids=ts)
     assert b''.join(out.step_bytes([i]) for i in ids) == text.encode() == tok.decode(ids, skip_special_tokens=True).encode()
+
+
+def test_closing_the_stream_stops_generate(jfk, tiny_model):
+    "A reader that stops early: generate stops at its next step, the thread ends, and stop criteria of the caller still apply."
+    import threading
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+    features = log_mel(ck.whisper_checkpoint('tiny.en'), jfk)
+    it = generate_stream(tiny_model, features)
+    first = [next(it) for _ in range(3)]
+    it.close()
+    assert 'generate_stream' not in [t.name for t in threading.enumerate()]
+    full = list(generate_stream(tiny_model, features))
+    assert first == full[:3]
+    assert list(generate_stream(tiny_model, features, stopping_criteria=[MaxLengthCriteria(5)])) == full[:3]  # the 2-token prompt + 3
