@@ -8,7 +8,6 @@ import json, logging, operator
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 # %% auto #0
 __all__ = ['kv_pages', 'kv_max_requests', 'KVCachePool', 'KVPoolFit', 'KVPlan', 'plan_kv_pools', 'check_kv_pools_fit',
@@ -64,7 +63,7 @@ class KVCachePool:
         return kv_max_requests(self.max_num_pages, self.max_seq_len, self.page_size)
 
 # %% ../nbs/09_kv.ipynb #f2f85bfe
-def _labeled_pools(pools) -> list[tuple[str, Any]]:
+def _labeled_pools(pools) -> list[tuple[str, object]]:
     "(label, pool) pairs from a list of pools, a dict from node to pool, or `None`; `TypeError` for anything else."
     if pools is None: return []
     if isinstance(pools, dict):
