@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny']
+__all__ = ['PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny', 'run_ranks', 'tp_logits', 'tp_jobs']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -74,3 +74,63 @@ def save_tiny(name: str, # a key of `tiny_configs()`
     try: tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
     finally: hf_logging.set_verbosity(level)
     return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #4f5f95d0
+def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
+    "One spawned rank: join the gloo group through the file `store`, run `fn`, put (rank, ok, pickled result or traceback) on `queue`."
+    import datetime, pickle, traceback
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        try: out = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+        finally: dist.destroy_process_group()
+    except BaseException: out = (rank, False, traceback.format_exc())
+    queue.put(out)
+
+# %% ../nbs/98_testing.ipynb #4bfa0397
+def run_ranks(fn, # called as fn(rank, world_size, *args) in each process; must be importable (defined in a module)
+              world_size: int, # how many processes
+              *args, # passed on to fn (picklable)
+              timeout: float = 300, # seconds to wait for all ranks
+             ) -> list:
+    "`fn`'s results on `world_size` new processes joined in a gloo process group, in rank order; `RuntimeError` with a failing rank's traceback."
+    import multiprocessing, os, pickle, queue as queues, tempfile
+    ctx = multiprocessing.get_context('forkserver')   # ranks fork from one clean process that has done the imports once
+    ctx.set_forkserver_preload(['mstar_utils.testing', 'mstar_utils.tensor_parallel', 'transformers.modeling_utils'])
+    q, store = ctx.Queue(), os.path.join(tempfile.mkdtemp(prefix='ranks-'), 'store')
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, q), daemon=True) for r in range(world_size)]
+    for p in procs: p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, ok, payload = q.get(timeout=timeout)
+            if not ok: raise RuntimeError(f'rank {rank} of {world_size} failed:\n{payload}')
+            got[rank] = pickle.loads(payload)
+    except queues.Empty: raise RuntimeError(f'ranks {sorted(set(range(world_size)) - set(got))} of {world_size} gave no result in {timeout} s') from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive(): p.kill()
+    return [got[r] for r in range(world_size)]
+
+# %% ../nbs/98_testing.ipynb #f7a15f5c
+def tp_logits(rank: int, world_size: int, # this rank, the group size (as `run_ranks` passes them)
+              folder, # a checkpoint folder
+              ids: torch.Tensor, # token ids [batch, seq]
+              plan: dict | None = None, # a tp_plan; None: the config's
+              expert_parallel: bool = False, # default plan with experts split by expert
+             ) -> dict:
+    "One rank's work: `load_model_sharded` in float32, a forward pass on `ids`; {'logits', 'bytes_read', 'shapes': {name: shape}}."
+    from mstar_utils.tensor_parallel import load_model_sharded
+    model = load_model_sharded(folder, rank, world_size, plan, dtype=torch.float32, expert_parallel=expert_parallel)
+    with torch.no_grad(): logits = model(ids).logits
+    return {'logits': logits, 'bytes_read': model.tp_bytes_read, 'shapes': {k: list(v.shape) for k, v in model.state_dict().items()}}
+
+# %% ../nbs/98_testing.ipynb #8784c5b5
+def tp_jobs(rank: int, world_size: int, # as `run_ranks` passes them
+            jobs: list, # [(folder, ids, plan, expert_parallel), ...]: `tp_logits` arguments after world_size
+           ) -> list:
+    "`tp_logits` for each job in turn, in one process: one spawn of `run_ranks` serves several checks."
+    return [tp_logits(rank, world_size, *job) for job in jobs]
