@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny', 'run_ranks', 'tp_logits', 'tp_jobs']
+__all__ = ['MLA_CONFIG', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint',
+           'run_ranks', 'tp_logits', 'tp_jobs']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -23,7 +24,7 @@ class ListHandler(logging.Handler):
     def __init__(self, level=logging.NOTSET): super().__init__(level); self.records = []
     def emit(self, record): self.records.append(record)
 
-# %% ../nbs/98_testing.ipynb #9cdaea7d
+# %% ../nbs/98_testing.ipynb #861b5945
 _TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
 _EXPERTS = 16  # string order (0, 1, 10, ...) differs from integer order
 
@@ -49,7 +50,7 @@ def tiny_configs() -> dict:
                                            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
     }
 
-# %% ../nbs/98_testing.ipynb #b03cef06
+# %% ../nbs/98_testing.ipynb #bdee0cd5
 def tiny_model(name: str, # a key of `tiny_configs()`
                dtype=torch.float32, # the parameters' dtype
                seed: int = 0, # torch.manual_seed before the random init
@@ -61,7 +62,7 @@ def tiny_model(name: str, # a key of `tiny_configs()`
     torch.manual_seed(seed)
     return auto.from_config(cfg, dtype=dtype)
 
-# %% ../nbs/98_testing.ipynb #a7af8a53
+# %% ../nbs/98_testing.ipynb #430ea818
 def save_tiny(name: str, # a key of `tiny_configs()`
               folder, # where save_pretrained writes the checkpoint
               dtype=torch.float32, # the checkpoint's dtype
@@ -73,6 +74,24 @@ def save_tiny(name: str, # a key of `tiny_configs()`
     level = hf_logging.get_verbosity(); hf_logging.set_verbosity_error()
     try: tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
     finally: hf_logging.set_verbosity(level)
+    return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #3e8902e5
+MLA_CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  first_k_dense_replace=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=64)
+
+def save_mla_checkpoint(folder, # where save_pretrained writes it
+                        q_lora_rank: int | None = 24, # None: a full-rank q_proj
+                        dtype=torch.float32) -> Path:
+    "A tiny random DeepSeek-V2 (`MLA_CONFIG`, both layers dense) with trained-scale weights, written by `save_pretrained`."
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(DeepseekV2Config(**MLA_CONFIG, q_lora_rank=q_lora_rank), dtype=dtype)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2: p.normal_(0, p.shape[-1] ** -0.5)
+            else: p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
     return Path(folder)
 
 # %% ../nbs/98_testing.ipynb #4f5f95d0
