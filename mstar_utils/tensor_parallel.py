@@ -309,6 +309,11 @@ def shard_module(module: torch.nn.Module, # built on meta (or materialized: then
     return cut
 
 # %% ../nbs/07_tensor_parallel.ipynb #583f09fe
+def _split(sl: Slice, m, kind: str) -> Slice:
+    "`sl`, after checking that the module's parameters were split, as the `kind` forward needs."
+    if sl.dim is None: raise ValueError(f'{type(m).__name__}: the {kind!r} forward needs its parameters split by the plan, but they are whole')
+    return sl
+
 def _all_reduce_output(m, sharding, sl, group):
     "moe_tp_experts, all_reduce: the module's output summed over the ranks."
     def hook(mod, args, out): dist.all_reduce(out[0] if isinstance(out, tuple) else out, group=group)
@@ -325,6 +330,7 @@ def _reduce_output(m, sharding, sl, group):
 
 def _split_input(m, sharding, sl, group):
     "rowwise_split_input: a rowwise Linear whose input arrives whole; it takes its slice of the last dim first."
+    sl = _split(sl, m, 'split_input')
     _reduce_output(m, sharding, sl, group)
     row = m.forward
     m.forward = lambda x: row(take(x, Slice(-1, sl.ranges)))
@@ -340,7 +346,7 @@ def _gather_output(m, sharding, sl, group):
 
 def _vocab_parallel(m, sharding, sl, group):
     "embedding_rowwise: each rank looks up the ids in its rows of the vocabulary, zeros for the rest; the sum over ranks is the lookup."
-    (lo, hi), state = sl.ranges[0], {}
+    (lo, hi), state = _split(sl, m, 'vocab_parallel').ranges[0], {}
     def pre(mod, args):
         ids = args[0]; state['mine'] = mine = (ids >= lo) & (ids < hi)
         return (torch.where(mine, ids - lo, 0), *args[1:])
@@ -353,7 +359,7 @@ def _vocab_parallel(m, sharding, sl, group):
 # %% ../nbs/07_tensor_parallel.ipynb #a0985d80
 def _expert_dispatch(m, sharding, sl, group):
     "ep_dispatch_experts: the module holds experts [lo, hi); tokens routed elsewhere get its skip index `num_experts` and weight 0, outputs are summed."
-    lo, hi = sl.ranges[0]
+    lo, hi = _split(sl, m, 'expert_dispatch').ranges[0]
     m.num_experts, m._is_expert_parallel = hi - lo, True   # transformers' experts kernels mask the skip index when this is set
     def pre(mod, args):
         if len(args) < 3: raise ValueError(f'{type(mod).__name__}: expert parallelism needs (hidden_states, top_k_index, top_k_weights) as positional arguments')
