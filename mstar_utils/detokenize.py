@@ -400,6 +400,14 @@ def _bytes(self: TextChunkDetokenizer, token_id: int) -> bytes:
     piece = added if added is not None else self._id_to_token(token_id)
     return b'' if piece is None else self._plan.piece_bytes(piece)
 
+# %% ../nbs/08_detokenize.ipynb #d9626d02
+@patch
+def __getstate__(self: TextChunkDetokenizer):  # the plan holds closures: the other side rebuilds it from the tokenizer
+    return {'tokenizer': self.tokenizer, 'keep_special': self.keep_special, 'extra_skip_ids': self.extra_skip_ids}
+
+@patch
+def __setstate__(self: TextChunkDetokenizer, state): self.__init__(**state)
+
 # %% ../nbs/08_detokenize.ipynb #d9626d01
 @patch
 def to_bytes(self: TextChunkDetokenizer,
