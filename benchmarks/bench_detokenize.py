@@ -1,15 +1,20 @@
 #!/usr/bin/env python
-"""Per-token streaming cost: `token_bytes` (memo warm) against tokenizers' `DecodeStream.step` and per-step
-`decode([id])`, on SmolLM2-135M-Instruct's byte-level tokenizer and about 10k tokens of mixed text.
+"""Per-token streaming cost: `token_bytes` (memo warm) and the whole step path `TextOutput.step_bytes` (one-token
+and k-token tensors) against tokenizers' `DecodeStream.step` and per-step `decode([id])`, on SmolLM2-135M-Instruct's
+byte-level tokenizer and about 10k tokens of mixed text.
 
     python benchmarks/bench_detokenize.py                 # 10k tokens, best of 7 passes
     python benchmarks/bench_detokenize.py --tokens 50000 --repeats 11
-    python benchmarks/bench_detokenize.py --strict        # also exit 1 when the 10x target is missed
+    python benchmarks/bench_detokenize.py --strict        # also exit 1 when a target is missed
 
-All methods run in the same process on the same ids, each pass a plain `for` loop over the ids calling one bound
-method, so loop overhead is the same for every row; the best pass is reported. Also checks that each method's joined
-output is byte-exact against `tokenizer.decode(ids)`. Exits 1 when token_bytes or DecodeStream is not byte-exact.
-Writes benchmarks/results/detokenize.json.
+All methods run in the same process on the same ids, each pass a plain `for` loop over the ids (or the steps) calling
+one bound method, so loop overhead is the same for every row. Each round times every method once, in turn, and the best
+round of each is reported, so load from other processes weighs on all rows alike. Also checks that each
+method's joined output is byte-exact against `tokenizer.decode(ids)`. Exits 1 when token_bytes, step_bytes or
+DecodeStream is not byte-exact. Writes benchmarks/results/detokenize.json.
+
+Targets: token_bytes >= 10x faster than DecodeStream.step; step_bytes on a one-token tensor <= 0.5x DecodeStream.step
+per token; a step of k tokens (k = 2, 4, 8) <= k times that.
 """
 from __future__ import annotations
 import json, os, platform, random, sys, time
@@ -22,6 +27,8 @@ from fastcore.script import call_parse, store_true
 
 RESULTS = Path(__file__).resolve().parent/'results'
 TARGET = 10.0  # token_bytes at least this many times faster than DecodeStream.step
+STEP_TARGET = 0.5  # step_bytes on a one-token tensor at most this fraction of DecodeStream.step per token
+KS = (2, 4, 8)  # multi-token steps timed: each at most k x STEP_TARGET x DecodeStream.step
 
 # Fragments of the mixed text; sampled with a fixed seed, so every run times the same ids.
 FRAGMENTS = {
@@ -38,30 +45,33 @@ SEPARATORS = [' ', '\n', '\r\n', '  ', '\t', '']
 
 
 def mixed_ids(tok, n_tokens: int, seed: int = 0) -> list[int]:
-    "Exactly `n_tokens` ids of mixed text (all fragment groups in turn, shuffled within), with a fixed seed."
+    "About `n_tokens` ids of mixed text (all fragment groups in turn, shuffled within), with a fixed seed; cut where a character ends."
     rng, groups, parts, ids = random.Random(seed), list(FRAGMENTS), [], []
-    while len(ids) < n_tokens:
+    while len(ids) < n_tokens + 16:
         for _ in range(200):
             g = rng.choice(groups)
             parts.append(rng.choice(FRAGMENTS[g]) + rng.choice(SEPARATORS))
         ids = tok.encode(''.join(parts), add_special_tokens=False)
-    return ids[:n_tokens]
+    n = n_tokens
+    while tok.decode(ids[:n]).endswith('\ufffd'): n += 1  # never end inside a character: decode would show U+FFFD
+    return ids[:n]
 
 
-def best_ns(run, ids, repeats: int) -> float:
-    "Best ns/token over `repeats` passes of `run(ids)`."
-    best = float('inf')
+def best_ns(runs: dict, ids, repeats: int) -> dict:
+    "Best ns/token of each `runs[key](ids)` over `repeats` rounds; a round times every method once, so a busy machine slows them alike."
+    best = dict.fromkeys(runs, float('inf'))
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        run(ids)
-        best = min(best, time.perf_counter_ns() - t0)
-    return best/len(ids)
+        for key, run in runs.items():
+            t0 = time.perf_counter_ns()
+            run(ids)
+            best[key] = min(best[key], time.perf_counter_ns() - t0)
+    return {key: ns/len(ids) for key, ns in best.items()}
 
 
 @call_parse
 def main(tokens: int = 10_000,  # how many tokens of mixed text
          repeats: int = 7,  # passes per method; the best is reported
-         strict: store_true = False,  # exit 1 when token_bytes is not TARGET times faster than DecodeStream.step
+         strict: store_true = False,  # exit 1 when a target is missed
         ):
     import tokenizers, torch, transformers
     from tokenizers.decoders import DecodeStream
@@ -99,6 +109,14 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
         step_bytes = to.step_bytes
         for t in steps: step_bytes(t, None)
 
+    k_steps = {k: [torch.tensor(ids[j:j + k]) for j in range(0, len(ids), k)] for k in KS}  # speculative / MTP steps
+    def run_k(k):
+        chunks = k_steps[k]
+        def run(ids):
+            step_bytes = to.step_bytes
+            for t in chunks: step_bytes(t, None)
+        return run
+
     # outputs, joined, for the byte-exactness check
     want = reference.encode()
     ds = DecodeStream(skip_special_tokens=False)
@@ -108,13 +126,15 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
         'decode([id])': ''.join(tok.decode([i]) for i in ids).encode(),
         'Tokenizer.decode([id])': ''.join(backend.decode([i]) for i in ids).encode(),
         'step_bytes': b''.join(to.step_bytes(t, None) for t in steps),
+        **{f'step_bytes_k{k}': b''.join(to.step_bytes(t, None) for t in k_steps[k]) for k in KS},
     }
     rows = [('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', run_token_bytes),
             ('DecodeStream.step', 'tokenizers DecodeStream.step', run_decode_stream),
             ('decode([id])', 'transformers tokenizer.decode([id])', run_decode),
             ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', run_backend_decode),
-            ('step_bytes', 'TextOutput.step_bytes(tensor([id])) (whole step path)', run_step_bytes)]
-    ns = {key: best_ns(run, ids, repeats) for key, _, run in rows}
+            ('step_bytes', 'TextOutput.step_bytes(tensor([id])) (whole step path)', run_step_bytes),
+            *[(f'step_bytes_k{k}', f'TextOutput.step_bytes, {k}-token steps (per token)', run_k(k)) for k in KS]]
+    ns = best_ns({key: run for key, _, run in rows}, ids, repeats)
 
     print(f'SmolLM2-135M-Instruct tokenizer (byte-level BPE, vocab {len(tok)}), {len(ids)} tokens of mixed text '
           f'({len(reference)} characters), best of {repeats} passes')
@@ -126,15 +146,23 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
         note = 'yes' if exact else f"no ({joined[key].decode('utf-8', 'replace').count(chr(0xFFFD))} U+FFFD)"
         print(f'{label:<56}{ns[key]:>10.1f}{ns[key]/ns["token_bytes"]:>14.1f}x  {note}')
         results[key] = dict(label=label, ns_per_token=ns[key], ratio_to_token_bytes=ns[key]/ns['token_bytes'], byte_exact=exact)
-    speedup = ns['DecodeStream.step']/ns['token_bytes']
-    met = speedup >= TARGET
-    print(f'\ntarget: token_bytes >= {TARGET:.0f}x faster than DecodeStream.step and byte-exact: '
-          f"{'met' if met and results['token_bytes']['byte_exact'] else 'NOT met'} ({speedup:.1f}x)")
+    ds = ns['DecodeStream.step']
+    speedup = ds/ns['token_bytes']
+    checks = [(f'token_bytes >= {TARGET:.0f}x faster than DecodeStream.step', speedup >= TARGET, f'{speedup:.1f}x'),
+              (f'step_bytes on a one-token tensor <= {STEP_TARGET}x DecodeStream.step', ns['step_bytes'] <= STEP_TARGET*ds,
+               f"{ns['step_bytes']/ds:.2f}x")]
+    # a k-token step costs <= k x (STEP_TARGET x DecodeStream.step): per token, the same bound
+    checks += [(f'a {k}-token step <= {k} x {STEP_TARGET}x DecodeStream.step', ns[f'step_bytes_k{k}'] <= STEP_TARGET*ds,
+                f"{ns[f'step_bytes_k{k}']*k/ds:.2f}x per step = {k} x {ns[f'step_bytes_k{k}']/ds:.2f}x") for k in KS]
+    print()
+    for what, ok, got in checks: print(f"target: {what}: {'met' if ok else 'NOT met'} ({got})")
+    met = all(ok for _, ok, _ in checks)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS/'detokenize.json').write_text(json.dumps(dict(
         tokens=len(ids), characters=len(reference), repeats=repeats, python=platform.python_version(),
         tokenizers=tokenizers.__version__, transformers=transformers.__version__, target=TARGET,
-        speedup_vs_decode_stream=speedup, results=results), indent=1))
-    if not (results['token_bytes']['byte_exact'] and results['DecodeStream.step']['byte_exact']): sys.exit(1)
+        speedup_vs_decode_stream=speedup, step_bytes_vs_decode_stream=ns['step_bytes']/ds,
+        targets={what: ok for what, ok, _ in checks}, results=results), indent=1))
+    if not all(results[k]['byte_exact'] for k in ('token_bytes', 'DecodeStream.step', 'step_bytes', *[f'step_bytes_k{k}' for k in KS])): sys.exit(1)
     if strict and not met: sys.exit(1)

@@ -497,23 +497,34 @@ def step_bytes(self: TextOutput,
     return b''.join(map(self.detokenizer.token_bytes, self.token_ids(output, request_kwargs)))
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5e
-_Tensor, _numel, _item = torch.Tensor, torch.Tensor.numel, torch.Tensor.item
+_numel, _item, _tolist = torch.Tensor.numel, torch.Tensor.item, torch.Tensor.tolist
 
 def _hot_step_bytes(to: TextOutput):
-    "`to.step_bytes` with a warm path: a one-token tensor whose id was seen before and is no stop id costs one dict lookup."
+    "`to.step_bytes` with a warm path: a tensor of ids seen before, none of them a stop id, costs one dict lookup per id."
     warm, general, stops = {}, TextOutput.step_bytes, to.stop_token_ids
     def step_bytes(output, request_kwargs=None):
-        if type(output) is _Tensor and _numel(output) == 1:
+        try: n = _numel(output)
+        except TypeError: return general(to, output, request_kwargs)  # not a tensor
+        if n == 1:
             i = _item(output)
-            if type(i) is int:
+            if type(i) is int:  # a float or bool tensor takes the general path, which refuses it
                 try: return warm[i]
                 except KeyError: pass
-                b = general(to, output, request_kwargs)  # validates i
-                if i not in stops: warm[i] = b
-                return b
-        return general(to, output, request_kwargs)
+        elif output.dtype in _INT_DTYPES:
+            try: return b''.join([warm[i] for i in _tolist(output)])
+            except (KeyError, TypeError): pass  # a cold or stop id; a 2-d tensor
+        return _cold(to, warm, output, request_kwargs)
     step_bytes.__doc__ = TextOutput.step_bytes.__doc__
     return step_bytes
+
+def _cold(to: TextOutput, warm: dict, output, request_kwargs) -> bytes:
+    "The general path, then the step's ids that are no stop ids go into `warm`."
+    b = TextOutput.step_bytes(to, output, request_kwargs)  # validates the ids it uses
+    for i in _token_ids(output):
+        if i not in to.stop_token_ids:
+            try: warm[i] = to.detokenizer.token_bytes(i)
+            except ValueError: pass  # past a stop id, where the general path did not look
+    return b
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f67
 class TextStream:
