@@ -5,9 +5,13 @@
 # %% ../nbs/98_testing.ipynb #fbb6d332
 from __future__ import annotations
 import logging
+from pathlib import Path
+
+import torch
 
 # %% auto #0
-__all__ = ['CLIP_MERGES', 'PrintHandler', 'ListHandler', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder']
+__all__ = ['MLA_CONFIG', 'CLIP_MERGES', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny',
+           'save_mla_checkpoint', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -19,6 +23,76 @@ class ListHandler(logging.Handler):
     "Collects the records it handles in `records`, for tests that check what was logged."
     def __init__(self, level=logging.NOTSET): super().__init__(level); self.records = []
     def emit(self, record): self.records.append(record)
+
+# %% ../nbs/98_testing.ipynb #861b5945
+_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
+_EXPERTS = 16  # string order (0, 1, 10, ...) differs from integer order
+
+def tiny_configs() -> dict:
+    "Small configs of real architectures, by name: decoder-only, encoder-decoder, speech and MoE families."
+    import transformers as tf
+    moe = dict(num_experts_per_tok=2, num_key_value_heads=2)
+    return {
+        'qwen2': tf.Qwen2Config(**_TINY, intermediate_size=48, num_key_value_heads=2),
+        'gemma2': tf.Gemma2Config(**_TINY, intermediate_size=48, num_key_value_heads=2, head_dim=8),
+        't5': tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4),
+        'whisper': tf.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                    decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_mel_bins=16,
+                                    max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                    decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[]),
+        'mixtral': tf.MixtralConfig(**_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe),
+        'qwen2_moe': tf.Qwen2MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                       num_experts=_EXPERTS, **moe),
+        'qwen3_moe': tf.Qwen3MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8, num_experts=_EXPERTS, **moe),
+        'deepseek_v2': tf.DeepseekV2Config(**_TINY, intermediate_size=48, moe_intermediate_size=16,
+                                           num_key_value_heads=4, n_routed_experts=_EXPERTS, n_shared_experts=1, num_experts_per_tok=2,
+                                           first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=12, kv_lora_rank=16,
+                                           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+    }
+
+# %% ../nbs/98_testing.ipynb #bdee0cd5
+def tiny_model(name: str, # a key of `tiny_configs()`
+               dtype=torch.float32, # the parameters' dtype
+               seed: int = 0, # torch.manual_seed before the random init
+              ):
+    "transformers' model for `tiny_configs()[name]`, randomly initialized: a causal LM, T5 or Whisper with its head."
+    import transformers as tf
+    cfg = tiny_configs()[name]
+    auto = {'t5': tf.AutoModelForSeq2SeqLM, 'whisper': tf.AutoModelForSpeechSeq2Seq}.get(name, tf.AutoModelForCausalLM)
+    torch.manual_seed(seed)
+    return auto.from_config(cfg, dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #430ea818
+def save_tiny(name: str, # a key of `tiny_configs()`
+              folder, # where save_pretrained writes the checkpoint
+              dtype=torch.float32, # the checkpoint's dtype
+              max_shard_size: str = '40KB', # small, so that the checkpoint has several shards behind an index
+              seed: int = 0,
+             ) -> Path:
+    "Write `tiny_model(name)` with transformers' `save_pretrained` into `folder`; returns it."
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity(); hf_logging.set_verbosity_error()
+    try: tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
+    finally: hf_logging.set_verbosity(level)
+    return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #3e8902e5
+MLA_CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  first_k_dense_replace=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=64)
+
+def save_mla_checkpoint(folder, # where save_pretrained writes it
+                        q_lora_rank: int | None = 24, # None: a full-rank q_proj
+                        dtype=torch.float32) -> Path:
+    "A tiny random DeepSeek-V2 (`MLA_CONFIG`, both layers dense) with trained-scale weights, written by `save_pretrained`."
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(DeepseekV2Config(**MLA_CONFIG, q_lora_rank=q_lora_rank), dtype=dtype)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2: p.normal_(0, p.shape[-1] ** -0.5)
+            else: p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return Path(folder)
 
 # %% ../nbs/98_testing.ipynb #13d77108
 import json, tempfile
