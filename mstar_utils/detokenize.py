@@ -559,7 +559,7 @@ def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
     "eos_token_id from checkpoint_dir/generation_config.json (int or list), plus the tokenizer's eos_token_id, checked against the vocabulary."
     ids, size, path = {}, len(tokenizer), checkpoint_dir/'generation_config.json'
     if path.exists():
-        try: eos = json.loads(path.read_text()).get('eos_token_id')
+        try: eos = json.loads(path.read_text(encoding='utf-8')).get('eos_token_id')
         except (json.JSONDecodeError, AttributeError) as e: raise ValueError(f'{path} is not a JSON object: {e}') from None
         for v in [] if eos is None else eos if isinstance(eos, list) else [eos]:
             if not isinstance(v, int) or isinstance(v, bool): raise ValueError(f'{path}: eos_token_id must be an int or a list of ints, got {eos!r}')
