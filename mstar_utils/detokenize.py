@@ -478,12 +478,18 @@ class TextOutput(_TextOutputFields):
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5c
 @patch
-def token_ids(self: TextOutput, output, request_kwargs: dict | None = None) -> list[int]:
+def token_ids(self: TextOutput,
+              output, # token ids: an integer tensor of any shape, or a sequence of ints
+              request_kwargs: dict | None = None, # the request's options; `ignore_eos` keeps every id
+             ) -> list[int]:
     "The ids of `output` that reach the client: `drop_stop_tokens(output, self.stop_token_ids, request_kwargs)`."
     return drop_stop_tokens(output, self.stop_token_ids, request_kwargs)
 
 @patch
-def output_bytes(self: TextOutput, output, request_kwargs: dict | None = None) -> bytes:
+def output_bytes(self: TextOutput,
+                 output, # all the reply's ids: an integer tensor of any shape, or a sequence of ints
+                 request_kwargs: dict | None = None, # the request's options; `ignore_eos` keeps stop tokens
+                ) -> bytes:
     "A whole reply's bytes: `output` holds all its ids; the reply ends at its first stop token unless `ignore_eos`."
     return self.detokenizer.to_bytes(self.token_ids(output, request_kwargs))
 
@@ -501,7 +507,8 @@ _numel, _item, _tolist = torch.Tensor.numel, torch.Tensor.item, torch.Tensor.tol
 
 def _hot_step_bytes(to: TextOutput):
     "`to.step_bytes` with a warm path: a tensor of ids seen before, none of them a stop id, costs one dict lookup per id."
-    warm, general, stops = {}, TextOutput.step_bytes, to.stop_token_ids
+    warm, general = {}, TextOutput.step_bytes
+    lookup = warm.__getitem__
     def step_bytes(output, request_kwargs=None):
         try: n = _numel(output)
         except TypeError: return general(to, output, request_kwargs)  # not a tensor
@@ -510,9 +517,11 @@ def _hot_step_bytes(to: TextOutput):
             if type(i) is int:  # a float or bool tensor takes the general path, which refuses it
                 try: return warm[i]
                 except KeyError: pass
-        elif output.dtype in _INT_DTYPES:
-            try: return b''.join([warm[i] for i in _tolist(output)])
-            except (KeyError, TypeError): pass  # a cold or stop id; a 2-d tensor
+        elif n:
+            ids = _tolist(output)
+            if type(ids[0]) is int:  # not a 2-d tensor, nor floats or bools
+                try: return b''.join(map(lookup, ids))
+                except KeyError: pass  # a cold or stop id
         return _cold(to, warm, output, request_kwargs)
     step_bytes.__doc__ = TextOutput.step_bytes.__doc__
     return step_bytes
@@ -550,7 +559,9 @@ def step(self: TextStream,
     return b''.join(map(to.detokenizer.token_bytes, ids))
 
 @patch
-def stream(self: TextOutput, request_kwargs: dict | None = None) -> TextStream:
+def stream(self: TextOutput,
+           request_kwargs: dict | None = None, # the request's options; under `ignore_eos` the reply never ends at a stop token
+          ) -> TextStream:
     "A `TextStream` for one reply of this model."
     return TextStream(self, request_kwargs)
 
