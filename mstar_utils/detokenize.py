@@ -508,7 +508,6 @@ _numel, _item, _tolist = torch.Tensor.numel, torch.Tensor.item, torch.Tensor.tol
 def _hot_step_bytes(to: TextOutput):
     "`to.step_bytes` with a warm path: a tensor of ids seen before, none of them a stop id, costs one dict lookup per id."
     warm, general = {}, TextOutput.step_bytes
-    lookup = warm.__getitem__
     def step_bytes(output, request_kwargs=None):
         try: n = _numel(output)
         except TypeError: return general(to, output, request_kwargs)  # not a tensor
@@ -520,7 +519,7 @@ def _hot_step_bytes(to: TextOutput):
         elif n:
             ids = _tolist(output)
             if type(ids[0]) is int:  # not a 2-d tensor, nor floats or bools
-                try: return b''.join(map(lookup, ids))
+                try: return warm[ids[0]] + warm[ids[1]] if n == 2 else b''.join([warm[i] for i in ids])  # 2: one MTP token
                 except KeyError: pass  # a cold or stop id
         return _cold(to, warm, output, request_kwargs)
     step_bytes.__doc__ = TextOutput.step_bytes.__doc__
