@@ -723,6 +723,17 @@ def test_hot_step_path_agrees_with_general_path(toks, name):
                 for t in (torch.tensor([i]), torch.tensor(i), torch.tensor([[i]]), torch.tensor([i], dtype=torch.int32)):
                     assert to.step_bytes(t, kw) == TextOutput.step_bytes(to, t, kw), (i, kw, t)
     assert to.step_bytes(torch.tensor([tok.eos_token_id])) == b''
+    # multi-token steps (speculative, MTP): 2 and 3 tokens, a stop id anywhere, cold then warm, 1-d and 2-d
+    rng = random.Random(name)
+    for _ in range(2):
+        for k in (2, 3):
+            for _ in range(200):
+                step = [rng.choice(ids) for _ in range(k)]
+                for t in (torch.tensor(step), torch.tensor([step]), torch.tensor(step, dtype=torch.int32)):
+                    for kw in (None, {'ignore_eos': True}):
+                        assert to.step_bytes(t, kw) == TextOutput.step_bytes(to, t, kw), (step, kw)
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([True, False]), torch.tensor([ids[1], len(tok)])):  # ids[1]: no stop id
+        with pytest.raises(ValueError): to.step_bytes(bad)
     for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([len(tok)]), torch.tensor([-1])):
         with pytest.raises(ValueError): to.step_bytes(bad)
     assert to.step_bytes(torch.tensor([], dtype=torch.long)) == b''
