@@ -8,9 +8,10 @@ byte-level tokenizer and about 10k tokens of mixed text.
     python benchmarks/bench_detokenize.py --strict        # also exit 1 when a target is missed
 
 All methods run in the same process on the same ids, each pass a plain `for` loop over the ids (or the steps) calling
-one bound method, so loop overhead is the same for every row. Each round runs every method twice, in turn, and times
-the second pass (caches warm again after the method before); the best round of each is reported, so load from other
-processes weighs on all rows alike. Also checks that each
+one bound method, so loop overhead is the same for every row. The ids are timed in blocks of 256 whose inputs are made
+just before, untimed: the step rows get fresh tensors, as a server's sampler makes each step's tensor. Each round runs
+every method twice, in turn, and times the second pass (caches warm again after the method before); the best round
+of each is reported, so load from other processes weighs on all rows alike. Also checks that each
 method's joined output is byte-exact against `tokenizer.decode(ids)`. Exits 1 when token_bytes, step_bytes or
 DecodeStream is not byte-exact. Writes benchmarks/results/detokenize.json.
 
@@ -58,16 +59,28 @@ def mixed_ids(tok, n_tokens: int, seed: int = 0) -> list[int]:
     return ids[:n]
 
 
-def best_ns(runs: dict, ids, repeats: int) -> dict:
-    "Best ns/token of each `runs[key](ids)` over `repeats` rounds; a round times every method once, so a busy machine slows them alike."
-    best = dict.fromkeys(runs, float('inf'))
+BLOCK = 256  # tokens timed at a time, their inputs made just before, as a server's sampler makes each step's tensor
+
+
+def timed_pass(prep, start, n: int) -> int:
+    "ns for one pass over n tokens: `start()` gives the method's runner for the pass, `prep(lo, hi)` its inputs for a block (untimed)."
+    run, total = start(), 0
+    for lo in range(0, n, BLOCK):
+        x = prep(lo, min(lo + BLOCK, n))
+        t0 = time.perf_counter_ns()
+        run(x)
+        total += time.perf_counter_ns() - t0
+    return total
+
+
+def best_ns(methods: dict, n: int, repeats: int) -> dict:
+    "Best ns/token of each method (prep, start) over `repeats` rounds; a round runs every method twice and times the second pass."
+    best = dict.fromkeys(methods, float('inf'))
     for _ in range(repeats):
-        for key, run in runs.items():
-            run(ids)  # untimed: caches warm again after the method before it
-            t0 = time.perf_counter_ns()
-            run(ids)
-            best[key] = min(best[key], time.perf_counter_ns() - t0)
-    return {key: ns/len(ids) for key, ns in best.items()}
+        for key, (prep, start) in methods.items():
+            timed_pass(prep, start, n)  # untimed: caches warm again after the method before it
+            best[key] = min(best[key], timed_pass(prep, start, n))
+    return {key: ns/n for key, ns in best.items()}
 
 
 @call_parse
@@ -91,33 +104,32 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
     token_bytes = det.token_bytes
     for i in ids: token_bytes(i)  # warm the memo: a server's memo is warm after its first requests
 
-    def run_token_bytes(ids):
-        for i in ids: token_bytes(i)
-
-    def run_decode_stream(ids):
-        step = DecodeStream(skip_special_tokens=False).step
-        for i in ids: step(backend, i)
-
-    def run_decode(ids):
-        decode = tok.decode
-        for i in ids: decode([i])
-
-    def run_backend_decode(ids):
-        decode = backend.decode
-        for i in ids: decode([i])
-
-    steps = [torch.tensor([i]) for i in ids]  # what a model hands over per step
-    def run_step_bytes(ids):
-        step_bytes = to.step_bytes
-        for t in steps: step_bytes(t, None)
-
-    k_steps = {k: [torch.tensor(ids[j:j + k]) for j in range(0, len(ids), k)] for k in KS}  # speculative / MTP steps
-    def run_k(k):
-        chunks = k_steps[k]
-        def run(ids):
-            step_bytes = to.step_bytes
-            for t in chunks: step_bytes(t, None)
+    # each method: (prep(lo, hi) -> the block's inputs, start() -> a runner for one pass)
+    def id_block(lo, hi): return ids[lo:hi]
+    def each(f):
+        def run(block):
+            for x in block: f(x)
         return run
+
+    def start_decode_stream():
+        step, ds = DecodeStream(skip_special_tokens=False).step, backend
+        def run(block):
+            for i in block: step(ds, i)
+        return run
+
+    def decode_one(i): return tok.decode([i])
+    def backend_one(i): return backend.decode([i])
+
+    def step_block(k):  # what a model hands over: a fresh tensor of k ids per step (speculative / MTP steps for k > 1)
+        return lambda lo, hi: [torch.tensor(ids[j:min(j + k, hi)]) for j in range(lo, hi, k)]
+    def start_step_bytes():
+        step_bytes = to.step_bytes
+        def run(block):
+            for t in block: step_bytes(t, None)
+        return run
+
+    steps = step_block(1)(0, len(ids))
+    k_steps = {k: step_block(k)(0, len(ids)) for k in KS}
 
     # outputs, joined, for the byte-exactness check
     want = reference.encode()
@@ -130,13 +142,13 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
         'step_bytes': b''.join(to.step_bytes(t, None) for t in steps),
         **{f'step_bytes_k{k}': b''.join(to.step_bytes(t, None) for t in k_steps[k]) for k in KS},
     }
-    rows = [('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', run_token_bytes),
-            ('DecodeStream.step', 'tokenizers DecodeStream.step', run_decode_stream),
-            ('decode([id])', 'transformers tokenizer.decode([id])', run_decode),
-            ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', run_backend_decode),
-            ('step_bytes', 'TextOutput.step_bytes(tensor([id])) (whole step path)', run_step_bytes),
-            *[(f'step_bytes_k{k}', f'TextOutput.step_bytes, {k}-token steps (per token)', run_k(k)) for k in KS]]
-    ns = best_ns({key: run for key, _, run in rows}, ids, repeats)
+    rows = [('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', (id_block, lambda: each(token_bytes))),
+            ('DecodeStream.step', 'tokenizers DecodeStream.step', (id_block, start_decode_stream)),
+            ('decode([id])', 'transformers tokenizer.decode([id])', (id_block, lambda: each(decode_one))),
+            ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', (id_block, lambda: each(backend_one))),
+            ('step_bytes', 'TextOutput.step_bytes(tensor([id])) (whole step path)', (step_block(1), start_step_bytes)),
+            *[(f'step_bytes_k{k}', f'TextOutput.step_bytes, {k}-token steps (per token)', (step_block(k), start_step_bytes)) for k in KS]]
+    ns = best_ns({key: method for key, _, method in rows}, len(ids), repeats)
 
     print(f'SmolLM2-135M-Instruct tokenizer (byte-level BPE, vocab {len(tok)}), {len(ids)} tokens of mixed text '
           f'({len(reference)} characters), best of {repeats} passes')
