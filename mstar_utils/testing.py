@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'CLIP_MERGES', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny',
-           'save_mla_checkpoint', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder']
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model',
+           'save_tiny', 'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
+           'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -93,6 +94,79 @@ def save_mla_checkpoint(folder, # where save_pretrained writes it
             else: p.copy_(1 + 0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #51a53685
+KV_ARCHITECTURES = {'Llama': 'LlamaConfig', 'Gemma-3': 'Gemma3Config', 'gpt-oss': 'GptOssConfig', 'Qwen3-Next': 'Qwen3NextConfig',
+                    'DeepSeek-V3': 'DeepseekV3Config', 'Whisper': 'WhisperConfig', 'Qwen2-VL': 'Qwen2VLConfig'}
+
+def released_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
+                       dtype='bfloat16'): # set at the config's top level
+    "transformers' config class for `arch` with its defaults, which are the shapes of a released model of the family."
+    import transformers
+    return getattr(transformers, KV_ARCHITECTURES[arch])(dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #f46e406f
+def gemma3_4b_it_config() -> dict:
+    "The `config.json` of google/gemma-3-4b-it: its `text_config` leaves the head counts to the class defaults, and `torch_dtype` sits at the top level only."
+    return {'architectures': ['Gemma3ForConditionalGeneration'], 'boi_token_index': 255999, 'eoi_token_index': 256000,
+            'eos_token_id': [1, 106], 'image_token_index': 262144, 'initializer_range': 0.02, 'mm_tokens_per_image': 256,
+            'model_type': 'gemma3',
+            'text_config': {'hidden_size': 2560, 'intermediate_size': 10240, 'model_type': 'gemma3_text', 'num_hidden_layers': 34,
+                            'rope_scaling': {'factor': 8.0, 'rope_type': 'linear'}, 'sliding_window': 1024},
+            'torch_dtype': 'bfloat16', 'transformers_version': '4.50.0.dev0',
+            'vision_config': {'hidden_size': 1152, 'image_size': 896, 'intermediate_size': 4304, 'model_type': 'siglip_vision_model',
+                              'num_attention_heads': 16, 'num_hidden_layers': 27, 'patch_size': 14, 'vision_use_head': False}}
+
+# %% ../nbs/98_testing.ipynb #e4debd5d
+_KV_TINY = dict(hidden_size=64, intermediate_size=64, vocab_size=128, num_attention_heads=4, num_key_value_heads=2)
+_KV_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_KV_SHAPES = {  # per architecture: small shapes, the class's own mix of layer kinds
+    'Llama': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=2),
+    'Gemma-3': lambda: dict(text_config=dict(**_KV_TINY, head_dim=16, num_hidden_layers=7, sliding_window=4)),
+    'gpt-oss': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+    'Qwen3-Next': lambda: dict(**_KV_TINY, **_KV_MOE, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, shared_expert_intermediate_size=32),
+    'DeepSeek-V3': lambda: dict(_KV_TINY, **_KV_MOE, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1),
+    'Whisper': lambda: dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, d_model=32,
+                            encoder_layers=2, decoder_layers=3, encoder_attention_heads=2, decoder_attention_heads=4, encoder_ffn_dim=32,
+                            decoder_ffn_dim=32, max_source_positions=8, max_target_positions=32, num_mel_bins=8),
+    'Qwen2-VL': lambda: dict(text_config=dict(**_KV_TINY, num_hidden_layers=2, rope_scaling=dict(type='mrope', mrope_section=[2, 3, 3]))),
+}
+
+def tiny_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
+                   dtype='bfloat16'):
+    "A config of `arch`'s class small enough to run on CPU in milliseconds, with the same kinds of layers (windows of 4 tokens, 8 encoder frames)."
+    import transformers
+    return getattr(transformers, KV_ARCHITECTURES[arch])(**_KV_SHAPES[arch](), dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #a12b527e
+def transformers_kv_cache(config, # a decoder-only config, or Whisper's
+                          tokens: int = 9): # decoder tokens to run
+    "The cache transformers fills for one request of `tokens` tokens through a random model of `config` (its decoder text model; Whisper: the whole model)."
+    import torch, transformers
+    torch.manual_seed(0)
+    if config.is_encoder_decoder:
+        model = transformers.AutoModel.from_config(config, dtype=config.dtype).eval()
+        frames = torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions, dtype=config.dtype)
+        inputs = dict(input_features=frames, decoder_input_ids=torch.arange(tokens)[None])
+    else:
+        model = transformers.AutoModel.from_config(config.get_text_config(decoder=True), dtype=config.dtype).eval()
+        inputs = dict(input_ids=torch.arange(tokens)[None])
+    with torch.no_grad(): out = model(**inputs, use_cache=True)
+    return out.cache if 'cache' in out else out.past_key_values
+
+# %% ../nbs/98_testing.ipynb #e0aa82ca
+def cache_layer_bytes(cache) -> list[tuple[str, int]]:
+    "(layer class, bytes) for each layer of a transformers cache: keys and values, or conv and recurrent states; an encoder-decoder cache's self-attention layers, then its cross-attention ones."
+    import torch
+    if hasattr(cache, 'cross_attention_cache'):
+        return cache_layer_bytes(cache.self_attention_cache) + cache_layer_bytes(cache.cross_attention_cache)
+    def held(layer):
+        ts = [getattr(layer, a, None) for a in ('keys', 'values')]
+        ts += [t for a in ('conv_states', 'recurrent_states') for t in (getattr(layer, a, None) or {}).values()]
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+    return [(type(layer).__name__, held(layer)) for layer in cache.layers]
 
 # %% ../nbs/98_testing.ipynb #13d77108
 import json, tempfile
