@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny',
-           'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
-           'transformers_kv_cache', 'cache_layer_bytes', 'jfk_resampled']
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model',
+           'save_tiny', 'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
+           'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder',
+           'run_ranks', 'tp_logits', 'tp_jobs', 'jfk_resampled']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -167,6 +168,114 @@ def cache_layer_bytes(cache) -> list[tuple[str, int]]:
         ts += [t for a in ('conv_states', 'recurrent_states') for t in (getattr(layer, a, None) or {}).values()]
         return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
     return [(type(layer).__name__, held(layer)) for layer in cache.layers]
+
+# %% ../nbs/98_testing.ipynb #13d77108
+import json, tempfile
+from pathlib import Path
+
+# %% ../nbs/98_testing.ipynb #5f9ae6b9
+def redecorated(tokenizer, # a fast transformers tokenizer
+                **parts, # tokenizer.json parts to replace (`decoder`, `pre_tokenizer`, `normalizer`, `model`): a tokenizers object, a dict, or None
+               ):
+    "A copy of `tokenizer` with other tokenizer.json parts, as a `PreTrainedTokenizerFast` with the same special tokens and no cleanup rewrite."
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    tj = json.loads(tokenizer.backend_tokenizer.to_str())
+    for k, v in parts.items(): tj[k] = v if v is None or isinstance(v, dict) else json.loads(v.__getstate__())
+    special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(tj)), clean_up_tokenization_spaces=False, **special)
+
+# %% ../nbs/98_testing.ipynb #e68b4218
+def metaspace_tokenizer(prepend_scheme: str = 'first', # 'first', 'always' or 'never', for both the pre-tokenizer and the decoder
+                        name: str = 'mistral-v3', # a SentencePiece vocabulary of `mstar_utils.checkpoints.TOKENIZERS`
+                       ):
+    "Mistral's real vocabulary as newer conversions write it: a `Metaspace` pre-tokenizer and decoder, no normalizer, byte fallback in the model."
+    from tokenizers import decoders, pre_tokenizers
+    from transformers import AutoTokenizer
+    from mstar_utils.checkpoints import tokenizer_folder
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder(name))
+    return redecorated(tok, normalizer=None, pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme, split=False),
+                       decoder=decoders.Metaspace(prepend_scheme=prepend_scheme, split=False))
+
+# %% ../nbs/98_testing.ipynb #e74e7831
+CLIP_MERGES = 'open_clip/bpe_simple_vocab_16e6.txt.gz'
+
+def _build_clip(out: Path):
+    import gzip
+    from transformers import CLIPTokenizer
+    from mstar_utils.checkpoints import extract_member
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = gzip.open(extract_member('open-clip-torch', CLIP_MERGES, Path(tmp)/'merges.txt.gz')).read().decode().split('\n')
+    merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's bytes_to_unicode order
+    chars = [chr(b) for b in printable] + [chr(0x100 + k) for k in range(256 - len(printable))]
+    vocab = chars + [c + '</w>' for c in chars] + [''.join(m) for m in merges] + ['<|startoftext|>', '<|endoftext|>']
+    CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges).save_pretrained(out)
+
+def clip_tokenizer_folder() -> Path:
+    "Folder with CLIP's tokenizer (transformers' `CLIPTokenizer`, ids as HF's openai/clip-vit-base-patch32), built from the `open-clip-torch` package on first use."
+    from mstar_utils.checkpoints import _cached_folder
+    return _cached_folder('tokenizers', 'clip', _build_clip)
+
+# %% ../nbs/98_testing.ipynb #4f5f95d0
+def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
+    "One spawned rank: join the gloo group through the file `store`, run `fn`, put (rank, ok, pickled result or traceback) on `queue`."
+    import datetime, pickle, traceback
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        try: out = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+        finally: dist.destroy_process_group()
+    except BaseException: out = (rank, False, traceback.format_exc())
+    queue.put(out)
+
+# %% ../nbs/98_testing.ipynb #4bfa0397
+def run_ranks(fn, # called as fn(rank, world_size, *args) in each process; must be importable (defined in a module)
+              world_size: int, # how many processes
+              *args, # passed on to fn (picklable)
+              timeout: float = 300, # seconds to wait for all ranks
+             ) -> list:
+    "`fn`'s results on `world_size` new processes joined in a gloo process group, in rank order; `RuntimeError` with a failing rank's traceback."
+    import multiprocessing, os, pickle, queue as queues, tempfile
+    ctx = multiprocessing.get_context('forkserver')   # ranks fork from one clean process that has done the imports once
+    ctx.set_forkserver_preload(['mstar_utils.testing', 'mstar_utils.tensor_parallel', 'transformers.modeling_utils'])
+    q, store = ctx.Queue(), os.path.join(tempfile.mkdtemp(prefix='ranks-'), 'store')
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, q), daemon=True) for r in range(world_size)]
+    for p in procs: p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, ok, payload = q.get(timeout=timeout)
+            if not ok: raise RuntimeError(f'rank {rank} of {world_size} failed:\n{payload}')
+            got[rank] = pickle.loads(payload)
+    except queues.Empty: raise RuntimeError(f'ranks {sorted(set(range(world_size)) - set(got))} of {world_size} gave no result in {timeout} s') from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive(): p.kill()
+    return [got[r] for r in range(world_size)]
+
+# %% ../nbs/98_testing.ipynb #f7a15f5c
+def tp_logits(rank: int, world_size: int, # this rank, the group size (as `run_ranks` passes them)
+              folder, # a checkpoint folder
+              ids: torch.Tensor, # token ids [batch, seq]
+              plan: dict | None = None, # a tp_plan; None: the config's
+              expert_parallel: bool = False, # default plan with experts split by expert
+             ) -> dict:
+    "One rank's work: `load_model_sharded` in float32, a forward pass on `ids`; {'logits', 'bytes_read', 'shapes': {name: shape}}."
+    from mstar_utils.tensor_parallel import load_model_sharded
+    model = load_model_sharded(folder, rank, world_size, plan, dtype=torch.float32, expert_parallel=expert_parallel)
+    with torch.no_grad(): logits = model(ids).logits
+    return {'logits': logits, 'bytes_read': model.tp_bytes_read, 'shapes': {k: list(v.shape) for k, v in model.state_dict().items()}}
+
+# %% ../nbs/98_testing.ipynb #8784c5b5
+def tp_jobs(rank: int, world_size: int, # as `run_ranks` passes them
+            jobs: list, # [(folder, ids, plan, expert_parallel), ...]: `tp_logits` arguments after world_size
+           ) -> list:
+    "`tp_logits` for each job in turn, in one process: one spawn of `run_ranks` serves several checks."
+    return [tp_logits(rank, world_size, *job) for job in jobs]
 
 # %% ../nbs/98_testing.ipynb #67165d01
 def jfk_resampled(folder, # where to write the file
