@@ -10,12 +10,12 @@ from pathlib import Path
 
 from fastcore.script import Param, anno_parser
 
-from .loading import INDEX_FILE, SINGLE_FILE, _read_header, read_weight_map
+from .sources import INDEX_FILE, SINGLE_FILE, read_header, read_weight_map
 from .generation import load_generation_defaults
 
 # %% auto #0
-__all__ = ['COMMANDS', 'NotACheckpoint', 'tokenizer_kind', 'checkpoint_report', 'format_report', 'build_and_load',
-           'generate_reply', 'inspect', 'main']
+__all__ = ['COMMANDS', 'NotACheckpoint', 'tokenizer_kind', 'checkpoint_report', 'format_report', 'generate_reply', 'inspect',
+           'main']
 
 # %% ../nbs/12_cli.ipynb #d126d770
 class NotACheckpoint(ValueError):
@@ -63,7 +63,7 @@ def checkpoint_report(checkpoint_dir) -> dict:
     shards = sorted(set(wm.values()))
     by_prefix, dtypes, n_params = Counter(), Counter(), 0
     for shard in shards:
-        _, header = _read_header(shard)
+        _, header = read_header(shard)
         for k, (dt, shape, _, _) in header.items():
             if wm.get(k) != shard: continue  # the index is the truth
             n = 1
@@ -114,30 +114,14 @@ def format_report(rep: dict) -> str:
     return '\n'.join(L)
 
 # %% ../nbs/12_cli.ipynb #bd2c9561
-def build_and_load(checkpoint_dir, dtype=None, device='cpu'):
-    "An `AutoModelForCausalLM` for the checkpoint, built on meta and filled by `load_weights_from_hf_shards`, checked and finalized; `dtype` defaults to config.json's."
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded, process_weights_after_loading
-    config = AutoConfig.from_pretrained(checkpoint_dir)
-    dtype = dtype or getattr(config, 'dtype', None) or torch.float32
-    if isinstance(dtype, str): dtype = getattr(torch, dtype)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.tie_weights()  # accelerate's meta init re-registers parameters and unties them
-    [loaded] = load_weights_from_hf_shards(checkpoint_dir, [ModuleAndPrefix(model)], device=device)
-    check_loaded(model, loaded, str(checkpoint_dir))
-    process_weights_after_loading(model, device)
-    return model.eval()
-
 def generate_reply(checkpoint_dir, prompt: str, max_new_tokens: int = 64, out=None) -> list[int]:
     """Greedy-decode a reply to `prompt` (as a user turn of the chat template), one token a step with a KV cache.
     Each step's bytes go to the binary stream `out` through `TextOutput.step_bytes` (raw bytes, so a character split across steps reassembles); stops at a stop token. Returns the generated ids, stop token excluded."""
     import torch
     from transformers import AutoTokenizer, DynamicCache
     from mstar_utils.detokenize import TextOutput
-    model = build_and_load(checkpoint_dir)
+    from mstar_utils.model import load_model
+    model = load_model(checkpoint_dir)
     tok = AutoTokenizer.from_pretrained(checkpoint_dir)
     text_out = TextOutput.from_checkpoint(checkpoint_dir, tokenizer=tok)
     msgs = [{'role': 'user', 'content': prompt}]

@@ -5,10 +5,14 @@
 # %% ../nbs/98_testing.ipynb #fbb6d332
 from __future__ import annotations
 import logging
+from pathlib import Path
+
+import torch
 
 # %% auto #0
-__all__ = ['CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler', 'ListHandler', 'fp8_block_quantize', 'mxfp4_quantize',
-           'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
+__all__ = ['MLA_CONFIG', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model',
+           'save_tiny', 'save_mla_checkpoint', 'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint',
+           'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
            'write_quantized_checkpoint', 'dequantized_reference']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
@@ -22,7 +26,77 @@ class ListHandler(logging.Handler):
     def __init__(self, level=logging.NOTSET): super().__init__(level); self.records = []
     def emit(self, record): self.records.append(record)
 
-# %% ../nbs/98_testing.ipynb #0724fa65
+# %% ../nbs/98_testing.ipynb #861b5945
+_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
+_EXPERTS = 16  # string order (0, 1, 10, ...) differs from integer order
+
+def tiny_configs() -> dict:
+    "Small configs of real architectures, by name: decoder-only, encoder-decoder, speech and MoE families."
+    import transformers as tf
+    moe = dict(num_experts_per_tok=2, num_key_value_heads=2)
+    return {
+        'qwen2': tf.Qwen2Config(**_TINY, intermediate_size=48, num_key_value_heads=2),
+        'gemma2': tf.Gemma2Config(**_TINY, intermediate_size=48, num_key_value_heads=2, head_dim=8),
+        't5': tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4),
+        'whisper': tf.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                    decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_mel_bins=16,
+                                    max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                    decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[]),
+        'mixtral': tf.MixtralConfig(**_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe),
+        'qwen2_moe': tf.Qwen2MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                       num_experts=_EXPERTS, **moe),
+        'qwen3_moe': tf.Qwen3MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8, num_experts=_EXPERTS, **moe),
+        'deepseek_v2': tf.DeepseekV2Config(**_TINY, intermediate_size=48, moe_intermediate_size=16,
+                                           num_key_value_heads=4, n_routed_experts=_EXPERTS, n_shared_experts=1, num_experts_per_tok=2,
+                                           first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=12, kv_lora_rank=16,
+                                           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+    }
+
+# %% ../nbs/98_testing.ipynb #bdee0cd5
+def tiny_model(name: str, # a key of `tiny_configs()`
+               dtype=torch.float32, # the parameters' dtype
+               seed: int = 0, # torch.manual_seed before the random init
+              ):
+    "transformers' model for `tiny_configs()[name]`, randomly initialized: a causal LM, T5 or Whisper with its head."
+    import transformers as tf
+    cfg = tiny_configs()[name]
+    auto = {'t5': tf.AutoModelForSeq2SeqLM, 'whisper': tf.AutoModelForSpeechSeq2Seq}.get(name, tf.AutoModelForCausalLM)
+    torch.manual_seed(seed)
+    return auto.from_config(cfg, dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #430ea818
+def save_tiny(name: str, # a key of `tiny_configs()`
+              folder, # where save_pretrained writes the checkpoint
+              dtype=torch.float32, # the checkpoint's dtype
+              max_shard_size: str = '40KB', # small, so that the checkpoint has several shards behind an index
+              seed: int = 0,
+             ) -> Path:
+    "Write `tiny_model(name)` with transformers' `save_pretrained` into `folder`; returns it."
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity(); hf_logging.set_verbosity_error()
+    try: tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
+    finally: hf_logging.set_verbosity(level)
+    return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #3e8902e5
+MLA_CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  first_k_dense_replace=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=64)
+
+def save_mla_checkpoint(folder, # where save_pretrained writes it
+                        q_lora_rank: int | None = 24, # None: a full-rank q_proj
+                        dtype=torch.float32) -> Path:
+    "A tiny random DeepSeek-V2 (`MLA_CONFIG`, both layers dense) with trained-scale weights, written by `save_pretrained`."
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(DeepseekV2Config(**MLA_CONFIG, q_lora_rank=q_lora_rank), dtype=dtype)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2: p.normal_(0, p.shape[-1] ** -0.5)
+            else: p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #e75bf471
 import contextlib, io, json, shutil
 from pathlib import Path
 
@@ -30,7 +104,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-# %% ../nbs/98_testing.ipynb #0a254185
+# %% ../nbs/98_testing.ipynb #732ccfc1
 def fp8_block_quantize(w: torch.Tensor, # float [R, C]
                        block: tuple = (128, 128), # rows, cols one scale covers
                       ) -> tuple:
@@ -42,7 +116,7 @@ def fp8_block_quantize(w: torch.Tensor, # float [R, C]
     q = (p / s[:, None, :, None]).flatten(0, 1).flatten(-2)[:R, :C]
     return q.to(torch.float8_e4m3fn), s
 
-# %% ../nbs/98_testing.ipynb #fb7dadae
+# %% ../nbs/98_testing.ipynb #9f62eace
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 codes 0..15
 
 def mxfp4_quantize(w: torch.Tensor, # float [..., R, C], C a multiple of 32
@@ -53,7 +127,7 @@ def mxfp4_quantize(w: torch.Tensor, # float [..., R, C], C a multiple of 32
     idx = ((g / torch.exp2(e)[..., None])[..., None] - torch.tensor(_FP4)).abs().argmin(-1).to(torch.uint8)
     return (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous(), (e + 127).to(torch.uint8)
 
-# %% ../nbs/98_testing.ipynb #7b66e1ac
+# %% ../nbs/98_testing.ipynb #3c9f7636
 def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
     "Replace `dest`'s model.safetensors by `tensors` and set config.json's `quantization_config` (None: drop it) and `dtype`."
     cfg = json.loads((dest/'config.json').read_text(encoding='utf-8'))
@@ -69,7 +143,7 @@ def _saved(model, dest) -> tuple:
     with contextlib.redirect_stderr(io.StringIO()): model.save_pretrained(dest)
     return Path(dest), load_file(str(Path(dest)/'model.safetensors'))
 
-# %% ../nbs/98_testing.ipynb #23fa9f39
+# %% ../nbs/98_testing.ipynb #6da8c5ea
 def write_fp8_checkpoint(model, # a transformers model
                          dest, # the checkpoint folder to write
                          block: tuple = (128, 128), # `weight_block_size`
@@ -84,7 +158,7 @@ def write_fp8_checkpoint(model, # a transformers model
     qc = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': list(block)}
     return _rewrite(dest, out, qc, dtype)
 
-# %% ../nbs/98_testing.ipynb #617cef53
+# %% ../nbs/98_testing.ipynb #d5aa0ba2
 def write_mxfp4_checkpoint(model, # a transformers gpt-oss model
                            dest, # the checkpoint folder to write
                            dtype=torch.bfloat16, # the dtype of the tensors left unquantized
@@ -98,7 +172,7 @@ def write_mxfp4_checkpoint(model, # a transformers gpt-oss model
     qc = {'quant_method': 'mxfp4', 'modules_to_not_convert': ['model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}
     return _rewrite(dest, out, qc, dtype)
 
-# %% ../nbs/98_testing.ipynb #3bd3a1a8
+# %% ../nbs/98_testing.ipynb #168feed9
 def _minmax(w: torch.Tensor, args) -> tuple:
     "(min, max) of `w` [R, C] per scale of compressed-tensors quantization `args`, as its min-max observer reduces."
     R, C = w.shape
@@ -109,7 +183,7 @@ def _minmax(w: torch.Tensor, args) -> tuple:
     b = torch.nn.functional.pad(w, (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
     return b.amin((1, 3)), b.amax((1, 3))
 
-# %% ../nbs/98_testing.ipynb #3c3a4e6a
+# %% ../nbs/98_testing.ipynb #fbb894b2
 def write_compressed_tensors_checkpoint(model, # a transformers model, quantized in place
                                         dest, # the checkpoint folder to write
                                         config_groups: dict, # compressed-tensors config groups: targets and weight args
@@ -135,7 +209,7 @@ def write_compressed_tensors_checkpoint(model, # a transformers model, quantized
     comp.update_config(str(dest))
     return dest
 
-# %% ../nbs/98_testing.ipynb #2fa5642b
+# %% ../nbs/98_testing.ipynb #a6da910b
 _DYNAMIC_FP8 = {'num_bits': 8, 'type': 'float', 'strategy': 'token', 'dynamic': True, 'symmetric': True}
 CT_FLOAT_GROUPS = {  # fp8 weights (FP8_DYNAMIC style): one scale per channel, per tensor, per 64x64 block
     'mlp': {'targets': ['re:.*mlp\\..*'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'channel'}, 'input_activations': _DYNAMIC_FP8},
@@ -147,7 +221,7 @@ CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 pe
     'qk': {'targets': ['re:.*\\.(q|k)_proj$'], 'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': 32, 'symmetric': False}},
     'vo': {'targets': ['re:.*\\.(v|o)_proj$'], 'weights': {'num_bits': 8, 'type': 'int', 'strategy': 'channel', 'symmetric': True}}}
 
-# %% ../nbs/98_testing.ipynb #a53e7d4e
+# %% ../nbs/98_testing.ipynb #b42f708c
 def quantized_configs() -> dict:
     "Tiny configs of the architectures each format ships for, by format: most dimensions are not multiples of the blocks."
     import transformers as tf
@@ -164,7 +238,7 @@ def quantized_configs() -> dict:
                                  layer_types=['sliding_attention', 'full_attention']),
     }
 
-# %% ../nbs/98_testing.ipynb #e915bf0c
+# %% ../nbs/98_testing.ipynb #1520953f
 def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp4'
                                dest, # the checkpoint folder to write
                                seed: int = 0, # torch.manual_seed before the random init
@@ -178,7 +252,7 @@ def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp
     groups = {'ct_float': CT_FLOAT_GROUPS, 'ct_pack': CT_PACK_GROUPS}[fmt]
     return write_compressed_tensors_checkpoint(model.to(torch.bfloat16), dest, groups)
 
-# %% ../nbs/98_testing.ipynb #f8436ca0
+# %% ../nbs/98_testing.ipynb #90836cca
 def dequantized_reference(folder, # a quantized checkpoint folder
                           dest, # where to write the dequantized copy
                           dtype=torch.bfloat16, # the dequantized weights' dtype

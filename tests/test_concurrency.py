@@ -1,9 +1,8 @@
 """Threads: loaders running at the same time on one checkpoint, and one detokenizer shared by 8 streams.
 
 Every thread waits on a barrier before its first call, so the calls overlap (the loaders' reads and torch's copies
-release the GIL; the detokenizer memo starts empty, so threads race to fill it). Modules are built on meta in the main
-thread: accelerate's `init_empty_weights` patches `nn.Module.register_parameter` for the whole process, and two threads
-entering and leaving it at once can leave the patch in place for good."""
+release the GIL; the detokenizer memo starts empty, so threads race to fill it). Modules are built on meta with `meta_module`,
+which holds a process lock around accelerate's process-wide patch of `nn.Module.register_parameter`."""
 import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1'); os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 import json, threading
@@ -12,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn as nn
-from accelerate import init_empty_weights
+from mstar_utils.model import meta_module
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -37,12 +36,10 @@ def run_together(fns: list):
 
 def layers(lo=0, hi=None):
     hi = CFG.num_hidden_layers if hi is None else hi
-    with init_empty_weights(include_buffers=False):
-        return nn.ModuleList(LlamaDecoderLayer(CFG, i) for i in range(lo, hi)).to(torch.bfloat16)
+    return meta_module(lambda: nn.ModuleList(LlamaDecoderLayer(CFG, i) for i in range(lo, hi)), torch.bfloat16)
 
 def embeddings():
-    with init_empty_weights(include_buffers=False):
-        return nn.Embedding(CFG.vocab_size, CFG.hidden_size, dtype=torch.bfloat16)
+    return meta_module(lambda: nn.Embedding(CFG.vocab_size, CFG.hidden_size, dtype=torch.bfloat16))
 
 def load(module, prefix):
     [names] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(module, prefix)], progress=False)

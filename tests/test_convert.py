@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-from accelerate import init_empty_weights
 from safetensors.torch import save_file, load_file
 from transformers import (AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, DeepseekV2Config)
 from transformers.core_model_loading import MergeModulelist as HFMerge, Concatenate as HFConcat
@@ -15,27 +14,22 @@ from transformers.utils import logging as hf_logging
 
 from mstar_utils.convert import (Operation, WeightConverter, KeysAndConverter, group_keys, converted_source, convert_state_dict,
                                  MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS)
-from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded, read_weight_map
+from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded
+from mstar_utils.sources import read_weight_map, FileSource
+from mstar_utils.model import build_on_meta
+from mstar_utils.testing import tiny_configs, save_tiny
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
 E = 16  # experts: string order (0, 1, 10, ...) differs from integer order
-TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
-FAMILIES = {
-    'mixtral': (lambda: MixtralConfig(**TINY, intermediate_size=16, num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=2),
-                MIXTRAL_CONVERSIONS, 'model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight', ('w1', 'w3', 'w2')),
-    'qwen2_moe': (lambda: Qwen2MoeConfig(**TINY, intermediate_size=24, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                                         num_key_value_heads=2, num_experts=E, num_experts_per_tok=2),
-                  QWEN2_MOE_CONVERSIONS, 'model.layers.{l}.mlp.experts.{e}.{w}.weight', ('gate_proj', 'up_proj', 'down_proj')),
-    'qwen3_moe': (lambda: Qwen3MoeConfig(**TINY, intermediate_size=24, moe_intermediate_size=16, num_key_value_heads=2, head_dim=8,
-                                         num_experts=E, num_experts_per_tok=2),
-                  QWEN3_MOE_CONVERSIONS, 'model.layers.{l}.mlp.experts.{e}.{w}.weight', ('gate_proj', 'up_proj', 'down_proj')),
-    'deepseek_v2': (lambda: DeepseekV2Config(**TINY, intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=E,
-                                             n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                             q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
-                    DEEPSEEK_V2_CONVERSIONS, 'model.layers.{l}.mlp.experts.{e}.{w}.weight', ('gate_proj', 'up_proj', 'down_proj')),
+FAMILIES = {  # name: (config, recipe, per-expert key, the three projections' names)
+    'mixtral': (MIXTRAL_CONVERSIONS, 'model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight', ('w1', 'w3', 'w2')),
+    'qwen2_moe': (QWEN2_MOE_CONVERSIONS, 'model.layers.{l}.mlp.experts.{e}.{w}.weight', ('gate_proj', 'up_proj', 'down_proj')),
+    'qwen3_moe': (QWEN3_MOE_CONVERSIONS, 'model.layers.{l}.mlp.experts.{e}.{w}.weight', ('gate_proj', 'up_proj', 'down_proj')),
+    'deepseek_v2': (DEEPSEEK_V2_CONVERSIONS, 'model.layers.{l}.mlp.experts.{e}.{w}.weight', ('gate_proj', 'up_proj', 'down_proj')),
 }
+FAMILIES = {name: ((lambda n=name: tiny_configs()[n]), *rest) for name, rest in FAMILIES.items()}
 
 
 @pytest.fixture(scope='module')
@@ -44,9 +38,7 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp('moe')
     out = {}
     for name, (cfg, *_) in FAMILIES.items():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg(), dtype=torch.bfloat16).save_pretrained(root/name, max_shard_size='40KB')
-        out[name] = root/name
+        out[name] = save_tiny(name, root/name, dtype=torch.bfloat16)
     return out
 
 
@@ -56,10 +48,7 @@ def refs(folders):
 
 
 def meta_model(folder, dtype=torch.bfloat16):
-    with init_empty_weights(include_buffers=False):
-        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
-    m.tie_weights()
-    return m
+    return build_on_meta(AutoConfig.from_pretrained(folder), dtype=dtype)
 
 
 def checkpoint(folder):
@@ -118,8 +107,8 @@ def test_parity_materialized_model(folders, refs, dtype):
 
 def test_parity_with_prefix(folders, refs):
     "The decoder alone, under prefix 'model.': target keys keep the prefix of the keys they came from."
-    with init_empty_weights(include_buffers=False):
-        dec = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folders['mixtral']), dtype=torch.bfloat16).model
+    cfg = AutoConfig.from_pretrained(folders['mixtral'])
+    dec = build_on_meta(cfg, type(AutoModelForCausalLM.from_config(cfg).model), torch.bfloat16)
     [loaded] = load_weights_from_hf_shards(folders['mixtral'], [ModuleAndPrefix(dec, 'model.')], conv=MIXTRAL_CONVERSIONS)
     check_loaded(dec, loaded, 'decoder')
     assert torch.equal(dec.layers[2].mlp.experts.down_proj, refs['mixtral'].model.layers[2].mlp.experts.down_proj)
@@ -253,9 +242,8 @@ def test_group_read_through_one_scratch_buffer():
 
 def test_source_passthrough_and_headers(folders):
     "Unconsumed keys pass through; a target's shape and dtype come from the headers; consumed keys are gone."
-    from mstar_utils.loading import _FileSource
     wm = read_weight_map(folders['mixtral'])
-    src = converted_source(_FileSource(wm, str(folders['mixtral'])), MIXTRAL_CONVERSIONS)
+    src = converted_source(FileSource(wm, str(folders['mixtral'])), MIXTRAL_CONVERSIONS)
     try:
         assert 'model.layers.0.block_sparse_moe.experts.3.w1.weight' not in src
         assert 'model.layers.0.block_sparse_moe.gate.weight' not in src and 'model.layers.0.mlp.gate.weight' in src
@@ -386,16 +374,15 @@ _MEASURE = r'''
 import json, os, sys
 os.environ['HF_HUB_OFFLINE'] = '1'
 import torch
-from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 import transformers.models.qwen3_moe.modeling_qwen3_moe
+from mstar_utils.model import build_on_meta
 from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards
 from mstar_utils.convert import QWEN3_MOE_CONVERSIONS
 def status(field):
     return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(field + ':'))
 ck = sys.argv[1]
-with init_empty_weights(include_buffers=False):
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ck), dtype=torch.bfloat16)
+model = build_on_meta(AutoConfig.from_pretrained(ck), dtype=torch.bfloat16)
 with open('/proc/self/clear_refs', 'w') as f: f.write('5')  # VmHWM := current RSS
 base = status('VmRSS')
 load_weights_from_hf_shards(ck, [ModuleAndPrefix(model)], conv=QWEN3_MOE_CONVERSIONS, progress=False)

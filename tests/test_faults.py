@@ -14,7 +14,8 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn as nn
-from accelerate import init_empty_weights
+from mstar_utils.model import meta_module
+from mstar_utils import sources
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
@@ -84,7 +85,7 @@ class SmolMini(nn.Module):
 
 def _build(make, kind: str, dtype) -> nn.Module:
     if kind == 'meta':
-        with init_empty_weights(include_buffers=False): return make().to(dtype)
+        return meta_module(make, dtype)
     torch.manual_seed(0)
     m = make().to(dtype)
     with torch.no_grad():
@@ -303,12 +304,12 @@ def test_state_dict_into_materialized_module_is_copied(dtype):
 
 def _truncate_on_first_read(monkeypatch, path: Path):
     "The file `path` loses its second half, in place, once the first tensor has been read: a download overwriting it mid-load."
-    real_get, done = loading._FileSource.get, []
+    real_get, done = sources.FileSource.get, []
     def get(self, k, out=None):
         t = real_get(self, k, out)
         if not done: done.append(k); os.truncate(path, path.stat().st_size // 2)
         return t
-    monkeypatch.setattr(loading._FileSource, 'get', get)
+    monkeypatch.setattr(sources.FileSource, 'get', get)
     return done
 
 def test_meta_module_unchanged_when_a_shard_is_cut_during_the_load(smol_src, tmp_path, monkeypatch):

@@ -13,7 +13,8 @@ import ctypes, ctypes.util, gc
 import psutil
 import pytest
 import torch
-from accelerate import init_empty_weights
+from mstar_utils.model import build_on_meta
+from mstar_utils import sources
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from mstar_utils import loading
@@ -33,10 +34,7 @@ def rss() -> int:
     return PROC.memory_info().rss
 
 def meta_model():
-    with init_empty_weights(include_buffers=False):
-        m = AutoModelForCausalLM.from_config(CFG, dtype=torch.bfloat16)
-    m.tie_weights()
-    return m
+    return build_on_meta(CFG, dtype=torch.bfloat16)
 
 def load_once() -> int:
     "Build SmolLM2 on meta, load and check it; RSS with the model alive."
@@ -59,12 +57,12 @@ def test_twenty_loads():
 def test_failed_loads_release_what_they_read(monkeypatch):
     "A load that fails on its last tensor, after reading all the others, leaves no memory and no open file behind."
     n = len(loading.read_weight_map(SMOL))  # every key is one tensor of the model
-    real_get, calls = loading._FileSource.get, [0]
+    real_get, calls = sources.FileSource.get, [0]
     def get(self, k, out=None):
         calls[0] += 1
         if calls[0] % n == 0: raise ValueError(f'simulated read error on {k}')
         return real_get(self, k, out)
-    monkeypatch.setattr(loading._FileSource, 'get', get)
+    monkeypatch.setattr(sources.FileSource, 'get', get)
     def fail_once():
         m = meta_model()
         with pytest.raises(ValueError, match='simulated read error'): load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)], progress=False)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import init_empty_weights
+from mstar_utils.model import build_on_meta, meta_module
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -16,10 +16,7 @@ CONFIG = AutoConfig.from_pretrained(SMOL)
 
 
 def meta_smol(dtype=torch.bfloat16):
-    with init_empty_weights(include_buffers=False):
-        m = AutoModelForCausalLM.from_config(CONFIG, dtype=dtype)
-    m.tie_weights()
-    return m
+    return build_on_meta(CONFIG, dtype=dtype)
 
 
 @pytest.fixture(scope='module')
@@ -140,8 +137,7 @@ def test_shape_mismatch_names_key_and_shapes():
 
 def test_single_file_path_minilm_embeddings_match():
     mini = minilm_checkpoint()
-    with init_empty_weights(include_buffers=False):
-        bert = AutoModel.from_config(AutoConfig.from_pretrained(mini))
+    bert = build_on_meta(AutoConfig.from_pretrained(mini))
     [loaded] = load_weights_from_hf_shards(mini, [ModuleAndPrefix(bert)])
     check_loaded(bert, loaded, 'minilm')
     ref = AutoModel.from_pretrained(mini)
