@@ -96,7 +96,7 @@ def save_mla_checkpoint(folder, # where save_pretrained writes it
     model.save_pretrained(folder)
     return Path(folder)
 
-# %% ../nbs/98_testing.ipynb #4c65ca37
+# %% ../nbs/98_testing.ipynb #e51f00c5
 import contextlib, io, json, shutil
 from pathlib import Path
 
@@ -104,7 +104,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-# %% ../nbs/98_testing.ipynb #e978ec81
+# %% ../nbs/98_testing.ipynb #4e43020b
 def fp8_block_quantize(w: torch.Tensor, # float [R, C]
                        block: tuple = (128, 128), # rows, cols one scale covers
                       ) -> tuple:
@@ -116,7 +116,7 @@ def fp8_block_quantize(w: torch.Tensor, # float [R, C]
     q = (p / s[:, None, :, None]).flatten(0, 1).flatten(-2)[:R, :C]
     return q.to(torch.float8_e4m3fn), s
 
-# %% ../nbs/98_testing.ipynb #0175f9d4
+# %% ../nbs/98_testing.ipynb #52f8e7e0
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 codes 0..15
 
 def mxfp4_quantize(w: torch.Tensor, # float [..., R, C], C a multiple of 32
@@ -127,7 +127,7 @@ def mxfp4_quantize(w: torch.Tensor, # float [..., R, C], C a multiple of 32
     idx = ((g / torch.exp2(e)[..., None])[..., None] - torch.tensor(_FP4)).abs().argmin(-1).to(torch.uint8)
     return (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous(), (e + 127).to(torch.uint8)
 
-# %% ../nbs/98_testing.ipynb #6ffe701d
+# %% ../nbs/98_testing.ipynb #95785c88
 def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
     "Replace `dest`'s model.safetensors by `tensors` and set config.json's `quantization_config` (None: drop it) and `dtype`."
     cfg = json.loads((dest/'config.json').read_text(encoding='utf-8'))
@@ -143,7 +143,7 @@ def _saved(model, dest) -> tuple:
     with contextlib.redirect_stderr(io.StringIO()): model.save_pretrained(dest)
     return Path(dest), load_file(str(Path(dest)/'model.safetensors'))
 
-# %% ../nbs/98_testing.ipynb #c52c2f3b
+# %% ../nbs/98_testing.ipynb #acc5a930
 def write_fp8_checkpoint(model, # a transformers model
                          dest, # the checkpoint folder to write
                          block: tuple = (128, 128), # `weight_block_size`
@@ -158,7 +158,7 @@ def write_fp8_checkpoint(model, # a transformers model
     qc = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': list(block)}
     return _rewrite(dest, out, qc, dtype)
 
-# %% ../nbs/98_testing.ipynb #cbd7c52a
+# %% ../nbs/98_testing.ipynb #cbdeab6c
 def write_mxfp4_checkpoint(model, # a transformers gpt-oss model
                            dest, # the checkpoint folder to write
                            dtype=torch.bfloat16, # the dtype of the tensors left unquantized
@@ -172,7 +172,7 @@ def write_mxfp4_checkpoint(model, # a transformers gpt-oss model
     qc = {'quant_method': 'mxfp4', 'modules_to_not_convert': ['model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}
     return _rewrite(dest, out, qc, dtype)
 
-# %% ../nbs/98_testing.ipynb #8193d78a
+# %% ../nbs/98_testing.ipynb #ac4b2068
 def _minmax(w: torch.Tensor, args) -> tuple:
     "(min, max) of `w` [R, C] per scale of compressed-tensors quantization `args`, as its min-max observer reduces."
     R, C = w.shape
@@ -183,7 +183,7 @@ def _minmax(w: torch.Tensor, args) -> tuple:
     b = torch.nn.functional.pad(w, (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
     return b.amin((1, 3)), b.amax((1, 3))
 
-# %% ../nbs/98_testing.ipynb #685b6bc5
+# %% ../nbs/98_testing.ipynb #bc23fa85
 def write_compressed_tensors_checkpoint(model, # a transformers model, quantized in place
                                         dest, # the checkpoint folder to write
                                         config_groups: dict, # compressed-tensors config groups: targets and weight args
@@ -209,7 +209,7 @@ def write_compressed_tensors_checkpoint(model, # a transformers model, quantized
     comp.update_config(str(dest))
     return dest
 
-# %% ../nbs/98_testing.ipynb #496c4a64
+# %% ../nbs/98_testing.ipynb #a7451897
 _DYNAMIC_FP8 = {'num_bits': 8, 'type': 'float', 'strategy': 'token', 'dynamic': True, 'symmetric': True}
 CT_FLOAT_GROUPS = {  # fp8 weights (FP8_DYNAMIC style): one scale per channel, per tensor, per 64x64 block
     'mlp': {'targets': ['re:.*mlp\\..*'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'channel'}, 'input_activations': _DYNAMIC_FP8},
@@ -221,7 +221,7 @@ CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 pe
     'qk': {'targets': ['re:.*\\.(q|k)_proj$'], 'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': 32, 'symmetric': False}},
     'vo': {'targets': ['re:.*\\.(v|o)_proj$'], 'weights': {'num_bits': 8, 'type': 'int', 'strategy': 'channel', 'symmetric': True}}}
 
-# %% ../nbs/98_testing.ipynb #87ccccf1
+# %% ../nbs/98_testing.ipynb #a9ad5d25
 def quantized_configs() -> dict:
     "Tiny configs of the architectures each format ships for, by format: most dimensions are not multiples of the blocks."
     import transformers as tf
@@ -238,7 +238,7 @@ def quantized_configs() -> dict:
                                  layer_types=['sliding_attention', 'full_attention']),
     }
 
-# %% ../nbs/98_testing.ipynb #1bf23e13
+# %% ../nbs/98_testing.ipynb #8a331775
 def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp4'
                                dest, # the checkpoint folder to write
                                seed: int = 0, # torch.manual_seed before the random init
@@ -252,7 +252,7 @@ def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp
     groups = {'ct_float': CT_FLOAT_GROUPS, 'ct_pack': CT_PACK_GROUPS}[fmt]
     return write_compressed_tensors_checkpoint(model.to(torch.bfloat16), dest, groups)
 
-# %% ../nbs/98_testing.ipynb #a1cc870c
+# %% ../nbs/98_testing.ipynb #e6097bfd
 def dequantized_reference(folder, # a quantized checkpoint folder
                           dest, # where to write the dequantized copy
                           dtype=torch.bfloat16, # the dequantized weights' dtype
