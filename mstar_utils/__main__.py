@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/15_main.ipynb #d5f08449
+# %% ../nbs/15_main.ipynb #7d57dd8c
 import sys
 from .cli import main
 
-if __name__ == '__main__': sys.exit(main())
+if __name__ == '__main__' and __package__ == 'mstar_utils': sys.exit(main())  # not when a notebook runs this cell
