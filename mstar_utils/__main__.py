@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/15_main.ipynb #7d57dd8c
+# %% ../nbs/15_main.ipynb #cee35679
 import sys
 from .cli import main
 

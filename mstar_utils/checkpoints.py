@@ -42,6 +42,8 @@ PACKAGES = {
                               '0602d1800f7433bdb7953560986eaf5146454ed3988636c0a91963ba24e74258'),
     'mistral-common': RegistryFile('mistral-common', '1.13.1', 'mistral_common-1.13.1-py3-none-any.whl',
                                    '98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af'),
+    'open-clip-torch': RegistryFile('open-clip-torch', '3.3.0', 'open_clip_torch-3.3.0-py3-none-any.whl',
+                                    'c549ad5ed6bfc119cc11105033c0a2b9d7a2a4afeb40a58a09aab3da1a0043ce'),
 }
 
 # %% ../nbs/00_checkpoints.ipynb #0998768c

@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model',
-           'save_tiny', 'save_mla_checkpoint', 'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint',
-           'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
-           'write_quantized_checkpoint', 'dequantized_reference']
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler', 'ListHandler',
+           'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint', 'released_kv_config',
+           'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
+           'metaspace_tokenizer', 'clip_tokenizer_folder', 'fp8_block_quantize', 'mxfp4_quantize',
+           'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
+           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -95,6 +97,127 @@ def save_mla_checkpoint(folder, # where save_pretrained writes it
             else: p.copy_(1 + 0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #51a53685
+KV_ARCHITECTURES = {'Llama': 'LlamaConfig', 'Gemma-3': 'Gemma3Config', 'gpt-oss': 'GptOssConfig', 'Qwen3-Next': 'Qwen3NextConfig',
+                    'DeepSeek-V3': 'DeepseekV3Config', 'Whisper': 'WhisperConfig', 'Qwen2-VL': 'Qwen2VLConfig'}
+
+def released_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
+                       dtype='bfloat16'): # set at the config's top level
+    "transformers' config class for `arch` with its defaults, which are the shapes of a released model of the family."
+    import transformers
+    return getattr(transformers, KV_ARCHITECTURES[arch])(dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #f46e406f
+def gemma3_4b_it_config() -> dict:
+    "The `config.json` of google/gemma-3-4b-it: its `text_config` leaves the head counts to the class defaults, and `torch_dtype` sits at the top level only."
+    return {'architectures': ['Gemma3ForConditionalGeneration'], 'boi_token_index': 255999, 'eoi_token_index': 256000,
+            'eos_token_id': [1, 106], 'image_token_index': 262144, 'initializer_range': 0.02, 'mm_tokens_per_image': 256,
+            'model_type': 'gemma3',
+            'text_config': {'hidden_size': 2560, 'intermediate_size': 10240, 'model_type': 'gemma3_text', 'num_hidden_layers': 34,
+                            'rope_scaling': {'factor': 8.0, 'rope_type': 'linear'}, 'sliding_window': 1024},
+            'torch_dtype': 'bfloat16', 'transformers_version': '4.50.0.dev0',
+            'vision_config': {'hidden_size': 1152, 'image_size': 896, 'intermediate_size': 4304, 'model_type': 'siglip_vision_model',
+                              'num_attention_heads': 16, 'num_hidden_layers': 27, 'patch_size': 14, 'vision_use_head': False}}
+
+# %% ../nbs/98_testing.ipynb #e4debd5d
+_KV_TINY = dict(hidden_size=64, intermediate_size=64, vocab_size=128, num_attention_heads=4, num_key_value_heads=2)
+_KV_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_KV_SHAPES = {  # per architecture: small shapes, the class's own mix of layer kinds
+    'Llama': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=2),
+    'Gemma-3': lambda: dict(text_config=dict(**_KV_TINY, head_dim=16, num_hidden_layers=7, sliding_window=4)),
+    'gpt-oss': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+    'Qwen3-Next': lambda: dict(**_KV_TINY, **_KV_MOE, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, shared_expert_intermediate_size=32),
+    'DeepSeek-V3': lambda: dict(_KV_TINY, **_KV_MOE, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1),
+    'Whisper': lambda: dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, d_model=32,
+                            encoder_layers=2, decoder_layers=3, encoder_attention_heads=2, decoder_attention_heads=4, encoder_ffn_dim=32,
+                            decoder_ffn_dim=32, max_source_positions=8, max_target_positions=32, num_mel_bins=8),
+    'Qwen2-VL': lambda: dict(text_config=dict(**_KV_TINY, num_hidden_layers=2, rope_scaling=dict(type='mrope', mrope_section=[2, 3, 3]))),
+}
+
+def tiny_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
+                   dtype='bfloat16'):
+    "A config of `arch`'s class small enough to run on CPU in milliseconds, with the same kinds of layers (windows of 4 tokens, 8 encoder frames)."
+    import transformers
+    return getattr(transformers, KV_ARCHITECTURES[arch])(**_KV_SHAPES[arch](), dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #a12b527e
+def transformers_kv_cache(config, # a decoder-only config, or Whisper's
+                          tokens: int = 9): # decoder tokens to run
+    "The cache transformers fills for one request of `tokens` tokens through a random model of `config` (its decoder text model; Whisper: the whole model)."
+    import torch, transformers
+    torch.manual_seed(0)
+    if config.is_encoder_decoder:
+        model = transformers.AutoModel.from_config(config, dtype=config.dtype).eval()
+        frames = torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions, dtype=config.dtype)
+        inputs = dict(input_features=frames, decoder_input_ids=torch.arange(tokens)[None])
+    else:
+        model = transformers.AutoModel.from_config(config.get_text_config(decoder=True), dtype=config.dtype).eval()
+        inputs = dict(input_ids=torch.arange(tokens)[None])
+    with torch.no_grad(): out = model(**inputs, use_cache=True)
+    return out.cache if 'cache' in out else out.past_key_values
+
+# %% ../nbs/98_testing.ipynb #e0aa82ca
+def cache_layer_bytes(cache) -> list[tuple[str, int]]:
+    "(layer class, bytes) for each layer of a transformers cache: keys and values, or conv and recurrent states; an encoder-decoder cache's self-attention layers, then its cross-attention ones."
+    import torch
+    if hasattr(cache, 'cross_attention_cache'):
+        return cache_layer_bytes(cache.self_attention_cache) + cache_layer_bytes(cache.cross_attention_cache)
+    def held(layer):
+        ts = [getattr(layer, a, None) for a in ('keys', 'values')]
+        ts += [t for a in ('conv_states', 'recurrent_states') for t in (getattr(layer, a, None) or {}).values()]
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+    return [(type(layer).__name__, held(layer)) for layer in cache.layers]
+
+# %% ../nbs/98_testing.ipynb #13d77108
+import json, tempfile
+from pathlib import Path
+
+# %% ../nbs/98_testing.ipynb #5f9ae6b9
+def redecorated(tokenizer, # a fast transformers tokenizer
+                **parts, # tokenizer.json parts to replace (`decoder`, `pre_tokenizer`, `normalizer`, `model`): a tokenizers object, a dict, or None
+               ):
+    "A copy of `tokenizer` with other tokenizer.json parts, as a `PreTrainedTokenizerFast` with the same special tokens and no cleanup rewrite."
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    tj = json.loads(tokenizer.backend_tokenizer.to_str())
+    for k, v in parts.items(): tj[k] = v if v is None or isinstance(v, dict) else json.loads(v.__getstate__())
+    special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(tj)), clean_up_tokenization_spaces=False, **special)
+
+# %% ../nbs/98_testing.ipynb #e68b4218
+def metaspace_tokenizer(prepend_scheme: str = 'first', # 'first', 'always' or 'never', for both the pre-tokenizer and the decoder
+                        name: str = 'mistral-v3', # a SentencePiece vocabulary of `mstar_utils.checkpoints.TOKENIZERS`
+                       ):
+    "Mistral's real vocabulary as newer conversions write it: a `Metaspace` pre-tokenizer and decoder, no normalizer, byte fallback in the model."
+    from tokenizers import decoders, pre_tokenizers
+    from transformers import AutoTokenizer
+    from mstar_utils.checkpoints import tokenizer_folder
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder(name))
+    return redecorated(tok, normalizer=None, pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme, split=False),
+                       decoder=decoders.Metaspace(prepend_scheme=prepend_scheme, split=False))
+
+# %% ../nbs/98_testing.ipynb #e74e7831
+CLIP_MERGES = 'open_clip/bpe_simple_vocab_16e6.txt.gz'
+
+def _build_clip(out: Path):
+    import gzip
+    from transformers import CLIPTokenizer
+    from mstar_utils.checkpoints import extract_member
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = gzip.open(extract_member('open-clip-torch', CLIP_MERGES, Path(tmp)/'merges.txt.gz')).read().decode().split('\n')
+    merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's bytes_to_unicode order
+    chars = [chr(b) for b in printable] + [chr(0x100 + k) for k in range(256 - len(printable))]
+    vocab = chars + [c + '</w>' for c in chars] + [''.join(m) for m in merges] + ['<|startoftext|>', '<|endoftext|>']
+    CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges).save_pretrained(out)
+
+def clip_tokenizer_folder() -> Path:
+    "Folder with CLIP's tokenizer (transformers' `CLIPTokenizer`, ids as HF's openai/clip-vit-base-patch32), built from the `open-clip-torch` package on first use."
+    from mstar_utils.checkpoints import _cached_folder
+    return _cached_folder('tokenizers', 'clip', _build_clip)
 
 # %% ../nbs/98_testing.ipynb #e51f00c5
 import contextlib, io, json, shutil
@@ -276,3 +399,63 @@ def dequantized_reference(folder, # a quantized checkpoint folder
     for f in ('config.json', 'generation_config.json'):
         if (folder/f).exists(): shutil.copy(folder/f, dest/f)
     return _rewrite(dest, out, None, dtype)
+
+# %% ../nbs/98_testing.ipynb #4f5f95d0
+def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
+    "One spawned rank: join the gloo group through the file `store`, run `fn`, put (rank, ok, pickled result or traceback) on `queue`."
+    import datetime, pickle, traceback
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        try: out = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+        finally: dist.destroy_process_group()
+    except BaseException: out = (rank, False, traceback.format_exc())
+    queue.put(out)
+
+# %% ../nbs/98_testing.ipynb #4bfa0397
+def run_ranks(fn, # called as fn(rank, world_size, *args) in each process; must be importable (defined in a module)
+              world_size: int, # how many processes
+              *args, # passed on to fn (picklable)
+              timeout: float = 300, # seconds to wait for all ranks
+             ) -> list:
+    "`fn`'s results on `world_size` new processes joined in a gloo process group, in rank order; `RuntimeError` with a failing rank's traceback."
+    import multiprocessing, os, pickle, queue as queues, tempfile
+    ctx = multiprocessing.get_context('forkserver')   # ranks fork from one clean process that has done the imports once
+    ctx.set_forkserver_preload(['mstar_utils.testing', 'mstar_utils.tensor_parallel', 'transformers.modeling_utils'])
+    q, store = ctx.Queue(), os.path.join(tempfile.mkdtemp(prefix='ranks-'), 'store')
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, q), daemon=True) for r in range(world_size)]
+    for p in procs: p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, ok, payload = q.get(timeout=timeout)
+            if not ok: raise RuntimeError(f'rank {rank} of {world_size} failed:\n{payload}')
+            got[rank] = pickle.loads(payload)
+    except queues.Empty: raise RuntimeError(f'ranks {sorted(set(range(world_size)) - set(got))} of {world_size} gave no result in {timeout} s') from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive(): p.kill()
+    return [got[r] for r in range(world_size)]
+
+# %% ../nbs/98_testing.ipynb #f7a15f5c
+def tp_logits(rank: int, world_size: int, # this rank, the group size (as `run_ranks` passes them)
+              folder, # a checkpoint folder
+              ids: torch.Tensor, # token ids [batch, seq]
+              plan: dict | None = None, # a tp_plan; None: the config's
+              expert_parallel: bool = False, # default plan with experts split by expert
+             ) -> dict:
+    "One rank's work: `load_model_sharded` in float32, a forward pass on `ids`; {'logits', 'bytes_read', 'shapes': {name: shape}}."
+    from mstar_utils.tensor_parallel import load_model_sharded
+    model = load_model_sharded(folder, rank, world_size, plan, dtype=torch.float32, expert_parallel=expert_parallel)
+    with torch.no_grad(): logits = model(ids).logits
+    return {'logits': logits, 'bytes_read': model.tp_bytes_read, 'shapes': {k: list(v.shape) for k, v in model.state_dict().items()}}
+
+# %% ../nbs/98_testing.ipynb #8784c5b5
+def tp_jobs(rank: int, world_size: int, # as `run_ranks` passes them
+            jobs: list, # [(folder, ids, plan, expert_parallel), ...]: `tp_logits` arguments after world_size
+           ) -> list:
+    "`tp_logits` for each job in turn, in one process: one spawn of `run_ranks` serves several checks."
+    return [tp_logits(rank, world_size, *job) for job in jobs]
