@@ -80,9 +80,10 @@ def from_config(cls: MLAAttention, config, layer_idx: int | None = None) -> MLAA
 # %% ../nbs/05_mla.ipynb #d69b24f7
 @patch
 def process_weights_after_loading(self: MLAAttention, device) -> None:
-    "Derive `w_kc` [N, P, L] and `w_vc` [N, L, V] on `device` from `kv_b_proj.weight` [N·(P+V), L]; rebuilds them on every call."
+    "Derive `w_kc` [N, P, L] and `w_vc` [N, L, V] on `device` from `kv_b_proj.weight` [N·(P+V), L] (dequantized first when kept quantized); rebuilds them on every call."
     w = self.kv_b_proj.weight
     if w.is_meta: raise RuntimeError(f'{self._name()}: kv_b_proj.weight is still on meta; load the weights before process_weights_after_loading')
+    if hasattr(self.kv_b_proj, 'dequantized_weight'): w = self.kv_b_proj.dequantized_weight()   # a QuantizedLinear: fp8 codes and scales
     N, P, V, L = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
     if tuple(w.shape) != (N * (P + V), L):
         raise ValueError(f'{self._name()}: kv_b_proj.weight has shape {list(w.shape)}, expected [N*(P+V), L] = [{N * (P + V)}, {L}] '

@@ -12,6 +12,10 @@ import torch
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS
+from .sources import checkpoint_source
+from .loading import load_from_source
+from .convert import converted_source
+from .quantized import quantized_source
 
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'load_model']
@@ -63,7 +67,7 @@ def build_on_meta(config, # a transformers config
 
 # %% ../nbs/03_load_model.ipynb #8a52e97a
 CONVERSIONS_BY_MODEL_TYPE = {'mixtral': MIXTRAL_CONVERSIONS, 'qwen2_moe': QWEN2_MOE_CONVERSIONS, 'qwen3_moe': QWEN3_MOE_CONVERSIONS,
-                             'deepseek_v2': DEEPSEEK_V2_CONVERSIONS}
+                             'deepseek_v2': DEEPSEEK_V2_CONVERSIONS, 'deepseek_v3': DEEPSEEK_V2_CONVERSIONS}
 
 # %% ../nbs/03_load_model.ipynb #b9b3199d
 def _auto_conversions(config, ckpt: Path) -> list:
@@ -101,14 +105,19 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
                dtype: torch.dtype | None = None, # parameters' dtype; None: config.json's, as `from_pretrained`
                conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': by model_type; None: none
                strict: bool = False, # raise `ValueError` instead of warning when checkpoint keys go unused
+               quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize' into `dtype`, or 'keep' codes and scales
               ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, built on meta, loaded, checked, finalized and in eval mode, with its generation config."
     from transformers import AutoConfig
+    if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
     model = build_on_meta(config, model_class, dtype)
     recipes = _auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
-    res = load_weights_from_hf_shards(ckpt, [ModuleAndPrefix(model)], device=device, conv=recipes)
+    src, recipes = quantized_source(checkpoint_source(ckpt), config, model, recipes, keep=quantized == 'keep')
+    if recipes: src = converted_source(src, recipes)
+    try: res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(ckpt))
+    finally: src.close()
     check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__})')
     model.to(device)   # the buffers built real on the CPU
     process_weights_after_loading(model, device)

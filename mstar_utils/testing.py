@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model',
-           'save_tiny', 'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
-           'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder',
-           'run_ranks', 'tp_logits', 'tp_jobs', 'jfk_resampled']
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler', 'ListHandler',
+           'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint', 'released_kv_config',
+           'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
+           'metaspace_tokenizer', 'clip_tokenizer_folder', 'fp8_block_quantize', 'mxfp4_quantize',
+           'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
+           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'jfk_resampled']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -216,6 +218,187 @@ def clip_tokenizer_folder() -> Path:
     "Folder with CLIP's tokenizer (transformers' `CLIPTokenizer`, ids as HF's openai/clip-vit-base-patch32), built from the `open-clip-torch` package on first use."
     from mstar_utils.checkpoints import _cached_folder
     return _cached_folder('tokenizers', 'clip', _build_clip)
+
+# %% ../nbs/98_testing.ipynb #e51f00c5
+import contextlib, io, json, shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+# %% ../nbs/98_testing.ipynb #4e43020b
+def fp8_block_quantize(w: torch.Tensor, # float [R, C]
+                       block: tuple = (128, 128), # rows, cols one scale covers
+                      ) -> tuple:
+    "(codes float8_e4m3fn [R, C], `weight_scale_inv` float32 [⌈R/br⌉, ⌈C/bc⌉]): edge blocks zero-padded, each block scaled so its largest |value| is 448."
+    br, bc = block; R, C = w.shape
+    p = torch.nn.functional.pad(w.float(), (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
+    s = p.abs().amax((1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (p / s[:, None, :, None]).flatten(0, 1).flatten(-2)[:R, :C]
+    return q.to(torch.float8_e4m3fn), s
+
+# %% ../nbs/98_testing.ipynb #52f8e7e0
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 codes 0..15
+
+def mxfp4_quantize(w: torch.Tensor, # float [..., R, C], C a multiple of 32
+                  ) -> tuple:
+    "(blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32]): per 32 values the E8M0 power of two that fits their largest |value| in 6, values rounded to the nearest E2M1 code, two a byte, low nibble first."
+    g = w.float().unflatten(-1, (-1, 32))
+    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0 ** -120) / 6)).clamp(-127, 127)
+    idx = ((g / torch.exp2(e)[..., None])[..., None] - torch.tensor(_FP4)).abs().argmin(-1).to(torch.uint8)
+    return (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous(), (e + 127).to(torch.uint8)
+
+# %% ../nbs/98_testing.ipynb #95785c88
+def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
+    "Replace `dest`'s model.safetensors by `tensors` and set config.json's `quantization_config` (None: drop it) and `dtype`."
+    cfg = json.loads((dest/'config.json').read_text(encoding='utf-8'))
+    cfg.pop('quantization_config', None)
+    if qc: cfg['quantization_config'] = qc
+    cfg['dtype'] = str(dtype).removeprefix('torch.')
+    (dest/'config.json').write_text(json.dumps(cfg, indent=2), encoding='utf-8')
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest/'model.safetensors'), metadata={'format': 'pt'})
+    return dest
+
+def _saved(model, dest) -> tuple:
+    "(dest, its tensors) after `save_pretrained`, its progress bars and warnings silenced."
+    with contextlib.redirect_stderr(io.StringIO()): model.save_pretrained(dest)
+    return Path(dest), load_file(str(Path(dest)/'model.safetensors'))
+
+# %% ../nbs/98_testing.ipynb #acc5a930
+def write_fp8_checkpoint(model, # a transformers model
+                         dest, # the checkpoint folder to write
+                         block: tuple = (128, 128), # `weight_block_size`
+                         dtype=torch.bfloat16, # the dtype of the tensors left unquantized
+                        ) -> Path:
+    "`model` saved as DeepSeek-V3's `quant_method: \"fp8\"` releases are: each 2-d `*_proj*.weight` as F8_E4M3 codes plus F32 `weight_scale_inv`, the rest in `dtype`."
+    dest, sd = _saved(model, dest)
+    out = {}
+    for k, v in sd.items():
+        if '_proj' in k and k.endswith('.weight') and v.dim() == 2: out[k], out[k + '_scale_inv'] = fp8_block_quantize(v, block)
+        else: out[k] = v.to(dtype)
+    qc = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': list(block)}
+    return _rewrite(dest, out, qc, dtype)
+
+# %% ../nbs/98_testing.ipynb #cbdeab6c
+def write_mxfp4_checkpoint(model, # a transformers gpt-oss model
+                           dest, # the checkpoint folder to write
+                           dtype=torch.bfloat16, # the dtype of the tensors left unquantized
+                          ) -> Path:
+    "`model` saved as gpt-oss is released: expert `gate_up_proj`/`down_proj` [E, in, out] as `*_blocks`/`*_scales` of [E, out, in], the rest in `dtype`."
+    dest, sd = _saved(model, dest)
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(('experts.gate_up_proj', 'experts.down_proj')): out[k + '_blocks'], out[k + '_scales'] = mxfp4_quantize(v.transpose(-1, -2))
+        else: out[k] = v.to(dtype)
+    qc = {'quant_method': 'mxfp4', 'modules_to_not_convert': ['model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}
+    return _rewrite(dest, out, qc, dtype)
+
+# %% ../nbs/98_testing.ipynb #ac4b2068
+def _minmax(w: torch.Tensor, args) -> tuple:
+    "(min, max) of `w` [R, C] per scale of compressed-tensors quantization `args`, as its min-max observer reduces."
+    R, C = w.shape
+    if args.strategy == 'tensor': return w.min().reshape(1), w.max().reshape(1)
+    if args.strategy == 'channel': return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if args.strategy == 'group': g = w.unflatten(1, (-1, args.group_size)); return g.amin(-1), g.amax(-1)
+    br, bc = args.block_structure
+    b = torch.nn.functional.pad(w, (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
+    return b.amin((1, 3)), b.amax((1, 3))
+
+# %% ../nbs/98_testing.ipynb #bc23fa85
+def write_compressed_tensors_checkpoint(model, # a transformers model, quantized in place
+                                        dest, # the checkpoint folder to write
+                                        config_groups: dict, # compressed-tensors config groups: targets and weight args
+                                        ignore: list = ('lm_head',), # modules left unquantized
+                                       ) -> Path:
+    "`model` quantized, compressed and saved by the `compressed-tensors` package (min-max scales), with its `quantization_config`."
+    import compressed_tensors, loguru
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.compressors import ModelCompressor
+    loguru.logger.disable('compressed_tensors')
+    qcfg = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), quantization_status='frozen')
+    apply_quantization_config(model, qcfg, show_progress=False)
+    for m in model.modules():
+        if not hasattr(m, 'weight_scale'): continue
+        args = m.quantization_scheme.weights
+        s, z = calculate_qparams(*_minmax(m.weight.data.float(), args), args)
+        m.weight_scale.data = s.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
+        if hasattr(m, 'weight_zero_point'): m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+    comp = ModelCompressor.from_pretrained_model(model)
+    with contextlib.redirect_stderr(io.StringIO()): comp.compress_model(model)
+    dest, _ = _saved(model, dest)
+    comp.update_config(str(dest))
+    return dest
+
+# %% ../nbs/98_testing.ipynb #a7451897
+_DYNAMIC_FP8 = {'num_bits': 8, 'type': 'float', 'strategy': 'token', 'dynamic': True, 'symmetric': True}
+CT_FLOAT_GROUPS = {  # fp8 weights (FP8_DYNAMIC style): one scale per channel, per tensor, per 64x64 block
+    'mlp': {'targets': ['re:.*mlp\\..*'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'channel'}, 'input_activations': _DYNAMIC_FP8},
+    'qk': {'targets': ['re:.*\\.(q|k)_proj$'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'tensor'}, 'input_activations': _DYNAMIC_FP8},
+    'vo': {'targets': ['re:.*\\.(v|o)_proj$'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'block', 'block_structure': [64, 64]},
+           'input_activations': _DYNAMIC_FP8}}
+CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 per channel: all packed into int32
+    'mlp': {'targets': ['re:.*mlp\\..*'], 'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'channel', 'symmetric': True}},
+    'qk': {'targets': ['re:.*\\.(q|k)_proj$'], 'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': 32, 'symmetric': False}},
+    'vo': {'targets': ['re:.*\\.(v|o)_proj$'], 'weights': {'num_bits': 8, 'type': 'int', 'strategy': 'channel', 'symmetric': True}}}
+
+# %% ../nbs/98_testing.ipynb #a9ad5d25
+def quantized_configs() -> dict:
+    "Tiny configs of the architectures each format ships for, by format: most dimensions are not multiples of the blocks."
+    import transformers as tf
+    qwen3 = tf.Qwen3Config(vocab_size=256, hidden_size=96, intermediate_size=100, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=48)
+    return {
+        'fp8': tf.DeepseekV3Config(vocab_size=256, hidden_size=160, intermediate_size=200, moe_intermediate_size=72, num_hidden_layers=2,
+                                   first_k_dense_replace=1, n_routed_experts=3, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                                   topk_group=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=136, kv_lora_rank=144,
+                                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, max_position_embeddings=64),
+        'ct_float': qwen3, 'ct_pack': qwen3,
+        'mxfp4': tf.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=32, num_local_experts=3, num_experts_per_tok=2, sliding_window=8,
+                                 layer_types=['sliding_attention', 'full_attention']),
+    }
+
+# %% ../nbs/98_testing.ipynb #8a331775
+def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp4'
+                               dest, # the checkpoint folder to write
+                               seed: int = 0, # torch.manual_seed before the random init
+                              ) -> Path:
+    "A tiny checkpoint in format `fmt`, of `quantized_configs()[fmt]`'s architecture; the unquantized tensors in bfloat16."
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(quantized_configs()[fmt], dtype=torch.float32)
+    if fmt == 'fp8': return write_fp8_checkpoint(model, dest)
+    if fmt == 'mxfp4': return write_mxfp4_checkpoint(model, dest)
+    groups = {'ct_float': CT_FLOAT_GROUPS, 'ct_pack': CT_PACK_GROUPS}[fmt]
+    return write_compressed_tensors_checkpoint(model.to(torch.bfloat16), dest, groups)
+
+# %% ../nbs/98_testing.ipynb #e6097bfd
+def dequantized_reference(folder, # a quantized checkpoint folder
+                          dest, # where to write the dequantized copy
+                          dtype=torch.bfloat16, # the dequantized weights' dtype
+                         ) -> Path:
+    "`folder` dequantized by independent code and saved without `quantization_config`: transformers' fp8 and MXFP4 functions, the `compressed-tensors` package's dequantizer."
+    folder, dest = Path(folder), Path(dest)
+    qc = json.loads((folder/'config.json').read_text(encoding='utf-8'))['quantization_config']
+    sd = load_file(str(folder/'model.safetensors'))
+    if qc['quant_method'] == 'fp8':
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight   # float32 math, then one rounding
+        out = {k: _dequantize_fp8_weight(v, sd[k + '_scale_inv'], qc['weight_block_size'], torch.float32).to(dtype) if k + '_scale_inv' in sd else v
+               for k, v in sd.items() if not k.endswith('_scale_inv')}
+    elif qc['quant_method'] == 'mxfp4':
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+        out = {k: v for k, v in sd.items() if not k.endswith(('_blocks', '_scales'))}
+        out.update({k[:-7]: convert_moe_packed_tensors(v, sd[k[:-7] + '_scales'], dtype=dtype) for k, v in sd.items() if k.endswith('_blocks')})
+    else:
+        from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+        out = CompressedTensorsDequantizer(folder, dtype=dtype).process(sd)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ('config.json', 'generation_config.json'):
+        if (folder/f).exists(): shutil.copy(folder/f, dest/f)
+    return _rewrite(dest, out, None, dtype)
 
 # %% ../nbs/98_testing.ipynb #4f5f95d0
 def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
