@@ -56,12 +56,12 @@ def synth_checkpoint(build: bool = True) -> Path:
 def _build_synth():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from mstar_utils.checkpoints import _cached_folder  # build into a temporary folder, rename into place when complete
+    from mstar_utils.checkpoints import cached_folder  # build into a temporary folder, rename into place when complete
     def write(tmp):
         torch.manual_seed(0)
         config = LlamaConfig(**SYNTH_CONFIG, dtype='bfloat16')
         LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).save_pretrained(tmp, max_shard_size=SYNTH_SHARD)
-    _cached_folder('bench', SYNTH_NAME, write)
+    cached_folder('bench', SYNTH_NAME, write)
 
 def checkpoint_tensors(ckpt: Path) -> list[dict]:
     "Every tensor of the checkpoint: key, file, dtype string, shape, absolute byte offset in the file and byte count; file then offset order."

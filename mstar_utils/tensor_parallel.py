@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from .sources import checkpoint_source, checkpoint_dir as _checkpoint_dir
-from .convert import ConvertedSource, MergeModulelist, Concatenate, converted_source, _Leaf
+from .convert import ConvertedSource, MergeModulelist, Concatenate, converted_source
 from .loading import (ModuleAndPrefix, LoadResult, load_from_source, check_loaded, process_weights_after_loading,
-                                 _check_modules, _named_tensors, _norm_prefix)
+                                 module_entries, named_tensors, norm_prefix)
 
 # %% auto #0
 __all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'FORWARDS', 'Slice', 'slice_shape', 'take', 'TPStyle', 'Sharding', 'tp_plan',
@@ -192,7 +192,7 @@ SLICE_ROUTES = {MergeModulelist: _route_merge, Concatenate: _route_concat}
 # %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3
 def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
     "Fill `out` with slice `sl` of tree `node`'s value, reading from `src` only the parts of its leaves that land in it."
-    if isinstance(node, _Leaf):
+    if hasattr(node, 'key'):   # a leaf of the conversion tree: one checkpoint key
         if out.is_contiguous(): read_slice(src, node.key, sl, out, count)
         else: out.copy_(read_slice(src, node.key, sl, None, count))
         return
@@ -293,8 +293,8 @@ def shard_module(module: torch.nn.Module, # built on meta (or materialized: then
                  prefix: str = '', # what the plan's names carry before the module's own (a submodule's path)
                 ) -> dict[str, Slice]:
     "Cut `module`'s parameters and persistent buffers to this rank's slices, in place, and install the collectives its styles need; {name: Slice} cut."
-    prefix, tensors, cut = _norm_prefix(prefix), {}, {}
-    for name, t, is_param in _named_tensors(module): tensors.setdefault(id(t), (t, is_param, []))[2].append(name)
+    prefix, tensors, cut = norm_prefix(prefix), {}, {}
+    for name, t, is_param in named_tensors(module): tensors.setdefault(id(t), (t, is_param, []))[2].append(name)
     for t, is_param, names in tensors.values():
         slices = {n: sharding.slice_for(prefix + n, t.shape) for n in names}
         if len(set(slices.values())) > 1:
@@ -380,7 +380,7 @@ def install_collectives(module: torch.nn.Module, # the rank's cut model
                         prefix: str = '', # what the plan's names carry before the module's own
                        ) -> list[str]:
     "Give each submodule a plan entry names the collective its style's `forward` needs (see `FORWARDS`); the names of the modules changed."
-    prefix, done = _norm_prefix(prefix), []
+    prefix, done = norm_prefix(prefix), []
     for name, m in module.named_modules():
         hit = sharding.entry(prefix + name) if prefix + name else None
         kind = TP_STYLES[hit[1]].forward if hit else None
@@ -394,8 +394,8 @@ def install_collectives(module: torch.nn.Module, # the rank's cut model
 def _check_cut(source: ShardedSource, entries: list):
     "`ValueError` when a module holds a whole tensor where this rank's slice of it is smaller: the module was not cut."
     for mp in entries:
-        prefix = _norm_prefix(mp.prefix)
-        for name, t, _ in _named_tensors(mp.module):
+        prefix = norm_prefix(mp.prefix)
+        for name, t, _ in named_tensors(mp.module):
             key = prefix + name
             if key not in source: continue
             full, mine = source.full_shape(key), source.shape(key)
@@ -412,7 +412,7 @@ def load_weights_sharded(repo_dir: str | Path, # a checkpoint folder: index + sh
                          progress: bool | None = None, # a tqdm bar; None: only when stderr is a terminal
                         ) -> LoadResult:
     "Fill `modules` with this rank's slices of `repo_dir`, reading only their bytes; the result's `bytes_read` counts them. Raises as `load_weights_from_hf_shards`."
-    entries, src = _check_modules(modules), checkpoint_source(repo_dir)
+    entries, src = module_entries(modules), checkpoint_source(repo_dir)
     source = ShardedSource(converted_source(src, conv) if conv else src, sharding, str(repo_dir))
     try:
         _check_cut(source, entries)
@@ -437,7 +437,7 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
                       ) -> torch.nn.Module:
     "Rank `rank`'s part of the model in `checkpoint_dir`: built on meta, cut, filled with only its slices, checked, with its collectives, in eval mode."
     from transformers import AutoConfig
-    from mstar_utils.model import build_on_meta, _auto_conversions, _attach_generation_config
+    from mstar_utils.model import build_on_meta, auto_conversions, attach_generation_config
     if rank is None or world_size is None:
         if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -446,11 +446,11 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
     sharding = Sharding(tp_plan(config, world_size, expert_parallel) if plan is None else plan, rank, world_size, rules)
     model = build_on_meta(config, model_class, dtype)
     shard_module(model, sharding, group)
-    recipes = _auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
+    recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
     res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding, device, recipes)
     check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__}, rank {rank} of {world_size})')
     model.to(device)
     process_weights_after_loading(model, device)
-    _attach_generation_config(model, ckpt)
+    attach_generation_config(model, ckpt)
     model.tp_sharding, model.tp_bytes_read = sharding, res.bytes_read
     return model.eval()

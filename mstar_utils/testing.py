@@ -216,8 +216,8 @@ def _build_clip(out: Path):
 
 def clip_tokenizer_folder() -> Path:
     "Folder with CLIP's tokenizer (transformers' `CLIPTokenizer`, ids as HF's openai/clip-vit-base-patch32), built from the `open-clip-torch` package on first use."
-    from mstar_utils.checkpoints import _cached_folder
-    return _cached_folder('tokenizers', 'clip', _build_clip)
+    from mstar_utils.checkpoints import cached_folder
+    return cached_folder('tokenizers', 'clip', _build_clip)
 
 # %% ../nbs/98_testing.ipynb #e51f00c5
 import contextlib, io, json, shutil

@@ -1,0 +1,56 @@
+"""The package's rooms: no import cycle among mstar_utils modules (lazy imports inside functions included), and no module
+imports another module's private names."""
+import ast
+from pathlib import Path
+
+import mstar_utils
+
+PKG = Path(mstar_utils.__file__).parent
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    "(mstar_utils module imported, names taken from it) for every import in `path`, at any depth."
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ''
+            if node.level == 1 and mod: out.append((mod.split('.')[0], [a.name for a in node.names]))
+            elif node.level == 1: out += [(a.name, []) for a in node.names]
+            elif mod.startswith('mstar_utils.'): out.append((mod.split('.')[1], [a.name for a in node.names]))
+            elif mod == 'mstar_utils': out += [(a.name, []) for a in node.names if (PKG/f'{a.name}.py').exists()]
+        elif isinstance(node, ast.Import):
+            out += [(a.name.split('.')[1], []) for a in node.names if a.name.startswith('mstar_utils.')]
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = {p.stem: p for p in PKG.glob('*.py') if p.stem not in ('_modidx', '__init__', '__main__')}
+    return {m: {d for d, _ in imports(p) if d in mods and d != m} for m, p in mods.items()}
+
+
+def test_no_import_cycle():
+    g, state, cycles = graph(), {}, []
+    def visit(m, path):
+        state[m] = 'open'
+        for d in sorted(g[m]):
+            if state.get(d) == 'open': cycles.append(path[path.index(d):] + [d] if d in path else path + [d])
+            elif d not in state: visit(d, path + [d])
+        state[m] = 'done'
+    for m in sorted(g):
+        if m not in state: visit(m, [m])
+    assert cycles == [], cycles
+    assert 'sources' in g and g['sources'] == set()   # the safetensors room stands on its own
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = [f'{p.name}: {n} from {d}' for p in PKG.glob('*.py') if p.stem != '_modidx'
+           for d, names in imports(p) for n in names if n.startswith('_') and not n.startswith('__')]
+    assert bad == [], bad
+
+
+def test_the_cli_only_formats():
+    "cli.py defines no loading, converting or planning of its own: its imports from the package are the rooms that do."
+    deps = {d for d, _ in imports(PKG/'cli.py')}
+    assert deps <= {'report', 'speech', 'kv', 'checkpoints', '__init__'}, deps
+    src = (PKG/'cli.py').read_text(encoding='utf-8')
+    for word in ('load_weights', 'read_header', 'init_empty_weights', 'WeightConverter', 'plan_kv_pools'): assert word not in src, word
