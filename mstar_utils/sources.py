@@ -425,10 +425,10 @@ def _copy_chunk(chunk: list, buf: torch.Tensor, flats: list, dts: list, copier):
 # %% ../nbs/01_safetensors.ipynb #5c1e8f24
 @patch
 def _read_staged(self: FileSource, keys: list, dests: list, spans: list, dts: list, copier, progress=None, chunk_bytes: int = 8 << 20):
-    "Read the keys through a ring of staging chunks; `copier` copies each part into its destination. Buffer `j % ring` is refilled only after its copies."
+    "Read the keys through a ring of `threads + 1` staging chunks (<= 64 MiB, >= 2); `copier` copies each part into its destination. Chunk j uses buffer `j % ring`, read into only after the copies out of it."
     sizes, chunks = [s[2] for s in spans], _chunks(spans, chunk_bytes)
     if not chunks: return
-    ring = [copier.staging(chunk_bytes) for _ in range(min(self.threads + 1, len(chunks)))]
+    ring = [copier.staging(chunk_bytes) for _ in range(min(self.threads + 1, max(2, (64 << 20) // chunk_bytes), len(chunks)))]
     mvs, tokens, flats, R = [_buffer(b) for b in ring], [None] * len(ring), [d.view(-1) for d in dests], len(ring)
     def job(j, tok):
         copier.wait(tok)

@@ -209,7 +209,7 @@ def test_device_load_through_the_stand_in_copier(ref, monkeypatch):
     [names] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(part, 'model.')], progress=False)
     check_loaded(part, names, 'SmolLM2 float32, embedding and 3 layers')
     assert len(made) == 1 and made[0].finished == 1
-    assert sum(b.numel() for b in made[0].buffers) <= (sources.default_threads() + 1) * (8 << 20)
+    assert sum(b.numel() for b in made[0].buffers) <= 64 << 20  # the ring: host memory of a device load
     for n, p in part.named_parameters(): assert p is params[n] and torch.equal(p, ref['model.' + n].float()), n
 
 
