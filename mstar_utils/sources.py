@@ -231,12 +231,12 @@ class FileSource:
     "Tensors from safetensors files: `key_to_file` maps each key to the file trusted for it (the index's shard, or the one file)."
     def __init__(self, key_to_file: dict, what: str, mmap: bool = False, threads: int | None = None):
         self.k2f, self.what, self.mmap, self._headers, self._files, self._maps = key_to_file, what, mmap, {}, {}, {}
-        self.threads = threads or default_threads()
+        self.threads, self._info = threads or default_threads(), {}  # _info: key -> info(key), once asked
     def keys(self): return self.k2f.keys()
     def __contains__(self, k): return k in self.k2f
     def where(self, k): return str(self.k2f[k])
-    def shape(self, k): return self.info(k)[2].shape
-    def dtype(self, k): return self.info(k)[2].dtype
+    def shape(self, k): return (self._info.get(k) or self.info(k))[2].shape
+    def dtype(self, k): return (self._info.get(k) or self.info(k))[2].dtype
     def borrowed(self, k): return False
     def close(self):
         for f in self._files.values(): f.close()
@@ -252,12 +252,15 @@ def _file(self: FileSource, path):
 @patch
 def info(self: FileSource, k) -> tuple[Path, int, TensorInfo]:
     "(file, data offset, `TensorInfo`) of key `k`; the file's header is read once, through the handle later reads use."
+    r = self._info.get(k)
+    if r is not None: return r
     path = self.k2f[k]
     h = self._headers.get(path)
     if h is None: h = self._headers[path] = read_header(path, self._file(path))
     ti = h[1].get(k)
     if ti is None: raise KeyError(f'{path}: has no tensor {k!r}, which {self.what} assigns to it')
-    return path, h[0], ti
+    r = self._info[k] = (path, h[0], ti)
+    return r
 
 # %% ../nbs/01_safetensors.ipynb #8c41e9b2
 _IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
@@ -462,8 +465,7 @@ def read_many(self: FileSource,
             raise ValueError(f'{path}: tensor {k!r} is {dt} {list(shape)}; its destination must be a contiguous tensor of that shape, got {list(d.shape)}')
         if d.numel() * dt.itemsize != end - begin: raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {d.numel() * dt.itemsize}')
         if end == begin: empty += 1; continue
-        dev = d.device
-        gk = 'direct' if dev.type == 'cpu' and d.dtype == dt else dev
+        gk = 'direct' if d.is_cpu and d.dtype == dt else d.device
         g = groups.get(gk) or groups.setdefault(gk, ([], [], [], []))
         g[0].append(k); g[1].append(d); g[2].append((path, start + begin, end - begin)); g[3].append(dt)
     if empty and progress: progress(0, empty)
