@@ -11,7 +11,7 @@ Each run is a fresh process (forked from a parent that has only imported the lib
 new interpreter). Prints the table and the targets, writes benchmarks/results/load.json and benchmarks/results/load.png.
 """
 from __future__ import annotations
-import gc, json, mmap, os, platform, shutil, statistics, subprocess, sys, threading, time, traceback
+import gc, json, mmap, os, platform, random, shutil, statistics, subprocess, sys, threading, time, traceback
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -532,9 +532,12 @@ def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one wa
     if not spawn: _preimport()
     env = _env(has_gpu, repeats, cold_repeats, spawn)
     runs, t_start = [], time.time()
-    def plan(name, cold):
+    def plan(name, cold, rep):
+        "The methods of one round, in an order shuffled per round: on a VM that hands freed memory back to the host, a run's speed depends on what ran before it."
         ms = MANY_METHODS.get(name, COLD_METHODS if cold else CPU_METHODS + GPU_METHODS)
-        return [m for m in ms if m in wanted and not (cold and m in GPU_METHODS)]
+        ms = [m for m in ms if m in wanted and not (cold and m in GPU_METHODS)]
+        random.Random(rep).shuffle(ms)
+        return ms
 
     def go(name, m, cold):
         r = run_one(dict(method=m, ckpt=ckpts[name]['path'], ckpt_name=name, cold=cold), spawn)
@@ -544,13 +547,13 @@ def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one wa
         print(f'warm page cache, round {rep + 1}/{repeats}', flush=True)
         for name in ckpts:
             read_files(sorted({t['file'] for t in checkpoint_tensors(Path(ckpts[name]['path']))}))
-            for m in plan(name, False):
+            for m in plan(name, False, rep):
                 if rep == 0 or m not in ONCE: go(name, m, False)
     for rep in range(cold_repeats):
         print(f'cold page cache, round {rep + 1}/{cold_repeats}', flush=True)
         for name in ckpts:
             if name not in MANY_METHODS:
-                for m in plan(name, True): go(name, m, True)
+                for m in plan(name, True, rep): go(name, m, True)
     bad = verify(runs)
     summary = summarize(runs, ckpts)
     tg = targets(summary, ckpts)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_safetensors.ipynb #a827b658
 from __future__ import annotations
-import ctypes, gc, json, mmap as _mmap, os
+import ctypes, gc, json, mmap as _mmap, os, threading
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -264,20 +264,45 @@ def info(self: FileSource, k) -> tuple[Path, int, TensorInfo]:
 
 # %% ../nbs/01_safetensors.ipynb #8c41e9b2
 _IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
+_NOWAIT = getattr(os, 'RWF_NOWAIT', 0)  # Linux >= 4.14: fail with EAGAIN instead of waiting for the disk
+
+class _Disk:
+    "What the reader threads of one batch share: whether a read has had to wait for the disk, and which chunks are done (`turn`, `done`)."
+    def __init__(self): self.cond, self.cold, self.upto, self.finished = threading.Condition(), False, 0, set()
+    def turn(self, j: int):
+        "Wait until every chunk before chunk `j` is done."
+        with self.cond: self.cond.wait_for(lambda: self.upto >= j)
+    def done(self, j: int):
+        with self.cond:
+            self.finished.add(j)
+            while self.upto in self.finished: self.finished.discard(self.upto); self.upto += 1
+            self.cond.notify_all()
 
 def _preadv(fd: int, # an open file descriptor
             views: list, # writable byte buffers (memoryviews), filled in order from consecutive file bytes
             pos: int, # file offset of the first byte
+            disk: _Disk | None = None, # shared by the reader threads of a batch; None: plain reads
+            j: int = 0, # the chunk this read belongs to, in the batch's order
            ) -> int:
     "Bytes read into `views` from offset `pos` of `fd`; fewer than their total only when the file ends first."
     got, i = 0, 0
     while i < len(views):
-        n = os.preadv(fd, views[i:i + _IOV_MAX], pos + got)
+        batch = views[i:i + _IOV_MAX]
+        n = _cached(fd, batch, pos + got) if disk is not None and not disk.cold else 0
+        if not n:
+            if disk is not None: disk.cold = True; disk.turn(j)
+            n = os.preadv(fd, batch, pos + got)
         if not n: break
         got += n
         while i < len(views) and n >= len(views[i]): n -= len(views[i]); i += 1
         if n: views = views[:i] + [views[i][n:]] + views[i + 1:]
     return got
+
+def _cached(fd: int, views: list, pos: int) -> int:
+    "Bytes read into `views` from what the page cache holds at `pos` without waiting for the disk; 0 when none (or unsupported)."
+    if not _NOWAIT: return 0
+    try: return os.preadv(fd, views, pos, _NOWAIT)
+    except OSError: return 0  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
 
 # %% ../nbs/01_safetensors.ipynb #0b6f5d37
 def _cut(path, parts: list, keys: list, sizes: list, got: int) -> ValueError:
@@ -340,23 +365,25 @@ def _chunks(spans: list, # (file, byte offset in the file, byte count) per item
 
 # %% ../nbs/01_safetensors.ipynb #e7a3d9c5
 @patch
-def _read_chunk(self: FileSource, chunk: list, views: list, keys: list, sizes: list):
-    "Read each segment of `chunk` into `views(i, at, n)` per part [(item, at, n)] (direct) or `views(segment)` (staged)."
-    for path, pos, start, n, parts in chunk:
-        bufs = views(path, start, n, parts)
-        got = _preadv(self._file(path).fileno(), bufs, pos)
-        if got < n: raise _cut(path, parts, keys, sizes, got)
+def _read_chunk(self: FileSource, chunk: list, views, keys: list, sizes: list, disk: _Disk, j: int):
+    "Read each segment of chunk `j` into the buffers `views(path, start, n, parts)` gives for it; tell `disk` when done, even on an error."
+    try:
+        for path, pos, start, n, parts in chunk:
+            bufs = views(path, start, n, parts)
+            got = _preadv(self._file(path).fileno(), bufs, pos, disk, j)
+            if got < n: raise _cut(path, parts, keys, sizes, got)
+    finally: disk.done(j)
 
 # %% ../nbs/01_safetensors.ipynb #1f7b6d42
 @patch
 def _read_direct(self: FileSource, keys: list, dests: list, spans: list, progress=None):
     "Read each key straight into its destination (contiguous CPU tensors of the key's dtype), chunks spread over the reader threads."
-    bufs = [_buffer(d) if d.numel() else None for d in dests]
+    bufs, disk = [_buffer(d) if d.numel() else None for d in dests], _Disk()
     sizes = [s[2] for s in spans]
     def views(path, start, n, parts): return [bufs[i] if n_ == sizes[i] else bufs[i][at:at + n_] for i, at, n_ in parts]
     chunks = _chunks(spans, 8 << 20)
-    def job(c): self._read_chunk(c, views, keys, sizes)
-    _run_in_order(chunks, job, self.threads, lambda c: _report(progress, c, sizes))
+    def job(j): self._read_chunk(chunks[j], views, keys, sizes, disk, j)
+    _run_in_order(range(len(chunks)), job, self.threads, lambda j: _report(progress, chunks[j], sizes))
 
 # %% ../nbs/01_safetensors.ipynb #2b3c8e90
 def _report(progress, chunk: list, sizes: list):
@@ -429,13 +456,13 @@ def _copy_chunk(chunk: list, buf: torch.Tensor, flats: list, dts: list, copier):
 @patch
 def _read_staged(self: FileSource, keys: list, dests: list, spans: list, dts: list, copier, progress=None, chunk_bytes: int = 8 << 20):
     "Read the keys through a ring of `threads + 1` staging chunks (<= 64 MiB, >= 2); `copier` copies each part into its destination. Chunk j uses buffer `j % ring`, read into only after the copies out of it."
-    sizes, chunks = [s[2] for s in spans], _chunks(spans, chunk_bytes)
+    sizes, chunks, disk = [s[2] for s in spans], _chunks(spans, chunk_bytes), _Disk()
     if not chunks: return
     ring = [copier.staging(chunk_bytes) for _ in range(min(self.threads + 1, max(2, (64 << 20) // chunk_bytes), len(chunks)))]
     mvs, tokens, flats, R = [_buffer(b) for b in ring], [None] * len(ring), [d.view(-1) for d in dests], len(ring)
     def job(j, tok):
         copier.wait(tok)
-        self._read_chunk(chunks[j], lambda path, start, n, parts: [mvs[j % R][start:start + n]], keys, sizes)
+        self._read_chunk(chunks[j], lambda path, start, n, parts: [mvs[j % R][start:start + n]], keys, sizes, disk, j)
     with ThreadPoolExecutor(min(self.threads, R), thread_name_prefix='read') as ex:
         futs = {j: ex.submit(job, j, None) for j in range(R)}
         try:

@@ -100,7 +100,7 @@ def test_direct_reads_match_safetensors(ref, threads):
 def test_direct_reads_run_on_the_reader_threads(monkeypatch):
     "With 3 threads and chunks of several files, reads happen off the calling thread and on more than one thread."
     real, names = sources._preadv, set()
-    def spy(fd, views, pos): names.add(threading.current_thread().name); return real(fd, views, pos)
+    def spy(fd, views, pos, disk=None, j=0): names.add(threading.current_thread().name); return real(fd, views, pos, disk, j)
     monkeypatch.setattr(sources, '_preadv', spy)
     src = checkpoint_source(SMOL, threads=3)
     keys = list(src.keys())
@@ -114,7 +114,7 @@ def test_one_read_per_contiguous_run(tmp_path):
     save_file(tensors, str(tmp_path/'many.safetensors'))
     calls = []
     real = sources._preadv
-    def spy(fd, views, pos): calls.append(len(views)); return real(fd, views, pos)
+    def spy(fd, views, pos, disk=None, j=0): calls.append(len(views)); return real(fd, views, pos, disk, j)
     src = file_source(tmp_path/'many.safetensors', threads=1)
     keys = list(src.keys())
     dests = [torch.empty(4, 4) for _ in keys]
@@ -123,6 +123,35 @@ def test_one_read_per_contiguous_run(tmp_path):
     finally: sources._preadv = saved; src.close()
     assert len(calls) == 1 and calls[0] == 2000  # one segment, one call of _preadv (two preadv of <= 1024 buffers inside)
     for k, d in zip(keys, dests): assert torch.equal(d, tensors[k]), k
+
+
+@pytest.mark.skipif(not getattr(os, 'RWF_NOWAIT', 0), reason='needs RWF_NOWAIT (Linux >= 4.14)')
+def test_disk_reads_go_in_chunk_order_and_cached_reads_in_parallel(tmp_path, monkeypatch):
+    "A cold file is read from the disk one chunk after the other, in file order; once cached, no read waits for its turn."
+    tensors = {f't{i}': torch.randn(256, 1024) for i in range(24)}  # 24 MiB: at least three chunks
+    path = tmp_path/'cold.safetensors'
+    save_file(tensors, str(path))
+    fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    try: still_cached = os.preadv(fd, [bytearray(4096)], 1 << 20, os.RWF_NOWAIT) > 0
+    except OSError: still_cached = False
+    os.close(fd)
+    if still_cached: pytest.skip('this file system keeps the file in memory (tmpfs?): nothing to read from a disk')
+    disks = []
+    class Disk(sources._Disk):
+        def __init__(self): super().__init__(); self.turns = []; disks.append(self)
+        def turn(self, j):
+            super().turn(j)
+            assert all(k < self.upto or k in self.finished for k in range(j)), (j, self.upto)  # every earlier chunk is done
+            self.turns.append(j)
+    monkeypatch.setattr(sources, '_Disk', Disk)
+    for cold in (True, False):
+        src = file_source(path, threads=3)
+        dests = {k: torch.empty(256, 1024) for k in tensors}
+        src.read_many(list(dests.items())); src.close()
+        assert all(torch.equal(dests[k], tensors[k]) for k in tensors)
+        d = disks[-1]
+        assert d.cold == cold and d.upto >= 3  # every chunk done
+        assert (sorted(set(d.turns)) == list(range(d.upto))) if cold else d.turns == [], d.turns
 
 
 # ---------------------------------------------------------------- the staging ring, with the CPU stand-in
@@ -216,10 +245,10 @@ def test_device_load_through_the_stand_in_copier(ref, monkeypatch):
 def test_reader_error_stops_the_load_and_its_threads(monkeypatch):
     "A read failing in a reader thread raises on the caller, leaves the module on meta, no thread behind, and the GC as it was."
     real, calls = sources._preadv, [0]
-    def preadv(fd, views, pos):
+    def preadv(fd, views, pos, disk=None, j=0):
         calls[0] += 1
         if calls[0] == 3: raise OSError(5, 'Input/output error (simulated)')
-        return real(fd, views, pos)
+        return real(fd, views, pos, disk, j)
     monkeypatch.setattr(sources, '_preadv', preadv)
     before = threading.active_count()
     for dtype in (torch.bfloat16, torch.float32):  # direct reads, then the staging ring
