@@ -198,7 +198,7 @@ def _swap_storage(p: torch.Tensor, t: torch.Tensor):
     "Make the tensor object `p` hold `t`'s storage (device, dtype), keeping its class, attributes and `requires_grad`."
     if isinstance(p, torch.nn.Parameter):
         new = torch.Tensor._make_subclass(type(p), t, p.requires_grad)
-        new.__dict__.update(p.__dict__)
+        if p.__dict__: new.__dict__.update(p.__dict__)
     else: new = t
     torch.utils.swap_tensors(p, new)
 

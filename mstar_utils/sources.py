@@ -487,7 +487,7 @@ def read_many(self: FileSource,
     "Fill each `dest` with its key's tensor: read straight into CPU tensors of the key's dtype, through the staging ring (cast, moved to the device) otherwise; `ValueError` for a file cut short or a destination of the wrong shape."
     groups, empty = {}, 0
     for k, d in pairs:
-        path, start, (dt, shape, begin, end) = self.info(k)
+        path, start, (dt, shape, begin, end) = self._info.get(k) or self.info(k)
         if d.shape != shape or not d.is_contiguous():
             raise ValueError(f'{path}: tensor {k!r} is {dt} {list(shape)}; its destination must be a contiguous tensor of that shape, got {list(d.shape)}')
         if d.numel() * dt.itemsize != end - begin: raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {d.numel() * dt.itemsize}')
