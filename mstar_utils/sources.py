@@ -278,6 +278,7 @@ class _Disk:
             while self.upto in self.finished: self.finished.discard(self.upto); self.upto += 1
             self.cond.notify_all()
 
+# %% ../nbs/01_safetensors.ipynb #5f3b9e07
 def _preadv(fd: int, # an open file descriptor
             views: list, # writable byte buffers (memoryviews), filled in order from consecutive file bytes
             pos: int, # file offset of the first byte
