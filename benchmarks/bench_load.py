@@ -71,6 +71,10 @@ def built(name: str, build: bool = True) -> Path:
     subprocess.run([sys.executable, __file__, '--build', name], check=True)
     return out
 
+def synth_checkpoint(build: bool = True) -> Path:
+    "Folder of the 2.2 GB synthetic Llama (bench_tp_load.py uses it too)."
+    return built(SYNTH_NAME, build)
+
 def _build(name: str):
     import torch
     from mstar_utils.checkpoints import _cached_folder  # build into a temporary folder, rename into place when complete
@@ -109,7 +113,8 @@ def checkpoint_tensors(ckpt: Path) -> list[dict]:
     return sorted(out, key=lambda t: (t['file'], t['offset']))
 
 def read_files(paths):
-    "Read every file once so the page cache holds it."
+    "Read every file once so the page cache holds it; `paths`: files, or a checkpoint folder."
+    if isinstance(paths, (str, Path)) and Path(paths).is_dir(): paths = sorted(Path(paths).glob('*.safetensors'))
     for p in paths:
         with open(p, 'rb', buffering=0) as f:
             while f.read(64 << 20): pass

@@ -59,11 +59,9 @@ from bench_load import RssSampler as PeakRSS  # the same psutil sampling thread 
 
 def measure(method: str) -> dict:
     import gc, torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-    from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded
-    from mstar_utils.convert import QWEN3_MOE_CONVERSIONS
+    from mstar_utils.model import load_model
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # the model's code is imported before the clock, for both methods
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
     ckpt = checkpoint(build=False)
@@ -75,11 +73,7 @@ def measure(method: str) -> dict:
         if method == 'hf':
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
         else:
-            with init_empty_weights(include_buffers=False):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.bfloat16)
-            model.tie_weights()
-            [loaded] = load_weights_from_hf_shards(ckpt, [ModuleAndPrefix(model)], conv=QWEN3_MOE_CONVERSIONS, progress=False)
-            check_loaded(model, loaded, NAME)
+            model = load_model(ckpt, dtype=torch.bfloat16)   # picks the Qwen3-MoE recipes, checks, finalizes
         load_s = time.perf_counter() - t0
     sd = model.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())

@@ -13,13 +13,17 @@ from .loading import *
 from .model import *
 from .convert import *
 from .mla import *
+from .quantized import *
+from .tensor_parallel import *
 from .detokenize import *
 from .kv import *
 from .generation import *
+from .speech import *
+from .report import *
 from . import (checkpoints as _checkpoints, sources as _sources, loading as _loading, model as _model, convert as _convert,
-                         mla as _mla, detokenize as _detokenize, kv as _kv, generation as _generation)
+                         mla as _mla, quantized as _quantized, tensor_parallel as _tensor_parallel, detokenize as _detokenize, kv as _kv, generation as _generation, speech as _speech, report as _report)
 
-_MODULES = [_checkpoints, _sources, _loading, _model, _convert, _mla, _detokenize, _kv, _generation]
+_MODULES = [_checkpoints, _sources, _loading, _model, _convert, _mla, _quantized, _tensor_parallel, _detokenize, _kv, _generation, _speech, _report]
 __all__ = [n for m in _MODULES for n in m.__all__]
 
 # %% ../nbs/99_api.ipynb #52e4f1cb

@@ -13,6 +13,8 @@ __all__ = ['TOP_K_DISABLED', 'load_generation_defaults', 'base_language']
 # %% ../nbs/10_generation.ipynb #b0f69872
 _log = logging.getLogger('mstar_utils.generation')
 
+TOP_K_DISABLED = -1  # what top_k 0 (transformers: no top-k) becomes: "disabled" in vLLM, SGLang and llama.cpp
+
 _FLOAT_KNOBS = {  # name: (check, what it must be)
     'temperature': (lambda v: v >= 0, 'a number >= 0'),
     'top_p': (lambda v: 0 < v <= 1, 'a number in (0, 1]'),
@@ -21,67 +23,87 @@ _FLOAT_KNOBS = {  # name: (check, what it must be)
 }
 _INT_KNOBS = {'top_k': (lambda v: True, 'an integer'), 'max_new_tokens': (lambda v: v >= 1, 'an integer >= 1')}
 _RENAME = {'max_new_tokens': 'max_output_tokens'}
-TOP_K_DISABLED = -1
+_SAMPLE_KEYS = ('do_sample', 'dosample')
+
+# %% ../nbs/10_generation.ipynb #5a1c0002
+def _generation_config_path(checkpoint_dir: str | Path) -> Path:
+    "checkpoint_dir/generation_config.json, or `checkpoint_dir` itself when it names a .json file."
+    p = Path(checkpoint_dir)
+    return p if p.suffix == '.json' and not p.is_dir() else p/'generation_config.json'
 
 def _read_generation_config(path: Path) -> dict:
     "The JSON object in `path`; `{}` when there is none, `{}` and a warning when it cannot be read or is not an object."
     try: text = path.read_text(encoding='utf-8')
     except (FileNotFoundError, NotADirectoryError): return {}
     except (OSError, UnicodeDecodeError) as e:
-        _log.warning(f'cannot read {path} ({e}); using no generation defaults from it')
-        return {}
+        _log.warning(f'cannot read {path} ({e}); using no generation defaults from it'); return {}
     try: cfg = json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, an int past Python's digit limit, nesting too deep
-        _log.warning(f'{path} is not valid JSON ({e}); using no generation defaults from it')
-        return {}
+        _log.warning(f'{path} is not valid JSON ({e}); using no generation defaults from it'); return {}
     if not isinstance(cfg, dict):
-        _log.warning(f'{path} holds a JSON {type(cfg).__name__}, expected an object; using no generation defaults from it')
-        return {}
+        _log.warning(f'{path} holds a JSON {type(cfg).__name__}, expected an object; using no generation defaults from it'); return {}
     return cfg
 
-def load_generation_defaults(checkpoint_dir: str | Path | None, prefix: str = '', stage: str = '') -> dict:
-    """The sampling defaults `checkpoint_dir/generation_config.json` declares, under mstar's names.
+# %% ../nbs/10_generation.ipynb #5a1c0003
+def _knob(cfg: dict, key: str, name: str, path: Path):
+    "The value of `key` (knob `name`) as its Python type, or None when it is unset, or wrong (with a warning naming the file and key)."
+    value = cfg.get(key)
+    if value is None: return None
+    kind, (ok, what) = (float, _FLOAT_KNOBS[name]) if name in _FLOAT_KNOBS else (int, _INT_KNOBS[name])
+    if (isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int)
+            or (kind is float and not math.isfinite(value)) or not ok(value)):
+        _log.warning(f'{path}: {key} is {value!r}, expected {what}; ignoring it'); return None
+    return TOP_K_DISABLED if name == 'top_k' and value < 1 else kind(value)
 
-    Reads `{prefix}temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` and `max_new_tokens` and returns them as
-    `{stage}name`, with `max_new_tokens` renamed `max_output_tokens` (`max_length` is never read: it counts the prompt).
-    `{prefix}do_sample` (or `{prefix}dosample`) `false` is greedy decoding and gives `temperature` 0.0 whatever the file's
-    temperature. `top_k` 0 (transformers: no top-k) or below comes back as `TOP_K_DISABLED` (-1). Floats are returned as
-    `float`, counts as `int`; `null` values are left out.
-
-    Returns `{}` when `checkpoint_dir` is `None` or it or the file is missing, so the caller's own defaults apply; `{}` and a
-    warning on this module's logger, naming the file, when the file cannot be read, is not JSON, or is not a JSON object.
-    A value of the wrong type (a string temperature, a float top_k) or out of range gets a warning naming the file and key,
-    and is left out."""
-    if checkpoint_dir is None: return {}
-    path = Path(checkpoint_dir)/'generation_config.json'
-    cfg = _read_generation_config(path)
-    out = {}
-    def bad(key, value, what): _log.warning(f'{path}: {key} is {value!r}, expected {what}; ignoring it')
-    for name, kind, knobs in [(n, float, _FLOAT_KNOBS) for n in _FLOAT_KNOBS] + [(n, int, _INT_KNOBS) for n in _INT_KNOBS]:
-        key = prefix + name
+# %% ../nbs/10_generation.ipynb #5a1c0004
+def _greedy(cfg: dict, prefix: str, path: Path) -> bool:
+    "Whether `{prefix}do_sample` (or `{prefix}dosample`) is false; a value that is not a bool gets a warning and counts as unset."
+    for key in (prefix + k for k in _SAMPLE_KEYS):
         value = cfg.get(key)
         if value is None: continue
-        ok, what = knobs[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int): bad(key, value, what); continue
-        if kind is float and not math.isfinite(value): bad(key, value, what); continue
-        if not ok(value): bad(key, value, what); continue
-        if name == 'top_k' and value < 1: value = TOP_K_DISABLED
-        out[stage + _RENAME.get(name, name)] = kind(value)
-    for spelling in ('do_sample', 'dosample'):
-        key = prefix + spelling
-        if cfg.get(key) is None: continue
-        if not isinstance(cfg[key], bool): bad(key, cfg[key], 'true or false'); continue
-        if cfg[key] is False: out[stage + 'temperature'] = 0.0
-        break
+        if isinstance(value, bool): return value is False
+        _log.warning(f'{path}: {key} is {value!r}, expected true or false; ignoring it')
+    return False
+
+# %% ../nbs/10_generation.ipynb #5a1c0006
+_KNOB_KEYS = (*_FLOAT_KNOBS, *_INT_KNOBS, *_SAMPLE_KEYS)
+
+def _stage_prefixes(cfg: dict) -> list[str]:
+    "The prefixes in front of knob names among the keys of `cfg`, such as 'talker_' for talker_temperature."
+    found = {k[:-len(n)] for k in cfg for n in _KNOB_KEYS if k.endswith('_' + n) and len(k) > len(n) + 1}
+    return sorted(found)
+
+def _normalized_prefix(prefix: str) -> str:
+    "`prefix` ending in `_`, as the file's keys spell it; '' stays ''."
+    if not isinstance(prefix, str): raise ValueError(f'prefix must be a string such as "talker_", got {type(prefix).__name__} {prefix!r}')
+    return prefix if not prefix or prefix.endswith('_') else prefix + '_'
+
+# %% ../nbs/10_generation.ipynb #5a1c0007
+def load_generation_defaults(
+        checkpoint_dir: str | Path | None, # a checkpoint folder, or its generation_config.json itself; None gives {}
+        prefix: str = '', # a stage's key prefix in a multi-stage file: 'talker_' (or 'talker') reads talker_temperature
+        stage: str = '', # prepended to the returned names: 'code_predictor_' gives code_predictor_temperature
+    ) -> dict:
+    "The sampling defaults `generation_config.json` declares, under mstar's names (`max_new_tokens` -> `max_output_tokens`); `do_sample: false` gives temperature 0. `{}` without a file."
+    if checkpoint_dir is None: return {}
+    prefix, path = _normalized_prefix(prefix), _generation_config_path(checkpoint_dir)
+    cfg = _read_generation_config(path)
+    out = {}
+    for name in (*_FLOAT_KNOBS, *_INT_KNOBS):
+        value = _knob(cfg, prefix + name, name, path)
+        if value is not None: out[stage + _RENAME.get(name, name)] = value
+    if _greedy(cfg, prefix, path): out[stage + 'temperature'] = 0.0
+    prefixes = _stage_prefixes(cfg)
+    if prefix and prefixes and not any(prefix + k in cfg for k in _KNOB_KEYS):
+        _log.warning(f"{path}: prefix {prefix!r} selects no key; the file's prefixes are {', '.join(map(repr, prefixes))}")
     return out
 
 # %% ../nbs/10_generation.ipynb #9716fef1
 _PRIMARY = re.compile(r'[A-Za-z]{2,8}')
 
-def base_language(code: str) -> str:
-    """The primary language subtag of the language tag `code`, lowercased: `'en-US'`, `'en_us'`, `'EN'` and `' en '` give
-    `'en'`, `'zh-Hant-TW'` gives `'zh'`, `'yue'` stays `'yue'`. Surrounding whitespace is ignored and `_` separates subtags
-    like `-`. Raises `ValueError` naming `code` unless the primary subtag is 2 to 8 ASCII letters (RFC 5646, section 2.1)."""
+def base_language(code: str, # a BCP 47 tag or POSIX locale: 'en-US', 'en_us', 'zh-Hant-TW', 'yue'
+                 ) -> str:
+    "The primary language subtag of `code`, lowercased (`'en-US'` -> `'en'`). `ValueError` naming `code` unless it is 2 to 8 ASCII letters (RFC 5646, 2.1)."
     if not isinstance(code, str): raise ValueError(f'language code must be a string, got {type(code).__name__} {code!r}')
     primary = re.split(r'[-_]', code.strip(), maxsplit=1)[0]
     if not _PRIMARY.fullmatch(primary):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+from fastcore.basics import patch
 from torch import nn
 
 # %% auto #0
@@ -36,12 +37,15 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/05_mla.ipynb #dc20d372
 class MLAAttention(nn.Module):
-    """Multi-head latent attention with DeepseekV2Attention's parameter names; decodes with `w_kc` [N, P, L] and `w_vc` [N, L, V], built from `kv_b_proj.weight` [N·(P+V), L] by `process_weights_after_loading`.
-
-    N = `num_heads`, P = `qk_nope_head_dim`, R = `qk_rope_head_dim`, V = `v_head_dim`, L = `kv_lora_rank`. `softmax_scale` defaults to (P+R)^-0.5."""
-    def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-                 v_head_dim: int, q_lora_rank: int | None = None, attention_bias: bool = False,
-                 softmax_scale: float | None = None, norm_eps: float = 1e-6, layer_idx: int | None = None):
+    "Multi-head latent attention with DeepseekV2Attention's parameter names; decodes with `w_kc` [N, P, L] and `w_vc` [N, L, V] built from `kv_b_proj`."
+    def __init__(self, hidden_size: int, num_heads: int, # N
+                 kv_lora_rank: int, # L: the latent's width
+                 qk_nope_head_dim: int, # P
+                 qk_rope_head_dim: int, # R
+                 v_head_dim: int, # V
+                 q_lora_rank: int | None = None, # None: a full-rank q_proj
+                 attention_bias: bool = False, softmax_scale: float | None = None, # None: (P+R)^-0.5
+                 norm_eps: float = 1e-6, layer_idx: int | None = None):
         super().__init__()
         self.num_heads, self.kv_lora_rank, self.q_lora_rank = num_heads, kv_lora_rank, q_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -57,65 +61,69 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = MLARMSNorm(kv_lora_rank, norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
-        self.register_buffer('w_kc', None, persistent=False)  # built after loading; never in a checkpoint
+        self.register_buffer('w_kc', None, persistent=False)  # derived after loading; never in a checkpoint
         self.register_buffer('w_vc', None, persistent=False)
-
-    @classmethod
-    def from_config(cls, config, layer_idx: int | None = None) -> MLAAttention:
-        "The layer for a transformers `DeepseekV2Config`/`DeepseekV3Config`, with its yarn `mscale_all_dim` correction of the softmax scale."
-        scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-        rp = getattr(config, 'rope_parameters', None) or {}
-        if rp.get('rope_type', 'default') != 'default' and rp.get('mscale_all_dim') and rp.get('factor', 1) > 1:
-            m = 0.1 * rp['mscale_all_dim'] * math.log(rp['factor']) + 1.0
-            scale *= m * m
-        return cls(config.hidden_size, config.num_attention_heads, config.kv_lora_rank, config.qk_nope_head_dim,
-                   config.qk_rope_head_dim, config.v_head_dim, config.q_lora_rank, config.attention_bias, scale, layer_idx=layer_idx)
-
     def _name(self): return f'{type(self).__name__}' + (f'(layer_idx={self.layer_idx})' if self.layer_idx is not None else '')
 
-    def process_weights_after_loading(self, device) -> None:
-        """Split the loaded `kv_b_proj.weight` [N·(P+V), L] into `w_kc` [N, P, L] and `w_vc` [N, L, V] on `device`, in its dtype; once.
+# %% ../nbs/05_mla.ipynb #f2bb7121
+@patch(cls_method=True)
+def from_config(cls: MLAAttention, config, layer_idx: int | None = None) -> MLAAttention:
+    "The layer for a transformers `DeepseekV2Config`/`DeepseekV3Config`, with its yarn `mscale_all_dim` correction of the softmax scale."
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rp = getattr(config, 'rope_parameters', None) or {}
+    if rp.get('rope_type', 'default') != 'default' and rp.get('mscale_all_dim') and rp.get('factor', 1) > 1:
+        m = 0.1 * rp['mscale_all_dim'] * math.log(rp['factor']) + 1.0
+        scale *= m * m
+    return cls(config.hidden_size, config.num_attention_heads, config.kv_lora_rank, config.qk_nope_head_dim,
+               config.qk_rope_head_dim, config.v_head_dim, config.q_lora_rank, config.attention_bias, scale, layer_idx=layer_idx)
 
-        Raises `RuntimeError` on a second call or when `kv_b_proj` is still on meta, `ValueError` (both shapes and the dimensions named) when its shape is not [N·(P+V), L]."""
-        if self.w_kc is not None: raise RuntimeError(f'{self._name()}: process_weights_after_loading was called twice; w_kc and w_vc are already built')
-        w = self.kv_b_proj.weight
-        if w.is_meta: raise RuntimeError(f'{self._name()}: kv_b_proj.weight is still on meta; load the weights before process_weights_after_loading')
-        N, P, V, L = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
-        if tuple(w.shape) != (N * (P + V), L):
-            raise ValueError(f'{self._name()}: kv_b_proj.weight has shape {list(w.shape)}, expected [N*(P+V), L] = [{N * (P + V)}, {L}] '
-                             f'for num_heads N={N}, qk_nope_head_dim P={P}, v_head_dim V={V}, kv_lora_rank L={L}')
-        w = w.detach().to(device).view(N, P + V, L)
-        self.w_kc = w[:, :P].contiguous()                   # [N, P, L]
-        self.w_vc = w[:, P:].transpose(1, 2).contiguous()   # [N, L, V]
+# %% ../nbs/05_mla.ipynb #d69b24f7
+@patch
+def process_weights_after_loading(self: MLAAttention, device) -> None:
+    "Derive `w_kc` [N, P, L] and `w_vc` [N, L, V] on `device` from `kv_b_proj.weight` [N·(P+V), L] (dequantized first when kept quantized); rebuilds them on every call."
+    w = self.kv_b_proj.weight
+    if w.is_meta: raise RuntimeError(f'{self._name()}: kv_b_proj.weight is still on meta; load the weights before process_weights_after_loading')
+    if hasattr(self.kv_b_proj, 'dequantized_weight'): w = self.kv_b_proj.dequantized_weight()   # a QuantizedLinear: fp8 codes and scales
+    N, P, V, L = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+    if tuple(w.shape) != (N * (P + V), L):
+        raise ValueError(f'{self._name()}: kv_b_proj.weight has shape {list(w.shape)}, expected [N*(P+V), L] = [{N * (P + V)}, {L}] '
+                         f'for num_heads N={N}, qk_nope_head_dim P={P}, v_head_dim V={V}, kv_lora_rank L={L}')
+    w = w.detach().to(device).view(N, P + V, L)
+    self.w_kc = w[:, :P].contiguous()                   # [N, P, L]
+    self.w_vc = w[:, P:].transpose(1, 2).contiguous()   # [N, L, V]
 
-    def queries(self, h):
-        "(q_nope [B, N, T, P], q_pe [B, N, T, R]) for hidden states `h` [B, T, hidden], q_pe not yet rotated."
-        B, T, _ = h.shape
-        q = self.q_proj(h) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
-        q = q.view(B, T, self.num_heads, -1).transpose(1, 2)
-        return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+# %% ../nbs/05_mla.ipynb #633ce4e6
+@patch
+def queries(self: MLAAttention, h):
+    "(q_nope [B, N, T, P], q_pe [B, N, T, R]) for hidden states `h` [B, T, hidden], q_pe not yet rotated."
+    B, T, _ = h.shape
+    q = self.q_proj(h) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+    q = q.view(B, T, self.num_heads, -1).transpose(1, 2)
+    return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
-    def latents(self, h, freqs_cis):
-        "(c_kv [B, T, L] normalized, k_pe [B, T, R] rotated): what the cache keeps for hidden states `h` [B, T, hidden]."
-        c, k_pe = self.kv_a_proj_with_mqa(h).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        return self.kv_a_layernorm(c), apply_rope(k_pe, freqs_cis)
+@patch
+def latents(self: MLAAttention, h, freqs_cis):
+    "(c_kv [B, T, L] normalized, k_pe [B, T, R] rotated): what the cache keeps for hidden states `h` [B, T, hidden]."
+    c, k_pe = self.kv_a_proj_with_mqa(h).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    return self.kv_a_layernorm(c), apply_rope(k_pe, freqs_cis)
 
-    def forward(self, hidden_states, freqs_cis, cache: tuple | None = None):
-        """Absorbed attention of `hidden_states` [B, T, hidden] at the positions `freqs_cis` [B, T, R/2] stands for, over `cache` (c_kv [B, S, L], k_pe [B, S, R] of the S earlier positions, or None) and themselves, causally.
-
-        Returns (output [B, T, hidden], (c_kv, k_pe) of all S+T positions). Raises `RuntimeError` before `process_weights_after_loading`."""
-        if self.w_kc is None: raise RuntimeError(f'{self._name()}: call process_weights_after_loading(device) after loading; w_kc/w_vc are not built')
-        B, T, _ = hidden_states.shape
-        q_nope, q_pe = self.queries(hidden_states)
-        q_pe = apply_rope(q_pe, freqs_cis)
-        c, k_pe = self.latents(hidden_states, freqs_cis)
-        if cache is not None: c, k_pe = torch.cat([cache[0], c], 1), torch.cat([cache[1], k_pe], 1)
-        S = c.shape[1]
-        q_lat = torch.einsum('bntp,npl->bntl', q_nope, self.w_kc)        # the key half of kv_b_proj, folded into the query
-        scores = (torch.einsum('bntl,bsl->bnts', q_lat, c) + torch.einsum('bntr,bsr->bnts', q_pe, k_pe)) * self.softmax_scale
-        past = S - T
-        visible = torch.arange(S, device=c.device)[None, :] <= past + torch.arange(T, device=c.device)[:, None]
-        scores = scores.masked_fill(~visible, float('-inf'))
-        p = scores.softmax(-1, dtype=torch.float32).to(q_lat.dtype)
-        o = torch.einsum('bntl,nlv->bntv', torch.einsum('bnts,bsl->bntl', p, c), self.w_vc)   # the value half, after attention
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), (c, k_pe)
+# %% ../nbs/05_mla.ipynb #ad145659
+@patch
+def forward(self: MLAAttention, hidden_states, # [B, T, hidden]
+            freqs_cis, # [B, T, R/2] complex rotations of the T positions
+            cache: tuple | None = None, # (c_kv [B, S, L], k_pe [B, S, R]) of the S earlier positions
+           ):
+    "(output [B, T, hidden], cache of all S+T positions): absorbed causal attention; `RuntimeError` before finalizing."
+    if self.w_kc is None: raise RuntimeError(f'{self._name()}: call process_weights_after_loading(device) after loading; w_kc/w_vc are not built')
+    B, T, _ = hidden_states.shape
+    q_nope, q_pe = self.queries(hidden_states)
+    q_pe = apply_rope(q_pe, freqs_cis)
+    c, k_pe = self.latents(hidden_states, freqs_cis)
+    if cache is not None: c, k_pe = torch.cat([cache[0], c], 1), torch.cat([cache[1], k_pe], 1)
+    S = c.shape[1]
+    q_lat = torch.einsum('bntp,npl->bntl', q_nope, self.w_kc)        # the key half of kv_b_proj, folded into the query
+    scores = (torch.einsum('bntl,bsl->bnts', q_lat, c) + torch.einsum('bntr,bsr->bnts', q_pe, k_pe)) * self.softmax_scale
+    visible = torch.arange(S, device=c.device)[None, :] <= (S - T) + torch.arange(T, device=c.device)[:, None]
+    p = scores.masked_fill(~visible, float('-inf')).softmax(-1, dtype=torch.float32).to(q_lat.dtype)
+    o = torch.einsum('bntl,nlv->bntv', torch.einsum('bnts,bsl->bntl', p, c), self.w_vc)   # the value half, after attention
+    return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), (c, k_pe)

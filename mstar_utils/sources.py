@@ -521,3 +521,51 @@ def file_source(path: str | Path, # a safetensors file
     except BaseException: src.close(); raise
     src.k2f = dict.fromkeys(h[1], path)
     return src
+
+# %% ../nbs/01_safetensors.ipynb #7b1e0c02
+def _slice_runs(shape, itemsize: int, dim: int, ranges) -> list:
+    "[(byte offset within the tensor, byte count)] of the slice, in output order, with runs that touch in the file merged."
+    outer = 1
+    for s in shape[:dim]: outer *= s
+    inner = itemsize
+    for s in shape[dim + 1:]: inner *= s
+    row, runs = shape[dim] * inner, []
+    for o in range(outer):
+        for a, b in ranges:
+            off, n = o * row + a * inner, (b - a) * inner
+            if not n: continue
+            if runs and runs[-1][0] + runs[-1][1] == off: runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else: runs.append((off, n))
+    return runs
+
+def _pread_into(fd: int, buf, offset: int, what: str):
+    "Fill the writable memoryview `buf` from file offset `offset` of `fd`; `ValueError` naming `what` if the file ends first."
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if not n: raise ValueError(f'{what} is cut short: read {got} of {len(buf)} bytes at offset {offset}')
+        got += n
+
+# %% ../nbs/01_safetensors.ipynb #7b1e0c03
+@patch
+def get_slice(self: FileSource, k, # a key of the source
+              dim: int, # the dimension to slice (negative counts from the end)
+              ranges, # [(start, stop), ...] along `dim`, joined in order
+              out: torch.Tensor | None = None, # a contiguous CPU tensor of the slice's shape and the checkpoint's dtype
+             ) -> torch.Tensor:
+    "Part of tensor `k`: indices `ranges` along `dim`, joined in order; reads only those bytes. `ValueError` for a range outside the tensor."
+    path, start, (dt, shape, begin, end) = self.info(k)
+    if not -len(shape) <= dim < len(shape): raise ValueError(f'{path}: tensor {k!r} has {len(shape)} dims, no dim {dim}')
+    d, ranges = dim % len(shape), [(int(a), int(b)) for a, b in ranges]
+    bad = [(a, b) for a, b in ranges if not 0 <= a <= b <= shape[d]]
+    if bad: raise ValueError(f'{path}: tensor {k!r} has {shape[d]} entries along dim {d}; range {bad[0]} is outside it')
+    sliced = (*shape[:d], sum(b - a for a, b in ranges), *shape[d + 1:])
+    t = torch.empty(sliced, dtype=dt) if out is None else out
+    if tuple(t.shape) != sliced or t.dtype != dt or not t.is_contiguous():
+        raise ValueError(f'{path}: out for a slice of {k!r} must be a contiguous {dt} tensor of shape {list(sliced)}, got {t.dtype} {list(t.shape)}')
+    if not t.numel(): return t
+    buf, pos, fd = memoryview(t.view(-1).view(torch.uint8).numpy()), 0, self._file(path).fileno()
+    for off, n in _slice_runs(shape, dt.itemsize, d, ranges):
+        _pread_into(fd, buf[pos:pos + n], start + begin + off, f'{path}: tensor {k!r}')
+        pos += n
+    return t

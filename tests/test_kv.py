@@ -1,4 +1,4 @@
-"KV pages, the admission check and KV geometry: every case of the issue, properties, and KV bytes against transformers' own caches."
+"KV pages, the KV plan and the admission check, and KV geometry for every layer kind, against config classes and transformers' own caches."
 import json, logging, math, os
 from types import SimpleNamespace
 
@@ -6,9 +6,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import torch, transformers
 from mstar_utils import kv
-from mstar_utils.kv import KVCachePool, check_kv_pools_fit, kv_pages, kv_max_requests, kv_bytes_per_token, kv_geometry
+from mstar_utils.kv import (KVCachePool, KVPlan, check_kv_pools_fit, kv_pages, kv_max_requests, kv_bytes_per_token,
+                            kv_fixed_bytes_per_request, kv_geometry, plan_kv_pools)
 from mstar_utils.checkpoints import smollm2_checkpoint
+from mstar_utils.testing import (KV_ARCHITECTURES, released_kv_config, gemma3_4b_it_config, tiny_kv_config,
+                                 transformers_kv_cache, cache_layer_bytes)
 
 LOGGER = 'tests.kv'
 
@@ -58,7 +62,24 @@ def test_kv_max_requests_is_the_boundary(n, tokens, page_size):
     assert kv_pages(tokens, page_size, c + 1) > n
 
 
-# ---- check_kv_pools_fit: the issue's cases
+# ---- KVCachePool: invalid geometry fails at construction
+
+@pytest.mark.parametrize('args,what', [
+    ((4096, 0, 1024), 'page_size must be at least 1'), ((0, 16, 1024), 'max_seq_len must be at least 1'),
+    ((4096, 16, -1), 'max_num_pages must be at least 0'), ((4096, 16.0, 1024), 'page_size must be an integer'),
+    ((4096, 16, True), 'max_num_pages must be an integer'), ((4096, 16, 1024, 'x', -5), "'x' cpu_offload_pages")])
+def test_pool_with_invalid_geometry_fails_when_made(args, what):
+    with pytest.raises(ValueError, match=what): KVCachePool(*args)
+    with pytest.raises(ValueError, match='KVCachePool page_size'): KVCachePool(max_seq_len=4096, page_size=0, max_num_pages=9)
+
+
+def test_pool_normalizes_integer_types():
+    import numpy as np
+    pool = KVCachePool(np.int64(4096), np.int32(16), 1025)
+    assert type(pool.max_seq_len) is int and type(pool.page_size) is int and pool.max_requests == 4
+
+
+# ---- check_kv_pools_fit: the admission cases
 
 def test_13_pages_of_8192_hold_no_request_of_106496(caplog):
     pool = KVCachePool(max_seq_len=106496, page_size=8192, max_num_pages=13, name='text')
@@ -120,6 +141,15 @@ def test_close_to_the_limit(caplog):
     assert 10 * need < 9 * (need * 10 // 9 + 1) and 10 * need >= 9 * (need * 10 // 9)
 
 
+def test_log_none_uses_the_module_logger(caplog):
+    pool = KVCachePool(max_seq_len=8192, page_size=16, max_num_pages=4000, name='text')
+    with caplog.at_level(logging.WARNING, logger='mstar_utils.kv'):
+        check_kv_pools_fit(Model([pool]), {}, 'serve.json')
+        check_kv_pools_fit(Model([pool]), {}, 'serve.json', None)
+    msgs = [r.getMessage() for r in caplog.records if r.name == 'mstar_utils.kv']
+    assert len(msgs) == 2 and all('unbounded' in m for m in msgs)
+
+
 # ---- the protocol
 
 def test_no_kv_cache_is_nothing_to_check(caplog):
@@ -127,6 +157,7 @@ def test_no_kv_cache_is_nothing_to_check(caplog):
     assert check([], ..., caplog) == []
     assert check({}, ..., caplog) == []
     check_kv_pools_fit(object(), {'max_concurrent_requests': 4}, 'serve.json', logging.getLogger(LOGGER))
+    check_kv_pools_fit(object(), None, 'serve.json')
 
 
 def test_any_object_with_the_attributes(caplog):
@@ -169,7 +200,7 @@ def test_bad_protocol_values(caplog):
     with pytest.raises(TypeError, match=r'Model.get_kv_cache_config\(\) returned KVCachePool'):
         check(KVCachePool(4096, 16, 1024), 1, caplog)
     with pytest.raises(ValueError, match="serve.json: KV cache pool 'x' page_size must be at least 1"):
-        check([KVCachePool(4096, 0, 1024, 'x')], 1, caplog)
+        check([SimpleNamespace(max_seq_len=4096, page_size=0, max_num_pages=1024, name='x')], 1, caplog)
 
 
 @given(st.integers(1, 10**5), st.sampled_from([1, 16, 32, 128]), st.integers(2, 10**5), st.integers(1, 300))
@@ -187,26 +218,159 @@ def test_refusal_iff_pages_short(seq, page_size, n, cap):
         assert (f'fits is {best}' in str(e)) if best else ('No max_concurrent_requests fits' in str(e))
 
 
-# ---- geometry against transformers
+# ---- plan_kv_pools: the same verdicts as data
 
-def _cache_bytes_per_token(model, n=5):
-    import torch
-    with torch.no_grad(): out = model(torch.arange(n)[None], use_cache=True)
-    cache = out.cache if 'cache' in out else out.past_key_values
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) / n
+pools_st = st.lists(st.builds(KVCachePool, st.integers(1, 50000), st.sampled_from([1, 16, 64]), st.integers(0, 20000),
+                              st.sampled_from(['', 'a', 'b'])), max_size=4)
+
+@given(pools_st, st.one_of(st.none(), st.integers(1, 200)))
+@settings(max_examples=300, deadline=None)
+def test_plan_is_what_the_check_does(pools, cap):
+    plan = plan_kv_pools(pools, cap, 'serve.json')
+    assert plan_kv_pools(pools, cap, 'serve.json') == plan                  # pure: same input, same data
+    fits = [kv_pages(p.max_seq_len, p.page_size, cap) <= p.max_num_pages if cap else p.max_requests >= 1 for p in pools]
+    assert [p.fits for p in plan.pools] == fits and [p.label for p in plan.short] == [p.label for p in plan.pools if not p.fits]
+    assert plan.max_requests == (min(p.max_requests for p in pools) if pools else None)
+    assert (plan.error is not None) == (not all(fits)) and plan.verdict == ('refused' if plan.error else 'warning' if plan.warnings else 'fits')
+    logger = logging.getLogger(LOGGER)
+    try:
+        check_kv_pools_fit(Model(pools), {'max_concurrent_requests': cap}, 'serve.json', logger)
+        assert plan.error is None
+    except ValueError as e: assert str(e) == plan.error
+    if pools and cap is None and all(fits): assert len(plan.warnings) == 1
+    if cap is not None and not plan.error:
+        assert len(plan.warnings) == sum(10 * kv_pages(p.max_seq_len, p.page_size, cap) >= 9 * p.max_num_pages for p in pools)
+
+
+def test_plan_without_pools():
+    assert plan_kv_pools(None, 4, 'x') == KVPlan('x', 4) and plan_kv_pools([], None).verdict == 'fits'
+    with pytest.raises(TypeError, match='got KVCachePool'): plan_kv_pools(KVCachePool(4096, 16, 1024), 1)
+    with pytest.raises(ValueError, match='x: max_concurrent_requests must be at least 1'): plan_kv_pools(None, 0, 'x')
+
+
+def test_plan_leaves_logging_alone(caplog):
+    with caplog.at_level(logging.DEBUG):
+        plan = plan_kv_pools([KVCachePool(4096, 16, 1025, 'text')], 4, 'serve.json')
+    assert plan.verdict == 'warning' and caplog.records == []
+
+
+# ---- KV geometry: resolved through transformers' config classes
+
+def per_token(c, nbytes=2):
+    "K and V of each KV head of one attention layer of text config `c`, from its attributes."
+    head_dim = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_key_value_heads * head_dim * nbytes
+
+
+def expected_figures(cfg, nbytes=2):
+    "(bytes per token, fixed bytes per request) of a released config, from its own attributes, arch by arch."
+    t = cfg.get_text_config(decoder=True)
+    kinds = getattr(t, 'layer_types', None) or ['full_attention'] * t.num_hidden_layers
+    n_full, n_slide, n_lin = (kinds.count(k) for k in ('full_attention', 'sliding_attention', 'linear_attention'))
+    if getattr(t, 'kv_lora_rank', None): return n_full * (t.kv_lora_rank + t.qk_rope_head_dim) * nbytes, 0
+    fixed = n_slide and n_slide * min(t.sliding_window, t.max_position_embeddings) * per_token(t, nbytes)
+    if n_lin:
+        conv = (2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim)
+        fixed += n_lin * (conv * t.linear_conv_kernel_dim * nbytes + t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * 4)
+    if cfg.is_encoder_decoder: fixed += cfg.decoder_layers * cfg.max_source_positions * per_token(t, nbytes)
+    return n_full * per_token(t, nbytes), fixed
+
+
+@pytest.mark.parametrize('arch', list(KV_ARCHITECTURES))
+def test_released_architectures(arch):
+    cfg = released_kv_config(arch)
+    assert (kv_bytes_per_token(cfg), kv_fixed_bytes_per_request(cfg)) == expected_figures(cfg)
+    assert (kv_bytes_per_token(cfg, 'float32'), kv_fixed_bytes_per_request(cfg, torch.float32))[0] == expected_figures(cfg, 4)[0]
+
+
+def test_the_figures_of_the_issue():
+    ds = released_kv_config('DeepSeek-V3')
+    assert kv_bytes_per_token(ds) == ds.num_hidden_layers * (ds.kv_lora_rank + ds.qk_rope_head_dim) * 2 == 61 * 576 * 2 == 70272
+    oss = released_kv_config('gpt-oss')
+    g = kv_geometry(oss)
+    assert g.kinds == {'full_attention': oss.layer_types.count('full_attention'), 'sliding_attention': oss.layer_types.count('sliding_attention')}
+    assert g.kinds['full_attention'] == oss.num_hidden_layers // 2          # 18 of 36 grow: all 36 counted was 2x
+    assert kv_bytes_per_token(oss) * 2 == oss.num_hidden_layers * per_token(oss)
+    w = released_kv_config('Whisper')
+    assert kv_geometry(w).kinds == {'full_attention': w.decoder_layers, 'cross_attention': w.decoder_layers}
+    assert kv_geometry(w).max_seq_len == w.max_target_positions
+
+
+def test_qwen2_vl_head_dim_from_hidden_size():
+    t = released_kv_config('Qwen2-VL').get_text_config()
+    assert getattr(t, 'head_dim', None) is None
+    assert kv_bytes_per_token(released_kv_config('Qwen2-VL')) == t.num_hidden_layers * 2 * t.num_key_value_heads * (t.hidden_size // t.num_attention_heads) * 2
+
+
+@pytest.mark.parametrize('arch', list(KV_ARCHITECTURES))
+def test_layers_hold_what_transformers_caches(arch):
+    cfg = tiny_kv_config(arch)
+    g = kv_geometry(cfg)
+    for tokens in (2, 9):
+        theirs = cache_layer_bytes(transformers_kv_cache(cfg, tokens))
+        assert len(theirs) == len(g.layers)
+        for layer, (cls, held) in zip(g.layers, theirs):
+            if layer.kind == 'cross_attention': assert held == layer.fixed_bytes == layer.tokens * layer.token_bytes
+            elif layer.kind == 'linear_attention': assert held == layer.state_bytes and layer.token_bytes == 0
+            elif layer.tokens is None: assert held == tokens * layer.token_bytes            # full attention, MLA
+            else:                                                                             # transformers keeps window - 1
+                assert held == min(tokens, layer.tokens - 1) * layer.token_bytes, (layer, cls, held)
+    assert g.bytes_per_token * 9 + sum(l.state_bytes for l in g.layers) == sum(
+        held for l, (_, held) in zip(g.layers, cache_layer_bytes(transformers_kv_cache(cfg, 9))) if l.tokens is None)
+
+
+def test_windows_are_the_configs():
+    for arch in ('Gemma-3', 'gpt-oss'):
+        t = released_kv_config(arch).get_text_config()
+        windows = {l.tokens for l in kv_geometry(released_kv_config(arch)).layers if l.kind == 'sliding_attention'}
+        assert windows == {t.sliding_window}
+    short = transformers.MistralConfig(sliding_window=4096, max_position_embeddings=1000, num_hidden_layers=2, dtype='bfloat16')
+    assert kv_bytes_per_token(short) == 0 and kv_fixed_bytes_per_request(short) == 2 * 1000 * per_token(short)
+
+
+def test_gemma3_sparse_text_config(tmp_path):
+    (tmp_path/'config.json').write_text(json.dumps(gemma3_4b_it_config()))
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    t, defaults = cfg.get_text_config(), transformers.Gemma3TextConfig()
+    assert 'num_attention_heads' not in gemma3_4b_it_config()['text_config']
+    assert (t.num_key_value_heads, t.head_dim) == (defaults.num_key_value_heads, defaults.head_dim)
+    expected = (t.layer_types.count('full_attention') * per_token(t),
+                t.layer_types.count('sliding_attention') * t.sliding_window * per_token(t))
+    for source in (tmp_path, tmp_path/'config.json', gemma3_4b_it_config(), cfg):
+        assert (kv_bytes_per_token(source), kv_fixed_bytes_per_request(source)) == expected
+    assert kv_geometry(tmp_path).dtype == 'bfloat16'              # torch_dtype at the top level only
+
+
+def test_dtype_at_either_level():
+    top = transformers.Gemma3Config(dtype='float16')
+    assert top.text_config.dtype is None and kv_geometry(top).dtype == 'float16'
+    inner = transformers.Gemma3Config(text_config=dict(dtype='float32'))
+    assert kv_geometry(inner).dtype == 'float32'
+    assert kv_bytes_per_token(inner) == 2 * kv_bytes_per_token(top)
+    assert kv_geometry(inner, 'bfloat16').dtype == 'bfloat16'         # the argument wins
+    with pytest.raises(ValueError, match='gemma3 config has no dtype'): kv_geometry(transformers.Gemma3Config())
+
+
+def test_heterogeneous_head_dim_matches_transformers():
+    "Gemma-4's global layers have their own head_dim: read per layer, as transformers does."
+    cfg = transformers.Gemma4TextConfig(dtype='bfloat16', hidden_size=64, intermediate_size=64, vocab_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_hidden_layers=6, sliding_window=4,
+                                        num_kv_shared_layers=0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=128)
+    g = kv_geometry(cfg)
+    theirs = cache_layer_bytes(transformers_kv_cache(cfg, 9))
+    assert [l.token_bytes * (9 if l.tokens is None else l.tokens - 1) for l in g.layers] == [b for _, b in theirs]
+    assert len({l.token_bytes for l in g.layers}) == 2
 
 
 def test_smollm2_bytes_per_token_match_transformers():
-    import torch, transformers
-    from transformers import AutoModelForCausalLM
     transformers.utils.logging.disable_progress_bar()
     ck = smollm2_checkpoint()
-    lm = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
-    ref = _cache_bytes_per_token(lm)
-    assert kv_bytes_per_token(ck) == ref
+    lm = transformers.AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
+    with torch.no_grad(): out = lm(torch.arange(5)[None], use_cache=True)
+    ref = sum(b for _, b in cache_layer_bytes(out.cache if 'cache' in out else out.past_key_values)) / 5
+    assert kv_bytes_per_token(ck) == kv_bytes_per_token(ck/'config.json') == kv_bytes_per_token(lm.config) == ref
     assert kv_bytes_per_token(json.loads((ck/'config.json').read_text())) == ref
-    assert kv_bytes_per_token(lm.config) == ref
-    assert kv.kv_page_bytes(ck, 16) == 16 * ref
+    assert kv.kv_page_bytes(ck, 16) == 16 * ref and kv_fixed_bytes_per_request(ck) == 0
 
 
 @pytest.mark.parametrize('arch,kwargs', [
@@ -219,14 +383,13 @@ def test_smollm2_bytes_per_token_match_transformers():
 ])
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_random_models_bytes_per_token_match_transformers(arch, kwargs, dtype):
-    import torch, transformers
     cfg = getattr(transformers, arch)(**kwargs)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
-    assert kv_bytes_per_token(model.config, dtype) == _cache_bytes_per_token(model)
-    if arch == 'GPT2Config':    # config.json spells it n_layer: the dict form needs transformers' names
-        with pytest.raises(ValueError, match='no num_hidden_layers'): kv_bytes_per_token(cfg.to_dict(), dtype)
-    else: assert kv_bytes_per_token(cfg.to_dict(), dtype) == _cache_bytes_per_token(model)
+    with torch.no_grad(): out = model(torch.arange(5)[None], use_cache=True)
+    ref = sum(b for _, b in cache_layer_bytes(out.cache if 'cache' in out else out.past_key_values)) / 5
+    assert kv_bytes_per_token(model.config, dtype) == ref
+    assert kv_bytes_per_token(cfg.to_dict(), dtype) == ref        # GPT-2's n_layer resolves through GPT2Config
 
 
 def test_geometry_errors(tmp_path):
@@ -235,13 +398,25 @@ def test_geometry_errors(tmp_path):
     with pytest.raises(ValueError, match='config.json'): kv_geometry(tmp_path)
     (tmp_path/'config.json').write_text('[]')
     with pytest.raises(ValueError, match='JSON list'): kv_geometry(tmp_path)
-    base = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
-    with pytest.raises(ValueError, match='no dtype'): kv_geometry(base)
-    with pytest.raises(ValueError, match='no num_attention_heads'): kv_geometry(dict(num_hidden_layers=2, dtype='bf16'))
-    with pytest.raises(ValueError, match='not a multiple'): kv_geometry({**base, 'hidden_size': 66, 'dtype': 'bf16'})
-    with pytest.raises(ValueError, match='kv_lora_rank'): kv_geometry({**base, 'dtype': 'bf16', 'kv_lora_rank': 512})
-    with pytest.raises(ValueError, match='unknown dtype'): kv_geometry({**base, 'dtype': 'int3'})
-    assert kv_geometry({**base, 'torch_dtype': 'float16'})['dtype_bytes'] == 2
+    (tmp_path/'config.json').write_text('{"num_hidden_layers": 2}')
+    with pytest.raises(ValueError, match='config.json has no model_type'): kv_geometry(tmp_path)
+    with pytest.raises(ValueError, match="model_type 'nope' is not one transformers knows"): kv_geometry({'model_type': 'nope'})
+    base = dict(model_type='llama', num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
+    with pytest.raises(ValueError, match='llama config has no dtype'): kv_geometry(base)
+    with pytest.raises(ValueError, match="unknown dtype 'fp7'"): kv_geometry({**base, 'dtype': 'float16'}, 'fp7')
+    with pytest.raises(ValueError, match='model config: transformers cannot build LlamaConfig from it'): kv_geometry({**base, 'dtype': 'bf16'})
+    assert kv_geometry({**base, 'torch_dtype': 'float16'}).dtype == 'float16'
+    with pytest.raises(ValueError, match='not a multiple'):
+        kv_geometry(transformers.Qwen2VLTextConfig(hidden_size=66, num_attention_heads=4, dtype='bfloat16'))
+    with pytest.raises(ValueError, match="mamba config has linear_attention layers but no linear_num_key_heads"):
+        kv_geometry(transformers.MambaConfig(dtype='bfloat16'))
+    odd = transformers.LlamaConfig(num_hidden_layers=2, dtype='bfloat16')
+    odd.layer_types = ['full_attention', 'window_attention']
+    with pytest.raises(ValueError, match="layer 1 is 'window_attention'"): kv_geometry(odd)
+    odd.layer_types = ['full_attention']
+    with pytest.raises(ValueError, match='1 layer_types for 2 layers'): kv_geometry(odd)
+    t5 = transformers.T5Config(dtype='bfloat16')
+    with pytest.raises(ValueError, match='t5 config has no max_source_positions'): kv_geometry(t5)
 
 
 # ---- report and plot for the CLI
@@ -250,30 +425,55 @@ def test_kv_report_smollm2():
     ck = smollm2_checkpoint()
     cfg = json.loads((ck/'config.json').read_text())
     r = kv.kv_report(ck, page_size=16)
-    assert r['kv_bytes_per_token'] == kv_bytes_per_token(cfg)
+    assert r['kv_bytes_per_token'] == kv_bytes_per_token(cfg) and r['kv_fixed_bytes_per_request'] == 0
     assert r['pages_per_request'] == math.ceil(cfg['max_position_embeddings'] / 16)
-    assert r['verdict'] is None
+    assert r['verdict'] is None and r['plan'] is None
     per = r['pages_per_request']
     assert kv.kv_report(ck, 16, 4 * per + 1, 4)['verdict'] == 'warning'
     assert kv.kv_report(ck, 16, 40 * per, 4)['verdict'] == 'fits'
     refused = kv.kv_report(ck, 16, 4 * per, 4)
-    assert refused['verdict'] == 'refused' and 'fits is 3' in refused['error']
+    assert refused['verdict'] == 'refused' and 'fits is 3' in refused['plan']['error'] and refused['plan']['short'] == [ck.name]
     nocap = kv.kv_report(ck, 16, 40 * per, None)
-    assert nocap['verdict'] == 'warning' and 'unbounded' in nocap['warnings'][0]
+    assert nocap['verdict'] == 'warning' and 'unbounded' in nocap['plan']['warnings'][0]
+    assert json.loads(json.dumps(refused)) == refused
     lines = kv.format_kv_report(refused)
     assert str(r['kv_bytes_per_token']) in lines[0] and f'{per} pages of 16 tokens' in lines[1] and 'refused' in lines[2]
-    assert not logging.getLogger('mstar_utils.kv.report').handlers
+    with pytest.raises(ValueError, match='max_concurrent_requests must be at least 1'): kv.kv_report(ck, 16, 4000, 0)
+    with pytest.raises(ValueError, match='page_size must be at least 1'): kv.kv_report(ck, 0)
+
+
+def test_kv_report_shows_both_figures(tmp_path):
+    (tmp_path/'config.json').write_text(json.dumps(gemma3_4b_it_config()))
+    r = kv.kv_report(tmp_path, page_size=16, max_num_pages=100000, max_concurrent_requests=4)
+    g = kv_geometry(tmp_path)
+    assert (r['kv_bytes_per_token'], r['kv_fixed_bytes_per_request']) == (g.bytes_per_token, g.fixed_bytes)
+    assert r['layers'] == g.kinds and r['max_seq_len'] == g.max_seq_len
+    line = kv.format_kv_report(r)[0]
+    assert f"{g.bytes_per_token} bytes per token" in line and f"{g.fixed_bytes} bytes fixed per request" in line
 
 
 def test_save_kv_plot(tmp_path):
+    import matplotlib.pyplot as plt
     p = kv.save_kv_plot(smollm2_checkpoint(), tmp_path/'kv.png', page_size=32, max_num_pages=5000)
     assert p.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     fig = kv.plot_kv(smollm2_checkpoint(), page_size=32, max_num_pages=5000, budgets_gib=(2,))
     (left,), lines = fig.axes[0].lines, fig.axes[1].lines
     assert len(lines) == 2
     x, y = left.get_data()
-    assert y[-1] == math.ceil(x[-1] / 32) == 256
+    assert y[-1] == math.ceil(x[-1] / 32) == math.ceil(kv_geometry(smollm2_checkpoint()).max_seq_len / 32)
     x, y = lines[1].get_data()
     assert y[-1] == kv_max_requests(5000, 8192, 32)
+    plt.close(fig)
+
+
+def test_plot_counts_the_fixed_bytes():
     import matplotlib.pyplot as plt
+    cfg = released_kv_config('gpt-oss')
+    g = kv_geometry(cfg)
+    fig = kv.plot_kv(cfg, page_size=16, budgets_gib=(1,), max_context=4096)
+    x, y = fig.axes[1].lines[0].get_data()
+    page = 16 * g.bytes_per_token
+    assert all(c == (2**30 - page) // (math.ceil(t / 16) * page + g.fixed_bytes) for t, c in zip(x, y))
+    title = fig._suptitle.get_text()
+    assert f'{g.bytes_per_token:,} B per token' in title and f'{g.fixed_bytes / 2**20:.2f} MiB fixed per request' in title
     plt.close(fig)

@@ -16,21 +16,10 @@ from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, ch
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
-N, P, R, V, L = 4, 16, 8, 12, 32
-CFG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=N, num_key_value_heads=N,
-           first_k_dense_replace=2, kv_lora_rank=L, qk_nope_head_dim=P, qk_rope_head_dim=R, v_head_dim=V, max_position_embeddings=64)
+from mstar_utils.testing import MLA_CONFIG as CFG, save_mla_checkpoint as save
+from mstar_utils.loading import load_weights
 
-
-def save(folder, q_lora_rank):
-    "A tiny DeepSeek-V2 with trained-scale random weights, written by save_pretrained."
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(DeepseekV2Config(**CFG, q_lora_rank=q_lora_rank), dtype=torch.float32)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 2: p.normal_(0, p.shape[-1] ** -0.5)
-            else: p.copy_(1 + 0.1 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return folder
+N, P, R, V, L = CFG['num_attention_heads'], CFG['qk_nope_head_dim'], CFG['qk_rope_head_dim'], CFG['v_head_dim'], CFG['kv_lora_rank']
 
 
 @pytest.fixture(scope='module', params=[None, 24], ids=['q_proj', 'q_lora'])
@@ -131,8 +120,6 @@ def test_whole_tree_is_finalized_once(ckpt):
     process_weights_after_loading(layers, 'cpu')
     assert all(m.w_kc is not None for m in layers)
     assert not torch.equal(layers[0].w_kc, layers[1].w_kc)
-    with pytest.raises(RuntimeError, match=r'MLAAttention\(layer_idx=0\): process_weights_after_loading was called twice'):
-        process_weights_after_loading(layers, 'cpu')
 
 
 def test_rope_matches_transformers(ckpt):
@@ -150,12 +137,28 @@ def test_yarn_softmax_scale():
 
 # ---- errors
 
-def test_second_call(ckpt):
+def test_second_call_rebuilds_from_current_weights(ckpt):
+    "Finalizing again after an in-place weight update equals a fresh layer loaded with the new weights (the RL weight-sync case)."
     folder, ref = ckpt
     mla = loaded_layer(folder, ref.config); mla.process_weights_after_loading('cpu')
-    w_kc = mla.w_kc
-    with pytest.raises(RuntimeError, match='called twice; w_kc and w_vc are already built'): mla.process_weights_after_loading('cpu')
-    assert mla.w_kc is w_kc
+    torch.manual_seed(3)
+    new = {k: v + 0.1 * torch.randn_like(v) for k, v in mla.state_dict().items()}
+    load_weights(new, mla)
+    process_weights_after_loading(mla, 'cpu')
+    fresh = MLAAttention.from_config(ref.config, layer_idx=1)
+    load_weights(new, fresh); process_weights_after_loading(fresh, 'cpu')
+    h, pos = inputs()
+    freqs = rope_freqs(pos, R)
+    assert torch.equal(mla.w_kc, fresh.w_kc) and torch.equal(mla.w_vc, fresh.w_vc)
+    assert torch.equal(decode(mla, h, freqs, 5)[0], decode(fresh, h, freqs, 5)[0])
+
+
+def test_finalizing_twice_without_new_weights_changes_nothing(ckpt):
+    folder, ref = ckpt
+    mla = loaded_layer(folder, ref.config); mla.process_weights_after_loading('cpu')
+    w_kc, w_vc = mla.w_kc.clone(), mla.w_vc.clone()
+    mla.process_weights_after_loading('cpu')
+    assert torch.equal(mla.w_kc, w_kc) and torch.equal(mla.w_vc, w_vc)
 
 
 @pytest.mark.parametrize('shape', [(N * (P + V) - 4, L), (N * (P + V), L + 1), (N * P, L)])

@@ -1,0 +1,107 @@
+"""load_model against transformers' from_pretrained: state_dict, logits, eval mode and generation config, on real
+checkpoints (SmolLM2, all-MiniLM-L6-v2) and tiny models of other families written by save_pretrained."""
+import logging, os
+
+import pytest
+import torch
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, GenerationConfig
+from transformers.utils import logging as hf_logging
+
+from mstar_utils import load_model, smollm2_checkpoint, minilm_checkpoint
+from mstar_utils.testing import save_tiny, tiny_configs, ListHandler
+
+hf_logging.set_verbosity_error()
+
+AUTO = {'t5': AutoModelForSeq2SeqLM, 'whisper': AutoModelForSpeechSeq2Seq}
+
+
+def inputs(name, model):
+    "Model inputs of the family's kind: token ids, and for encoder-decoders decoder ids or mel features."
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=g)
+    if name == 't5': return dict(input_ids=ids, decoder_input_ids=ids[:, :5])
+    if name == 'whisper':
+        c = model.config
+        feats = torch.randn(2, c.num_mel_bins, 2 * c.max_source_positions, generator=g).to(model.dtype)
+        return dict(input_features=feats, decoder_input_ids=ids[:, :5])
+    return dict(input_ids=ids)
+
+
+def assert_same(ours, ref, kwargs):
+    assert type(ours) is type(ref)
+    a, b = ours.state_dict(), ref.state_dict()
+    assert sorted(a) == sorted(b)
+    for k in b: assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert ours.training is False and ref.training is False
+    with torch.no_grad(): assert torch.equal(ours(**kwargs).logits, ref(**kwargs).logits)
+
+
+@pytest.mark.parametrize('name', ['qwen2', 'gemma2', 't5', 'whisper', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'deepseek_v2'])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_tiny_families_equal_from_pretrained(tmp_path, name, dtype):
+    folder = save_tiny(name, tmp_path/name, dtype=dtype)
+    ours = load_model(folder)
+    ref = AUTO.get(name, AutoModelForCausalLM).from_pretrained(folder)
+    assert_same(ours, ref, inputs(name, ref))
+    assert ours.generation_config.to_dict() == ref.generation_config.to_dict()
+
+
+def test_smollm2_equals_from_pretrained():
+    ckpt = smollm2_checkpoint()
+    ours, ref = load_model(ckpt), AutoModelForCausalLM.from_pretrained(ckpt)
+    assert_same(ours, ref, dict(input_ids=torch.tensor([[1, 504, 3458, 282, 4649, 314]])))
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert ours.generation_config.to_dict() == GenerationConfig.from_pretrained(ckpt).to_dict()
+
+
+def test_minilm_equals_from_pretrained_and_is_in_eval_mode():
+    ckpt = minilm_checkpoint()
+    ours, ref = load_model(ckpt), AutoModel.from_pretrained(ckpt)
+    ids = torch.tensor([[101, 1996, 4937, 7719, 2006, 1996, 13523, 1012, 102]])
+    a, b = ours.state_dict(), ref.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+    with torch.no_grad(): assert torch.equal(ours(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
+    assert not ours.training
+
+
+def test_dtype_and_model_class_overrides(tmp_path):
+    folder = save_tiny('qwen2', tmp_path/'q')
+    m = load_model(folder, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    from transformers import Qwen2ForCausalLM, Qwen2Model
+    assert type(load_model(folder, Qwen2ForCausalLM)) is Qwen2ForCausalLM
+    with pytest.raises(KeyError, match=r"the module's names occur under \['model.'\]"): load_model(folder, Qwen2Model)
+
+
+def test_moe_without_recipes_is_refused_naming_the_fused_key(tmp_path):
+    folder = save_tiny('mixtral', tmp_path/'m')
+    with pytest.raises(KeyError, match='mlp.experts.gate_up_proj'): load_model(folder, conv=None)
+
+
+def test_unused_keys_warn_or_raise(tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder = save_tiny('qwen2', tmp_path/'q', max_shard_size='10GB')
+    sd = load_file(folder/'model.safetensors'); sd['model.extra.weight'] = torch.zeros(2); save_file(sd, str(folder/'model.safetensors'))
+    h = ListHandler(); logging.getLogger('mstar_utils.model').addHandler(h)
+    try: load_model(folder)
+    finally: logging.getLogger('mstar_utils.model').removeHandler(h)
+    assert [r.getMessage() for r in h.records] == ['q: 1 checkpoint key(s) were not used by Qwen2ForCausalLM: model.extra.weight']
+    with pytest.raises(ValueError, match=r'1 checkpoint key\(s\) were not used by Qwen2ForCausalLM: model.extra.weight; pass strict=False'):
+        load_model(folder, strict=True)
+
+
+def test_no_generation_config_file_derives_one_from_the_config(tmp_path):
+    folder = save_tiny('qwen2', tmp_path/'q')
+    (folder/'generation_config.json').unlink()
+    ours, ref = load_model(folder), AutoModelForCausalLM.from_pretrained(folder)
+    assert ours.generation_config.to_dict() == ref.generation_config.to_dict()
+
+
+def test_concurrent_load_model_calls():
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(3) as ex: models = list(ex.map(lambda _: load_model(minilm_checkpoint()), range(3)))
+    ref = models[0].state_dict()
+    for m in models[1:]:
+        for k, v in m.state_dict().items(): assert torch.equal(v, ref[k]), k

@@ -1,0 +1,281 @@
+"Quantized checkpoints: each format's dequantization against transformers' and compressed-tensors' own code, both loading modes against the dequantized reference model, refusals, MLA and tensor-parallel block slices."
+import json, os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from transformers.utils import logging as hf_logging
+from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+from mstar_utils.convert import group_keys
+from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, process_weights_after_loading
+from mstar_utils.mla import MLAAttention, rope_freqs
+from mstar_utils.model import CONVERSIONS_BY_MODEL_TYPE, build_on_meta, load_model
+from mstar_utils.quantized import *
+from mstar_utils.quantized import _fragments
+from mstar_utils.sources import DictSource, checkpoint_source
+from mstar_utils.testing import dequantized_reference, quantized_configs, write_quantized_checkpoint
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+FORMATS = list(quantized_configs())
+IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
+
+
+def same(a, b):
+    assert (a.dtype, a.shape) == (b.dtype, b.shape), ((a.dtype, a.shape), (b.dtype, b.shape))
+    assert torch.equal(a, b), f'max |difference| {(a.float() - b.float()).abs().max().item()}'
+
+
+def logits(m):
+    with torch.no_grad(): return m(IDS).logits
+
+
+@pytest.fixture(scope='module')
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp('quantized')
+    return {fmt: write_quantized_checkpoint(fmt, root/fmt) for fmt in FORMATS}
+
+
+@pytest.fixture(scope='module')
+def refs(ckpts, tmp_path_factory):
+    root = tmp_path_factory.mktemp('reference')
+    return {fmt: dequantized_reference(d, root/fmt) for fmt, d in ckpts.items()}
+
+
+def config_of(d): return json.loads((d/'config.json').read_text())
+
+
+# ---- the operations against the formats' own code
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 300), st.sampled_from([(128, 128), (16, 32), (1, 64)]), st.integers(0, 2))
+def test_fp8_block_matches_transformers(R, C, block, experts):
+    shape = (experts, R, C) if experts else (R, C)
+    w = (torch.randn(shape) * 100).to(torch.float8_e4m3fn)
+    s = torch.rand(scale_grid(shape, block)) + 1e-3
+    op = FP8BlockDequantize(block, torch.float32)
+    assert op.mismatch([w.shape, s.shape]) is None
+    same(op.apply([w, s]), _dequantize_fp8_weight(w, s, list(block), torch.float32))
+    if not experts:   # compressed-tensors' converter, bf16 out: the float32 product rounded once
+        same(FP8BlockDequantize(block).apply([w, s]), FP8BlockDequantizer(weight_block_size=block, dtype=torch.bfloat16)._create_dequantized_weight(w, s))
+
+
+def test_fp8_per_tensor_and_e8m0_scales():
+    w = (torch.randn(5, 7) * 10).to(torch.float8_e4m3fn)
+    same(FP8BlockDequantize((None, None), torch.float32).apply([w, torch.tensor([0.5])]), w.float() * 0.5)
+    e = torch.randint(100, 140, (2, 1), dtype=torch.uint8)   # ue8m0 scales stored as bytes
+    same(FP8BlockDequantize((4, 7), torch.float32).apply([w, e]), _dequantize_fp8_weight(w, e.view(torch.float8_e8m0fnu).float(), [4, 7], torch.float32))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2), st.integers(1, 40), st.integers(1, 4))
+def test_mxfp4_matches_transformers(E, R, G):
+    shape = (E, R, G) if E else (R, G)
+    blocks, scales = torch.randint(0, 256, (*shape, 16), dtype=torch.uint8), torch.randint(100, 150, shape, dtype=torch.uint8)
+    if not E: blocks, scales = blocks[None], scales[None]   # transformers' converter wants an expert axis
+    for dt in (torch.float32, torch.bfloat16):
+        same(MXFP4Dequantize(dt).apply([blocks, scales]), convert_moe_packed_tensors(blocks, scales, dtype=dt))
+
+
+def test_e8m0_nan_and_fp4_table():
+    assert e8m0_to_float(torch.tensor([255], dtype=torch.uint8)).isnan().all()
+    assert list(FP4_E2M1) == __import__('transformers.integrations.mxfp4', fromlist=['FP4_VALUES']).FP4_VALUES
+
+
+def scheme(**w): return QuantizationScheme(targets=['Linear'], weights=QuantizationArgs(**w))
+
+CT_CASES = [  # num_bits, strategy, group/block, symmetric, R, C: rows and columns that are not multiples of anything where the format allows
+    (4, 'group', 32, False, 13, 64), (4, 'group', 128, True, 3, 256), (4, 'channel', None, True, 5, 100), (4, 'channel', None, False, 17, 7),
+    (8, 'channel', None, False, 9, 33), (8, 'channel', None, True, 4, 5), (2, 'group', 16, True, 3, 48), (4, 'tensor', None, True, 4, 40),
+]
+BLOCKS = {'group': lambda g: (1, g), 'channel': lambda g: (1, None), 'tensor': lambda g: (None, None)}
+
+@pytest.mark.parametrize('bits,strategy,g,sym,R,C', CT_CASES)
+def test_pack_quantized_matches_compressed_tensors(bits, strategy, g, sym, R, C):
+    torch.manual_seed(R * C + bits)
+    sc = scheme(num_bits=bits, type='int', strategy=strategy, symmetric=sym, **({'group_size': g} if g else {}))
+    grid = {'group': (R, C // (g or 1)), 'channel': (R, 1), 'tensor': (1,)}[strategy]
+    sd = {'weight': torch.randn(R, C, dtype=torch.bfloat16), 'weight_scale': (torch.rand(grid) * 0.1 + 0.01).to(torch.bfloat16)}
+    if not sym: sd['weight_zero_point'] = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), grid, dtype=torch.int8)
+    packed = PackedQuantizationCompressor.compress(sd, sc)
+    op = PackQuantizedDequantize(bits, BLOCKS[strategy](g), (R, C), sym)
+    ins = [packed['weight' + s] for s in op.suffixes]
+    assert op.mismatch([t.shape for t in ins]) is None
+    same(op.apply(ins), PackedQuantizationCompressor.decompress(packed, sc)['weight'])
+
+
+@pytest.mark.parametrize('kind,strategy,arg,sym', [('float', 'channel', None, True), ('float', 'tensor', None, True), ('float', 'block', [64, 32], True),
+                                                   ('float', 'group', 32, True), ('int', 'channel', None, False), ('int', 'group', 16, True)])
+def test_float_quantized_matches_compressed_tensors(kind, strategy, arg, sym):
+    R, C = 70, 96
+    extra = {'block': {'block_structure': arg}, 'group': {'group_size': arg}}.get(strategy, {})
+    sc = scheme(num_bits=8, type=kind, strategy=strategy, symmetric=sym, **extra)
+    block = {'channel': (1, None), 'tensor': (None, None), 'block': tuple(arg) if strategy == 'block' else None, 'group': (1, arg)}[strategy]
+    grid = scale_grid((R, C), block) if strategy != 'tensor' else (1,)
+    sd = {'weight': torch.randn(R, C, dtype=torch.bfloat16), 'weight_scale': (torch.rand(grid) * 0.01 + 0.001).to(torch.bfloat16)}
+    if not sym: sd['weight_zero_point'] = torch.randint(-5, 5, grid, dtype=torch.int8)
+    q = NaiveQuantizationCompressor.compress(sd, sc)
+    op = FloatQuantizedDequantize(block, torch.bfloat16, sym)
+    same(op.apply([q['weight' + s] for s in op.suffixes]), NaiveQuantizationCompressor.decompress(q, sc)['weight'])
+
+
+def test_unpack_int32_refuses_straddling_widths():
+    with pytest.raises(ValueError, match='num_bits=3'): unpack_int32(torch.zeros(2, 3, dtype=torch.int32), 3, 32)
+
+
+# ---- what a checkpoint stores quantized
+
+def test_quantized_tensors_find_every_scaled_key(ckpts):
+    for fmt, d in ckpts.items():
+        with safe_open(str(d/'model.safetensors'), 'pt') as f: keys = list(f.keys())
+        units = quantized_tensors(checkpoint_source(d), config_of(d))
+        suffix = {'fp8': '_scale_inv', 'mxfp4': '_scales'}.get(fmt, '_scale')   # every scale the writer stored belongs to one parameter
+        assert sorted(k for u in units for k in u.sources if k.endswith(suffix)) == sorted(k for k in keys if k.endswith(suffix))
+        assert all(k in keys for u in units for k in u.sources)
+
+
+def without(d, *drop): return DictSource({k: v for k, v in load_file(str(d/'model.safetensors')).items() if k not in drop})
+
+def test_refusals_name_key_dtype_and_missing_scale(ckpts):
+    k = 'model.layers.1.mlp.experts.0.down_proj.weight'
+    with pytest.raises(ValueError, match=rf"'{k}' \(torch.float8_e4m3fn\) is quantized \(FP8BlockDequantize\) but its '{k}_scale_inv' is missing"):
+        quantized_tensors(without(ckpts['fp8'], k + '_scale_inv'), config_of(ckpts['fp8']))
+    k = 'model.layers.0.mlp.experts.down_proj'
+    with pytest.raises(ValueError, match=rf"'{k}_scales' \(torch.uint8\) belongs to quantized codes '{k}_blocks', which are missing"):
+        quantized_tensors(without(ckpts['mxfp4'], k + '_blocks'), config_of(ckpts['mxfp4']))
+    k = 'model.layers.0.self_attn.q_proj'
+    with pytest.raises(ValueError, match=rf"'{k}.weight_packed' \(torch.int32\) is quantized \(PackQuantizedDequantize\) but its '{k}.weight_zero_point' is missing"):
+        quantized_tensors(without(ckpts['ct_pack'], k + '.weight_zero_point'), config_of(ckpts['ct_pack']))
+    with pytest.raises(ValueError, match=rf"'{k}.weight' \(torch.float8_e4m3fn\) is quantized \(FloatQuantizedDequantize\) but its '{k}.weight_scale' is missing"):
+        quantized_tensors(without(ckpts['ct_float'], k + '.weight_scale'), config_of(ckpts['ct_float']))
+    with pytest.raises(NotImplementedError, match="format 'nvfp4-pack-quantized'"):
+        cfg = config_of(ckpts['ct_pack']); cfg['quantization_config']['format'] = 'nvfp4-pack-quantized'
+        for g in cfg['quantization_config']['config_groups'].values(): g.pop('format', None)
+        quantized_tensors(checkpoint_source(ckpts['ct_pack']), cfg)
+
+
+def test_unquantized_keys_of_a_quantized_dtype_are_refused(ckpts):
+    sd = load_file(str(ckpts['fp8']/'model.safetensors'))
+    sd['model.norm.weight'] = sd['model.norm.weight'].to(torch.float8_e4m3fn)   # an fp8 tensor with no scale at all
+    with pytest.raises(ValueError, match=r"'model.norm.weight' \(torch.float8_e4m3fn\) is quantized .* 'model.norm.weight_scale_inv' is missing"):
+        quantized_tensors(DictSource(sd), config_of(ckpts['fp8']))
+
+
+def test_fragments_stay_few_at_deepseek_v3_scale():
+    "DeepSeek-V3's layout, 61 layers of 256 experts: one rule per projection name, grouping exactly each weight with its scale."
+    op, keys, units = FP8BlockDequantize(), ['model.embed_tokens.weight', 'lm_head.weight'], []
+    class U:
+        def __init__(self, t): self.target, self.op, self.sources = t, op, [t, t + '_scale_inv']
+    for i in range(61):
+        names = [f'self_attn.{p}' for p in ('q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj')]
+        names += [f'mlp.{p}' for p in ('gate_proj', 'up_proj', 'down_proj')] if i < 3 else \
+                 [f'mlp.{e}.{p}' for e in [*(f'experts.{j}' for j in range(256)), 'shared_experts'] for p in ('gate_proj', 'up_proj', 'down_proj')]
+        units += [U(f'model.layers.{i}.{n}.weight') for n in names]
+        keys += [f'model.layers.{i}.mlp.gate.weight', f'model.layers.{i}.input_layernorm.weight']
+    keys += [k for u in units for k in u.sources]
+    rules = _fragments(units, keys)
+    assert len(units) == 61 * 5 + 3 * 3 + 58 * 257 * 3 and sorted(t for _, t, _ in rules) == sorted(f'{p}.weight' for p in ('q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'))
+
+
+# ---- both loading modes against the reference model
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_load_model_logits_equal_the_dequantized_reference(fmt, ckpts, refs):
+    ref = logits(AutoModelForCausalLM.from_pretrained(refs[fmt]).eval())
+    same(logits(load_model(ckpts[fmt])), ref)
+    same(logits(load_model(ckpts[fmt], quantized='keep')), ref)
+
+
+def test_float32_dequantization_equals_a_float32_reference(ckpts, tmp_path):
+    ref = AutoModelForCausalLM.from_pretrained(dequantized_reference(ckpts['fp8'], tmp_path/'ref', torch.float32), dtype=torch.float32).eval()
+    m = load_model(ckpts['fp8'], dtype=torch.float32)
+    same(m.model.layers[1].self_attn.q_b_proj.weight, ref.model.layers[1].self_attn.q_b_proj.weight)
+    same(logits(m), logits(ref))
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_kept_model_holds_the_checkpoint_bytes(fmt, ckpts):
+    d = ckpts[fmt]
+    units = quantized_tensors(checkpoint_source(d), config_of(d))
+    m = load_model(d, quantized='keep')
+    params, file = dict(m.named_parameters()), load_file(str(d/'model.safetensors'))
+    for k in (k for u in units for k in u.sources):
+        same(params[k].view(torch.uint8), file[k].view(torch.uint8))
+    dense = {u.target for u in units} & {n for n, p in params.items() if p.dtype == torch.bfloat16}
+    assert not dense   # no dequantized copy is held
+    kept = sum(p.nbytes for n, p in params.items() if any(n in u.sources for u in units))
+    assert kept == sum(file[k].nbytes for u in units for k in u.sources)
+
+
+def test_scale_and_weight_in_different_shards(ckpts, refs, tmp_path):
+    "A quantized weight whose scale the index puts in another shard loads both ways."
+    d, out = ckpts['fp8'], tmp_path/'sharded'
+    out.mkdir()
+    sd = load_file(str(d/'model.safetensors'))
+    shards = {'a.safetensors': {k: v for k, v in sd.items() if not k.endswith('_scale_inv')}, 'b.safetensors': {k: v for k, v in sd.items() if k.endswith('_scale_inv')}}
+    for name, part in shards.items(): save_file(part, str(out/name), metadata={'format': 'pt'})
+    (out/'model.safetensors.index.json').write_text(json.dumps({'metadata': {}, 'weight_map': {k: n for n, p in shards.items() for k in p}}))
+    for f in ('config.json', 'generation_config.json'): (out/f).write_text((d/f).read_text())
+    ref = logits(AutoModelForCausalLM.from_pretrained(refs['fp8']).eval())
+    same(logits(load_model(out)), ref)
+    same(logits(load_model(out, quantized='keep')), ref)
+
+
+def test_quantized_conversions_group_each_weight_with_its_scale(ckpts):
+    src = checkpoint_source(ckpts['ct_pack'])
+    units, conv = quantized_tensors(src, config_of(ckpts['ct_pack'])), quantized_conversions(src, config_of(ckpts['ct_pack']))
+    assert {t: g.keys for t, g in group_keys(list(src.keys()), conv).items()} == {u.target: set(u.sources) for u in units}
+    assert len(conv) < len(units)
+
+
+def test_keep_quantized_returns_only_recipes_still_needed(ckpts):
+    cfg = AutoConfig.from_pretrained(ckpts['fp8'])
+    units = quantized_tensors(checkpoint_source(ckpts['fp8']), cfg)
+    conv = CONVERSIONS_BY_MODEL_TYPE['deepseek_v3']
+    assert keep_quantized(build_on_meta(cfg), units, conv) == []                 # every expert kept quantized
+    experts = [u for u in units if '.experts.' not in u.target]
+    assert keep_quantized(build_on_meta(cfg), experts, conv) == list(conv)     # experts left to the recipes
+
+
+# ---- MLA
+
+@pytest.mark.parametrize('mode', ['keep', 'dequantize'])
+def test_mla_absorbs_from_fp8(mode, ckpts, refs):
+    d, prefix = ckpts['fp8'], 'model.layers.1.self_attn.'
+    cfg, src = AutoConfig.from_pretrained(d), checkpoint_source(ckpts['fp8'])
+    with torch.device('meta'): mla = MLAAttention.from_config(cfg, layer_idx=1).to(torch.bfloat16)
+    conv = None
+    if mode == 'keep': keep_quantized(mla, quantized_tensors(src, cfg), prefix=prefix)
+    else: conv = quantized_conversions(src, cfg)
+    load_weights_from_hf_shards(d, [ModuleAndPrefix(mla, prefix)], conv=conv)
+    process_weights_after_loading(mla, 'cpu')
+    ref_w = load_file(str(refs['fp8']/'model.safetensors'))[prefix + 'kv_b_proj.weight']
+    N, P, V, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    same(mla.w_kc, ref_w.view(N, P + V, L)[:, :P].contiguous())
+    same(mla.w_vc, ref_w.view(N, P + V, L)[:, P:].transpose(1, 2).contiguous())
+    process_weights_after_loading(mla, 'cpu')   # again, as after a weight update: the same
+    same(mla.w_kc, ref_w.view(N, P + V, L)[:, :P].contiguous())
+    h = torch.randn(1, 3, cfg.hidden_size, dtype=torch.bfloat16)
+    assert mla(h, rope_freqs(torch.arange(3)[None], cfg.qk_rope_head_dim))[0].isfinite().all()
+
+
+# ---- tensor-parallel block slices
+
+def test_block_slice():
+    assert block_slice('k', 128, 0, 4096, 32768) == slice(0, 32)
+    assert block_slice('k', 128, 256, 300, 300) == slice(2, 3)
+    with pytest.raises(ValueError, match="'model.layers.3.mlp.down_proj.weight': a shard boundary at 100 cuts through a block of 128"):
+        block_slice('model.layers.3.mlp.down_proj.weight', 128, 0, 100, 300)
+    with pytest.raises(ValueError, match="'k': shard"):
+        block_slice('k', 128, 256, 512, 300)

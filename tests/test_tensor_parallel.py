@@ -1,0 +1,151 @@
+"Tensor-parallel loading: slices equal the whole tensors cut by the plan, only their bytes are read, and spawned 2- and 4-rank groups give the unsharded model's logits."
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, PhiConfig, PhiForCausalLM
+
+from mstar_utils.checkpoints import smollm2_checkpoint
+from mstar_utils.convert import QWEN3_MOE_CONVERSIONS, MIXTRAL_CONVERSIONS, converted_source
+from mstar_utils.loading import ModuleAndPrefix, check_loaded
+from mstar_utils.model import build_on_meta, load_model
+from mstar_utils.sources import DictSource, checkpoint_source
+from mstar_utils.tensor_parallel import (WHOLE, Sharding, ShardedSource, Slice, load_weights_sharded, read_slice, shard_module,
+                                         take, tp_plan)
+from mstar_utils.testing import run_ranks, save_tiny, tp_jobs
+
+SMOL = smollm2_checkpoint()
+SMOL_CONFIG = AutoConfig.from_pretrained(SMOL)
+
+
+def rchar() -> int:
+    return int(re.search(r'rchar: (\d+)', Path('/proc/self/io').read_text())[1])
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    "Tiny checkpoints: Qwen3-MoE and Mixtral (16 experts each, stored one by one), Qwen2 (q/k/v biases), Phi (biases on every Linear)."
+    root = tmp_path_factory.mktemp('tp')
+    out = {name: save_tiny(name, root/name) for name in ('qwen3_moe', 'mixtral', 'qwen2')}
+    torch.manual_seed(0)
+    phi = PhiForCausalLM(PhiConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   max_position_embeddings=64, pad_token_id=0))
+    phi.save_pretrained(root/'phi', max_shard_size='40KB')
+    out['phi'] = root/'phi'
+    return out
+
+
+@pytest.mark.parametrize('world_size', [2, 4])
+def test_smollm2_slices_equal_cut_tensors_and_bytes_add_up(world_size):
+    plan, src = tp_plan(SMOL_CONFIG, world_size), checkpoint_source(SMOL)
+    keys = [k for k in src.keys() if k.startswith(('model.layers.0.', 'model.layers.29.', 'model.norm', 'model.embed'))]
+    whole = {k: src.get(k) for k in keys}
+    total = sum(t.numel() * t.element_size() for t in whole.values())
+    replicated = sum(t.numel() * t.element_size() for k, t in whole.items() if Sharding(plan, 0, world_size).slice_for(k, t.shape) == WHOLE)
+    read = []
+    for rank in range(world_size):
+        sharded, before = ShardedSource(checkpoint_source(SMOL), Sharding(plan, rank, world_size)), rchar()
+        for k in keys:
+            part = sharded.get(k)
+            assert tuple(part.shape) == sharded.shape(k) and torch.equal(part, take(whole[k], sharded.slice(k))), k
+        after = rchar(); sharded.close()
+        assert abs((after - before) - sharded.bytes_read) < 256 * 1024, (after - before, sharded.bytes_read)   # headers and /proc reads
+        read.append(sharded.bytes_read)
+    assert sum(read) == total + (world_size - 1) * replicated
+    src.close()
+
+
+def test_rowwise_slice_reads_row_by_row_not_the_whole_tensor():
+    src, key = checkpoint_source(SMOL), 'model.layers.3.mlp.down_proj.weight'
+    src.info(key)
+    before = rchar()
+    part = src.get_slice(key, 1, [(384, 768)])
+    got = rchar() - before
+    assert part.shape == (576, 384) and got < 1.01 * part.numel() * 2 + 4096, got
+    assert torch.equal(part, src.get(key)[:, 384:768])
+    src.close()
+
+
+@pytest.mark.parametrize('name,conv', [('qwen3_moe', QWEN3_MOE_CONVERSIONS), ('mixtral', MIXTRAL_CONVERSIONS)])
+@pytest.mark.parametrize('world_size,ep', [(2, False), (4, False), (2, True), (4, True)])
+def test_fused_targets_slice_through_the_converter(tiny, name, conv, world_size, ep):
+    config = AutoConfig.from_pretrained(tiny[name])
+    whole_src = converted_source(checkpoint_source(tiny[name]), conv)
+    for rank in range(world_size):
+        sh = Sharding(tp_plan(config, world_size, ep), rank, world_size)
+        counted = []
+        for k in whole_src.keys():
+            sl = sh.slice_for(k, whole_src.shape(k))
+            part = read_slice(whole_src, k, sl, count=counted.append)
+            assert torch.equal(part, take(whole_src.get(k), sl)), (k, sl)
+            assert sum(counted) == part.numel() * part.element_size(); counted.clear()   # the slice's bytes, nothing more
+    whole_src.close()
+
+
+def test_non_divisible_dimension_names_key_dim_and_world_size():
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: dim 0 of shape \[1536, 576\] has size 1536, which does not divide by world_size 7"):
+        ShardedSource(checkpoint_source(SMOL), Sharding(tp_plan(SMOL_CONFIG, 7), 0, 7)).shape('model.layers.0.mlp.gate_proj.weight')
+    with pytest.raises(ValueError, match='does not divide by 2 packed parts x world_size 4'):
+        Sharding({'experts.gate_up_proj': 'packed_colwise'}, 0, 4).slice_for('m.experts.gate_up_proj', (16, 12, 32))
+
+
+def test_tied_tensor_cut_two_ways_is_refused():
+    model = build_on_meta(SMOL_CONFIG)
+    with pytest.raises(ValueError, match='one tied tensor'):
+        shard_module(model, Sharding({'lm_head': 'colwise'}, 0, 2))
+
+
+def test_module_not_cut_is_refused_before_reading():
+    with pytest.raises(ValueError, match='call shard_module'):
+        load_weights_sharded(SMOL, [ModuleAndPrefix(build_on_meta(SMOL_CONFIG))], Sharding(tp_plan(SMOL_CONFIG, 2), 0, 2))
+
+
+def test_rules_decide_before_the_plan_and_dict_sources_are_sliced():
+    rule = lambda sh, key, shape: Slice(0, ((0, 1),)) if key == 'w.scale' else None
+    sh = Sharding({'w': 'rowwise'}, 1, 2, rules=[rule])
+    sd = {'w.weight': torch.arange(12.).reshape(3, 4), 'w.scale': torch.arange(3.), 'w.bias': torch.ones(3)}
+    src = ShardedSource(DictSource(sd), sh)
+    assert torch.equal(src.get('w.weight'), sd['w.weight'][:, 2:]) and torch.equal(src.get('w.scale'), sd['w.scale'][:1])
+    assert src.get('w.bias') is sd['w.bias'] and src.borrowed('w.bias') and not src.borrowed('w.weight')
+
+
+def test_cut_keeps_parameter_objects_class_and_linear_sizes():
+    model = build_on_meta(SMOL_CONFIG)
+    cut = shard_module(model, Sharding(tp_plan(SMOL_CONFIG, 2), 1, 2))
+    down = model.model.layers[4].mlp.down_proj
+    assert cut['model.layers.4.mlp.down_proj.weight'] == Slice(1, ((768, 1536),))
+    assert down.weight.is_meta and tuple(down.weight.shape) == (576, 768) and down.in_features == 768
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _check_ranks(results, refs):
+    for job, ref in enumerate(refs):
+        for rank, res in enumerate(results):
+            diff = (res[job]['logits'] - ref).abs().max().item()
+            assert diff <= 1e-5, (job, rank, diff)
+
+
+def test_two_ranks_match_the_unsharded_models(tiny):
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    jobs = [(tiny['qwen3_moe'], ids, None, False), (tiny['qwen3_moe'], ids, None, True), (tiny['phi'], ids, None, False)]
+    results = run_ranks(tp_jobs, 2, jobs)
+    with torch.no_grad():
+        refs = [load_model(folder, dtype=torch.float32)(ids).logits for folder, *_ in jobs]
+    _check_ranks(results, refs)
+    gu = 'model.layers.0.mlp.experts.gate_up_proj'
+    assert [r[0]['shapes'][gu] for r in results] == [[16, 16, 32]] * 2 and [r[1]['shapes'][gu] for r in results] == [[8, 32, 32]] * 2
+    assert results[0][2]['shapes']['model.layers.0.mlp.fc2.weight'] == [32, 32]   # Phi's rowwise fc2 (with bias) is split
+
+
+def test_four_ranks_match_the_unsharded_models(tiny):
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    config = AutoConfig.from_pretrained(tiny['qwen2'])
+    vocab_split = {**tp_plan(config, 4), 'embed_tokens': 'embedding_rowwise', 'lm_head': 'colwise_gather_output'}
+    jobs = [(tiny['qwen2'], ids, vocab_split, False), (tiny['qwen3_moe'], ids, None, False)]
+    results = run_ranks(tp_jobs, 4, jobs)
+    with torch.no_grad():
+        refs = [load_model(folder, dtype=torch.float32)(ids).logits for folder, *_ in jobs]
+    _check_ranks(results, refs)
+    assert [r[0]['shapes']['model.embed_tokens.weight'] for r in results] == [[24, 32]] * 4
+    assert [r[0]['shapes']['model.layers.0.self_attn.k_proj.bias'] for r in results] == [[4]] * 4   # 2 kv heads over 4 ranks: gathered
