@@ -1,17 +1,17 @@
 #!/usr/bin/env python
-"""Load-time benchmark: fill a HuggingFace causal LM from its safetensors shards with transformers, safetensors and
-`mstar_utils.loading`, against the limit of reading the same bytes into preallocated tensors.
+"""Load-time benchmark: fill HuggingFace causal LMs from their safetensors shards with mstar_utils, transformers and
+safetensors, and print each result as a ratio to the limits measured in the same run (the bare reads of the same bytes).
 
-    python benchmarks/bench_load.py              # full run: SmolLM2 + a >= 2 GB synthetic Llama, warm and cold page cache
-    python benchmarks/bench_load.py --quick      # SmolLM2 only, one repeat, warm only (about a minute)
+    python benchmarks/bench_load.py              # full run: SmolLM2, a 2.2 GB synthetic Llama (warm and cold), 20,000-tensor files
+    python benchmarks/bench_load.py --quick      # SmolLM2 and the 20,000-tensor file, one warm repeat (a minute or two)
     python benchmarks/bench_load.py --publish    # also copy the results to benchmarks/load_results.json and nbs/images/bench_load.png
+    python benchmarks/bench_load.py --gpu        # only the CUDA rows (tools/gpu-check runs this)
 
-Each run is a fresh process (forked from a parent that has only imported the libraries, since importing torch and
-transformers takes ~10 s here and belongs to no method; `--spawn` starts a new interpreter per run instead).
-Prints the table and the targets of issue 7, writes benchmarks/results/load.json and benchmarks/results/load.png.
+Each run is a fresh process (forked from a parent that has only imported the libraries; CUDA runs and `--spawn` start a
+new interpreter). Prints the table and the targets, writes benchmarks/results/load.json and benchmarks/results/load.png.
 """
 from __future__ import annotations
-import gc, json, mmap, os, platform, shutil, statistics, subprocess, sys, threading, time, traceback
+import gc, json, mmap, os, platform, random, shutil, statistics, subprocess, sys, threading, time, traceback
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -22,46 +22,79 @@ from fastcore.script import call_parse
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE/'results'
-GB = 1e9
+GB, MiB = 1e9, 1 << 20
+CHUNK = 8 << 20  # mstar_utils' staging chunk (FileSource.read_many's chunk_bytes default)
 
 # Synthetic checkpoint: TinyLlama-shaped (1.1 B parameters, 2.2 GB in bf16), random init, untied lm_head.
 SYNTH_NAME = 'llama-synth-1.1b-bf16'
 SYNTH_CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                     num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5)
 SYNTH_SHARD = '400MB'
+SMOL_NAME = 'SmolLM2-135M-Instruct-copy'  # mstar_utils.checkpoints.smollm2_checkpoint(), copied
+# Many small tensors: 20,000 16x16 fp32 tensors in one file (a ModuleList of Linear layers), and a Llama with as many tensors.
+MANY_NAME, MANY_N = 'many-16x16-fp32', 20_000
+LLAMA20K_NAME = 'llama-20k-tensors-fp32'
+LLAMA20K_CONFIG = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2222, num_attention_heads=1,
+                       num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)  # 2222 x 9 + 3 = 20,001
 
-CPU_METHODS = ['hf', 'st-mmap', 'st-pread', 'ours', 'ours-mmap', 'ours-subset', 'limit-readinto', 'limit-prefaulted', 'limit-mmap']
-GPU_METHODS = ['hf-cuda', 'ours-cuda', 'h2d-pageable', 'h2d-pinned']
-LABELS = {'hf': '(a) transformers from_pretrained', 'st-mmap': '(b) safetensors load_file (mmap) + assign',
-          'st-pread': "(b') safetensors load_file(backend='pread') + assign", 'ours': '(c) ours: load_weights_from_hf_shards', 'ours-mmap': "(c') ours, mmap=True",
-          'ours-subset': '(c) ours, one ModuleAndPrefix ~10% of weights', 'limit-readinto': '(d) limit: readinto preallocated',
-          'limit-prefaulted': "(d'') readinto preallocated, pages faulted in before the clock: copy bandwidth alone",
-          'limit-mmap': "(d') limit: mmap + copy into preallocated", 'hf-cuda': "(a) from_pretrained(device_map='cuda')",
-          'ours-cuda': "(c) ours device='cuda'", 'h2d-pageable': 'limit: host->device copy, pageable',
-          'h2d-pinned': 'limit: host->device copy, pinned'}
+CPU_METHODS = ['hf', 'st-mmap', 'st-pread', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subset',
+               'limit-fresh', 'limit-prefaulted', 'limit-thp', 'limit-odirect']
+COLD_METHODS = ['hf', 'st-mmap', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subset', 'limit-fresh', 'limit-prefaulted', 'limit-odirect']
+GPU_METHODS = ['hf-cuda', 'ours-cuda', 'h2d-pinned']
+MANY_METHODS = {MANY_NAME: ['many-ours', 'many-st'], LLAMA20K_NAME: ['llama-ours', 'llama-hf']}
+ONCE = {'many-st', 'llama-hf'}  # quadratic in the number of modules here (10-100 s a run): measured in the first round only
+LABELS = {'hf': '(a) transformers from_pretrained', 'st-mmap': '(b) safetensors load_file (mmap) + load_state_dict(assign=True)',
+          'st-pread': "(b') safetensors load_file(backend='pread') + load_state_dict(assign=True)",
+          'ours': '(c) ours: load_weights_from_hf_shards (owned memory, default threads)', 'ours-1thread': '(c) ours, one reader thread',
+          'ours-mmap': "(c') ours, mmap=True", 'ours-subset': '(c) ours, one ModuleAndPrefix over ~10% of the bytes',
+          'limit-fresh': 'limit, fresh memory: one readinto per file into memory allocated and never touched',
+          'limit-prefaulted': 'limit, pre-faulted memory: one readinto per file into memory faulted in before the clock (the copy alone)',
+          'limit-thp': 'one readinto per file into fresh memory advised MADV_HUGEPAGE (transparent huge pages)',
+          'limit-odirect': 'limit, O_DIRECT: sequential 8 MiB reads of the files around the page cache (the disk alone)',
+          'hf-cuda': "(a) from_pretrained(device_map='cuda')", 'ours-cuda': "(c) ours, device='cuda' (pinned staging ring)",
+          'h2d-pinned': 'limit, pinned host-to-device copy of the same bytes',
+          'many-ours': '(c) ours: load_weights_from_file into a meta-built ModuleList of 20,000 Linear(16, 16)',
+          'many-st': '(b) safetensors load_file + load_state_dict(assign=True), same module',
+          'llama-ours': '(c) ours: build_on_meta + load_weights_from_hf_shards, Llama with 20,001 tensors',
+          'llama-hf': '(a) from_pretrained, the same Llama (construction included)'}
 
 # ----------------------------------------------------------------------------------------------------------- checkpoints
 def cache_root() -> Path:
     from mstar_utils.checkpoints import cache_dir
     return cache_dir()/'bench'
 
-def synth_checkpoint(build: bool = True) -> Path:
-    "Folder of the synthetic Llama checkpoint (built once, in a child interpreter, under `cache_dir()/'bench'`)."
-    out = cache_root()/SYNTH_NAME
+def built(name: str, build: bool = True) -> Path:
+    "Folder of a benchmark checkpoint, built once in a child interpreter under `cache_dir()/'bench'`."
+    out = cache_root()/name
     if (out/'.complete').exists() or not build: return out
-    print(f'building the synthetic checkpoint in {out} (once; about a minute) ...', flush=True)
-    subprocess.run([sys.executable, __file__, '--build_synth'], check=True)
+    print(f'building {name} in {out} (once) ...', flush=True)
+    subprocess.run([sys.executable, __file__, '--build', name], check=True)
     return out
 
-def _build_synth():
+def synth_checkpoint(build: bool = True) -> Path:
+    "Folder of the 2.2 GB synthetic Llama (bench_tp_load.py uses it too)."
+    return built(SYNTH_NAME, build)
+
+def _build(name: str):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     from mstar_utils.checkpoints import cached_folder  # build into a temporary folder, rename into place when complete
-    def write(tmp):
+    def synth(tmp):
+        from transformers import LlamaConfig, LlamaForCausalLM
         torch.manual_seed(0)
-        config = LlamaConfig(**SYNTH_CONFIG, dtype='bfloat16')
-        LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).save_pretrained(tmp, max_shard_size=SYNTH_SHARD)
-    cached_folder('bench', SYNTH_NAME, write)
+        LlamaForCausalLM._from_config(LlamaConfig(**SYNTH_CONFIG, dtype='bfloat16'), dtype=torch.bfloat16).save_pretrained(tmp, max_shard_size=SYNTH_SHARD)
+    def many(tmp):
+        from safetensors.torch import save_file
+        g = torch.Generator().manual_seed(0)
+        Path(tmp).mkdir(parents=True, exist_ok=True)
+        save_file({f'{i}.weight': torch.randn(16, 16, generator=g) for i in range(MANY_N)}, str(Path(tmp)/'model.safetensors'))
+    def smol_copy(tmp):  # a copy of its own: other processes (tests) map the shared SmolLM2 files, and mapped pages cannot be dropped
+        from mstar_utils.checkpoints import smollm2_checkpoint
+        shutil.copytree(smollm2_checkpoint(), tmp, dirs_exist_ok=True, copy_function=shutil.copyfile)
+    def llama20k(tmp):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**LLAMA20K_CONFIG)).save_pretrained(tmp)
+    cached_folder('bench', name, {SYNTH_NAME: synth, MANY_NAME: many, LLAMA20K_NAME: llama20k, SMOL_NAME: smol_copy}[name])
 
 def checkpoint_tensors(ckpt: Path) -> list[dict]:
     "Every tensor of the checkpoint: key, file, dtype string, shape, absolute byte offset in the file and byte count; file then offset order."
@@ -79,19 +112,21 @@ def checkpoint_tensors(ckpt: Path) -> list[dict]:
             out.append(dict(key=k, file=str(path), dtype=v['dtype'], shape=v['shape'], offset=8 + n + b, nbytes=e - b))
     return sorted(out, key=lambda t: (t['file'], t['offset']))
 
-def read_files(ckpt: Path):
-    "Read every shard once so the page cache holds it."
-    for p in sorted(ckpt.glob('*.safetensors')):
+def read_files(paths):
+    "Read every file once so the page cache holds it; `paths`: files, or a checkpoint folder."
+    if isinstance(paths, (str, Path)) and Path(paths).is_dir(): paths = sorted(Path(paths).glob('*.safetensors'))
+    for p in paths:
         with open(p, 'rb', buffering=0) as f:
             while f.read(64 << 20): pass
 
-def drop_caches() -> str | None:
-    "Write back dirty pages and drop the page cache; the error text when this process may not."
-    try:
-        os.sync()
-        with open('/proc/sys/vm/drop_caches', 'w') as f: f.write('3\n')
-        return None
-    except OSError as e: return f'{type(e).__name__}: {e}'
+def drop_cache(paths) -> str | None:
+    "Drop these files' pages from the page cache (posix_fadvise DONTNEED, after fdatasync); the error text when some stay."
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try: os.fdatasync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally: os.close(fd)
+    left = cached_bytes(paths)
+    return None if left < 0.01*sum(os.path.getsize(p) for p in paths) else f'{left/1e6:.0f} MB still cached after POSIX_FADV_DONTNEED'
 
 def cached_bytes(paths) -> int:
     "Bytes of the files `paths` that sit in the page cache (mincore(2) over a fresh read-only mapping, which faults nothing in)."
@@ -150,17 +185,13 @@ def _preimport():
     import torch, transformers, accelerate, safetensors.torch  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
-    import mstar_utils.loading  # noqa: F401
+    import mstar_utils.loading, mstar_utils.model  # noqa: F401
 
-def _meta_model(ckpt, config=None):
+def _meta_model(ckpt, dtype=None):
+    from transformers import AutoConfig
+    from mstar_utils.model import build_on_meta
     import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = config or AutoConfig.from_pretrained(ckpt)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.tie_weights()
-    return model
+    return build_on_meta(AutoConfig.from_pretrained(ckpt), dtype=dtype or torch.bfloat16)
 
 def _fingerprint(t) -> int:
     "Sum of ~4k bytes sampled evenly across the tensor's memory: equal for equal bytes, and different when an offset is wrong."
@@ -183,98 +214,124 @@ def _no_meta(model, what):
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left: raise RuntimeError(f'{what}: {len(left)} tensors still on meta, e.g. {left[:3]}')
 
+def _file_buffers(method, files) -> dict:
+    "Destination memory for the per-file limits: fresh, faulted in, or advised for huge pages; pinned for the H2D limit."
+    import torch
+    out = {}
+    for f in files:
+        n = os.path.getsize(f)
+        if method == 'limit-thp':
+            m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); m.madvise(mmap.MADV_HUGEPAGE)
+            out[f] = torch.frombuffer(m, dtype=torch.uint8)
+        else: out[f] = torch.empty(n, dtype=torch.uint8, pin_memory=method == 'h2d-pinned')
+        if method in ('limit-prefaulted', 'h2d-pinned'): out[f].fill_(1)  # every page mapped before the clock
+    return out
+
+def _read_file(f, buf):
+    "One readinto of the whole file `f` into `buf` (restarted only if the kernel returns less)."
+    with open(f, 'rb', buffering=0) as fh:
+        view, got = memoryview(buf.numpy()), 0
+        while got < len(view):
+            n = fh.readinto(view[got:])
+            if not n: raise EOFError(f)
+            got += n
+
+def _read_odirect(files):
+    "Sequential 8 MiB O_DIRECT reads of each file into one reused page-aligned buffer: the disk's bandwidth without the page cache."
+    buf = mmap.mmap(-1, 8 << 20)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        try:
+            while os.readv(fd, [buf]) == len(buf): pass
+        finally: os.close(fd)
+
+def _construct(method, ckpt, tensors, res):
+    "Build what the method loads into, before the clock: (model, module the load fills, per-file buffers)."
+    import torch
+    model = sub = bufs = None
+    if method in ('st-mmap', 'st-pread', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subset', 'ours-cuda', 'llama-ours'):
+        model = _meta_model(ckpt, torch.float32 if method == 'llama-ours' else None)
+        if method == 'ours-subset':
+            per_layer = {}
+            for t in tensors:
+                if t['key'].startswith('model.layers.'): i = int(t['key'].split('.')[2]); per_layer[i] = per_layer.get(i, 0) + t['nbytes']
+            k = max(1, round(0.10*sum(t['nbytes'] for t in tensors)/per_layer[0]))
+            sub = torch.nn.ModuleList(list(model.model.layers[:k]))  # names 0.self_attn...: the checkpoint's under 'model.layers.'
+            res['subset_layers'], res['subset_bytes'] = k, sum(per_layer[i] for i in range(k))
+    elif method in ('many-ours', 'many-st'):
+        with torch.device('meta'): model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(MANY_N))
+    elif method.startswith('limit') and method != 'limit-odirect' or method == 'h2d-pinned':
+        bufs = _file_buffers(method, sorted({t['file'] for t in tensors}))
+    return model, sub, bufs
+
+def _load(method, ckpt, tensors, model, sub, bufs):
+    "The timed part: the model (for from_pretrained) and what the method loaded into `model`/`sub`/`bufs`."
+    import torch
+    from mstar_utils.loading import ModuleAndPrefix, load_weights_from_file, load_weights_from_hf_shards, load_from_source
+    from mstar_utils.sources import checkpoint_source
+    files = sorted({t['file'] for t in tensors})
+    if method in ('hf', 'hf-cuda', 'llama-hf'):
+        from transformers import AutoModelForCausalLM
+        kw = dict(device_map='cuda') if method == 'hf-cuda' else {}
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32 if method == 'llama-hf' else torch.bfloat16, **kw)
+    if method in ('st-mmap', 'st-pread', 'many-st'):
+        from safetensors.torch import load_file
+        sd = {}
+        for f in files: sd.update(load_file(f, backend='pread' if method == 'st-pread' else 'mmap'))
+        r = model.load_state_dict(sd, assign=True, strict=False)
+        if hasattr(model, 'tie_weights'): model.tie_weights()  # assign replaced the embedding the tied lm_head pointed at
+        if r.unexpected_keys: raise RuntimeError(f'{method}: unexpected keys {r.unexpected_keys[:3]}')  # missing: tied, checked by _no_meta
+    elif method in ('ours', 'ours-mmap', 'ours-cuda', 'llama-ours'):
+        load_weights_from_hf_shards(ckpt, [ModuleAndPrefix(model)], device='cuda' if method == 'ours-cuda' else 'cpu', progress=False, mmap=method == 'ours-mmap')
+    elif method == 'ours-1thread':
+        src = checkpoint_source(ckpt, threads=1)
+        try: load_from_source(src, [ModuleAndPrefix(model)], progress=False)
+        finally: src.close()
+    elif method == 'ours-subset': load_weights_from_hf_shards(ckpt, [ModuleAndPrefix(sub, 'model.layers.')], progress=False)
+    elif method == 'many-ours': load_weights_from_file(files[0], [ModuleAndPrefix(model)], progress=False)
+    elif method == 'limit-odirect': _read_odirect(files)
+    elif method == 'h2d-pinned':
+        outs = {f: torch.empty(b.numel(), dtype=torch.uint8, device='cuda') for f, b in bufs.items()}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for f, b in bufs.items(): outs[f].copy_(b, non_blocking=True)
+        torch.cuda.synchronize()
+        bufs['__h2d_s__'] = time.perf_counter() - t0  # the copy alone, device allocation excluded
+    else:
+        for f, b in bufs.items(): _read_file(f, b)
+    return model
+
 def worker(spec: dict) -> dict:
     "One measured load in this (fresh) process; returns the metrics."
     import torch
-    from safetensors.torch import load_file
-    from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded
+    from mstar_utils.loading import check_loaded
     method, ckpt, cold = spec['method'], Path(spec['ckpt']), spec['cold']
     tensors = checkpoint_tensors(ckpt)
-    dt = {'BF16': torch.bfloat16, 'F16': torch.float16, 'F32': torch.float32}
-    res = dict(method=method, ckpt=spec['ckpt_name'], cold=cold, construct_s=None, subset_bytes=None)
-    cuda = method in GPU_METHODS
-    if cuda:
-        torch.cuda.init(); torch.empty(1, device='cuda'); torch.cuda.synchronize()  # the CUDA context is not part of a load
-    # ---- construction (timed on its own, never part of the load phase)
+    files = sorted({t['file'] for t in tensors})
+    res = dict(method=method, ckpt=spec['ckpt_name'], cold=cold, construct_s=None, subset_bytes=None, tensors=len(tensors))
+    if method in GPU_METHODS: torch.cuda.init(); torch.empty(1, device='cuda'); torch.cuda.synchronize()  # the CUDA context is no part of a load
     t0 = time.perf_counter()
-    model = sub = dests = None
-    if method in ('st-mmap', 'st-pread', 'ours', 'ours-mmap', 'ours-subset', 'ours-cuda'):
-        model = _meta_model(ckpt)
-        if method == 'ours-subset':
-            layers = model.model.layers
-            per_layer = {}
-            for t in tensors:
-                parts = t['key'].split('.')
-                if t['key'].startswith('model.layers.'): per_layer[int(parts[2])] = per_layer.get(int(parts[2]), 0) + t['nbytes']
-            total = sum(t['nbytes'] for t in tensors)
-            k = max(1, round(0.10*total/per_layer[0]))
-            sub = torch.nn.ModuleList(list(layers[:k]))  # names 0.self_attn..., 1.mlp...: the checkpoint's under 'model.layers.'
-            res['subset_layers'] = k
-            res['subset_bytes'] = sum(per_layer[i] for i in range(k))
-    elif method in ('limit-readinto', 'limit-prefaulted', 'limit-mmap', 'h2d-pageable', 'h2d-pinned'):
-        pin = method == 'h2d-pinned'
-        dests = [torch.empty(t['shape'], dtype=dt[t['dtype']], pin_memory=pin) for t in tensors]
-        if method == 'limit-prefaulted':  # every page of the destination already mapped: only the copy is left to time
-            for d in dests: d.view(-1).view(torch.uint8).fill_(0)
-        if method.startswith('h2d'):  # host side filled before the clock starts: this measures the copy alone
-            for d in dests: d.view(-1).view(torch.uint8).fill_(1)
-            host_dests, dests = dests, [torch.empty(t['shape'], dtype=dt[t['dtype']], device='cuda') for t in tensors]
-    res['construct_s'] = time.perf_counter() - t0 if method not in ('hf', 'hf-cuda') else None
+    model, sub, bufs = _construct(method, ckpt, tensors, res)
+    if method not in ('hf', 'hf-cuda', 'llama-hf'): res['construct_s'] = time.perf_counter() - t0
     gc.collect()
     if cold:
-        err = drop_caches()
+        err = drop_cache(files)
         if err: raise RuntimeError(f'cannot drop the page cache: {err}')
-    # ---- load phase
     proc = psutil.Process()
     io0, st0 = proc.io_counters(), _status()
     res['hwm_reset'] = _reset_hwm()
     with RssSampler() as sampler:
         t0 = time.perf_counter()
-        if method in ('hf', 'hf-cuda'):
-            from transformers import AutoModelForCausalLM
-            kw = dict(device_map='cuda') if cuda else {}
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, **kw)
-        elif method in ('st-mmap', 'st-pread'):
-            sd = {}
-            for f in sorted({t['file'] for t in tensors}): sd.update(load_file(f, backend='mmap' if method == 'st-mmap' else 'pread'))
-            r = model.load_state_dict(sd, assign=True, strict=False)
-            model.tie_weights()  # assign replaced the embedding the tied lm_head pointed at
-            del sd
-            if r.unexpected_keys: raise RuntimeError(f'unexpected keys {r.unexpected_keys[:3]}')
-        elif method in ('ours', 'ours-cuda'):
-            loaded = load_weights_from_hf_shards(ckpt, [ModuleAndPrefix(model)], device='cuda' if cuda else 'cpu', progress=False)
-        elif method == 'ours-mmap':
-            loaded = load_weights_from_hf_shards(ckpt, [ModuleAndPrefix(model)], progress=False, mmap=True)
-        elif method == 'ours-subset':
-            loaded = load_weights_from_hf_shards(ckpt, [ModuleAndPrefix(sub, 'model.layers.')], progress=False)
-        elif method in ('limit-readinto', 'limit-prefaulted'):
-            files = {}
-            for t, d in zip(tensors, dests):
-                f = files.get(t['file']) or files.setdefault(t['file'], open(t['file'], 'rb', buffering=0))
-                f.seek(t['offset'])
-                view, got = memoryview(d.view(-1).view(torch.uint8).numpy()), 0
-                while got < t['nbytes']: got += f.readinto(view[got:])
-            for f in files.values(): f.close()
-        elif method == 'limit-mmap':
-            maps = {}
-            for t, d in zip(tensors, dests):
-                m = maps.get(t['file'])
-                if m is None:
-                    with open(t['file'], 'rb') as f: m = maps[t['file']] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                src = torch.frombuffer(m, dtype=torch.uint8, count=t['nbytes'], offset=t['offset'])
-                d.view(-1).view(torch.uint8).copy_(src)
-                del src
-            for m in maps.values(): m.close()
-        elif method.startswith('h2d'):
-            for h, d in zip(host_dests, dests): d.copy_(h, non_blocking=True)
-        if cuda: torch.cuda.synchronize()
+        model = _load(method, ckpt, tensors, model, sub, bufs)
+        if method in GPU_METHODS: torch.cuda.synchronize()
         res['load_s'] = time.perf_counter() - t0
+        if method == 'h2d-pinned': res['load_s'] = bufs.pop('__h2d_s__')
         t0 = time.perf_counter()
-        owned = dests if dests is not None else list((sub or model).state_dict().values())
+        owned = list(bufs.values()) if bufs else [] if model is None else list((sub or model).state_dict().values())
         _touch(owned)
         res['touch_s'] = time.perf_counter() - t0
     io1, st1 = proc.io_counters(), _status()
-    res['cached_after'] = cached_bytes(sorted({t['file'] for t in tensors})) if cold else None  # what the load pulled in from the disk
+    res['cached_after'] = cached_bytes(files) if cold else None  # what the load pulled in from the disk
     res['ready_s'] = res['load_s'] + res['touch_s']
     base = st0['VmRSS']
     res.update(baseline_rss=base, peak_sampled=sampler.peak - base, peak_hwm=st1['VmHWM'] - base if res['hwm_reset'] else None,
@@ -282,15 +339,15 @@ def worker(spec: dict) -> dict:
                rchar=io1.read_chars - io0.read_chars, read_bytes=io1.read_bytes - io0.read_bytes)
     res['peak_rss'] = max(res['peak_sampled'], res['peak_hwm'] or 0)
     # ---- correctness: every method must hold the checkpoint's bytes under the checkpoint's keys
-    if method in ('ours', 'ours-mmap', 'ours-cuda'): check_loaded(model, loaded[0], method)
-    if method == 'ours-subset': check_loaded(sub, loaded[0], method)
-    if model is not None and method != 'ours-subset': _no_meta(model, method)
-    if method.startswith('h2d'): res['fingerprint'] = None
-    elif dests is not None: res['fingerprint'] = {t['key']: _fingerprint(d) for t, d in zip(tensors, dests)}
-    else:
+    if model is not None: _no_meta(sub if sub is not None else model, method)
+    if bufs: res['fingerprint'] = {t['key']: _fingerprint(bufs[t['file']][t['offset']:t['offset'] + t['nbytes']]) for t in tensors}
+    elif model is not None:
         sd = sub.state_dict() if sub is not None else model.state_dict()
         pre = 'model.layers.' if sub is not None else ''
-        res['fingerprint'] = {pre + k: _fingerprint(v.cpu()) for k, v in sd.items() if pre + k in {t['key'] for t in tensors}}
+        keys = {t['key'] for t in tensors}
+        res['fingerprint'] = {pre + k: _fingerprint(v.cpu()) for k, v in sd.items() if pre + k in keys}
+    else: res['fingerprint'] = None
+    if method == 'h2d-pinned': res['fingerprint'] = None
     return res
 
 def _child(spec, conn):
@@ -316,13 +373,15 @@ def run_one(spec: dict, spawn: bool) -> dict:
     return payload
 
 # -------------------------------------------------------------------------------------------------------------- summary
+ALL_METHODS = CPU_METHODS + GPU_METHODS + [m for ms in MANY_METHODS.values() for m in ms]
+
 def _med(rows, k):
     vals = [r[k] for r in rows if r.get(k) is not None]
     return statistics.median(vals) if vals else None
 
 def summarize(runs: list[dict], ckpts: dict) -> list[dict]:
     out = []
-    keys = sorted({(r['ckpt'], r['cold'], r['method']) for r in runs}, key=lambda k: (list(ckpts).index(k[0]), k[1], (CPU_METHODS + GPU_METHODS).index(k[2])))
+    keys = sorted({(r['ckpt'], r['cold'], r['method']) for r in runs}, key=lambda k: (list(ckpts).index(k[0]), k[1], ALL_METHODS.index(k[2])))
     for ck, cold, m in keys:
         rows = [r for r in runs if (r['ckpt'], r['cold'], r['method']) == (ck, cold, m)]
         nbytes = rows[0]['subset_bytes'] or ckpts[ck]['bytes']
@@ -331,16 +390,17 @@ def summarize(runs: list[dict], ckpts: dict) -> list[dict]:
             s[k] = _med(rows, k)
         s['ready_min_s'], s['ready_max_s'] = min(r['ready_s'] for r in rows), max(r['ready_s'] for r in rows)
         s['gbps'] = nbytes/GB/s['ready_s']
+        s['us_per_tensor'] = s['load_s']/ckpts[ck]['tensors']*1e6
         s['rss_x_bytes'] = s['peak_rss']/nbytes
         out.append(s)
     return out
 
 def verify(runs: list[dict]) -> list[str]:
-    "Methods whose bytes differ from the readinto limit's for some key (the limit reads exactly the file's bytes)."
+    "Methods whose bytes differ, for some key, from those a plain readinto of the file got (limit-fresh, or ours where no limit ran)."
     bad = []
     for r in runs:
         if not r.get('fingerprint'): continue
-        ref = next((x['fingerprint'] for x in runs if x['ckpt'] == r['ckpt'] and x['method'] == 'limit-readinto'), None)
+        ref = next((x['fingerprint'] for x in runs if x['ckpt'] == r['ckpt'] and x['method'] == 'limit-fresh'), None)
         if ref is None: continue
         if r['method'] != 'ours-subset' and set(r['fingerprint']) != set(ref):
             bad.append(f"{r['ckpt']}/{r['method']}: keys differ from the checkpoint's"); continue
@@ -351,149 +411,173 @@ def verify(runs: list[dict]) -> list[str]:
 def _get(summary, ck, cache, m): return next((s for s in summary if (s['ckpt'], s['cache'], s['method']) == (ck, cache, m)), None)
 
 def targets(summary: list[dict], ckpts: dict) -> list[dict]:
-    "The targets of issue 7, per checkpoint and cache state, on ready time (load + first touch of every page)."
+    "The targets (op and limit set) and the ratios that explain them (limit None), per checkpoint and cache state."
     out = []
-    def add(ck, cache, name, value, limit, ok):
-        out.append(dict(ckpt=ck, cache=cache, target=name, value=value, limit=limit, met=bool(ok)))
+    def add(ck, cache, name, value, op=None, limit=None):
+        met = None if limit is None else (value >= limit if op == '>=' else value <= limit)
+        out.append(dict(ckpt=ck, cache=cache, target=name, value=value, op=op, limit=limit, met=met))
+    def ratio(ck, cache, a, b, name, op=None, limit=None, key='gbps'):
+        x, y = _get(summary, ck, cache, a), _get(summary, ck, cache, b)
+        if x and y: add(ck, cache, name, x[key]/y[key], op, limit)
     for ck in ckpts:
+        ratio(ck, 'warm', 'ours', 'limit-prefaulted', '1. warm: ours GB/s / readinto per file into pre-faulted memory', '>=', 0.8)
+        ratio(ck, 'warm', 'ours', 'limit-fresh', '   warm: ours GB/s / readinto per file into fresh memory')
+        ratio(ck, 'warm', 'ours-1thread', 'limit-fresh', '   warm: ours with one thread GB/s / readinto into fresh memory')
+        ratio(ck, 'warm', 'limit-fresh', 'limit-prefaulted', '   warm: fresh memory / pre-faulted memory (the page-fault cost)')
+        ratio(ck, 'warm', 'limit-thp', 'limit-fresh', '   warm: huge-page-advised memory / fresh memory')
+        ratio(ck, 'warm', 'ours', 'hf', '   warm: ours GB/s / from_pretrained GB/s (ready time)')
+        ratio(ck, 'warm', 'ours-mmap', 'hf', '   warm: ours mmap=True GB/s / from_pretrained GB/s')
+        ratio(ck, 'cold', 'ours', 'limit-odirect', '2. cold: ours GB/s / O_DIRECT sequential read', '>=', 0.9)
+        ratio(ck, 'cold', 'ours-mmap', 'limit-odirect', '2. cold: ours mmap=True GB/s (ready) / O_DIRECT', '>=', 0.9)
+        ratio(ck, 'cold', 'limit-prefaulted', 'limit-odirect', '   cold profile: page-cache readinto into pre-faulted memory / O_DIRECT')
+        ratio(ck, 'cold', 'limit-fresh', 'limit-odirect', '   cold profile: page-cache readinto into fresh memory / O_DIRECT')
+        ratio(ck, 'cold', 'ours-1thread', 'limit-odirect', '   cold: ours with one thread / O_DIRECT')
         for cache in ('warm', 'cold'):
-            ours = _get(summary, ck, cache, 'ours')
-            if ours is None: continue
-            for m, lim, name in (('hf', 0.5, 'ours / (a) transformers'), ('st-mmap', 1.0, 'ours / (b) safetensors mmap'),
-                                 ('st-pread', 1.0, "ours / (b') safetensors pread")):
-                o = _get(summary, ck, cache, m)
-                if o: r = ours['ready_s']/o['ready_s']; add(ck, cache, name + ' time', r, lim, r <= lim)
-            add(ck, cache, 'ours peak RSS above baseline / checkpoint bytes', ours['rss_x_bytes'], 1.1, ours['rss_x_bytes'] <= 1.1)
-            d = _get(summary, ck, cache, 'limit-readinto')
-            if d: r = d['gbps']/ours['gbps']; add(ck, cache, '(d) limit GB/s / ours GB/s', r, 1.5, r <= 1.5)
-            om = _get(summary, ck, cache, 'ours-mmap')
-            if om:
-                for m, lim, name in (('hf', 0.5, "ours mmap=True / (a) transformers"), ('st-mmap', 1.0, "ours mmap=True / (b) safetensors mmap")):
-                    o = _get(summary, ck, cache, m)
-                    if o: r = om['ready_s']/o['ready_s']; add(ck, cache, name + ' time', r, lim, r <= lim)
-                add(ck, cache, 'ours mmap=True peak RSS above baseline / checkpoint bytes', om['rss_x_bytes'], 1.1, om['rss_x_bytes'] <= 1.1)
-            sub = _get(summary, ck, cache, 'ours-subset')
-            if sub:
-                r = sub['ready_s']/ours['ready_s']; add(ck, cache, f"subset ({sub['bytes']/ckpts[ck]['bytes']:.0%} of bytes) time / full", r, 0.2, r <= 0.2)
-                # rchar: bytes the loader asked read(2) for (headers included); read_bytes: bytes the kernel fetched from the disk
-                # for this process (cold cache only), which adds readahead and what safe_open's validation maps in
-                r = sub['rchar']/sub['bytes']; add(ck, cache, 'subset bytes requested (rchar) / subset bytes', r, 1.1, r <= 1.1)
-                if cache == 'cold': r = sub['cached_after']/sub['bytes']; add(ck, cache, 'subset: shard bytes in page cache after (mincore) / subset bytes', r, 1.1, r <= 1.1)
-        for m, lim in (('hf-cuda', 0.5),):
-            o, ours = _get(summary, ck, 'warm', m), _get(summary, ck, 'warm', 'ours-cuda')
-            if o and ours: r = ours['ready_s']/o['ready_s']; add(ck, 'warm', 'cuda: ours / (a) device_map=cuda time', r, lim, r <= lim)
-            h = _get(summary, ck, 'warm', 'h2d-pageable')
-            if h and ours: r = h['gbps']/ours['gbps']; add(ck, 'warm', 'cuda: pageable H2D GB/s / ours GB/s', r, 1.5, r <= 1.5)
+            o = _get(summary, ck, cache, 'ours')
+            if o: add(ck, cache, '4. ours peak RSS above baseline / checkpoint bytes', o['rss_x_bytes'], '<=', 1.05)
+        ratio(ck, 'warm', 'ours-cuda', 'h2d-pinned', "5. cuda: ours GB/s / pinned host-to-device GB/s", '>=', 0.8)
+        ratio(ck, 'warm', 'ours-cuda', 'hf-cuda', "5. cuda: ours time / from_pretrained(device_map='cuda') time", '<=', 0.5, key='ready_s')
+        oc = _get(summary, ck, 'warm', 'ours-cuda')
+        if oc: add(ck, 'warm', '4. cuda: ours host peak RSS growth, MiB (bound: 2 staging chunks + 64 MiB)', oc['peak_rss']/MiB, '<=', (2*CHUNK + 64*MiB)/MiB)
+        if ck == MANY_NAME:
+            m = _get(summary, ck, 'warm', 'many-ours')
+            if m: add(ck, 'warm', '3. ours us per tensor beyond building the module', m['us_per_tensor'], '<=', 20)
+            ratio(ck, 'warm', 'many-st', 'many-ours', '   load_file + load_state_dict(assign) time / ours time', key='load_s')
+        if ck == LLAMA20K_NAME:
+            ratio(ck, 'warm', 'llama-hf', 'llama-ours', '   from_pretrained time / ours (build on meta + load) time', key='ready_s')
     return out
 
 def table(summary: list[dict]) -> str:
-    head = f"{'checkpoint':<22} {'cache':<5} {'method':<15} {'build s':>7} {'load s':>7} {'touch s':>7} {'ready s':>7} {'(min-max)':>13} {'GB/s':>6} {'peak MB':>8} {'x bytes':>7} {'anon MB':>8} {'file MB':>8} {'read MB':>8} {'disk MB':>8}"
+    head = f"{'checkpoint':<24} {'cache':<5} {'method':<16} {'build s':>7} {'load s':>7} {'touch s':>7} {'ready s':>7} {'(min-max)':>13} {'GB/s':>6} {'us/tens':>7} {'peak MB':>8} {'x bytes':>7} {'anon MB':>8} {'file MB':>8} {'read MB':>8}"
     lines = [head, '-'*len(head)]
     f = lambda v, spec: format(v, spec) if v is not None else '-'
     for s in summary:
-        lines.append(f"{s['ckpt']:<22} {s['cache']:<5} {s['method']:<15} {f(s['construct_s'], '7.3f'):>7} {s['load_s']:7.3f} {s['touch_s']:7.3f} {s['ready_s']:7.3f} "
-                     f"{s['ready_min_s']:6.3f}-{s['ready_max_s']:<6.3f} {s['gbps']:6.2f} {s['peak_rss']/1e6:8.0f} {s['rss_x_bytes']:7.2f} "
-                     f"{s['anon_delta']/1e6:8.0f} {s['file_delta']/1e6:8.0f} {s['rchar']/1e6:8.0f} {f(s['cached_after'] and s['cached_after']/1e6, '8.0f'):>8}")
+        lines.append(f"{s['ckpt']:<24} {s['cache']:<5} {s['method']:<16} {f(s['construct_s'], '7.3f'):>7} {s['load_s']:7.3f} {s['touch_s']:7.3f} {s['ready_s']:7.3f} "
+                     f"{s['ready_min_s']:6.3f}-{s['ready_max_s']:<6.3f} {s['gbps']:6.2f} {s['us_per_tensor']:7.1f} {s['peak_rss']/1e6:8.0f} {s['rss_x_bytes']:7.2f} "
+                     f"{s['anon_delta']/1e6:8.0f} {s['file_delta']/1e6:8.0f} {s['rchar']/1e6:8.0f}")
     return '\n'.join(lines)
 
 def plot(summary: list[dict], ckpts: dict, path: Path):
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    cks = [c for c in ckpts if any(s['ckpt'] == c for s in summary)]
-    fig, axes = plt.subplots(len(cks), 2, figsize=(13, 3.6*len(cks)), squeeze=False)
-    for row, ck in zip(axes, cks):
-        methods = [m for m in CPU_METHODS + GPU_METHODS if _get(summary, ck, 'warm', m)]
-        x = range(len(methods))
+    big = [c for c in ckpts if c not in MANY_METHODS and any(s['ckpt'] == c for s in summary)]
+    many = [s for s in summary if s['ckpt'] in MANY_METHODS]
+    rows = len(big) + (1 if many else 0)
+    fig, axes = plt.subplots(rows, 2, figsize=(13, 3.8*rows), squeeze=False)
+    for row, ck in zip(axes, big):
+        methods = [m for m in CPU_METHODS + GPU_METHODS if _get(summary, ck, 'warm', m) or _get(summary, ck, 'cold', m)]
         w = 0.38
         for off, cache, hatch in ((-w/2, 'warm', None), (w/2, 'cold', '//')):
-            rows = [_get(summary, ck, cache, m) for m in methods]
-            if not any(rows): continue
-            load = [r['load_s'] if r else 0 for r in rows]; touch = [r['touch_s'] if r else 0 for r in rows]
-            xs = [i + off for i in x]
-            row[0].bar(xs, load, w, color='tab:blue', hatch=hatch, edgecolor='white', label=f'{cache}: load call')
-            row[0].bar(xs, touch, w, bottom=load, color='tab:orange', hatch=hatch, edgecolor='white', label=f'{cache}: first touch of every page')
-            row[1].bar(xs, [r['peak_rss']/1e6 if r else 0 for r in rows], w, color='tab:green' if cache == 'warm' else 'tab:olive',
-                       hatch=hatch, edgecolor='white', label=f'{cache} cache')
-        row[1].axhline(ckpts[ck]['bytes']/1e6, color='k', ls='--', lw=1, label='checkpoint bytes')
-        for ax, title in zip(row, ('load time, s (median)', 'peak RSS above baseline, MB (median)')):
-            ax.set_xticks(list(x)); ax.set_xticklabels(methods, rotation=25, ha='right', fontsize=8)
+            rs = [_get(summary, ck, cache, m) for m in methods]
+            if not any(rs): continue
+            xs = [i + off for i in range(len(methods))]
+            row[0].bar(xs, [r['gbps'] if r else 0 for r in rs], w, color='tab:blue' if cache == 'warm' else 'tab:cyan', hatch=hatch, edgecolor='white', label=f'{cache} cache')
+            row[1].bar(xs, [r['rss_x_bytes'] if r else 0 for r in rs], w, color='tab:green' if cache == 'warm' else 'tab:olive', hatch=hatch, edgecolor='white', label=f'{cache} cache')
+        row[1].axhline(1.05, color='k', ls='--', lw=1, label='target for ours: 1.05')
+        for ax, title in zip(row, ('GB/s on ready time (load + first touch), median', 'peak RSS above baseline / checkpoint bytes, median')):
+            ax.set_xticks(range(len(methods))); ax.set_xticklabels(methods, rotation=25, ha='right', fontsize=8)
             ax.set_title(f"{ck} ({ckpts[ck]['bytes']/1e9:.2f} GB, {ckpts[ck]['shards']} shards): {title}", fontsize=9)
-            if ax.get_legend_handles_labels()[0]: ax.legend(fontsize=7)
-            ax.grid(axis='y', alpha=.3)
+            ax.legend(fontsize=7); ax.grid(axis='y', alpha=.3)
+    if many:
+        ax = axes[-1][0]
+        ax.bar(range(len(many)), [s['us_per_tensor'] for s in many], color='tab:purple')
+        ax.axhline(20, color='k', ls='--', lw=1, label='target for ours: 20 us')
+        ax.set_xticks(range(len(many))); ax.set_xticklabels([f"{s['method']}" for s in many], rotation=25, ha='right', fontsize=8)
+        ax.set_title('20,000 small tensors: load time per tensor, us (construction apart, except llama-hf)', fontsize=9)
+        ax.legend(fontsize=7); ax.grid(axis='y', alpha=.3); ax.set_yscale('log')
+        axes[-1][1].axis('off')
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 # ----------------------------------------------------------------------------------------------------------------- main
+def _env(gpu, repeats, cold_repeats, spawn):
+    import torch, transformers, safetensors
+    from mstar_utils.sources import default_threads
+    return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+                safetensors=safetensors.__version__, cpus=os.cpu_count(), threads=default_threads(), mem_gb=round(psutil.virtual_memory().total/GB, 1),
+                machine=platform.machine(), kernel=platform.release(), gpu=gpu, gpu_name=torch.cuda.get_device_name() if gpu else None,
+                process='spawn' if spawn else 'fork', repeats=repeats, cold_repeats=cold_repeats, cache_drop='posix_fadvise(POSIX_FADV_DONTNEED) per file')
+
 @call_parse
-def main(quick: bool = False,       # SmolLM2 only, one repeat, warm cache only
+def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one warm repeat
          repeats: int = 3,          # warm-cache runs per method and checkpoint
          cold_repeats: int = 3,     # cold-cache runs per method and checkpoint (0: none)
-         no_synth: bool = False,    # skip the >= 2 GB synthetic checkpoint
+         no_synth: bool = False,    # skip the 2.2 GB synthetic checkpoint
+         no_many: bool = False,     # skip the 20,000-tensor checkpoints
+         gpu: bool = False,         # only the CUDA rows (warm, SmolLM2 and the synthetic checkpoint)
          methods: str = '',         # comma-separated subset of the methods (default: all; CUDA ones only with a GPU)
          spawn: bool = False,       # a new interpreter per run instead of a fork of an imported parent
          publish: bool = False,     # copy results to benchmarks/load_results.json and nbs/images/bench_load.png
          worker_spec: str = '',     # internal: run one measurement (JSON spec)
-         build_synth: bool = False, # internal: build the synthetic checkpoint
+         build: str = '',           # internal: build one benchmark checkpoint
          ):
-    "Benchmark loading HF safetensors checkpoints: transformers, safetensors, mstar_utils, and the read limit."
+    "Benchmark loading HF safetensors checkpoints: mstar_utils against transformers, safetensors and the read limits."
     if worker_spec: _preimport(); print('RESULT ' + json.dumps(worker(json.loads(worker_spec)))); return
-    if build_synth: _build_synth(); return
+    if build: _build(build); return
     if quick: repeats, cold_repeats, no_synth = 1, 0, True
-    from mstar_utils.checkpoints import smollm2_checkpoint
-    ckpt_dirs = {'SmolLM2-135M': smollm2_checkpoint()}
-    if not no_synth: ckpt_dirs['Llama-synth-1.1B'] = synth_checkpoint()
+    has_gpu = subprocess.run([sys.executable, '-c', 'import torch; print(torch.cuda.is_available())'], capture_output=True, text=True).stdout.strip() == 'True'
+    if gpu:
+        if not has_gpu: raise SystemExit('--gpu: no CUDA device')
+        methods, cold_repeats, no_many = methods or ','.join(GPU_METHODS), 0, True
+    ckpt_dirs = {}
+    try: ckpt_dirs['SmolLM2-135M'] = built(SMOL_NAME)
+    except Exception as e: print(f'SmolLM2 skipped: {type(e).__name__}: {e}')
+    if not no_synth: ckpt_dirs['Llama-synth-1.1B'] = built(SYNTH_NAME)
+    if not no_many: ckpt_dirs[MANY_NAME], ckpt_dirs[LLAMA20K_NAME] = built(MANY_NAME), built(LLAMA20K_NAME)
     ckpts = {}
     for name, d in ckpt_dirs.items():
         ts = checkpoint_tensors(d)
         ckpts[name] = dict(path=str(d), bytes=sum(t['nbytes'] for t in ts), tensors=len(ts), shards=len({t['file'] for t in ts}),
                            file_bytes=sum(p.stat().st_size for p in d.glob('*.safetensors')))
-    gpu = subprocess.run([sys.executable, '-c', 'import torch; print(torch.cuda.is_available())'], capture_output=True, text=True).stdout.strip() == 'True'
-    wanted = [m for m in methods.split(',') if m] or CPU_METHODS + (GPU_METHODS if gpu else [])
-    unknown = set(wanted) - set(CPU_METHODS + GPU_METHODS)
-    if unknown: raise SystemExit(f'unknown methods {sorted(unknown)}; known: {CPU_METHODS + GPU_METHODS}')
-    if not gpu: wanted = [m for m in wanted if m not in GPU_METHODS]
-    cold_error = drop_caches() if cold_repeats else 'not requested'
-    if cold_error: print(f'cold-cache runs skipped: {cold_error}')
+    wanted = [m for m in methods.split(',') if m] or ALL_METHODS
+    unknown = set(wanted) - set(ALL_METHODS)
+    if unknown: raise SystemExit(f'unknown methods {sorted(unknown)}; known: {ALL_METHODS}')
+    if not has_gpu: wanted = [m for m in wanted if m not in GPU_METHODS]
     if not spawn: _preimport()
-    import torch, transformers, safetensors
-    env = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-               safetensors=safetensors.__version__, cpus=os.cpu_count(), mem_gb=round(psutil.virtual_memory().total/GB, 1),
-               machine=platform.machine(), kernel=platform.release(), gpu=gpu, process='spawn' if spawn else 'fork',
-               cold_cache=cold_error is None, cold_error=cold_error, repeats=repeats, cold_repeats=cold_repeats if cold_error is None else 0)
+    env = _env(has_gpu, repeats, cold_repeats, spawn)
     runs, t_start = [], time.time()
+    def plan(name, cold, rep):
+        "The methods of one round, in an order shuffled per round: on a VM that hands freed memory back to the host, a run's speed depends on what ran before it."
+        ms = MANY_METHODS.get(name, COLD_METHODS if cold else CPU_METHODS + GPU_METHODS)
+        ms = [m for m in ms if m in wanted and not (cold and m in GPU_METHODS)]
+        random.Random(rep).shuffle(ms)
+        return ms
+
     def go(name, m, cold):
-        spec = dict(method=m, ckpt=ckpts[name]['path'], ckpt_name=name, cold=cold)
-        r = run_one(spec, spawn)
+        r = run_one(dict(method=m, ckpt=ckpts[name]['path'], ckpt_name=name, cold=cold), spawn)
         runs.append(r)
-        print(f"  {name:<18} {'cold' if cold else 'warm'} {m:<15} load {r['load_s']:6.3f} s  touch {r['touch_s']:6.3f} s  peak +{r['peak_rss']/1e6:6.0f} MB", flush=True)
+        print(f"  {name:<24} {'cold' if cold else 'warm'} {m:<16} load {r['load_s']:7.3f} s  touch {r['touch_s']:6.3f} s  peak +{r['peak_rss']/1e6:6.0f} MB", flush=True)
     for rep in range(repeats):
         print(f'warm page cache, round {rep + 1}/{repeats}', flush=True)
         for name in ckpts:
-            read_files(Path(ckpts[name]['path']))
-            for m in wanted: go(name, m, False)
-    if cold_error is None:
-        for rep in range(cold_repeats):
-            print(f'cold page cache, round {rep + 1}/{cold_repeats}', flush=True)
-            for name in ckpts:
-                for m in [m for m in wanted if not m.startswith('h2d')]: go(name, m, True)
+            read_files(sorted({t['file'] for t in checkpoint_tensors(Path(ckpts[name]['path']))}))
+            for m in plan(name, False, rep):
+                if rep == 0 or m not in ONCE: go(name, m, False)
+    for rep in range(cold_repeats):
+        print(f'cold page cache, round {rep + 1}/{cold_repeats}', flush=True)
+        for name in ckpts:
+            if name not in MANY_METHODS:
+                for m in plan(name, True, rep): go(name, m, True)
     bad = verify(runs)
     summary = summarize(runs, ckpts)
     tg = targets(summary, ckpts)
     print(f"\n{env['cpus']} CPUs, {env['mem_gb']} GB; torch {env['torch']}, transformers {env['transformers']}, safetensors {env['safetensors']}; "
-          f"runs are fresh {env['process']}ed processes; {repeats} warm" + (f", {cold_repeats} cold" if cold_error is None else '') + ' repeats, medians')
-    for name, c in ckpts.items(): print(f"{name}: {c['bytes']/1e6:.0f} MB of tensors in {c['shards']} shards, {c['tensors']} tensors ({c['path']})")
-    print('ready = load call + first touch of every page (mmap-backed tensors are read from the page cache or disk only then); '
-          'GB/s = tensor bytes / ready; peak = RSS above the pre-load baseline; anon/file = growth of RssAnon/RssFile; '
-          'read MB = bytes through read(2) (rchar); disk MB = checkpoint bytes in the page cache after a cold load (mincore)\n')
+          f"ours with {env['threads']} reader threads; runs are fresh {env['process']}ed processes; {repeats} warm, {cold_repeats} cold repeats, medians")
+    for name, c in ckpts.items(): print(f"{name}: {c['bytes']/1e6:.0f} MB of tensors in {c['shards']} shards, {c['tensors']} tensors")
+    print('ready = load call + first touch of every page; GB/s = tensor bytes / ready; us/tens = load s / tensors; peak = RSS above the '
+          'pre-load baseline; anon/file = growth of RssAnon/RssFile; read MB = bytes through read(2) (rchar)\n')
     print(table(summary))
-    print('\ntargets (ours = (c)):')
-    for t in tg: print(f"  {'MET ' if t['met'] else 'MISS'} {t['ckpt']:<18} {t['cache']:<5} {t['target']:<66} {t['value']:6.2f}  (<= {t['limit']})")
+    print('\ntargets and ratios (medians):')
+    for t in tg:
+        mark = '    ' if t['met'] is None else ('MET ' if t['met'] else 'MISS')
+        lim = '' if t['limit'] is None else f"  ({t['op']} {t['limit']:g})"
+        print(f"  {mark} {t['ckpt']:<24} {t['cache']:<5} {t['target']:<82} {t['value']:7.2f}{lim}")
     print('correctness: ' + ('every method holds the checkpoint bytes under every key' if not bad else 'MISMATCH ' + '; '.join(bad)))
     RESULTS.mkdir(parents=True, exist_ok=True)
     for r in runs: r.pop('fingerprint', None)
-    data = dict(env=env, checkpoints=ckpts, labels=LABELS, summary=summary, targets=tg, verified=not bad, mismatches=bad, runs=runs,
-                wall_s=round(time.time() - t_start, 1))
+    data = dict(env=env, checkpoints={k: {**v, 'path': Path(v['path']).name} for k, v in ckpts.items()}, labels=LABELS, summary=summary,
+                targets=tg, verified=not bad, mismatches=bad, runs=runs, wall_s=round(time.time() - t_start, 1))
     (RESULTS/'load.json').write_text(json.dumps(data, indent=1))
     plot(summary, ckpts, RESULTS/'load.png')
     print(f'\nwrote {RESULTS/"load.json"} and {RESULTS/"load.png"} ({data["wall_s"]} s)')

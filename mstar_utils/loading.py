@@ -4,6 +4,7 @@
 
 # %% ../nbs/02_loading.ipynb #428d5755
 from __future__ import annotations
+import math
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from fastcore.basics import patch
 from tqdm.auto import tqdm
 
-from .sources import DictSource, FileSource, checkpoint_source, read_header, INDEX_FILE, SINGLE_FILE, read_weight_map
+from .sources import gc_paused, DictSource, FileSource, checkpoint_source, file_source, read_header, INDEX_FILE, SINGLE_FILE, read_weight_map
 from .convert import converted_source
 
 # %% auto #0
@@ -39,8 +40,11 @@ def norm_prefix(prefix) -> str:
 # %% ../nbs/02_loading.ipynb #797c7e57
 def named_tensors(module: torch.nn.Module):
     "(name, tensor, is_param) for every parameter and persistent buffer of `module`, aliases included, in `state_dict` order."
-    for name, p in module.named_parameters(remove_duplicate=False): yield name, p, True
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
+    mods = list(module.named_modules(remove_duplicate=False))  # one walk of the tree, for parameters then buffers
+    for mod_name, mod in mods:
+        for pname, p in mod._parameters.items():
+            if p is not None: yield (f'{mod_name}.{pname}' if mod_name else pname), p, True
+    for mod_name, mod in mods:
         for bname, b in mod._buffers.items():
             if b is not None and bname not in mod._non_persistent_buffers_set: yield (f'{mod_name}.{bname}' if mod_name else bname), b, False
 
@@ -195,7 +199,7 @@ def _swap_storage(p: torch.Tensor, t: torch.Tensor):
     "Make the tensor object `p` hold `t`'s storage (device, dtype), keeping its class, attributes and `requires_grad`."
     if isinstance(p, torch.nn.Parameter):
         new = torch.Tensor._make_subclass(type(p), t, p.requires_grad)
-        new.__dict__.update(p.__dict__)
+        if p.__dict__: new.__dict__.update(p.__dict__)
     else: new = t
     torch.utils.swap_tensors(p, new)
 
@@ -204,52 +208,97 @@ def _set_buffer(module, name: str, t: torch.Tensor):
     owner, _, leaf = name.rpartition('.')
     (module.get_submodule(owner) if owner else module)._buffers[leaf] = t
 
-def _progress(total, progress, desc):
-    "A tqdm bar; `progress=None` lets tqdm decide (off when stderr is not a terminal)."
-    return tqdm(total=total, desc=desc, unit='tensor', disable=None if progress is None else not progress, leave=False)
-
 def _note(e: BaseException, msg: str):
     if hasattr(e, 'add_note'): e.add_note(msg)  # Python >= 3.11
 
+# %% ../nbs/02_loading.ipynb #3c9e1b07
+class _Progress:
+    "A tqdm bar over a load's bytes (rate in B/s), the tensors done in its postfix; called as `bar(bytes, tensors)`."
+    def __init__(self, source, plan, progress, desc):
+        self.bar = tqdm(total=0, desc=desc, unit='B', unit_scale=True, unit_divisor=1000, leave=False, disable=None if progress is None else not progress,
+                        bar_format='{l_bar}{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}, {rate_fmt}{postfix}]')
+        self.tensors, self.done = len(plan), 0
+        if self.bar.disable: return
+        self.bar.total = sum(math.prod(source.shape(k)) * source.dtype(k).itemsize for _, k in plan)
+        self.bar.set_postfix_str(f'0/{self.tensors} tensors')
+    def __call__(self, nbytes: int, tensors: int):
+        self.done += tensors
+        if self.bar.disable: return
+        self.bar.set_postfix_str(f'{self.done}/{self.tensors} tensors', refresh=False)
+        self.bar.update(nbytes)
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.bar.close()
+
 # %% ../nbs/02_loading.ipynb #6c3174db
 def _read_new(source, slot, key, device) -> torch.Tensor:
-    "The tensor for a slot that needs new storage: on `device`, in the slot's dtype, never the caller's own memory."
+    "The tensor for a slot that needs new storage, from a source without `read_many`: on `device`, in the slot's dtype, never the caller's own memory."
     t = source.get(key)
     if t.dtype != slot.tensor.dtype or t.device != device: return t.to(device=device, dtype=slot.tensor.dtype)
     return t.clone(memory_format=torch.contiguous_format) if source.borrowed(key) else t
 
 def _write_in_place(source, slot, key, device):
-    "Overwrite a materialized slot on `device`: read straight into its memory when the dtype matches."
+    "Overwrite a materialized slot on `device` from a source without `read_many`, or a slot that is not contiguous."
     target = slot.tensor
     if target.dtype == source.dtype(key) and target.is_contiguous() and device.type == 'cpu':
         t = source.get(key, out=target)
         if t is not target: target.copy_(t)  # a source that ignores `out`
     else: target.copy_(source.get(key))
 
+# %% ../nbs/02_loading.ipynb #2d8f6a31
+def _read_fresh(source, fresh: list, device: torch.device, bar) -> list:
+    "(slot, new tensor) for each (slot, key) of `fresh`: one `read_many` call when the source has it, else one `get` per key."
+    batch = getattr(source, 'read_many', None)
+    if batch is None:
+        out = []
+        for s, key in fresh:
+            t = _read_new(source, s, key, device); out.append((s, t)); bar(t.numel() * t.element_size(), 1)
+        return out
+    mapped = getattr(source, 'mmap', False) and device.type == 'cpu'
+    out, todo = [], []
+    for s, key in fresh:
+        if mapped and source.dtype(key) == s.tensor.dtype:
+            t = source.get(key); bar(t.numel() * t.element_size(), 1)
+        else:
+            t = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, device=device); todo.append((key, t))
+        out.append((s, t))
+    batch(todo, progress=bar)
+    return out
+
+# %% ../nbs/02_loading.ipynb #0e7c3b58
+def _write_all(source, in_place: list, device: torch.device, bar, what: str):
+    "Overwrite every materialized slot of `in_place` [(slot, key)]; an error partway through gets a note saying how many were overwritten."
+    done = [0]
+    def count(nbytes, tensors): done[0] += tensors; bar(nbytes, tensors)
+    batch = getattr(source, 'read_many', None)
+    whole = [(k, s.tensor) for s, k in in_place if batch and s.tensor.is_contiguous()]
+    rest = [(s, k) for s, k in in_place if not (batch and s.tensor.is_contiguous())]
+    try:
+        if whole: batch(whole, progress=count)
+        for s, key in rest: _write_in_place(source, s, key, device); count(s.tensor.numel() * s.tensor.element_size(), 1)
+    except BaseException as e:
+        if done[0]: _note(e, f'{what}: {done[0]} of {len(in_place)} materialized tensors were already overwritten; reload the modules before use')
+        raise
+
 # %% ../nbs/02_loading.ipynb #99c7befd
 def _fill(source, entries, device, what, progress=None) -> LoadResult:
     "Plan every entry, then read, cast and place every tensor; the loaded names per entry and the unexpected keys."
     device = torch.device(device)
-    plan, consumed = _plan(source, entries, what)
-    _check_qualifiers(source, consumed, what)
-    fresh = [(s, k) for s, k in plan if s.tensor.is_meta or s.tensor.device != device]
-    in_place = [(s, k) for s, k in plan if not (s.tensor.is_meta or s.tensor.device != device)]
-    staged, written = [], 0
-    with torch.no_grad(), _progress(len(plan), progress, f'loading {Path(what).name}') as bar:
-        for s, key in fresh: staged.append((s, _read_new(source, s, key, device))); bar.update()
-        try:
-            for s, key in in_place: _write_in_place(source, s, key, device); written += 1; bar.update()
-        except BaseException as e:
-            if written: _note(e, f'{what}: {written} of {len(in_place)} materialized tensors were already overwritten; reload the modules before use')
-            raise
-    for s, t in staged:
-        if s.is_param: _swap_storage(s.tensor, t)
-        else:
-            for i, n in s.refs: _set_buffer(entries[i].module, n, t)
-    out = LoadResult(set() for _ in entries)
-    for s, _ in plan:
-        for i, n in s.refs: out[i].add(n)
-    out.unexpected_keys = sorted(k for k in source.keys() if k not in consumed)
+    with gc_paused():
+        plan, consumed = _plan(source, entries, what)
+        _check_qualifiers(source, consumed, what)
+        fresh = [(s, k) for s, k in plan if s.tensor.is_meta or s.tensor.device != device]
+        in_place = [(s, k) for s, k in plan if not (s.tensor.is_meta or s.tensor.device != device)]
+        with torch.no_grad(), _Progress(source, plan, progress, f'loading {Path(what).name}') as bar:
+            staged = _read_fresh(source, fresh, device, bar)
+            _write_all(source, in_place, device, bar, what)
+        for s, t in staged:
+            if s.is_param: _swap_storage(s.tensor, t)
+            else:
+                for i, n in s.refs: _set_buffer(entries[i].module, n, t)
+        out = LoadResult(set() for _ in entries)
+        for s, _ in plan:
+            for i, n in s.refs: out[i].add(n)
+        out.unexpected_keys = sorted(k for k in source.keys() if k not in consumed)
     return out
 
 # %% ../nbs/02_loading.ipynb #ee1474af
@@ -283,9 +332,9 @@ def load_weights_from_file(safetensors_file: str, # a .safetensors file
                            mmap: bool = False, # new CPU tensors as copy-on-write views of the file (see the safetensors page)
                           ) -> LoadResult:
     "Fill `modules` from one safetensors file; raises as `read_header`, plus `KeyError`/`ValueError` as `load_weights`. All or nothing."
-    modules, path = module_entries(modules), Path(safetensors_file)
-    src = FileSource({k: path for k in read_header(path)[1]}, str(path), mmap=mmap)
-    try: return _fill(src, modules, device, str(path), progress)
+    modules = module_entries(modules)
+    src = file_source(safetensors_file, mmap=mmap)
+    try: return _fill(src, modules, device, str(safetensors_file), progress)
     finally: src.close()
 
 # %% ../nbs/02_loading.ipynb #655a445a

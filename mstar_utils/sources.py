@@ -4,7 +4,9 @@
 
 # %% ../nbs/01_safetensors.ipynb #a827b658
 from __future__ import annotations
-import json, mmap as _mmap, os
+import ctypes, gc, json, mmap as _mmap, os, threading
+from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -12,8 +14,9 @@ import torch
 from safetensors import safe_open
 
 # %% auto #0
-__all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'TensorInfo', 'read_header', 'checkpoint_dir', 'read_weight_map',
-           'DictSource', 'FileSource', 'checkpoint_source']
+__all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
+           'read_weight_map', 'DictSource', 'default_threads', 'FileSource', 'HostCopier', 'CudaCopier', 'copier_for',
+           'checkpoint_source', 'file_source']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
@@ -43,6 +46,16 @@ def _cut_short(header: dict, avail: int) -> str | None:
     if cut is None: return None
     return (f'data cut short: the header needs {ends[-1][0]} bytes of tensor data, the file holds {avail}, '
             f'so tensor {cut!r} and any after it are incomplete')
+
+# %% ../nbs/01_safetensors.ipynb #4d2f7a60
+@contextmanager
+def gc_paused():
+    "Python's cyclic garbage collector off for the block, then back as it was: a load allocates many small objects beside a model of many more, and each full collection walks them all."
+    was = gc.isenabled()
+    gc.disable()
+    try: yield
+    finally:
+        if was: gc.enable()
 
 # %% ../nbs/01_safetensors.ipynb #11a6efac
 def _open(path: Path):
@@ -81,17 +94,18 @@ def read_header(path: str | Path, # a safetensors file
     "(byte offset of the data section, {key: `TensorInfo`}) of a safetensors file; `ValueError` saying how a broken file is broken."
     if f is None:
         with _open(Path(path)) as f: return read_header(path, f)
-    n, header = _raw_header(path, f)
-    try:
-        with safe_open(str(path), framework='pt'): pass
-    except Exception as e: raise ValueError(f'{path}: not a readable safetensors file ({type(e).__name__}: {e})') from None
-    out = {}
-    for k, v in header.items():
-        if k == '__metadata__': continue
-        dt = SAFETENSORS_DTYPES.get(v['dtype'])
-        if dt is None: raise ValueError(f'{path}: tensor {k!r} has dtype {v["dtype"]}, which has no torch dtype to load it into '
-                                        f'(readable: {", ".join(sorted(SAFETENSORS_DTYPES))})')
-        out[k] = TensorInfo(dt, tuple(v['shape']), *v['data_offsets'])
+    with gc_paused():  # tens of thousands of small objects
+        n, header = _raw_header(path, f)
+        try:
+            with safe_open(str(path), framework='pt'): pass
+        except Exception as e: raise ValueError(f'{path}: not a readable safetensors file ({type(e).__name__}: {e})') from None
+        out = {}
+        for k, v in header.items():
+            if k == '__metadata__': continue
+            dt = SAFETENSORS_DTYPES.get(v['dtype'])
+            if dt is None: raise ValueError(f'{path}: tensor {k!r} has dtype {v["dtype"]}, which has no torch dtype to load it into '
+                                            f'(readable: {", ".join(sorted(SAFETENSORS_DTYPES))})')
+            out[k] = TensorInfo(dt, tuple(v['shape']), *v['data_offsets'])
     return 8 + n, out
 
 # %% ../nbs/01_safetensors.ipynb #ebde8308
@@ -205,16 +219,24 @@ def get(self: DictSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     t = self._tensor(k)
     return t if out is None else out.copy_(t)
 
+# %% ../nbs/01_safetensors.ipynb #5e0c7a11
+def default_threads() -> int:
+    "Reader threads a `FileSource` uses unless told: `min(8, CPUs this process may run on)`."
+    try: n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError): n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
 # %% ../nbs/01_safetensors.ipynb #722a8ecf
 class FileSource:
     "Tensors from safetensors files: `key_to_file` maps each key to the file trusted for it (the index's shard, or the one file)."
-    def __init__(self, key_to_file: dict, what: str, mmap: bool = False):
+    def __init__(self, key_to_file: dict, what: str, mmap: bool = False, threads: int | None = None):
         self.k2f, self.what, self.mmap, self._headers, self._files, self._maps = key_to_file, what, mmap, {}, {}, {}
+        self.threads, self._info = threads or default_threads(), {}  # _info: key -> info(key), once asked
     def keys(self): return self.k2f.keys()
     def __contains__(self, k): return k in self.k2f
     def where(self, k): return str(self.k2f[k])
-    def shape(self, k): return self.info(k)[2].shape
-    def dtype(self, k): return self.info(k)[2].dtype
+    def shape(self, k): return (self._info.get(k) or self.info(k))[2].shape
+    def dtype(self, k): return (self._info.get(k) or self.info(k))[2].dtype
     def borrowed(self, k): return False
     def close(self):
         for f in self._files.values(): f.close()
@@ -230,11 +252,70 @@ def _file(self: FileSource, path):
 @patch
 def info(self: FileSource, k) -> tuple[Path, int, TensorInfo]:
     "(file, data offset, `TensorInfo`) of key `k`; the file's header is read once, through the handle later reads use."
+    r = self._info.get(k)
+    if r is not None: return r
     path = self.k2f[k]
     h = self._headers.get(path)
     if h is None: h = self._headers[path] = read_header(path, self._file(path))
-    if k not in h[1]: raise KeyError(f'{path}: has no tensor {k!r}, which {self.what} assigns to it')
-    return path, h[0], h[1][k]
+    ti = h[1].get(k)
+    if ti is None: raise KeyError(f'{path}: has no tensor {k!r}, which {self.what} assigns to it')
+    r = self._info[k] = (path, h[0], ti)
+    return r
+
+# %% ../nbs/01_safetensors.ipynb #8c41e9b2
+_IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
+_NOWAIT = getattr(os, 'RWF_NOWAIT', 0)  # Linux >= 4.14: fail with EAGAIN instead of waiting for the disk
+
+class _Disk:
+    "What the reader threads of one batch share: whether a read has had to wait for the disk, and which chunks are done (`turn`, `done`)."
+    def __init__(self): self.cond, self.cold, self.upto, self.finished = threading.Condition(), False, 0, set()
+    def turn(self, j: int):
+        "Wait until every chunk before chunk `j` is done."
+        with self.cond: self.cond.wait_for(lambda: self.upto >= j)
+    def done(self, j: int):
+        with self.cond:
+            self.finished.add(j)
+            while self.upto in self.finished: self.finished.discard(self.upto); self.upto += 1
+            self.cond.notify_all()
+
+# %% ../nbs/01_safetensors.ipynb #5f3b9e07
+def _preadv(fd: int, # an open file descriptor
+            views: list, # writable byte buffers (memoryviews), filled in order from consecutive file bytes
+            pos: int, # file offset of the first byte
+            disk: _Disk | None = None, # shared by the reader threads of a batch; None: plain reads
+            j: int = 0, # the chunk this read belongs to, in the batch's order
+           ) -> int:
+    "Bytes read into `views` from offset `pos` of `fd`; fewer than their total only when the file ends first."
+    got, i = 0, 0
+    while i < len(views):
+        batch = views[i:i + _IOV_MAX]
+        n = _cached(fd, batch, pos + got) if disk is not None and not disk.cold else 0
+        if not n:
+            if disk is not None: disk.cold = True; disk.turn(j)
+            n = os.preadv(fd, batch, pos + got)
+        if not n: break
+        got += n
+        while i < len(views) and n >= len(views[i]): n -= len(views[i]); i += 1
+        if n: views = views[:i] + [views[i][n:]] + views[i + 1:]
+    return got
+
+def _cached(fd: int, views: list, pos: int) -> int:
+    "Bytes read into `views` from what the page cache holds at `pos` without waiting for the disk; 0 when none (or unsupported)."
+    if not _NOWAIT: return 0
+    try: return os.preadv(fd, views, pos, _NOWAIT)
+    except OSError: return 0  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
+
+# %% ../nbs/01_safetensors.ipynb #0b6f5d37
+def _cut(path, parts: list, keys: list, sizes: list, got: int) -> ValueError:
+    "The error for a read of `parts` [(item, at, n)] that got only `got` bytes: names the tensor cut and how much of it was read."
+    for i, at, n in parts:
+        if got < n: return ValueError(f'{path}: tensor {keys[i]!r} is cut short: read {at + got} of {sizes[i]} bytes')
+        got -= n
+    return ValueError(f'{path}: read cut short')
+
+def _buffer(t: torch.Tensor) -> memoryview:
+    "The bytes of `t` as a writable memoryview, no copy; the caller checks that `t` is a contiguous CPU tensor, and keeps it alive while the view is used."
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
 # %% ../nbs/01_safetensors.ipynb #96547803
 @patch
@@ -247,8 +328,8 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     if t.numel():
         buf = t.view(-1).view(torch.uint8).numpy()
         if buf.nbytes != end - begin: raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {buf.nbytes}')
-        f = self._file(path); f.seek(start + begin)
-        _readinto(f, buf, f'{path}: tensor {k!r}')
+        got = _preadv(self._file(path).fileno(), [memoryview(buf)], start + begin)
+        if got < buf.nbytes: raise _cut(path, [(0, 0, buf.nbytes)], [k], [buf.nbytes], got)
     return t
 
 @patch
@@ -258,12 +339,188 @@ def _mapped(self: FileSource, path) -> torch.Tensor:
     if m is None: m = self._maps[path] = torch.frombuffer(_mmap.mmap(self._file(path).fileno(), 0, access=_mmap.ACCESS_COPY), dtype=torch.uint8)
     return m
 
+# %% ../nbs/01_safetensors.ipynb #4a9e1c03
+_ALIGN = 16  # every itemsize divides it: a tensor split at a multiple of it splits between elements
+
+def _chunks(spans: list, # (file, byte offset in the file, byte count) per item
+            cap: int, # bytes a chunk may hold, >= 64
+           ) -> list[list]:
+    "`spans` packed in file then offset order into chunks of at most `cap` bytes, each of one file; a chunk is a list of segments `[file, offset, start in chunk, bytes, [(item, at, n)]]`, each contiguous in the file."
+    chunks, cur, fill = [], [], 0
+    for i in sorted(range(len(spans)), key=lambda i: (str(spans[i][0]), spans[i][1])):
+        path, pos, n = spans[i]
+        at = 0
+        if cur and cur[-1][0] != path: chunks.append(cur); cur, fill = [], 0  # a chunk holds one file: chunks complete file by file
+        while at < n:
+            seg = cur[-1] if cur else None
+            if seg is None or seg[0] != path or seg[1] + seg[3] != pos + at:
+                start = fill + (pos + at - fill) % _ALIGN
+                if start + min(n - at, _ALIGN) > cap: chunks.append(cur); cur, fill = [], 0; continue
+                seg = [path, pos + at, start, 0, []]; cur.append(seg); fill = start
+            take = min(n - at, cap - fill)
+            if take < n - at: take -= take % _ALIGN
+            if take <= 0: chunks.append(cur); cur, fill = [], 0; continue
+            seg[4].append((i, at, take)); seg[3] += take; fill += take; at += take
+    if cur: chunks.append(cur)
+    return chunks
+
+# %% ../nbs/01_safetensors.ipynb #e7a3d9c5
+@patch
+def _read_chunk(self: FileSource, chunk: list, views, keys: list, sizes: list, disk: _Disk, j: int):
+    "Read each segment of chunk `j` into the buffers `views(path, start, n, parts)` gives for it; tell `disk` when done, even on an error."
+    try:
+        for path, pos, start, n, parts in chunk:
+            bufs = views(path, start, n, parts)
+            got = _preadv(self._file(path).fileno(), bufs, pos, disk, j)
+            if got < n: raise _cut(path, parts, keys, sizes, got)
+    finally: disk.done(j)
+
+# %% ../nbs/01_safetensors.ipynb #1f7b6d42
+@patch
+def _read_direct(self: FileSource, keys: list, dests: list, spans: list, progress=None):
+    "Read each key straight into its destination (contiguous CPU tensors of the key's dtype), chunks spread over the reader threads."
+    bufs, disk = [_buffer(d) if d.numel() else None for d in dests], _Disk()
+    sizes = [s[2] for s in spans]
+    def views(path, start, n, parts): return [bufs[i] if n_ == sizes[i] else bufs[i][at:at + n_] for i, at, n_ in parts]
+    chunks = _chunks(spans, 8 << 20)
+    def job(j): self._read_chunk(chunks[j], views, keys, sizes, disk, j)
+    _run_in_order(range(len(chunks)), job, self.threads, lambda j: _report(progress, chunks[j], sizes))
+
+# %% ../nbs/01_safetensors.ipynb #2b3c8e90
+def _report(progress, chunk: list, sizes: list):
+    "Call `progress(bytes, tensors)` for a chunk done: its bytes, and the tensors whose last part it held."
+    if progress is None: return
+    progress(sum(s[3] for s in chunk), sum(1 for s in chunk for i, at, n in s[4] if at + n == sizes[i]))
+
+def _run_in_order(chunks: list, job, threads: int, done):
+    "Run `job(chunk)` for every chunk on `threads` threads and `done(chunk)` on this thread, in order; on an error, the rest are cancelled, `done` still runs for chunks that completed, and the error is raised."
+    if threads <= 1 or len(chunks) <= 1:
+        for c in chunks: job(c); done(c)
+        return
+    err, n = None, 0
+    with ThreadPoolExecutor(min(threads, len(chunks)), thread_name_prefix='read') as ex:
+        futs = [ex.submit(job, c) for c in chunks]
+        try:
+            for c, f in zip(chunks, futs): f.result(); done(c); n += 1
+        except BaseException as e:
+            for f in futs: f.cancel()
+            err = e
+    if err is None: return
+    for c, f in zip(chunks[n + 1:], futs[n + 1:]):
+        if not f.cancelled() and f.exception() is None: done(c)
+    raise err
+
+# %% ../nbs/01_safetensors.ipynb #3d7f5a12
+class HostCopier:
+    "The device step of the staging ring for CPU (or any device, synchronously): plain staging memory, copies and casts done at once."
+    def staging(self, nbytes: int) -> torch.Tensor: return torch.empty(nbytes, dtype=torch.uint8)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor): dst.copy_(src)
+    def mark(self): return None  # a token for "the copies issued so far"; they are already done
+    def wait(self, token): pass
+    def finish(self): pass
+
+# %% ../nbs/01_safetensors.ipynb #6a0e4b97
+class CudaCopier:
+    "The device step for a CUDA device: pinned staging, host-to-device copies and casts on a side stream, an event per chunk."
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # destinations were allocated on the current stream
+    def staging(self, nbytes: int) -> torch.Tensor: return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        with torch.cuda.stream(self.stream): dst.copy_(src, non_blocking=True)
+    def mark(self):
+        ev = torch.cuda.Event(); ev.record(self.stream); return ev
+    def wait(self, ev):
+        if ev is not None: ev.synchronize()
+    def finish(self):
+        self.stream.synchronize(); torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+def copier_for(device) -> HostCopier | CudaCopier:
+    "The copier that moves staged bytes to `device`: `CudaCopier` for CUDA, `HostCopier` for anything else."
+    device = torch.device(device)
+    return CudaCopier(device) if device.type == 'cuda' else HostCopier()
+
+# %% ../nbs/01_safetensors.ipynb #9f2c6b3e
+def _copy_chunk(chunk: list, buf: torch.Tensor, flats: list, dts: list, copier):
+    "Copy every part of `chunk` from the staging buffer `buf` (uint8) into the elements it fills of `flats[item]` (flat destinations), viewed in the checkpoint dtype `dts[item]`."
+    for _, _, start, _, parts in chunk:
+        c = start
+        for i, at, n in parts:
+            isz = dts[i].itemsize
+            src = buf[c:c + n]
+            src = src.view(dts[i]) if c % isz == 0 else src.clone().view(dts[i])  # a tensor misaligned in its file
+            copier.copy(flats[i][at // isz:(at + n) // isz], src)
+            c += n
+
+# %% ../nbs/01_safetensors.ipynb #5c1e8f24
+@patch
+def _read_staged(self: FileSource, keys: list, dests: list, spans: list, dts: list, copier, progress=None, chunk_bytes: int = 8 << 20):
+    "Read the keys through a ring of `threads + 1` staging chunks (<= 64 MiB, >= 2); `copier` copies each part into its destination. Chunk j uses buffer `j % ring`, read into only after the copies out of it."
+    sizes, chunks, disk = [s[2] for s in spans], _chunks(spans, chunk_bytes), _Disk()
+    if not chunks: return
+    ring = [copier.staging(chunk_bytes) for _ in range(min(self.threads + 1, max(2, (64 << 20) // chunk_bytes), len(chunks)))]
+    mvs, tokens, flats, R = [_buffer(b) for b in ring], [None] * len(ring), [d.view(-1) for d in dests], len(ring)
+    def job(j, tok):
+        copier.wait(tok)
+        self._read_chunk(chunks[j], lambda path, start, n, parts: [mvs[j % R][start:start + n]], keys, sizes, disk, j)
+    with ThreadPoolExecutor(min(self.threads, R), thread_name_prefix='read') as ex:
+        futs = {j: ex.submit(job, j, None) for j in range(R)}
+        try:
+            for j, c in enumerate(chunks):
+                futs.pop(j).result()
+                _copy_chunk(c, ring[j % R], flats, dts, copier)
+                tokens[j % R] = copier.mark()
+                if j + R < len(chunks): futs[j + R] = ex.submit(job, j + R, tokens[j % R])
+                _report(progress, c, sizes)
+        except BaseException:
+            for f in futs.values(): f.cancel()
+            raise
+        finally: copier.finish()
+
+# %% ../nbs/01_safetensors.ipynb #7b4f0c19
+@patch
+def read_many(self: FileSource,
+              pairs: list, # (key, dest): dest a contiguous tensor of the key's shape, any dtype, any device, allocated before the call
+              progress=None, # called on this thread as progress(bytes, tensors) as chunks complete
+              chunk_bytes: int = 8 << 20, # bytes of one staging chunk
+             ) -> None:
+    "Fill each `dest` with its key's tensor: read straight into CPU tensors of the key's dtype, through the staging ring (cast, moved to the device) otherwise; `ValueError` for a file cut short or a destination of the wrong shape."
+    groups, empty = {}, 0
+    for k, d in pairs:
+        path, start, (dt, shape, begin, end) = self._info.get(k) or self.info(k)
+        if d.shape != shape or not d.is_contiguous():
+            raise ValueError(f'{path}: tensor {k!r} is {dt} {list(shape)}; its destination must be a contiguous tensor of that shape, got {list(d.shape)}')
+        if d.numel() * dt.itemsize != end - begin: raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {d.numel() * dt.itemsize}')
+        if end == begin: empty += 1; continue
+        gk = 'direct' if d.is_cpu and d.dtype == dt else d.device
+        g = groups.get(gk) or groups.setdefault(gk, ([], [], [], []))
+        g[0].append(k); g[1].append(d); g[2].append((path, start + begin, end - begin)); g[3].append(dt)
+    if empty and progress: progress(0, empty)
+    for dev, (keys, dests, spans, dts) in groups.items():
+        if dev == 'direct': self._read_direct(keys, dests, spans, progress)
+        else: self._read_staged(keys, dests, spans, dts, copier_for(dev), progress, chunk_bytes)
+
 # %% ../nbs/01_safetensors.ipynb #21a7b7de
 def checkpoint_source(repo_dir: str | Path, # a checkpoint folder
                       mmap: bool = False, # hand out copy-on-write mapped views instead of owned memory
+                      threads: int | None = None, # reader threads; default `default_threads()`
                      ) -> FileSource:
     "A `FileSource` over the checkpoint folder `repo_dir`, keyed by its `read_weight_map`; raises as `read_weight_map`."
-    return FileSource(read_weight_map(repo_dir), str(repo_dir), mmap=mmap)
+    return FileSource(read_weight_map(repo_dir), str(repo_dir), mmap=mmap, threads=threads)
+
+# %% ../nbs/01_safetensors.ipynb #7e4b1a90
+def file_source(path: str | Path, # a safetensors file
+                mmap: bool = False, # hand out copy-on-write mapped views instead of owned memory
+                threads: int | None = None, # reader threads; default `default_threads()`
+               ) -> FileSource:
+    "A `FileSource` over the one safetensors file `path`, its header read once, through the handle later reads use; raises as `read_header`."
+    path = Path(path)
+    src = FileSource({}, str(path), mmap=mmap, threads=threads)
+    try: h = src._headers[path] = read_header(path, src._file(path))
+    except BaseException: src.close(); raise
+    src.k2f = dict.fromkeys(h[1], path)
+    return src
 
 # %% ../nbs/01_safetensors.ipynb #7b1e0c02
 def _slice_runs(shape, itemsize: int, dim: int, ranges) -> list:

@@ -303,13 +303,12 @@ def test_state_dict_into_materialized_module_is_copied(dtype):
 # ---------------------------------------------------------------- failures during the reads
 
 def _truncate_on_first_read(monkeypatch, path: Path):
-    "The file `path` loses its second half, in place, once the first tensor has been read: a download overwriting it mid-load."
-    real_get, done = sources.FileSource.get, []
-    def get(self, k, out=None):
-        t = real_get(self, k, out)
-        if not done: done.append(k); os.truncate(path, path.stat().st_size // 2)
-        return t
-    monkeypatch.setattr(sources.FileSource, 'get', get)
+    "The file `path` loses its second half, in place, just before the load first reads from it: a download overwriting it mid-load."
+    real, done = sources._preadv, []
+    def preadv(fd, views, pos, disk=None, j=0):
+        if not done and os.path.samefile(f'/proc/self/fd/{fd}', path): done.append(fd); os.truncate(path, path.stat().st_size // 2)
+        return real(fd, views, pos, disk, j)
+    monkeypatch.setattr(sources, '_preadv', preadv)
     return done
 
 def test_meta_module_unchanged_when_a_shard_is_cut_during_the_load(smol_src, tmp_path, monkeypatch):

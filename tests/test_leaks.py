@@ -4,7 +4,7 @@ RSS is read with psutil after the model is dropped and glibc's `malloc_trim(0)` 
 without it, glibc keeps freed memory around for reuse and RSS swings by most of a checkpoint between loads, which
 says nothing about leaks. The bound after 2 warm-up loads: growth under 5% of the checkpoint's bytes (~13 MB for
 SmolLM2's 257 MB; measured: under 1 MB). While a model is alive, RSS above the baseline stays under 1.1x the checkpoint's
-bytes: the readinto path adds the tensors and nothing else.
+bytes: the reads add the tensors and nothing else.
 """
 import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -56,13 +56,17 @@ def test_twenty_loads():
 
 def test_failed_loads_release_what_they_read(monkeypatch):
     "A load that fails on its last tensor, after reading all the others, leaves no memory and no open file behind."
-    n = len(loading.read_weight_map(SMOL))  # every key is one tensor of the model
-    real_get, calls = sources.FileSource.get, [0]
-    def get(self, k, out=None):
+    real, calls = sources._preadv, [0]
+    def count(fd, views, pos, disk=None, j=0): calls[0] += 1; return real(fd, views, pos, disk, j)
+    monkeypatch.setattr(sources, '_preadv', count)
+    load_once()
+    n = calls[0]  # the reads of one load: its last one fails from now on
+    def preadv(fd, views, pos, disk=None, j=0):
         calls[0] += 1
-        if calls[0] % n == 0: raise ValueError(f'simulated read error on {k}')
-        return real_get(self, k, out)
-    monkeypatch.setattr(sources.FileSource, 'get', get)
+        if calls[0] % n == 0: raise ValueError(f'simulated read error at byte {pos}')
+        return real(fd, views, pos, disk, j)
+    calls[0] = 0
+    monkeypatch.setattr(sources, '_preadv', preadv)
     def fail_once():
         m = meta_model()
         with pytest.raises(ValueError, match='simulated read error'): load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)], progress=False)

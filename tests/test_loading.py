@@ -205,7 +205,8 @@ def test_progress_bar_off_when_not_interactive_or_turned_off(capsys):
     load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=False)
     assert capsys.readouterr().err == ''
     load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=True)
-    assert 'tensor/s' in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 'B/s' in err and '/1 tensors' in err, err  # bytes with their rate, and the tensors
 
 
 def test_process_weights_after_loading_each_module_once_root_included():

@@ -1,0 +1,297 @@
+"""The fast read path: chunk packing, the reader threads, the staging ring and its copier, checked for correctness on the CPU.
+
+`read_many` packs a load's tensors into chunks of contiguous file runs (`_chunks`), reads them on threads, and sends
+destinations of another dtype or device through a ring of staging buffers whose only device-specific step is the copier.
+Here the copier is `HostCopier` (or a recording subclass of it), so every rule of the GPU pipeline runs on the CPU:
+bytes land exactly, casts match torch's, a buffer is refilled only after its copies, host staging stays bounded, no
+tensor is ever whole in staging memory, and errors in a reader thread surface and stop the rest. The CUDA tests at the
+end run only with a GPU (tools/gpu-check). Nothing here is timed; speed is in benchmarks/bench_load.py.
+"""
+import os
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import gc, json, struct, threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from mstar_utils import sources
+from mstar_utils.checkpoints import smollm2_checkpoint
+from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_weights_from_file, load_weights_from_hf_shards
+from mstar_utils.model import build_on_meta
+from mstar_utils.sources import HostCopier, checkpoint_source, file_source, read_weight_map
+
+SMOL = smollm2_checkpoint()
+CFG = AutoConfig.from_pretrained(SMOL)
+WM = read_weight_map(SMOL)
+
+
+@pytest.fixture(scope='module')
+def ref() -> dict:
+    "SmolLM2's tensors as safetensors reads them (the reference reader)."
+    out = {}
+    for shard in sorted(set(WM.values())):
+        with safe_open(str(shard), framework='pt') as f: out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _spans(src, keys):
+    return [(src.info(k)[0], src.info(k)[1] + src.info(k)[2].begin, src.info(k)[2].end - src.info(k)[2].begin) for k in keys]
+
+
+# ---------------------------------------------------------------- chunk packing
+
+@st.composite
+def file_spans(draw):
+    "Tensors laid out back to back, with gaps, in up to 3 files, listed in random order."
+    spans = []
+    for f in range(draw(st.integers(1, 3))):
+        pos = draw(st.integers(0, 64))
+        for _ in range(draw(st.integers(0, 12))):
+            isz = draw(st.sampled_from([1, 2, 4, 8]))
+            n = isz * draw(st.integers(0, 300))
+            pos += isz * draw(st.sampled_from([0, 0, 0, 1, 5]))  # mostly contiguous, sometimes a gap
+            spans.append((f'file{f}', pos, n)); pos += n
+    return draw(st.permutations(spans))
+
+@settings(max_examples=200, deadline=None)
+@given(spans=file_spans(), cap=st.sampled_from([64, 100, 256, 1000, 1 << 20]))
+def test_chunks_cover_every_byte_once_in_file_order(spans, cap):
+    chunks = sources._chunks(spans, cap)
+    covered = {i: [] for i in range(len(spans))}
+    last = None
+    for chunk in chunks:
+        assert chunk and len({seg[0] for seg in chunk}) == 1  # one file per chunk, never empty
+        end = 0
+        for path, pos, start, n, parts in chunk:
+            assert start >= end and start + n <= cap and start % 16 == pos % 16  # in the buffer, aligned as in the file
+            end, at_file = start + n, pos
+            for i, at, m in parts:
+                assert spans[i][0] == path and spans[i][1] + at == at_file and m > 0  # contiguous in the file
+                assert at % 16 == 0 or at == 0  # split only between elements
+                assert last is None or (path, at_file) > last  # file then offset order
+                last = (path, at_file)
+                covered[i].append((at, m)); at_file += m
+            assert at_file == pos + n
+    for i, (_, _, n) in enumerate(spans):
+        parts = sorted(covered[i])
+        assert sum(m for _, m in parts) == n and all(a + m == b for (a, m), (b, _) in zip(parts, parts[1:]))
+
+
+# ---------------------------------------------------------------- direct reads
+
+@pytest.mark.parametrize('threads', [1, 2, 5])
+def test_direct_reads_match_safetensors(ref, threads):
+    src = checkpoint_source(SMOL, threads=threads)
+    keys = sorted(src.keys())
+    dests = [torch.empty(src.shape(k), dtype=src.dtype(k)) for k in keys]
+    seen = []
+    src.read_many(list(zip(keys, dests)), progress=lambda b, n: seen.append((b, n)))
+    src.close()
+    for k, d in zip(keys, dests): assert torch.equal(d, ref[k]), k
+    assert sum(n for _, n in seen) == len(keys)
+    assert sum(b for b, _ in seen) == sum(t.numel() * t.element_size() for t in ref.values())
+
+
+def test_direct_reads_run_on_the_reader_threads(monkeypatch):
+    "With 3 threads and chunks of several files, reads happen off the calling thread and on more than one thread."
+    real, names = sources._preadv, set()
+    def spy(fd, views, pos, disk=None, j=0): names.add(threading.current_thread().name); return real(fd, views, pos, disk, j)
+    monkeypatch.setattr(sources, '_preadv', spy)
+    src = checkpoint_source(SMOL, threads=3)
+    keys = list(src.keys())
+    src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k))) for k in keys]); src.close()
+    assert threading.current_thread().name not in names and len(names) > 1, names
+
+
+def test_one_read_per_contiguous_run(tmp_path):
+    "2,000 small tensors back to back in one file: a handful of preadv calls (IOV_MAX buffers each), not one per tensor."
+    tensors = {f'{i}.weight': torch.full((4, 4), float(i)) for i in range(2000)}
+    save_file(tensors, str(tmp_path/'many.safetensors'))
+    calls = []
+    real = sources._preadv
+    def spy(fd, views, pos, disk=None, j=0): calls.append(len(views)); return real(fd, views, pos, disk, j)
+    src = file_source(tmp_path/'many.safetensors', threads=1)
+    keys = list(src.keys())
+    dests = [torch.empty(4, 4) for _ in keys]
+    sources._preadv, saved = spy, sources._preadv
+    try: src.read_many(list(zip(keys, dests)))
+    finally: sources._preadv = saved; src.close()
+    assert len(calls) == 1 and calls[0] == 2000  # one segment, one call of _preadv (two preadv of <= 1024 buffers inside)
+    for k, d in zip(keys, dests): assert torch.equal(d, tensors[k]), k
+
+
+@pytest.mark.skipif(not getattr(os, 'RWF_NOWAIT', 0), reason='needs RWF_NOWAIT (Linux >= 4.14)')
+def test_disk_reads_go_in_chunk_order_and_cached_reads_in_parallel(tmp_path, monkeypatch):
+    "A cold file is read from the disk one chunk after the other, in file order; once cached, no read waits for its turn."
+    tensors = {f't{i}': torch.randn(256, 1024) for i in range(24)}  # 24 MiB: at least three chunks
+    path = tmp_path/'cold.safetensors'
+    save_file(tensors, str(path))
+    fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    try: still_cached = os.preadv(fd, [bytearray(4096)], 1 << 20, os.RWF_NOWAIT) > 0
+    except OSError: still_cached = False
+    os.close(fd)
+    if still_cached: pytest.skip('this file system keeps the file in memory (tmpfs?): nothing to read from a disk')
+    disks = []
+    class Disk(sources._Disk):
+        def __init__(self): super().__init__(); self.turns = []; disks.append(self)
+        def turn(self, j):
+            super().turn(j)
+            assert all(k < self.upto or k in self.finished for k in range(j)), (j, self.upto)  # every earlier chunk is done
+            self.turns.append(j)
+    monkeypatch.setattr(sources, '_Disk', Disk)
+    for cold in (True, False):
+        src = file_source(path, threads=3)
+        dests = {k: torch.empty(256, 1024) for k in tensors}
+        src.read_many(list(dests.items())); src.close()
+        assert all(torch.equal(dests[k], tensors[k]) for k in tensors)
+        d = disks[-1]
+        assert d.cold == cold and d.upto >= 3  # every chunk done
+        assert (sorted(set(d.turns)) == list(range(d.upto))) if cold else d.turns == [], d.turns
+
+
+# ---------------------------------------------------------------- the staging ring, with the CPU stand-in
+
+class RecordingCopier(HostCopier):
+    "HostCopier that records staging buffers, copy sizes, and the tokens readers wait on."
+    def __init__(self):
+        self.buffers, self.copies, self.marks, self.waits, self.finished = [], [], 0, [], 0
+    def staging(self, nbytes):
+        b = super().staging(nbytes); self.buffers.append(b); return b
+    def copy(self, dst, src):
+        assert any(src.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in self.buffers) or src.numel() * src.element_size() <= 16 * 1024
+        self.copies.append((dst.numel(), src.numel() * src.element_size())); super().copy(dst, src)
+    def mark(self):
+        self.marks += 1; return self.marks  # token j + 1: the copies of chunk j are issued
+    def wait(self, token): self.waits.append(token)
+    def finish(self): self.finished += 1
+
+
+SOME = lambda k: k.startswith(('model.embed_tokens.', 'model.layers.0.', 'model.layers.29.', 'model.norm.'))  # both ends of the file set
+
+@pytest.mark.parametrize('dtype,threads', [(torch.float32, 1), (torch.bfloat16, 3), (torch.float16, 3)])
+def test_staged_reads_cast_like_torch_and_bound_the_ring(ref, dtype, threads):
+    "Tensors through 64 KiB chunks (SmolLM2's 56 MB embedding in ~900 pieces), cast as `Tensor.to` casts; at most threads + 1 buffers."
+    src = checkpoint_source(SMOL, threads=threads)
+    keys = sorted(k for k in src.keys() if SOME(k))
+    dests = [torch.empty(src.shape(k), dtype=dtype) for k in keys]
+    cop, chunk = RecordingCopier(), 64 << 10
+    src._read_staged(keys, dests, _spans(src, keys), [src.dtype(k) for k in keys], cop, chunk_bytes=chunk)
+    src.close()
+    for k, d in zip(keys, dests): assert torch.equal(d, ref[k].to(dtype)), k
+    assert len(cop.buffers) == threads + 1 and all(b.numel() == chunk for b in cop.buffers)  # host memory: the ring only
+    assert max(n for _, n in cop.copies) <= chunk  # no tensor whole in host staging memory
+    assert cop.finished == 1
+
+
+def test_a_buffer_is_refilled_only_after_its_copies(ref):
+    "Chunk j reuses buffer j % R and its reader first waits on the token marked after chunk j - R's copies."
+    src = checkpoint_source(SMOL, threads=2)
+    keys = sorted(k for k in src.keys() if SOME(k))
+    cop = RecordingCopier()
+    order = []
+    real = sources._copy_chunk
+    def spy(chunk, buf, flats, dts, copier):
+        order.append(buf.data_ptr()); real(chunk, buf, flats, dts, copier)
+    sources._copy_chunk, saved = spy, sources._copy_chunk
+    try:
+        src._read_staged(keys, [torch.empty(src.shape(k), dtype=torch.float32) for k in keys], _spans(src, keys),
+                         [src.dtype(k) for k in keys], cop, chunk_bytes=1 << 20)
+    finally: sources._copy_chunk = saved; src.close()
+    R = len(cop.buffers)
+    assert R == 3 and len(order) > 2 * R
+    assert all(order[j] == order[j % R] for j in range(len(order)))  # the ring, in turn
+    assert cop.waits.count(None) == R and sorted(w for w in cop.waits if w is not None) == list(range(1, len(order) - R + 1))  # chunk j >= R waited on mark j - R + 1
+
+
+def test_misaligned_tensor_is_cast_through_an_aligned_copy(tmp_path):
+    "A hand-written file whose fp32 tensor starts at an odd byte (safetensors' writer never does this) still reads exactly."
+    a, b = torch.tensor([1.5, -2., 3.25], dtype=torch.bfloat16), torch.arange(5, dtype=torch.float32) / 3
+    header = {'a': {'dtype': 'BF16', 'shape': [3], 'data_offsets': [0, 6]}, 'b': {'dtype': 'F32', 'shape': [5], 'data_offsets': [6, 26]}}
+    h = json.dumps(header).encode(); h += b' ' * (-len(h) % 8)
+    p = tmp_path/'odd.safetensors'
+    p.write_bytes(struct.pack('<Q', len(h)) + h + a.view(torch.uint8).numpy().tobytes() + b.view(torch.uint8).numpy().tobytes())
+    src = file_source(p)
+    outs = [torch.empty(3, dtype=torch.float32), torch.empty(5, dtype=torch.float64), torch.empty(5, dtype=torch.float32)]
+    src.read_many([('a', outs[0]), ('b', outs[1]), ('b', outs[2])]); src.close()
+    assert torch.equal(outs[0], a.float()) and torch.equal(outs[1], b.double()) and torch.equal(outs[2], b)
+
+
+# ---------------------------------------------------------------- whole loads through the pipeline
+
+def _meta_smol(dtype=torch.bfloat16):
+    return build_on_meta(CFG, dtype=dtype)
+
+
+def test_device_load_through_the_stand_in_copier(ref, monkeypatch):
+    "A load whose new tensors need staging (a float32 model from a bf16 checkpoint) runs the ring: exact values, bounded staging, Parameters kept."
+    made = []
+    def copier_for(device): c = RecordingCopier(); made.append(c); return c
+    monkeypatch.setattr(sources, 'copier_for', copier_for)
+    m = _meta_smol(torch.float32)
+    part = torch.nn.ModuleDict({'embed_tokens': m.model.embed_tokens, 'layers': torch.nn.ModuleList(m.model.layers[:3])})  # a third of the bytes
+    params = {n: p for n, p in part.named_parameters()}
+    [names] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(part, 'model.')], progress=False)
+    check_loaded(part, names, 'SmolLM2 float32, embedding and 3 layers')
+    assert len(made) == 1 and made[0].finished == 1
+    assert sum(b.numel() for b in made[0].buffers) <= 64 << 20  # the ring: host memory of a device load
+    for n, p in part.named_parameters(): assert p is params[n] and torch.equal(p, ref['model.' + n].float()), n
+
+
+def test_reader_error_stops_the_load_and_its_threads(monkeypatch):
+    "A read failing in a reader thread raises on the caller, leaves the module on meta, no thread behind, and the GC as it was."
+    real, calls = sources._preadv, [0]
+    def preadv(fd, views, pos, disk=None, j=0):
+        calls[0] += 1
+        if calls[0] == 3: raise OSError(5, 'Input/output error (simulated)')
+        return real(fd, views, pos, disk, j)
+    monkeypatch.setattr(sources, '_preadv', preadv)
+    before = threading.active_count()
+    for dtype in (torch.bfloat16, torch.float32):  # direct reads, then the staging ring
+        calls[0] = 0
+        m = _meta_smol(dtype)
+        with pytest.raises(OSError, match='simulated'): load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)], progress=False)
+        assert all(p.is_meta for p in m.parameters())
+        assert gc.isenabled()
+    assert threading.active_count() == before
+
+
+def test_gc_left_as_the_caller_set_it(tmp_path):
+    "Loads pause Python's cyclic GC and restore it: on after a load that found it on, off after one that found it off."
+    save_file({'w.weight': torch.ones(2, 2)}, str(tmp_path/'one.safetensors'))
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            load_weights_from_file(tmp_path/'one.safetensors', [ModuleAndPrefix(torch.nn.Linear(2, 2, bias=False, device='meta'), 'w')], progress=False)
+            assert gc.isenabled() == enabled
+        finally: gc.enable()
+
+
+# ---------------------------------------------------------------- CUDA (tools/gpu-check)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+
+@cuda
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_cuda_load_matches_and_keeps_parameters(ref, dtype):
+    m = _meta_smol(dtype)
+    params = {n: p for n, p in m.named_parameters()}
+    [names] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)], device='cuda', progress=False)
+    check_loaded(m, names, 'SmolLM2 cuda')
+    for n, p in m.named_parameters():
+        assert p is params[n] and p.device.type == 'cuda' and torch.equal(p.cpu(), ref[n].to(dtype)), n
+
+
+@cuda
+def test_cuda_copier_uses_pinned_staging_and_a_side_stream():
+    c = sources.CudaCopier('cuda')
+    buf = c.staging(1 << 20)
+    assert buf.is_pinned() and c.stream != torch.cuda.current_stream()
+    dst = torch.empty(1 << 18, dtype=torch.float32, device='cuda')
+    buf.view(torch.float32).copy_(torch.arange(1 << 18, dtype=torch.float32))
+    c.copy(dst, buf.view(torch.float32)); tok = c.mark(); c.wait(tok); c.finish()
+    assert torch.equal(dst.cpu(), torch.arange(1 << 18, dtype=torch.float32))
