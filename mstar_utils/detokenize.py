@@ -14,7 +14,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['ByteLevelDetokenizer', 'SentencePieceDetokenizer', 'TextChunkDetokenizer', 'drop_stop_tokens', 'TextOutput',
-           'TextStream']
+           'TextStream', 'generation_eos_ids']
 
 # %% ../nbs/08_detokenize.ipynb #487e2b25
 class _TokenMemo:
@@ -414,8 +414,8 @@ def to_bytes(self: TextChunkDetokenizer,
              token_ids, # a sequence of ints, or a 1-d integer tensor
             ) -> bytes:
     "The bytes of `token_ids`: the joined `token_bytes`, except in `'decode'` mode, where the ids are decoded together."
+    if self.mode != 'decode': return _TokenMemo.to_bytes(self, token_ids)   # the memo's joined token_bytes
     if hasattr(token_ids, 'tolist'): token_ids = token_ids.tolist()
-    if self.mode != 'decode': return b''.join(map(self.token_bytes, token_ids))
     ids = [i for i in map(self._check_id, token_ids) if i not in self._skip]
     return self.tokenizer.decode(ids, skip_special_tokens=False).encode()
 
@@ -564,16 +564,24 @@ def stream(self: TextOutput,
     "A `TextStream` for one reply of this model."
     return TextStream(self, request_kwargs)
 
+# %% ../nbs/08_detokenize.ipynb #48d21fff
+def generation_eos_ids(checkpoint_dir, # a checkpoint folder
+                      ) -> list[int]:
+    "`eos_token_id` of `checkpoint_dir/generation_config.json` as a list (the file gives an int or a list; [] without it); `ValueError` naming the file otherwise."
+    path = Path(checkpoint_dir)/'generation_config.json'
+    if not path.exists(): return []
+    try: eos = json.loads(path.read_text(encoding='utf-8')).get('eos_token_id')
+    except (json.JSONDecodeError, AttributeError) as e: raise ValueError(f'{path} is not a JSON object: {e}') from None
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    for v in ids:
+        if not isinstance(v, int) or isinstance(v, bool): raise ValueError(f'{path}: eos_token_id must be an int or a list of ints, got {eos!r}')
+    return ids
+
 # %% ../nbs/08_detokenize.ipynb #d2d8cf60
 def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
-    "eos_token_id from checkpoint_dir/generation_config.json (int or list), plus the tokenizer's eos_token_id, checked against the vocabulary."
-    ids, size, path = {}, len(tokenizer), checkpoint_dir/'generation_config.json'
-    if path.exists():
-        try: eos = json.loads(path.read_text(encoding='utf-8')).get('eos_token_id')
-        except (json.JSONDecodeError, AttributeError) as e: raise ValueError(f'{path} is not a JSON object: {e}') from None
-        for v in [] if eos is None else eos if isinstance(eos, list) else [eos]:
-            if not isinstance(v, int) or isinstance(v, bool): raise ValueError(f'{path}: eos_token_id must be an int or a list of ints, got {eos!r}')
-            ids[v] = f'{path}: eos_token_id'
+    "`generation_eos_ids` plus the tokenizer's eos_token_id, checked against the vocabulary."
+    path, size = checkpoint_dir/'generation_config.json', len(tokenizer)
+    ids = {v: f'{path}: eos_token_id' for v in generation_eos_ids(checkpoint_dir)}
     if tokenizer.eos_token_id is not None: ids.setdefault(tokenizer.eos_token_id, f"the tokenizer's eos_token {tokenizer.eos_token!r}")
     for i, source in ids.items():
         if not 0 <= i < size: raise ValueError(f'{source} is {i}, outside the vocabulary of {_tokenizer_name(tokenizer)} (vocabulary size {size})')

@@ -69,9 +69,9 @@ def _report_stop_ids(ckpt: Path) -> list[int]:
         from mstar_utils.detokenize import TextOutput
         try: return sorted(TextOutput.from_checkpoint(ckpt).stop_token_ids)
         except ValueError: pass
-    gc = ckpt/'generation_config.json'
-    eos = json.loads(gc.read_text(encoding='utf-8')).get('eos_token_id') if gc.is_file() else None
-    return sorted(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    from mstar_utils.detokenize import generation_eos_ids
+    try: return sorted(generation_eos_ids(ckpt))
+    except ValueError: return []
 
 # %% ../nbs/12_report.ipynb #d6e6bc1f
 def checkpoint_report(checkpoint_dir, # an HF checkpoint folder
