@@ -38,7 +38,7 @@ LLAMA20K_CONFIG = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_
                        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)  # 2222 x 9 + 3 = 20,001
 
 CPU_METHODS = ['hf', 'st-mmap', 'st-pread', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subset',
-               'limit-fresh', 'limit-prefaulted', 'limit-thp', 'limit-odirect']
+               'limit-fresh', 'limit-prefaulted', 'limit-thp', 'limit-populate', 'limit-odirect']
 COLD_METHODS = ['hf', 'st-mmap', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subset', 'limit-fresh', 'limit-prefaulted', 'limit-odirect']
 GPU_METHODS = ['hf-cuda', 'ours-cuda', 'h2d-pinned']
 MANY_METHODS = {MANY_NAME: ['many-ours', 'many-st'], LLAMA20K_NAME: ['llama-ours', 'llama-hf']}
@@ -50,6 +50,7 @@ LABELS = {'hf': '(a) transformers from_pretrained', 'st-mmap': '(b) safetensors 
           'limit-fresh': 'limit, fresh memory: one readinto per file into memory allocated and never touched',
           'limit-prefaulted': 'limit, pre-faulted memory: one readinto per file into memory faulted in before the clock (the copy alone)',
           'limit-thp': 'one readinto per file into fresh memory advised MADV_HUGEPAGE (transparent huge pages)',
+          'limit-populate': "the page faults alone: fresh memory of the files' size faulted in by MADV_POPULATE_WRITE, split over ours' reader threads (no read)",
           'limit-odirect': 'limit, O_DIRECT: sequential 8 MiB reads of the files around the page cache (the disk alone)',
           'hf-cuda': "(a) from_pretrained(device_map='cuda')", 'ours-cuda': "(c) ours, device='cuda' (pinned staging ring)",
           'h2d-pinned': 'limit, pinned host-to-device copy of the same bytes',
@@ -220,8 +221,9 @@ def _file_buffers(method, files) -> dict:
     out = {}
     for f in files:
         n = os.path.getsize(f)
-        if method == 'limit-thp':
-            m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); m.madvise(mmap.MADV_HUGEPAGE)
+        if method in ('limit-thp', 'limit-populate'):  # page-aligned fresh memory
+            m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if method == 'limit-thp': m.madvise(mmap.MADV_HUGEPAGE)
             out[f] = torch.frombuffer(m, dtype=torch.uint8)
         else: out[f] = torch.empty(n, dtype=torch.uint8, pin_memory=method == 'h2d-pinned')
         if method in ('limit-prefaulted', 'h2d-pinned'): out[f].fill_(1)  # every page mapped before the clock
@@ -235,6 +237,23 @@ def _read_file(f, buf):
             n = fh.readinto(view[got:])
             if not n: raise EOFError(f)
             got += n
+
+def _populate_threads(bufs: dict):
+    "Fault in every page of the buffers with madvise(MADV_POPULATE_WRITE), in page-aligned pieces spread over `default_threads()` threads (ctypes releases the GIL)."
+    import ctypes
+    from concurrent.futures import ThreadPoolExecutor
+    from mstar_utils.sources import default_threads
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    T, page = default_threads(), mmap.PAGESIZE
+    pieces = []
+    for b in bufs.values():
+        a, n = b.data_ptr(), b.numel()
+        step = -(-n // T // page) * page
+        pieces += [(a + i, min(step, n - i)) for i in range(0, n, step)]
+    def pop(p):
+        if libc.madvise(p[0], p[1], 23): raise OSError(ctypes.get_errno(), 'madvise(MADV_POPULATE_WRITE) failed')
+    with ThreadPoolExecutor(T) as ex: list(ex.map(pop, pieces))
 
 def _read_odirect(files):
     "Sequential 8 MiB O_DIRECT reads of each file into one reused page-aligned buffer: the disk's bandwidth without the page cache."
@@ -290,6 +309,7 @@ def _load(method, ckpt, tensors, model, sub, bufs):
     elif method == 'ours-subset': load_weights_from_hf_shards(ckpt, [ModuleAndPrefix(sub, 'model.layers.')], progress=False)
     elif method == 'many-ours': load_weights_from_file(files[0], [ModuleAndPrefix(model)], progress=False)
     elif method == 'limit-odirect': _read_odirect(files)
+    elif method == 'limit-populate': _populate_threads(bufs)
     elif method == 'h2d-pinned':
         outs = {f: torch.empty(b.numel(), dtype=torch.uint8, device='cuda') for f, b in bufs.items()}
         torch.cuda.synchronize()
@@ -347,7 +367,7 @@ def worker(spec: dict) -> dict:
         keys = {t['key'] for t in tensors}
         res['fingerprint'] = {pre + k: _fingerprint(v.cpu()) for k, v in sd.items() if pre + k in keys}
     else: res['fingerprint'] = None
-    if method == 'h2d-pinned': res['fingerprint'] = None
+    if method in ('h2d-pinned', 'limit-populate'): res['fingerprint'] = None  # nothing read: no bytes to check
     return res
 
 def _child(spec, conn):
@@ -410,6 +430,8 @@ def verify(runs: list[dict]) -> list[str]:
 
 def _get(summary, ck, cache, m): return next((s for s in summary if (s['ckpt'], s['cache'], s['method']) == (ck, cache, m)), None)
 
+THREADS = [1]  # the reader threads of the run (set by main from the environment it records)
+
 def targets(summary: list[dict], ckpts: dict) -> list[dict]:
     "The targets (op and limit set) and the ratios that explain them (limit None), per checkpoint and cache state."
     out = []
@@ -425,6 +447,13 @@ def targets(summary: list[dict], ckpts: dict) -> list[dict]:
         ratio(ck, 'warm', 'ours-1thread', 'limit-fresh', '   warm: ours with one thread GB/s / readinto into fresh memory')
         ratio(ck, 'warm', 'limit-fresh', 'limit-prefaulted', '   warm: fresh memory / pre-faulted memory (the page-fault cost)')
         ratio(ck, 'warm', 'limit-thp', 'limit-fresh', '   warm: huge-page-advised memory / fresh memory')
+        pop, pre = _get(summary, ck, 'warm', 'limit-populate'), _get(summary, ck, 'warm', 'limit-prefaulted')
+        if pop and pre:  # faults (measured on all threads) plus the copy (measured on one, assumed to scale with the threads)
+            T = max(1, THREADS[0])
+            bound = 1 / (1 / pop['gbps'] + 1 / (T * pre['gbps']))
+            add(ck, 'warm', f'   warm: owned-memory bound on {T} threads (populate, then copy) / pre-faulted readinto', bound / pre['gbps'])
+            o = _get(summary, ck, 'warm', 'ours')
+            if o: add(ck, 'warm', '   warm: ours GB/s / that owned-memory bound', o['gbps'] / bound)
         ratio(ck, 'warm', 'ours', 'hf', '   warm: ours GB/s / from_pretrained GB/s (ready time)')
         ratio(ck, 'warm', 'ours-mmap', 'hf', '   warm: ours mmap=True GB/s / from_pretrained GB/s')
         ratio(ck, 'cold', 'ours', 'limit-odirect', '2. cold: ours GB/s / O_DIRECT sequential read', '>=', 0.9)
@@ -536,6 +565,7 @@ def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one wa
     if not has_gpu: wanted = [m for m in wanted if m not in GPU_METHODS]
     if not spawn: _preimport()
     env = _env(has_gpu, repeats, cold_repeats, spawn)
+    THREADS[0] = env['threads']
     runs, t_start = [], time.time()
     def plan(name, cold, rep):
         "The methods of one round, in an order shuffled per round: on a VM that hands freed memory back to the host, a run's speed depends on what ran before it."

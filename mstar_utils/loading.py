@@ -90,9 +90,10 @@ def _keys_for(source, slot, prefixes) -> list:
 
 def _check_shapes(source, keys, slot, entries, what):
     i, name = slot.refs[0]
+    mod = slot.tensor.shape  # a torch.Size, which compares equal to the tuple of its sizes
     for key in keys:
-        ck, mod = tuple(source.shape(key)), tuple(slot.tensor.shape)
-        if ck != mod:
+        ck = tuple(source.shape(key))
+        if mod != ck:
             raise ValueError(f'{what}: shape mismatch for {key!r} in {source.where(key)}: checkpoint has {list(ck)}, '
                              f'module {type(entries[i].module).__name__} expects {list(mod)} for {name!r}')
 
@@ -176,8 +177,11 @@ def qualifying_keys(key: str) -> list[str]:
     return out
 
 # %% ../nbs/02_loading.ipynb #3223d61d
+_QUALIFIER_ENDS = ('_scale_inv', '_scale', '_zero_point', '_scales')  # how every key of `qualifying_keys` ends
+
 def _check_qualifiers(source, consumed: set, what: str):
     "`ValueError` naming both keys when a consumed key's scale or zero point is left unused."
+    if not any(k.endswith(_QUALIFIER_ENDS) for k in source.keys()): return  # no qualifier at all: one pass over the keys, not three lookups a key
     for key in consumed:
         for q in qualifying_keys(key):
             if q in source and q not in consumed:
@@ -286,8 +290,8 @@ def _fill(source, entries, device, what, progress=None) -> LoadResult:
     with gc_paused():
         plan, consumed = _plan(source, entries, what)
         _check_qualifiers(source, consumed, what)
-        fresh = [(s, k) for s, k in plan if s.tensor.is_meta or s.tensor.device != device]
-        in_place = [(s, k) for s, k in plan if not (s.tensor.is_meta or s.tensor.device != device)]
+        fresh, in_place = [], []  # new storage (on meta or another device), or overwritten where it is
+        for sk in plan: (fresh if sk[0].tensor.is_meta or sk[0].tensor.device != device else in_place).append(sk)
         with torch.no_grad(), _Progress(source, plan, progress, f'loading {Path(what).name}') as bar:
             staged = _read_fresh(source, fresh, device, bar)
             _write_all(source, in_place, device, bar, what)
@@ -299,6 +303,7 @@ def _fill(source, entries, device, what, progress=None) -> LoadResult:
         for s, _ in plan:
             for i, n in s.refs: out[i].add(n)
         out.unexpected_keys = sorted(k for k in source.keys() if k not in consumed)
+        del plan, consumed, fresh, in_place, staged  # freed while the collector is off, so that turning it back on does not walk them
     return out
 
 # %% ../nbs/02_loading.ipynb #ee1474af

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_safetensors.ipynb #a827b658
 from __future__ import annotations
-import ctypes, gc, json, mmap as _mmap, os, threading
+import ctypes, errno, gc, json, mmap as _mmap, os, sys, threading
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -267,23 +267,14 @@ _IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
 _NOWAIT = getattr(os, 'RWF_NOWAIT', 0)  # Linux >= 4.14: fail with EAGAIN instead of waiting for the disk
 
 class _Disk:
-    "What the reader threads of one batch share: whether a read has had to wait for the disk, and which chunks are done (`turn`, `done`)."
-    def __init__(self): self.cond, self.cold, self.upto, self.finished = threading.Condition(), False, 0, set()
-    def turn(self, j: int):
-        "Wait until every chunk before chunk `j` is done."
-        with self.cond: self.cond.wait_for(lambda: self.upto >= j)
-    def done(self, j: int):
-        with self.cond:
-            self.finished.add(j)
-            while self.upto in self.finished: self.finished.discard(self.upto); self.upto += 1
-            self.cond.notify_all()
+    "What the reader threads of one batch share: `cold`, whether a read has found its bytes missing from the page cache."
+    def __init__(self): self.cold = False
 
 # %% ../nbs/01_safetensors.ipynb #5f3b9e07
 def _preadv(fd: int, # an open file descriptor
             views: list, # writable byte buffers (memoryviews), filled in order from consecutive file bytes
             pos: int, # file offset of the first byte
             disk: _Disk | None = None, # shared by the reader threads of a batch; None: plain reads
-            j: int = 0, # the chunk this read belongs to, in the batch's order
            ) -> int:
     "Bytes read into `views` from offset `pos` of `fd`; fewer than their total only when the file ends first."
     got, i = 0, 0
@@ -291,7 +282,7 @@ def _preadv(fd: int, # an open file descriptor
         batch = views[i:i + _IOV_MAX]
         n = _cached(fd, batch, pos + got) if disk is not None and not disk.cold else 0
         if not n:
-            if disk is not None: disk.cold = True; disk.turn(j)
+            if disk is not None: disk.cold = True
             n = os.preadv(fd, batch, pos + got)
         if not n: break
         got += n
@@ -350,10 +341,10 @@ def _chunks(spans: list, # (file, byte offset in the file, byte count) per item
     for i in sorted(range(len(spans)), key=lambda i: (str(spans[i][0]), spans[i][1])):
         path, pos, n = spans[i]
         at = 0
-        if cur and cur[-1][0] != path: chunks.append(cur); cur, fill = [], 0  # a chunk holds one file: chunks complete file by file
+        if cur and cur[-1][0] is not path and cur[-1][0] != path: chunks.append(cur); cur, fill = [], 0  # a chunk holds one file: chunks complete file by file
         while at < n:
             seg = cur[-1] if cur else None
-            if seg is None or seg[0] != path or seg[1] + seg[3] != pos + at:
+            if seg is None or seg[1] + seg[3] != pos + at or (seg[0] is not path and seg[0] != path):
                 start = fill + (pos + at - fill) % _ALIGN
                 if start + min(n - at, _ALIGN) > cap: chunks.append(cur); cur, fill = [], 0; continue
                 seg = [path, pos + at, start, 0, []]; cur.append(seg); fill = start
@@ -364,26 +355,46 @@ def _chunks(spans: list, # (file, byte offset in the file, byte count) per item
     if cur: chunks.append(cur)
     return chunks
 
+# %% ../nbs/01_safetensors.ipynb #3b8e1f70
+_PAGE = _mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>, Linux >= 5.14
+_POPULATE_MIN = 256 << 10  # smaller parts: the copy's own page faults cost about what the call would
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith('linux') else None
+if _libc is not None: _libc.madvise.argtypes, _libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+_populating = _libc is not None
+
+def _populate(addr: int, # first byte of a writable range of this process's memory
+              n: int, # its length in bytes
+             ) -> bool:
+    "Fault in, writable, the whole pages inside `[addr, addr + n)` in one system call; False when none were (no whole page inside, or a kernel without `MADV_POPULATE_WRITE`, after which it stops trying)."
+    global _populating
+    lo, hi = -(-addr // _PAGE) * _PAGE, (addr + n) // _PAGE * _PAGE
+    if not _populating or hi <= lo: return False
+    if _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0: return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS): _populating = False
+    return False
+
 # %% ../nbs/01_safetensors.ipynb #e7a3d9c5
 @patch
-def _read_chunk(self: FileSource, chunk: list, views, keys: list, sizes: list, disk: _Disk, j: int):
-    "Read each segment of chunk `j` into the buffers `views(path, start, n, parts)` gives for it; tell `disk` when done, even on an error."
-    try:
-        for path, pos, start, n, parts in chunk:
-            bufs = views(path, start, n, parts)
-            got = _preadv(self._file(path).fileno(), bufs, pos, disk, j)
-            if got < n: raise _cut(path, parts, keys, sizes, got)
-    finally: disk.done(j)
+def _read_chunk(self: FileSource, chunk: list, views, keys: list, sizes: list, disk: _Disk):
+    "Read each segment of `chunk` into the buffers `views(path, start, n, parts)` gives for it; `ValueError` naming the tensor a file cuts short."
+    for path, pos, start, n, parts in chunk:
+        bufs = views(path, start, n, parts)
+        got = _preadv(self._file(path).fileno(), bufs, pos, disk)
+        if got < n: raise _cut(path, parts, keys, sizes, got)
 
 # %% ../nbs/01_safetensors.ipynb #1f7b6d42
 @patch
 def _read_direct(self: FileSource, keys: list, dests: list, spans: list, progress=None):
-    "Read each key straight into its destination (contiguous CPU tensors of the key's dtype), chunks spread over the reader threads."
+    "Read each key straight into its destination (contiguous CPU tensors of the key's dtype), chunks spread over the reader threads, which populate each large part's pages before reading into it."
     bufs, disk = [_buffer(d) if d.numel() else None for d in dests], _Disk()
-    sizes = [s[2] for s in spans]
-    def views(path, start, n, parts): return [bufs[i] if n_ == sizes[i] else bufs[i][at:at + n_] for i, at, n_ in parts]
+    sizes, addrs = [s[2] for s in spans], [d.data_ptr() for d in dests]
+    def views(path, start, n, parts):
+        for i, at, n_ in parts:
+            if n_ >= _POPULATE_MIN: _populate(addrs[i] + at, n_)
+        return [bufs[i] if n_ == sizes[i] else bufs[i][at:at + n_] for i, at, n_ in parts]
     chunks = _chunks(spans, 8 << 20)
-    def job(j): self._read_chunk(chunks[j], views, keys, sizes, disk, j)
+    def job(j): self._read_chunk(chunks[j], views, keys, sizes, disk)
     _run_in_order(range(len(chunks)), job, self.threads, lambda j: _report(progress, chunks[j], sizes))
 
 # %% ../nbs/01_safetensors.ipynb #2b3c8e90
@@ -463,7 +474,7 @@ def _read_staged(self: FileSource, keys: list, dests: list, spans: list, dts: li
     mvs, tokens, flats, R = [_buffer(b) for b in ring], [None] * len(ring), [d.view(-1) for d in dests], len(ring)
     def job(j, tok):
         copier.wait(tok)
-        self._read_chunk(chunks[j], lambda path, start, n, parts: [mvs[j % R][start:start + n]], keys, sizes, disk, j)
+        self._read_chunk(chunks[j], lambda path, start, n, parts: [mvs[j % R][start:start + n]], keys, sizes, disk)
     with ThreadPoolExecutor(min(self.threads, R), thread_name_prefix='read') as ex:
         futs = {j: ex.submit(job, j, None) for j in range(R)}
         try:
@@ -477,6 +488,17 @@ def _read_staged(self: FileSource, keys: list, dests: list, spans: list, dts: li
             for f in futs.values(): f.cancel()
             raise
         finally: copier.finish()
+
+# %% ../nbs/01_safetensors.ipynb #2e9b7d41
+@contextmanager
+def _sequential(fds: list, # open file descriptors
+               ):
+    "Advise `POSIX_FADV_SEQUENTIAL` on every file of `fds` for the block, `POSIX_FADV_NORMAL` after it; nothing where `os.posix_fadvise` is missing (macOS, Windows)."
+    advise = getattr(os, 'posix_fadvise', None)
+    for fd in fds if advise else []: advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    try: yield
+    finally:
+        for fd in fds if advise else []: advise(fd, 0, 0, os.POSIX_FADV_NORMAL)
 
 # %% ../nbs/01_safetensors.ipynb #7b4f0c19
 @patch
@@ -497,9 +519,11 @@ def read_many(self: FileSource,
         g = groups.get(gk) or groups.setdefault(gk, ([], [], [], []))
         g[0].append(k); g[1].append(d); g[2].append((path, start + begin, end - begin)); g[3].append(dt)
     if empty and progress: progress(0, empty)
-    for dev, (keys, dests, spans, dts) in groups.items():
-        if dev == 'direct': self._read_direct(keys, dests, spans, progress)
-        else: self._read_staged(keys, dests, spans, dts, copier_for(dev), progress, chunk_bytes)
+    paths = {sp[0] for g in groups.values() for sp in g[2]}
+    with _sequential([self._file(p).fileno() for p in sorted(paths, key=str)]):
+        for dev, (keys, dests, spans, dts) in groups.items():
+            if dev == 'direct': self._read_direct(keys, dests, spans, progress)
+            else: self._read_staged(keys, dests, spans, dts, copier_for(dev), progress, chunk_bytes)
 
 # %% ../nbs/01_safetensors.ipynb #21a7b7de
 def checkpoint_source(repo_dir: str | Path, # a checkpoint folder

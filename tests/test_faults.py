@@ -305,9 +305,9 @@ def test_state_dict_into_materialized_module_is_copied(dtype):
 def _truncate_on_first_read(monkeypatch, path: Path):
     "The file `path` loses its second half, in place, just before the load first reads from it: a download overwriting it mid-load."
     real, done = sources._preadv, []
-    def preadv(fd, views, pos, disk=None, j=0):
+    def preadv(fd, views, pos, disk=None):
         if not done and os.path.samefile(f'/proc/self/fd/{fd}', path): done.append(fd); os.truncate(path, path.stat().st_size // 2)
-        return real(fd, views, pos, disk, j)
+        return real(fd, views, pos, disk)
     monkeypatch.setattr(sources, '_preadv', preadv)
     return done
 

@@ -57,14 +57,14 @@ def test_twenty_loads():
 def test_failed_loads_release_what_they_read(monkeypatch):
     "A load that fails on its last tensor, after reading all the others, leaves no memory and no open file behind."
     real, calls = sources._preadv, [0]
-    def count(fd, views, pos, disk=None, j=0): calls[0] += 1; return real(fd, views, pos, disk, j)
+    def count(fd, views, pos, disk=None): calls[0] += 1; return real(fd, views, pos, disk)
     monkeypatch.setattr(sources, '_preadv', count)
     load_once()
     n = calls[0]  # the reads of one load: its last one fails from now on
-    def preadv(fd, views, pos, disk=None, j=0):
+    def preadv(fd, views, pos, disk=None):
         calls[0] += 1
         if calls[0] % n == 0: raise ValueError(f'simulated read error at byte {pos}')
-        return real(fd, views, pos, disk, j)
+        return real(fd, views, pos, disk)
     calls[0] = 0
     monkeypatch.setattr(sources, '_preadv', preadv)
     def fail_once():
