@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_safetensors.ipynb #a827b658
 from __future__ import annotations
-import ctypes, errno, gc, json, mmap as _mmap, os, sys, threading
+import ctypes, gc, json, mmap as _mmap, os, sys
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -361,18 +361,23 @@ _MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>, Linux >= 5.14
 _POPULATE_MIN = 256 << 10  # smaller parts: the copy's own page faults cost about what the call would
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith('linux') else None
 if _libc is not None: _libc.madvise.argtypes, _libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-_populating = _libc is not None
+
+def _kernel_populates() -> bool:
+    "Whether this kernel knows `MADV_POPULATE_WRITE`: tried once, on one page of fresh anonymous memory."
+    if _libc is None: return False
+    m = _mmap.mmap(-1, _PAGE)
+    view = ctypes.c_char.from_buffer(m); addr = ctypes.addressof(view); del view
+    return _libc.madvise(addr, _PAGE, _MADV_POPULATE_WRITE) == 0
+
+_populating = _kernel_populates()
 
 def _populate(addr: int, # first byte of a writable range of this process's memory
               n: int, # its length in bytes
              ) -> bool:
-    "Fault in, writable, the whole pages inside `[addr, addr + n)` in one system call; False when none were (no whole page inside, or a kernel without `MADV_POPULATE_WRITE`, after which it stops trying)."
-    global _populating
+    "Fault in, writable, the whole pages inside `[addr, addr + n)` in one system call; False when none were: no whole page inside, a kernel without `MADV_POPULATE_WRITE`, or memory it cannot populate (device or read-only mappings, which the read then reports)."
     lo, hi = -(-addr // _PAGE) * _PAGE, (addr + n) // _PAGE * _PAGE
     if not _populating or hi <= lo: return False
-    if _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0: return True
-    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS): _populating = False
-    return False
+    return _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0
 
 # %% ../nbs/01_safetensors.ipynb #e7a3d9c5
 @patch

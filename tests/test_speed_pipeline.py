@@ -148,6 +148,10 @@ def test_populate_faults_in_fresh_pages_without_writing():
     assert sources._populate(addr + 3 * page - 1, 10 * page)  # pages 3..11 lie wholly inside
     assert resident() == [0] * 3 + [1] * 9 + [0] * 20
     assert bytes(m) == bytes(32 * page)
+    ro = mmap.mmap(-1, 4 * page, prot=mmap.PROT_READ)  # memory it cannot populate for writing: refused, and populating goes on elsewhere
+    import numpy as np
+    assert sources._populate(np.frombuffer(ro, dtype=np.uint8).ctypes.data, 4 * page) is False and sources._populating
+    assert sources._populate(addr + 20 * page, 4 * page) and resident()[20:24] == [1] * 4
 
 
 def test_batches_advise_sequential_reads_and_restore_normal(tmp_path, monkeypatch):
