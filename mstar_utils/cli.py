@@ -183,9 +183,15 @@ def _usage() -> str:
             'mstar-utils COMMAND --help lists its options. Exit status: 0 done, 1 the KV check refused the cap, 2 bad input.')
 
 # %% ../nbs/14_cli.ipynb #bb475b0c
+def _parser(fn, name: str):
+    "fastcore's parser for command `fn`, its options shown with dashes (`--kv-pages`) as the messages spell them; `_dashes_to_underscores` maps what is typed back to the names it parses."
+    p = anno_parser(fn, prog=f'mstar-utils {name}')
+    for a in p._actions: a.option_strings = [o.replace('_', '-') if o.startswith('--') else o for o in a.option_strings]
+    return p
+
 def _run(fn, name: str, argv: list) -> int:
     "Parse `argv` for command `fn` and run it; refusals and unexpected errors become one stderr line and exit 2."
-    args = vars(anno_parser(fn, prog=f'mstar-utils {name}').parse_args(_dashes_to_underscores(argv)))
+    args = vars(_parser(fn, name).parse_args(_dashes_to_underscores(argv)))
     args.pop('pdb', None); args.pop('xtra', None)
     try: return fn(**args)
     except (NotACheckpoint, _Usage, FileNotFoundError) as e: msg = str(e)

@@ -99,7 +99,9 @@ def test_help_version_and_module():
     r = subprocess.run([sys.executable, '-m', 'mstar_utils', 'inspect', '--json'], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0 and json.loads(r.stdout)['model_type'] == 'llama'
     r = run('inspect', '--help')
-    assert r.returncode == 0 and '--max_new_tokens' in r.stdout
+    assert r.returncode == 0 and '--max-new-tokens' in r.stdout and '--kv-pages' in r.stdout and '_' not in ''.join(w for w in r.stdout.split() if w.startswith('[--'))
+    r = run('inspect', '--max_new_tokens', 'many')  # the underscore spelling still parses; argparse's own errors name the dashed option
+    assert r.returncode == 2 and "argument --max-new-tokens: invalid int value: 'many'" in r.stderr, r.stderr
 
 
 def test_plot_says_where_it_wrote(tmp_path):
