@@ -12,14 +12,14 @@ import torch
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS
-from .sources import checkpoint_source
+from .sources import checkpoint_source, RenamedSource
 from .loading import load_from_source
-from .convert import converted_source
+from .convert import converted_source, OPERATIONS, Operation, WeightConverter
 from .quantized import quantized_source
 
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
-           'attach_generation_config', 'load_model']
+           'transformers_conversions', 'checkpoint_renames', 'attach_generation_config', 'load_model']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -76,6 +76,41 @@ def auto_conversions(config, ckpt: Path) -> list:
     types = {config.model_type, getattr(config.get_text_config(), 'model_type', None)}
     return [c for t in types if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
 
+# %% ../nbs/03_load_model.ipynb #6b2d0f02
+def transformers_conversions(config) -> list:
+    "Our `WeightConverter` recipes for the fusing rules transformers keeps for `config`'s model types (text config included) that `CONVERSIONS_BY_MODEL_TYPE` lacks: those built of MergeModulelist and Concatenate into one target; their patterns match keys after `checkpoint_renames`."
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightConverter as HFConverter
+    except ImportError: return []
+    out = []
+    for t in dict.fromkeys([config.model_type, getattr(config.get_text_config(), 'model_type', None)]):
+        if t is None or t in CONVERSIONS_BY_MODEL_TYPE: continue
+        for c in get_checkpoint_conversion_mapping(t) or []:
+            names = [type(o).__name__ for o in getattr(c, 'operations', [])]
+            if not isinstance(c, HFConverter) or len(c.target_patterns) != 1 or not names or any(n not in OPERATIONS for n in names): continue
+            try: out.append(WeightConverter(list(c.source_patterns), c.target_patterns[0], [Operation(n, o.dim) for n, o in zip(names, c.operations)]))
+            except ValueError: continue  # a rule our converter cannot express
+    return out
+
+# %% ../nbs/03_load_model.ipynb #6a1c0e02
+def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-built one will do)
+                       keys, # checkpoint keys
+                      ) -> dict:
+    "{checkpoint key: the key transformers loads it under} for the `keys` its rename rules for `model` change (per model type and class, and its legacy rules); {} for a model that is not a transformers `PreTrainedModel`."
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError: return {}  # a transformers without a conversion mapping renames nothing
+    if not isinstance(model, PreTrainedModel): return {}
+    rules = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out = {}
+    for k in keys:
+        new, _ = rename_source_key(k, rules, [])
+        if new != k: out[k] = new
+    return out
+
 # %% ../nbs/03_load_model.ipynb #4b049085
 _log = logging.getLogger('mstar_utils.model')
 
@@ -104,9 +139,10 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
                *,
                device: str = 'cpu', # where the weights land ('cpu', 'cuda:1', ...)
                dtype: torch.dtype | None = None, # parameters' dtype; None: config.json's, as `from_pretrained`
-               conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': by model_type; None: none
+               conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (`transformers_conversions`); None: none
                strict: bool = False, # raise `ValueError` instead of warning when checkpoint keys go unused
                quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize' into `dtype`, or 'keep' codes and scales
+               renames: bool = True, # load keys under the names transformers renames them to (`checkpoint_renames`), as `from_pretrained` does
               ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, built on meta, loaded, checked, finalized and in eval mode, with its generation config."
     from transformers import AutoConfig
@@ -117,6 +153,9 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
     recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
     src, recipes = quantized_source(checkpoint_source(ckpt), config, model, recipes, keep=quantized == 'keep')
     if recipes: src = converted_source(src, recipes)
+    if renames: src = RenamedSource(src, checkpoint_renames(model, src.keys()))
+    later = transformers_conversions(config) if conv == 'auto' else []  # written for the renamed keys
+    if later: src = converted_source(src, later)
     try: res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(ckpt))
     finally: src.close()
     check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__})')

@@ -16,7 +16,7 @@ from safetensors import safe_open
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
            'read_weight_map', 'DictSource', 'default_threads', 'FileSource', 'HostCopier', 'CudaCopier', 'copier_for',
-           'checkpoint_source', 'file_source']
+           'checkpoint_source', 'file_source', 'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
@@ -598,3 +598,27 @@ def get_slice(self: FileSource, k, # a key of the source
         _pread_into(fd, buf[pos:pos + n], start + begin + off, f'{path}: tensor {k!r}')
         pos += n
     return t
+
+# %% ../nbs/01_safetensors.ipynb #5e1d0a02
+class RenamedSource:
+    "The loader source `src` with the keys of `renames` (checkpoint key -> new key) under their new names; reads go to the checkpoint keys."
+    def __init__(self, src, renames: dict, what: str | None = None):
+        self.src, self.what = src, what or getattr(src, 'what', 'checkpoint')
+        self.old = {new: old for old, new in renames.items()}
+        clash = [n for n in self.old if n in src and n not in renames]
+        if clash: raise ValueError(f'{self.what}: {self.old[clash[0]]!r} is renamed to {clash[0]!r}, which the checkpoint also holds; it would be loaded twice')
+        if len(self.old) < len(renames): raise ValueError(f'{self.what}: two checkpoint keys are renamed to the same key')
+        self._keys = [renames.get(k, k) for k in src.keys()]
+        self._set, self.mmap = set(self._keys), getattr(src, 'mmap', False)
+        if hasattr(src, 'read_many'): self.read_many = self._read_many  # batched only where `src` is
+    def _k(self, k): return self.old.get(k, k)
+    def keys(self): return self._keys
+    def __contains__(self, k): return k in self._set
+    def __len__(self): return len(self._keys)
+    def shape(self, k): return self.src.shape(self._k(k))
+    def dtype(self, k): return self.src.dtype(self._k(k))
+    def borrowed(self, k): return self.src.borrowed(self._k(k))
+    def where(self, k): return self.src.where(self._k(k)) + (f' (as {self._k(k)!r})' if k in self.old else '')
+    def get(self, k, out=None): return self.src.get(self._k(k), out=out)
+    def _read_many(self, pairs, progress=None, **kw): return self.src.read_many([(self._k(k), d) for k, d in pairs], progress, **kw)
+    def close(self): self.src.close()

@@ -38,6 +38,7 @@ def tiny_configs() -> dict:
     moe = dict(num_experts_per_tok=2, num_key_value_heads=2)
     return {
         'qwen2': tf.Qwen2Config(**_TINY, intermediate_size=48, num_key_value_heads=2),
+        'gpt_neox': tf.GPTNeoXConfig(**_TINY, intermediate_size=48),  # its checkpoints name the head embed_out, which transformers renames
         'gemma2': tf.Gemma2Config(**_TINY, intermediate_size=48, num_key_value_heads=2, head_dim=8),
         't5': tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4),
         'whisper': tf.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -48,6 +49,8 @@ def tiny_configs() -> dict:
         'qwen2_moe': tf.Qwen2MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                                        num_experts=_EXPERTS, **moe),
         'qwen3_moe': tf.Qwen3MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8, num_experts=_EXPERTS, **moe),
+        'olmoe': tf.OlmoeConfig(**_TINY, intermediate_size=16, num_experts=_EXPERTS, **moe),  # fused by transformers' own rules
+        'phimoe': tf.PhimoeConfig(**_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe),  # renamed, then fused
         'deepseek_v2': tf.DeepseekV2Config(**_TINY, intermediate_size=48, moe_intermediate_size=16,
                                            num_key_value_heads=4, n_routed_experts=_EXPERTS, n_shared_experts=1, num_experts_per_tok=2,
                                            first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=12, kv_lora_rank=16,
@@ -75,9 +78,12 @@ def save_tiny(name: str, # a key of `tiny_configs()`
              ) -> Path:
     "Write `tiny_model(name)` with transformers' `save_pretrained` into `folder`; returns it."
     from transformers.utils import logging as hf_logging
-    level = hf_logging.get_verbosity(); hf_logging.set_verbosity_error()
+    level, bars = hf_logging.get_verbosity(), not hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()  # no shard-writing bar in the outputs of the pages that call it
     try: tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
-    finally: hf_logging.set_verbosity(level)
+    finally:
+        hf_logging.set_verbosity(level)
+        if not bars: hf_logging.enable_progress_bar()
     return Path(folder)
 
 # %% ../nbs/98_testing.ipynb #3e8902e5

@@ -38,7 +38,7 @@ def assert_same(ours, ref, kwargs):
     with torch.no_grad(): assert torch.equal(ours(**kwargs).logits, ref(**kwargs).logits)
 
 
-@pytest.mark.parametrize('name', ['qwen2', 'gemma2', 't5', 'whisper', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'deepseek_v2'])
+@pytest.mark.parametrize('name', ['qwen2', 'gemma2', 'gpt_neox', 't5', 'whisper', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe', 'phimoe', 'deepseek_v2'])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_tiny_families_equal_from_pretrained(tmp_path, name, dtype):
     folder = save_tiny(name, tmp_path/name, dtype=dtype)
@@ -64,6 +64,41 @@ def test_minilm_equals_from_pretrained_and_is_in_eval_mode():
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
     with torch.no_grad(): assert torch.equal(ours(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
     assert not ours.training
+
+
+def test_renamed_keys_load_as_from_pretrained_loads_them(tmp_path):
+    "Checkpoint names that transformers renames: GPT-NeoX's embed_out (as save_pretrained writes it), and all-MiniLM-L6-v2 rewritten with BERT's old LayerNorm.gamma/beta names."
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from mstar_utils.sources import read_weight_map
+    neox = save_tiny('gpt_neox', tmp_path/'neox')
+    assert 'embed_out.weight' in read_weight_map(neox) and 'lm_head.weight' not in read_weight_map(neox)
+    ours, ref = load_model(neox), AutoModelForCausalLM.from_pretrained(neox)
+    assert_same(ours, ref, inputs('gpt_neox', ref))
+    with pytest.raises(KeyError, match='lm_head.weight'): load_model(neox, renames=False)  # the old names, as they are
+    old = tmp_path/'minilm-gamma'
+    shutil.copytree(minilm_checkpoint(), old)
+    sd = load_file(old/'model.safetensors')
+    legacy = {k.replace('LayerNorm.weight', 'LayerNorm.gamma').replace('LayerNorm.bias', 'LayerNorm.beta'): v for k, v in sd.items()}
+    assert sum('gamma' in k for k in legacy) == 13
+    save_file(legacy, str(old/'model.safetensors'), metadata={'format': 'pt'})
+    ours, ref = load_model(old, strict=True), AutoModel.from_pretrained(minilm_checkpoint())
+    a, b = ours.state_dict(), ref.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_fusing_rules_come_from_transformers_for_types_we_have_no_recipe_for(tmp_path):
+    "OLMoE and PhiMoE are not in CONVERSIONS_BY_MODEL_TYPE: their experts, one key each in the checkpoint, are fused by rules taken from transformers (PhiMoE's after its renames)."
+    from mstar_utils.model import CONVERSIONS_BY_MODEL_TYPE
+    from mstar_utils.sources import read_weight_map
+    for name in ('olmoe', 'phimoe'):
+        assert name not in CONVERSIONS_BY_MODEL_TYPE
+        folder = save_tiny(name, tmp_path/name)
+        keys = read_weight_map(folder)
+        assert any('.experts.0.' in k for k in keys) and not any(k.endswith('gate_up_proj') for k in keys)
+        with pytest.raises(KeyError, match='gate_up_proj'): load_model(folder, conv=None)
+        ours, ref = load_model(folder, strict=True), AutoModelForCausalLM.from_pretrained(folder)
+        assert_same(ours, ref, inputs(name, ref))
 
 
 def test_dtype_and_model_class_overrides(tmp_path):
