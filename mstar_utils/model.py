@@ -19,7 +19,7 @@ from .quantized import quantized_source
 
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
-           'transformers_conversions', 'checkpoint_renames', 'attach_generation_config', 'load_model']
+           'transformers_conversions', 'checkpoint_renames', 'attach_generation_config', 'model_source', 'load_model']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -133,6 +133,25 @@ def attach_generation_config(model, ckpt: Path):
     if (ckpt/'generation_config.json').is_file(): model.generation_config = GenerationConfig.from_pretrained(ckpt)
     else: model.generation_config = GenerationConfig.from_pretrained(ckpt, config_file_name='config.json', _from_model_config=True)
 
+# %% ../nbs/03_load_model.ipynb #6d9905b2
+def model_source(ckpt: Path, # a checkpoint folder
+                 config, # its transformers config
+                 model: torch.nn.Module, # the model it fills (meta-built, cut for tensor parallelism, ...)
+                 conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (`transformers_conversions`); None: none
+                 renames: bool = True, # keys under the names transformers renames them to (`checkpoint_renames`)
+                 quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize', or 'keep' codes and scales
+                ):
+    "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it; the caller closes it. Raises as the steps it chains."
+    recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
+    src, recipes = quantized_source(checkpoint_source(ckpt), config, model, recipes, keep=quantized == 'keep')
+    try:
+        if recipes: src = converted_source(src, recipes)
+        if renames: src = RenamedSource(src, checkpoint_renames(model, src.keys()))
+        later = transformers_conversions(config) if conv == 'auto' else []  # written for the renamed keys
+        if later: src = converted_source(src, later)
+    except BaseException: src.close(); raise
+    return src
+
 # %% ../nbs/03_load_model.ipynb #512231b4
 def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.json and safetensors (index + shards, or one file)
                model_class: type | None = None, # None: transformers' class for config.json `architectures`
@@ -150,12 +169,7 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
     model = build_on_meta(config, model_class, dtype)
-    recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
-    src, recipes = quantized_source(checkpoint_source(ckpt), config, model, recipes, keep=quantized == 'keep')
-    if recipes: src = converted_source(src, recipes)
-    if renames: src = RenamedSource(src, checkpoint_renames(model, src.keys()))
-    later = transformers_conversions(config) if conv == 'auto' else []  # written for the renamed keys
-    if later: src = converted_source(src, later)
+    src = model_source(ckpt, config, model, conv, renames, quantized)
     try: res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(ckpt))
     finally: src.close()
     check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__})')

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .sources import checkpoint_source, checkpoint_dir as _checkpoint_dir
+from .sources import checkpoint_source, checkpoint_dir as _checkpoint_dir, RenamedSource
 from .convert import ConvertedSource, MergeModulelist, Concatenate, converted_source
 from .loading import (ModuleAndPrefix, LoadResult, load_from_source, check_loaded, process_weights_after_loading,
                                  module_entries, named_tensors, norm_prefix)
@@ -214,6 +214,7 @@ def read_slice(src, # a loader source: FileSource, ConvertedSource, DictSource, 
               ) -> torch.Tensor:
     "Slice `sl` of `src`'s tensor `key`, reading only its bytes where `src` can (`get_slice`, a ConvertedSource's stacking and joining)."
     count = count or (lambda n: None)
+    if isinstance(src, RenamedSource): return read_slice(src.src, src.old.get(key, key), sl, out, count)
     if isinstance(src, ConvertedSource):
         tree = src._trees.get(key)
         if tree is None: return read_slice(src.src, key, sl, out, count)
@@ -410,10 +411,14 @@ def load_weights_sharded(repo_dir: str | Path, # a checkpoint folder: index + sh
                          device: str = 'cpu', # where new tensors land
                          conv: list | None = None, # WeightConverter recipes for fused layouts (sliced through)
                          progress: bool | None = None, # a tqdm bar; None: only when stderr is a terminal
+                         source=None, # a source over the checkpoint keyed by the modules' names (`model_source`); None: `repo_dir`'s shards through `conv`
                         ) -> LoadResult:
     "Fill `modules` with this rank's slices of `repo_dir`, reading only their bytes; the result's `bytes_read` counts them. Raises as `load_weights_from_hf_shards`."
-    entries, src = module_entries(modules), checkpoint_source(repo_dir)
-    source = ShardedSource(converted_source(src, conv) if conv else src, sharding, str(repo_dir))
+    entries = module_entries(modules)
+    if source is None:
+        src = checkpoint_source(repo_dir)
+        source = converted_source(src, conv) if conv else src
+    source = ShardedSource(source, sharding, str(repo_dir))
     try:
         _check_cut(source, entries)
         res = load_from_source(source, entries, device, progress)
@@ -430,14 +435,14 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
                        group=None, # the process group of the collectives; None: the default group
                        device: str = 'cpu', # where the weights land
                        dtype: torch.dtype | None = None, # parameters' dtype; None: config.json's
-                       conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': by model_type
+                       conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (see `model_source`)
                        rules=(), # per-key slicing rules (see `Sharding`)
                        expert_parallel: bool = False, # default plan: experts split by expert
                        model_class: type | None = None, # None: transformers' class for config.json `architectures`
                       ) -> torch.nn.Module:
     "Rank `rank`'s part of the model in `checkpoint_dir`: built on meta, cut, filled with only its slices, checked, with its collectives, in eval mode."
     from transformers import AutoConfig
-    from mstar_utils.model import build_on_meta, auto_conversions, attach_generation_config
+    from mstar_utils.model import build_on_meta, model_source, attach_generation_config
     if rank is None or world_size is None:
         if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -446,8 +451,7 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
     sharding = Sharding(tp_plan(config, world_size, expert_parallel) if plan is None else plan, rank, world_size, rules)
     model = build_on_meta(config, model_class, dtype)
     shard_module(model, sharding, group)
-    recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
-    res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding, device, recipes)
+    res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding, device, source=model_source(ckpt, config, model, conv))
     check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__}, rank {rank} of {world_size})')
     model.to(device)
     process_weights_after_loading(model, device)

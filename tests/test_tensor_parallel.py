@@ -138,6 +138,17 @@ def test_two_ranks_match_the_unsharded_models(tiny):
     assert results[0][2]['shapes']['model.layers.0.mlp.fc2.weight'] == [32, 32]   # Phi's rowwise fc2 (with bias) is split
 
 
+def test_ranks_read_renamed_and_transformers_fused_checkpoints(tmp_path):
+    "GPT-NeoX (its head stored as embed_out) and OLMoE (experts stored one by one, fused by transformers' rules): two ranks load what load_model loads."
+    folders = [save_tiny(name, tmp_path/name) for name in ('gpt_neox', 'olmoe')]
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    jobs = [(f, ids, None, False) for f in folders]
+    results = run_ranks(tp_jobs, 2, jobs)
+    with torch.no_grad():
+        refs = [load_model(f, dtype=torch.float32)(ids).logits for f in folders]
+    _check_ranks(results, refs)
+
+
 def test_four_ranks_match_the_unsharded_models(tiny):
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
     config = AutoConfig.from_pretrained(tiny['qwen2'])
