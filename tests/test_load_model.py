@@ -87,6 +87,23 @@ def test_renamed_keys_load_as_from_pretrained_loads_them(tmp_path):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
 
 
+def test_vision_language_checkpoint_in_the_legacy_layout(tmp_path):
+    "A tiny Llava as save_pretrained writes it (language_model.model.*, language_model.lm_head): loaded into today's layout (model.language_model.*, lm_head) equal to from_pretrained, vision tower and projector included."
+    import transformers as tf
+    from mstar_utils.sources import read_weight_map
+    text = tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    tf.LlavaForConditionalGeneration(tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=120)).save_pretrained(tmp_path/'llava')
+    keys = read_weight_map(tmp_path/'llava')
+    assert 'language_model.lm_head.weight' in keys and not any(k.startswith('model.') for k in keys)
+    ours, ref = load_model(tmp_path/'llava', strict=True), tf.AutoModelForImageTextToText.from_pretrained(tmp_path/'llava')
+    a, b = ours.state_dict(), ref.state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+    assert any(k.startswith('model.vision_tower.') for k in a) and any(k.startswith('model.multi_modal_projector.') for k in a)
+    with pytest.raises(KeyError): load_model(tmp_path/'llava', renames=False)
+
+
 def test_fusing_rules_come_from_transformers_for_types_we_have_no_recipe_for(tmp_path):
     "OLMoE and PhiMoE are not in CONVERSIONS_BY_MODEL_TYPE: their experts, one key each in the checkpoint, are fused by rules taken from transformers (PhiMoE's after its renames)."
     from mstar_utils.model import CONVERSIONS_BY_MODEL_TYPE
