@@ -97,7 +97,7 @@ def transformers_conversions(config) -> list:
 def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-built one will do)
                        keys, # checkpoint keys
                       ) -> dict:
-    "{checkpoint key: the key transformers loads it under} for the `keys` its rename rules for `model` change (per model type and class, and its legacy rules); {} for a model that is not a transformers `PreTrainedModel`."
+    "{checkpoint key: the key transformers loads it under} for the `keys` its rename rules for `model` change (per model type and class, and its legacy rules), and with the model's `base_model_prefix` added or dropped where only that makes it one of the model's names; {} for a model that is not a transformers `PreTrainedModel`."
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -105,9 +105,11 @@ def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-bu
     except ImportError: return {}  # a transformers without a conversion mapping renames nothing
     if not isinstance(model, PreTrainedModel): return {}
     rules = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    names = dict.fromkeys(model.state_dict(), True)  # what transformers' prefix rule looks names up in
+    prefix = getattr(model, 'base_model_prefix', None) or None
     out = {}
     for k in keys:
-        new, _ = rename_source_key(k, rules, [])
+        new, _ = rename_source_key(k, rules, [], prefix, names)
         if new != k: out[k] = new
     return out
 

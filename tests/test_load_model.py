@@ -124,7 +124,11 @@ def test_dtype_and_model_class_overrides(tmp_path):
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     from transformers import Qwen2ForCausalLM, Qwen2Model
     assert type(load_model(folder, Qwen2ForCausalLM)) is Qwen2ForCausalLM
-    with pytest.raises(KeyError, match=r"the module's names occur under \['model.'\]"): load_model(folder, Qwen2Model)
+    base, ref = load_model(folder, Qwen2Model), Qwen2Model.from_pretrained(folder)  # the base model from a causal LM checkpoint, as from_pretrained reads it
+    a, b = base.state_dict(), ref.state_dict()
+    assert type(base) is Qwen2Model and sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+    with pytest.raises(ValueError, match='lm_head.weight'): load_model(folder, Qwen2Model, strict=True)  # the head it leaves unused
+    with pytest.raises(KeyError, match=r"the module's names occur under \['model.'\]"): load_model(folder, Qwen2Model, renames=False)
 
 
 def test_moe_without_recipes_is_refused_naming_the_fused_key(tmp_path):
