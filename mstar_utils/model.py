@@ -13,7 +13,7 @@ from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS
 from .sources import checkpoint_source, RenamedSource
-from .loading import load_from_source
+from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter
 from .quantized import quantized_source
 
@@ -97,7 +97,7 @@ def transformers_conversions(config) -> list:
 def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-built one will do)
                        keys, # checkpoint keys
                       ) -> dict:
-    "{checkpoint key: the key transformers loads it under} for the `keys` its rename rules for `model` change (per model type and class, and its legacy rules), and with the model's `base_model_prefix` added or dropped where only that makes it one of the model's names; {} for a model that is not a transformers `PreTrainedModel`."
+    "{checkpoint key: the key transformers loads it under} for the `keys` that are not already `model`'s names and that its rename rules change (per model type and class, and its legacy rules), and with the model's `base_model_prefix` added or dropped where only that makes it one of the model's names; {} for a model that is not a transformers `PreTrainedModel`."
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -105,10 +105,11 @@ def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-bu
     except ImportError: return {}  # a transformers without a conversion mapping renames nothing
     if not isinstance(model, PreTrainedModel): return {}
     rules = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    names = dict.fromkeys(model.state_dict(), True)  # what transformers' prefix rule looks names up in
+    names = dict.fromkeys((n for n, _, _ in named_tensors(model)), True)  # the state_dict's names, without building it; transformers' prefix rule looks them up
     prefix = getattr(model, 'base_model_prefix', None) or None
     out = {}
     for k in keys:
+        if k in names: continue  # already one of the model's names: left as it is (and no per-key rule matching)
         new, _ = rename_source_key(k, rules, [], prefix, names)
         if new != k: out[k] = new
     return out
