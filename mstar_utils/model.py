@@ -71,10 +71,14 @@ CONVERSIONS_BY_MODEL_TYPE = {'mixtral': MIXTRAL_CONVERSIONS, 'qwen2_moe': QWEN2_
                              'deepseek_v2': DEEPSEEK_V2_CONVERSIONS, 'deepseek_v3': DEEPSEEK_V2_CONVERSIONS}
 
 # %% ../nbs/03_load_model.ipynb #b9b3199d
+def _model_types(config) -> list:
+    "`config`'s model type, then its text config's when that differs (a vision-language model's language model)."
+    return [t for t in dict.fromkeys([config.model_type, getattr(config.get_text_config(), 'model_type', None)]) if t is not None]
+
+# %% ../nbs/03_load_model.ipynb #b9b3199e
 def auto_conversions(config, ckpt: Path) -> list:
     "The WeightConverter recipes `conv='auto'` picks for `config`'s model type (text config included)."
-    types = {config.model_type, getattr(config.get_text_config(), 'model_type', None)}
-    return [c for t in types if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
+    return [c for t in _model_types(config) if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
 
 # %% ../nbs/03_load_model.ipynb #6b2d0f02
 def transformers_conversions(config) -> list:
@@ -84,8 +88,8 @@ def transformers_conversions(config) -> list:
         from transformers.core_model_loading import WeightConverter as HFConverter
     except ImportError: return []
     out = []
-    for t in dict.fromkeys([config.model_type, getattr(config.get_text_config(), 'model_type', None)]):
-        if t is None or t in CONVERSIONS_BY_MODEL_TYPE: continue
+    for t in _model_types(config):
+        if t in CONVERSIONS_BY_MODEL_TYPE: continue
         for c in get_checkpoint_conversion_mapping(t) or []:
             names = [type(o).__name__ for o in getattr(c, 'operations', [])]
             if not isinstance(c, HFConverter) or len(c.target_patterns) != 1 or not names or any(n not in OPERATIONS for n in names): continue

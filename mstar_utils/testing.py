@@ -77,13 +77,13 @@ def save_tiny(name: str, # a key of `tiny_configs()`
               seed: int = 0,
              ) -> Path:
     "Write `tiny_model(name)` with transformers' `save_pretrained` into `folder`; returns it."
+    import contextlib, io
     from transformers.utils import logging as hf_logging
-    level, bars = hf_logging.get_verbosity(), not hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()  # no shard-writing bar in the outputs of the pages that call it
-    try: tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
-    finally:
-        hf_logging.set_verbosity(level)
-        if not bars: hf_logging.enable_progress_bar()
+    level = hf_logging.get_verbosity(); hf_logging.set_verbosity_error()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # no shard-writing bar in the outputs of the pages that call it (as `_saved` below)
+            tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
+    finally: hf_logging.set_verbosity(level)
     return Path(folder)
 
 # %% ../nbs/98_testing.ipynb #3e8902e5
