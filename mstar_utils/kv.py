@@ -91,7 +91,7 @@ class KVPoolFit:
         return self.max_requests >= 1 if self.pages_needed is None else self.pages_needed <= self.max_num_pages
     @property
     def tight(self) -> bool:
-        "The pool holds the cap with less than 10 % of its pages spare."
+        "The pool holds the cap with 10 % of its pages or fewer spare (the cap takes at least 90 %)."
         return self.pages_needed is not None and self.fits and 10 * self.pages_needed >= 9 * self.max_num_pages
 
 # %% ../nbs/09_kv.ipynb #3d7e9a01
@@ -246,14 +246,23 @@ def _layer_kinds(text) -> list[str | None]:
                      'chunked_attention' if getattr(text, 'attention_chunk_size', None) is not None else 'full_attention']
     if len(kinds) != n: raise ValueError(f'{text.model_type} config has {len(kinds)} layer_types for {n} layers')
     shared = getattr(text, 'kv_sharing_modes', None) or n * [None]
-    return [None if mode == 'reuse' or kind in ('moe', 'mlp') else _LEGACY_KINDS.get(kind, kind) for kind, mode in zip(kinds, shared)]
+    cross = set(getattr(text, 'cross_attention_layers', None) or [])   # Mllama: these layers attend to the image instead
+    return [None if mode == 'reuse' or kind in ('moe', 'mlp') else 'cross_attention' if i in cross else _LEGACY_KINDS.get(kind, kind)
+            for i, (kind, mode) in enumerate(zip(kinds, shared))]
+
+# %% ../nbs/09_kv.ipynb #7e8f9a0b
+def _kv_heads(text) -> int:
+    "KV heads of one attention layer, as transformers' attention modules take them: `num_key_value_heads`; Falcon's `num_kv_heads`, or 1 when it is `multi_query` in the old layout; 1 for other `multi_query` configs; else `num_attention_heads`."
+    if getattr(text, 'num_key_value_heads', None) is not None: return _need(text, 'num_key_value_heads')
+    if getattr(text, 'multi_query', False) and not getattr(text, 'new_decoder_architecture', False): return 1
+    if getattr(text, 'num_kv_heads', None) is not None: return _need(text, 'num_kv_heads')
+    return _need(text, 'num_attention_heads')
 
 # %% ../nbs/09_kv.ipynb #8a9b0c1d
 def _attention_token_bytes(text, nbytes: int) -> int:
     "Bytes one token takes in one attention layer: the MLA latent when the config sets `kv_lora_rank`, else K and V of each KV head."
     if getattr(text, 'kv_lora_rank', None): return (_need(text, 'kv_lora_rank') + _need(text, 'qk_rope_head_dim')) * nbytes
-    heads = _need(text, 'num_attention_heads')
-    kv_heads = heads if getattr(text, 'num_key_value_heads', None) is None else _need(text, 'num_key_value_heads')
+    heads, kv_heads = _need(text, 'num_attention_heads'), _kv_heads(text)
     if getattr(text, 'head_dim', None) is not None: return 2 * kv_heads * _need(text, 'head_dim') * nbytes
     hidden = _need(text, 'hidden_size')
     if hidden % heads:
@@ -264,7 +273,7 @@ def _attention_token_bytes(text, nbytes: int) -> int:
 _GATED_DELTANET = ('linear_num_key_heads', 'linear_key_head_dim', 'linear_num_value_heads', 'linear_value_head_dim', 'linear_conv_kernel_dim')
 
 def _linear_state_bytes(text, nbytes: int) -> int:
-    "Bytes of one Gated DeltaNet layer's state: the conv window in the cache dtype, the recurrent state in float32."
+    "Bytes of one Gated DeltaNet layer's state: the conv window in elements of `nbytes` (the model's dtype), the recurrent state in float32."
     missing = [k for k in _GATED_DELTANET if getattr(text, k, None) is None]
     if missing: raise ValueError(f'{text.model_type} config has linear_attention layers but no {", ".join(missing)}: '
                                  'only Gated DeltaNet states (Qwen3-Next) are counted')
@@ -278,7 +287,7 @@ class KVLayer:
     layer: int # decoder layer index
     kind: str # full_attention, mla, sliding_attention, chunked_attention, linear_attention or cross_attention
     token_bytes: int = 0 # bytes per cached token
-    tokens: int | None = None # tokens held at most: the window, the encoder length; None: grows with the sequence
+    tokens: int | None = None # tokens held at most: the window, the encoder length, one image's positions; None: grows with the sequence
     state_bytes: int = 0 # bytes held whatever the length (a recurrent state)
     @property
     def fixed_bytes(self) -> int:
@@ -286,14 +295,15 @@ class KVLayer:
         return self.state_bytes + (0 if self.tokens is None else self.tokens * self.token_bytes)
 
 # %% ../nbs/09_kv.ipynb #3f4a5b6c
-def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None) -> KVLayer:
-    "What decoder layer `i` of `kind` caches; `ValueError` for a kind not counted here."
+def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None, image_tokens: int | None = None, state_nbytes: int | None = None) -> KVLayer:
+    "What decoder layer `i` of `kind` caches, `nbytes` an element of the KV cache and `state_nbytes` one of a linear-attention state (default `nbytes`), `image_tokens` the positions a cross-attention layer holds; `ValueError` for a kind not counted here."
+    if kind == 'cross_attention': return KVLayer(i, kind, _attention_token_bytes(text, nbytes), image_tokens)
     if kind == 'full_attention':
         return KVLayer(i, 'mla' if getattr(text, 'kv_lora_rank', None) else kind, _attention_token_bytes(text, nbytes))
     if kind in ('sliding_attention', 'chunked_attention'):
         window = _need(text, 'sliding_window' if kind == 'sliding_attention' else 'attention_chunk_size')
         return KVLayer(i, kind, _attention_token_bytes(text, nbytes), min(window, max_seq_len or window))
-    if kind == 'linear_attention': return KVLayer(i, kind, state_bytes=_linear_state_bytes(text, nbytes))
+    if kind == 'linear_attention': return KVLayer(i, kind, state_bytes=_linear_state_bytes(text, state_nbytes or nbytes))
     raise ValueError(f'{text.model_type} config: layer {i} is {kind!r}, whose cache is not counted here '
                      '(full, sliding, chunked and linear attention, MLA and cross-attention are)')
 
@@ -307,12 +317,27 @@ def _cross_attention(config, text, nbytes: int) -> list[KVLayer]:
     n = _need(config, 'max_source_positions')
     return [KVLayer(i, 'cross_attention', _attention_token_bytes(text, nbytes), n) for i in range(_need(text, 'num_hidden_layers'))]
 
+# %% ../nbs/09_kv.ipynb #6b7c8d9e
+def _image_tokens(config) -> int | None:
+    "Positions one image takes in a cross-attention layer's cache: `max_num_tiles × ((image_size // patch_size)² + 1)` of the vision config; None without cross-attention layers."
+    text = config.get_text_config(decoder=True)
+    if not getattr(text, 'cross_attention_layers', None): return None
+    vision = getattr(config, 'vision_config', None)
+    if vision is None: raise ValueError(f'{config.model_type} config has cross_attention_layers but no vision_config: '
+                                        'its cross-attention caches the image encoding, whose length the vision config gives')
+    return _need(vision, 'max_num_tiles') * ((_need(vision, 'image_size') // _need(vision, 'patch_size')) ** 2 + 1)
+
+# %% ../nbs/09_kv.ipynb #6c7d8e90
+def _model_dtype(config, text):
+    "The dtype the model runs in: the top-level config's, as `from_pretrained(dtype='auto')` and vLLM read it, else its text config's; None when neither sets one."
+    return getattr(config, 'dtype', None) or getattr(text, 'dtype', None)
+
 # %% ../nbs/09_kv.ipynb #6c7d8e9f
 def _kv_dtype(config, text, dtype) -> tuple[str, int]:
-    "(name, bytes per element) of the cache dtype: `dtype`, else the text config's, else the top-level config's."
-    if dtype is None: dtype = getattr(text, 'dtype', None) or getattr(config, 'dtype', None)
+    "(name, bytes per element) of the cache dtype: `dtype`, else the model's (`_model_dtype`)."
+    if dtype is None: dtype = _model_dtype(config, text)
     if dtype is None:
-        raise ValueError(f'{config.model_type} config has no dtype (in its text config or at the top level); pass dtype, the KV cache dtype')
+        raise ValueError(f'{config.model_type} config has no dtype (at the top level or in its text config); pass dtype, the KV cache dtype')
     return str(dtype).removeprefix('torch.'), dtype_bytes(dtype)
 
 # %% ../nbs/09_kv.ipynb #8e9f0a1b
@@ -344,10 +369,13 @@ def kv_geometry(config, # a transformers config, a config.json dict, or a checkp
     config = read_model_config(config)
     text = config.get_text_config(decoder=True)
     name, nbytes = _kv_dtype(config, text, dtype)
+    model_dtype = _model_dtype(config, text)   # linear-attention states stay in it whatever the KV cache dtype
+    state_nbytes = nbytes if model_dtype is None else dtype_bytes(model_dtype)
     seq = getattr(text, 'max_position_embeddings', None) or getattr(text, 'max_target_positions', None)
     seq = None if seq is None else _count(seq, f'{config.model_type} config max_position_embeddings', 1)
     per_layer = text.per_layer_config if getattr(text, 'is_heterogeneous', False) else None   # e.g. head_dim varying by layer
-    layers = [_layer_cache(i, kind, per_layer[i] if per_layer else text, nbytes, seq)
+    image = _image_tokens(config)
+    layers = [_layer_cache(i, kind, per_layer[i] if per_layer else text, nbytes, seq, image, state_nbytes)
               for i, kind in enumerate(_layer_kinds(text)) if kind is not None]
     return KVGeometry(config.model_type, name, seq, tuple(layers + _cross_attention(config, text, nbytes)))
 

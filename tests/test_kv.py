@@ -477,3 +477,69 @@ def test_plot_counts_the_fixed_bytes():
     title = fig._suptitle.get_text()
     assert f'{g.bytes_per_token:,} B per token' in title and f'{g.fixed_bytes / 2**20:.2f} MiB fixed per request' in title
     plt.close(fig)
+
+
+@pytest.mark.parametrize('kwargs', [dict(multi_query=True, new_decoder_architecture=False),           # Falcon-7B: one KV head
+                                    dict(multi_query=False, new_decoder_architecture=False)])         # one KV head per query head
+def test_falcon_kv_heads_match_transformers(kwargs):
+    cfg = transformers.FalconConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=2, vocab_size=100, dtype='bfloat16', **kwargs)
+    theirs = [b for _, b in cache_layer_bytes(transformers_kv_cache(cfg, tokens=9))]
+    assert [l.token_bytes * 9 for l in kv_geometry(cfg).layers] == theirs
+
+
+def test_falcon_grouped_layout_counts_its_kv_projection():
+    "Falcon-40B's layout projects num_kv_heads K and V heads; transformers' cache broadcasts them to every query head, a paged cache (vLLM) keeps them grouped."
+    cfg = transformers.FalconConfig(hidden_size=64, num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True,
+                                    num_hidden_layers=2, vocab_size=100, dtype='bfloat16')
+    qkv = transformers.FalconModel(cfg).h[0].self_attention.query_key_value.out_features   # (heads + 2 x kv heads) x head_dim
+    kv_channels = qkv - cfg.hidden_size
+    assert kv_geometry(cfg).layers[0].token_bytes == kv_channels * 2 == 2 * 2 * 8 * 2
+
+
+def tiny_mllama():
+    return transformers.MllamaConfig(
+        text_config=dict(hidden_size=64, intermediate_size=64, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, cross_attention_layers=[1, 3]),
+        vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                           image_size=28, patch_size=14, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0]),
+        dtype='bfloat16', image_token_index=5)
+
+
+def test_mllama_cross_attention_holds_one_image():
+    "Mllama's cross-attention layers hold the image's tiles x (patches + 1) positions, its other layers the text: as transformers' cache."
+    cfg = tiny_mllama()
+    torch.manual_seed(0)
+    model = transformers.MllamaForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[5] + list(range(6, 14))]), pixel_values=torch.randn(1, 1, 4, 3, 28, 28, dtype=torch.bfloat16),
+                    aspect_ratio_ids=torch.tensor([[1]]), aspect_ratio_mask=torch.tensor([[[1, 0, 0, 0]]]),
+                    cross_attention_mask=torch.ones(1, 9, 1, 4, dtype=torch.long), use_cache=True)
+    theirs = [b for _, b in cache_layer_bytes(out.past_key_values)]
+    g = kv_geometry(cfg)
+    assert [l.kind for l in g.layers] == ['full_attention', 'cross_attention', 'full_attention', 'cross_attention']
+    assert [l.fixed_bytes if l.tokens else 9 * l.token_bytes for l in g.layers] == theirs
+    assert g.fixed_bytes == theirs[1] + theirs[3] and g.bytes_per_token * 9 == theirs[0] + theirs[2]
+    with pytest.raises(ValueError, match='cross_attention_layers but no vision_config'):
+        kv_geometry(transformers.MllamaTextConfig(dtype='bfloat16'))
+
+
+def test_top_level_dtype_wins_over_text_config(tmp_path):
+    "from_pretrained(dtype='auto') and vLLM take the top-level dtype: a text_config's own dtype only fills in for a missing one."
+    cfg = tiny_kv_config('Gemma-3')
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    d = json.loads((tmp_path/'config.json').read_text())
+    d['text_config']['dtype'] = 'float32'
+    (tmp_path/'config.json').write_text(json.dumps(d))
+    assert transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, dtype='auto').dtype == torch.bfloat16
+    assert kv.read_model_config(tmp_path).get_text_config().dtype == torch.float32
+    assert kv_geometry(tmp_path).dtype == 'bfloat16'
+
+
+def test_fp8_kv_cache_leaves_linear_states_in_the_model_dtype():
+    "A KV cache dtype changes attention layers only: Gated DeltaNet's conv window stays in the model's dtype (as in vLLM), its recurrent state float32."
+    cfg = tiny_kv_config('Qwen3-Next')
+    bf16, fp8 = kv_geometry(cfg), kv_geometry(cfg, 'float8_e4m3fn')
+    for a, b in zip(bf16.layers, fp8.layers):
+        if a.kind == 'linear_attention': assert b.state_bytes == a.state_bytes
+        else: assert 2 * b.token_bytes == a.token_bytes
