@@ -85,9 +85,14 @@ def _check_dtype(source, key, slot, what):
     if ck == mod: return
     if ck.is_complex and not mod.is_complex:
         raise ValueError(f'{what}: {key!r} in {source.where(key)} is {ck}, which {mod} {name!r} cannot hold without dropping the imaginary part')
-    if mod.is_floating_point and (ck in _QUANTIZED or not (ck.is_floating_point or ck.is_complex or ck == torch.bool)):
+    if mod.is_floating_point and ck in _QUANTIZED:
         raise ValueError(f'{what}: {key!r} in {source.where(key)} is {ck}, a quantized or packed dtype, and {mod} {name!r} wants values: '
                          'a plain cast would drop its scales; load it through a WeightConverter recipe (conv=..., see mstar_utils.quantized)')
+    if mod.is_floating_point and not (ck.is_floating_point or ck.is_complex or ck == torch.bool):
+        raise ValueError(f'{what}: {key!r} in {source.where(key)} is {ck}, an integer dtype, and {mod} {name!r} wants floating-point values: '
+                         'integers in a checkpoint are mostly quantized codes or packed values, which a cast turns into wrong numbers; '
+                         'load them through a WeightConverter recipe (conv=..., see mstar_utils.quantized), or cast them before loading '
+                         'if they are plain numbers')
 
 # %% ../nbs/02_loading.ipynb #63fc1dbd
 def _keys_for(source, slot, prefixes) -> list:
@@ -143,6 +148,17 @@ def _tie_hint(module, missing: list) -> str:
     return (f'; the config sets tie_word_embeddings, so {heads[0]!r} should be the input embedding: call model.tie_weights() '
             'after building the model and before loading (load_model does this)')
 
+# %% ../nbs/02_loading.ipynb #f4c711ed
+def _unlisted_hint(source, keys: list) -> str:
+    "A hint when some missing `keys` are in a shard that the index does not list them under (a stale index); '' otherwise."
+    while source is not None and not hasattr(source, 'stored_in'): source = getattr(source, 'src', None)
+    if source is None: return ''
+    found = source.stored_in(keys[:100])
+    if not found: return ''
+    k = next(iter(found))
+    return (f'; {len(found)} of them are in the shards all the same ({k!r} is in {found[k][0].name}), but the index does not list them there: '
+            'the index is stale, so regenerate model.safetensors.index.json from the shards (transformers: from_pretrained, then save_pretrained)')
+
 # %% ../nbs/02_loading.ipynb #f4c711ee
 def _missing_error(mp, prefix, missing, slots_names, source, any_loaded, what) -> KeyError:
     "The `KeyError` for one entry's `missing` names, with the fix where one is known."
@@ -158,7 +174,8 @@ def _missing_error(mp, prefix, missing, slots_names, source, any_loaded, what) -
             return KeyError(f'{what}: no key {where} for module {mod}{hint}')
     names = [prefix + n for n in missing]
     shown = ', '.join(names[:10]) + (f', ... ({len(names) - 10} more)' if len(names) > 10 else '')
-    return KeyError(f'{what}: {len(names)} missing key(s) for module {mod} under prefix {prefix!r}: {shown}{_tie_hint(mp.module, missing)}')
+    return KeyError(f'{what}: {len(names)} missing key(s) for module {mod} under prefix {prefix!r}: {shown}{_tie_hint(mp.module, missing)}'
+                    f'{_unlisted_hint(source, names)}')
 
 # %% ../nbs/02_loading.ipynb #5b65b888
 def _plan(source, entries: list, what: str):
@@ -178,6 +195,21 @@ def _plan(source, entries: list, what: str):
             names = [n for s in slots for j, n in s.refs if j == i]
             raise _missing_error(mp, prefixes[i], missing[i], names, source, len(names) > len(missing[i]), what)
     return plan, consumed
+
+# %% ../nbs/02_loading.ipynb #5b65b891
+def _check_ties(source, entries: list, plan: list, what: str):
+    "`ValueError` naming both keys when two checkpoint keys of one tied slot hold different values."
+    prefixes = [norm_prefix(mp.prefix) for mp in entries]
+    for s, key in plan:
+        if len(s.refs) < 2: continue
+        keys = _keys_for(source, s, prefixes)
+        if len(keys) < 2: continue
+        first = source.get(keys[0]).to(s.tensor.dtype)
+        for k in keys[1:]:
+            if not torch.equal(first, source.get(k).to(s.tensor.dtype)):
+                names = ', '.join(repr(prefixes[i] + n) for i, n in s.refs)
+                raise ValueError(f'{what}: {keys[0]!r} and {k!r} hold different values, but the modules tie them into one tensor ({names}): '
+                                 'untie them in the module to load both (load_model does, as from_pretrained does), or leave one key out')
 
 # %% ../nbs/02_loading.ipynb #1f120b5a
 def qualifying_keys(key: str) -> list[str]:
@@ -300,6 +332,7 @@ def _fill(source, entries, device, what, progress=None) -> LoadResult:
     with gc_paused():
         plan, consumed = _plan(source, entries, what)
         _check_qualifiers(source, consumed, what)
+        _check_ties(source, entries, plan, what)
         fresh, in_place = [], []  # new storage (on meta or another device), or overwritten where it is
         for sk in plan: (fresh if sk[0].tensor.is_meta or sk[0].tensor.device != device else in_place).append(sk)
         with torch.no_grad(), _Progress(source, plan, progress, f'loading {Path(what).name}') as bar:

@@ -5,6 +5,7 @@
 # %% ../nbs/03_load_model.ipynb #4236b782
 from __future__ import annotations
 import logging, re, threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -12,14 +13,15 @@ import torch
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS
-from .sources import checkpoint_source, RenamedSource
+from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter
 from .quantized import quantized_source
 
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
-           'transformers_conversions', 'checkpoint_renames', 'attach_generation_config', 'model_source', 'load_model']
+           'transformers_conversions', 'checkpoint_renames', 'checkpoint_dtype', 'untie_stored', 'retie_equal',
+           'built_buffers_kept', 'report_kept_buffers', 'attach_generation_config', 'model_source', 'load_model']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -132,6 +134,79 @@ def _report_unexpected(model, keys: list, where, strict: bool):
     if strict: raise ValueError(msg + '; pass strict=False to load anyway')
     _log.warning(msg)
 
+# %% ../nbs/03_load_model.ipynb #3a7c0d02
+def checkpoint_dtype(ckpt: Path, # a checkpoint folder
+                    ) -> torch.dtype | None:
+    "The dtype `from_pretrained(dtype='auto')` gives a model whose config.json sets none: the first floating-point tensor's, in sorted key order, of the first shard in name order, fp8/fp4 codes skipped; None when the shard has no such tensor. Reads one header."
+    first = sorted(set(read_weight_map(ckpt).values()), key=str)[0]
+    infos = read_header(first)[1]
+    for k in sorted(infos):
+        dt = infos[k].dtype
+        if dt.is_floating_point and dt.itemsize >= 2: return dt
+    return None
+
+# %% ../nbs/03_load_model.ipynb #3a7c0d06
+def untie_stored(model: torch.nn.Module, # built on meta, ties tied
+                 keys, # the checkpoint's keys under the model's names (anything with `in`)
+                ) -> list[tuple[str, str]]:
+    "Give each tied parameter name of `model` that `keys` holds, past the first, a meta parameter of its own, so that both load; the (kept, untied) name pairs, for `retie_equal`."
+    groups, pairs = {}, []
+    for n, t, is_param in named_tensors(model):
+        if is_param: groups.setdefault(id(t), (t, []))[1].append(n)
+    for t, names in groups.values():
+        stored = [n for n in names if n in keys]
+        for n in stored[1:]:
+            owner, _, leaf = n.rpartition('.')
+            setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(torch.empty_like(t, device='meta'), requires_grad=t.requires_grad))
+            pairs.append((stored[0], n))
+    return pairs
+
+# %% ../nbs/03_load_model.ipynb #3a7c0d07
+def retie_equal(model: torch.nn.Module, # loaded, after `untie_stored`
+                pairs: list, # its (kept, untied) name pairs
+                where: str, # names the checkpoint in the warning
+               ) -> list[str]:
+    "Tie each untied name to its kept one again where the checkpoint held equal values; where not, warn and drop the tie from `all_tied_weights_keys`, as `from_pretrained` does. The names left untied."
+    left, tied = [], getattr(model, 'all_tied_weights_keys', None)
+    for kept, n in pairs:
+        a, b = model.get_parameter(kept), model.get_parameter(n)
+        owner, _, leaf = n.rpartition('.')
+        if a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b): setattr(model.get_submodule(owner), leaf, a); continue
+        left.append(n)
+        if isinstance(tied, dict):
+            for k in [k for k, v in tied.items() if {k, v} == {kept, n}]: tied.pop(k)
+        _log.warning(f'{where}: {n!r} is tied to {kept!r} by the config, but the checkpoint holds both with different values, '
+                     'so they are loaded untied, as from_pretrained does; set tie_word_embeddings=False in config.json to silence this')
+    return left
+
+# %% ../nbs/03_load_model.ipynb #3a7c0d09
+@contextmanager
+def built_buffers_kept(model: torch.nn.Module, # built on meta, buffers real
+                       keys, # the checkpoint's keys under the model's names (anything with `in`)
+                      ):
+    "For the block, count the persistent buffers of `model` that are built (not on meta) and that `keys` lacks as non-persistent, so that a load keeps them as built; yields their names."
+    loaded = {id(t) for n, t, _ in named_tensors(model) if n in keys}   # an alias of a stored buffer is loaded with it
+    names, marked = [], []
+    for n, t, is_param in named_tensors(model):
+        if is_param or t.is_meta or n in keys or id(t) in loaded: continue
+        owner, _, leaf = n.rpartition('.')
+        mod = model.get_submodule(owner)
+        if leaf not in mod._non_persistent_buffers_set: mod._non_persistent_buffers_set.add(leaf); marked.append((mod, leaf))
+        names.append(n)
+    try: yield names
+    finally:
+        for mod, leaf in marked: mod._non_persistent_buffers_set.discard(leaf)
+
+# %% ../nbs/03_load_model.ipynb #3a7c0d10
+def report_kept_buffers(model: torch.nn.Module, # the loaded model
+                        kept: list, # the names `built_buffers_kept` yielded
+                        where: str, # names the checkpoint
+                       ):
+    "Warn, on the `mstar_utils.model` logger, about the buffers a load kept as built: how many, and the first few."
+    if not kept: return
+    shown = ', '.join(kept[:5]) + (f', ... ({len(kept) - 5} more)' if len(kept) > 5 else '')
+    _log.warning(f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are kept as {type(model).__name__} builds them: {shown}')
+
 # %% ../nbs/03_load_model.ipynb #1f9989df
 def attach_generation_config(model, ckpt: Path):
     "Set `model.generation_config` from `ckpt/generation_config.json`, else from its config.json, as `from_pretrained` does."
@@ -164,7 +239,7 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
                model_class: type | None = None, # None: transformers' class for config.json `architectures`
                *,
                device: str = 'cpu', # where the weights land ('cpu', 'cuda:1', ...)
-               dtype: torch.dtype | None = None, # parameters' dtype; None: config.json's, as `from_pretrained`
+               dtype: torch.dtype | None = None, # parameters' dtype; None: config.json's, else the checkpoint's (`checkpoint_dtype`), as `from_pretrained`
                conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (`transformers_conversions`); None: none
                strict: bool = False, # raise `ValueError` instead of warning when checkpoint keys go unused
                quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize' into `dtype`, or 'keep' codes and scales
@@ -175,11 +250,16 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
     if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
-    model = build_on_meta(config, model_class, dtype)
+    model = build_on_meta(config, model_class, dtype or (None if getattr(config, 'dtype', None) else checkpoint_dtype(ckpt)))
     src = model_source(ckpt, config, model, conv, renames, quantized)
-    try: res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(ckpt))
+    try:
+        untied = untie_stored(model, src)
+        with built_buffers_kept(model, src) as kept:
+            res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(ckpt))
+            check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__})')
     finally: src.close()
-    check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__})')
+    retie_equal(model, untied, ckpt.name)
+    report_kept_buffers(model, kept, ckpt.name)
     model.to(device)   # the buffers built real on the CPU
     process_weights_after_loading(model, device)
     _report_unexpected(model, res.unexpected_keys, ckpt.name, strict)

@@ -258,9 +258,23 @@ def info(self: FileSource, k) -> tuple[Path, int, TensorInfo]:
     h = self._headers.get(path)
     if h is None: h = self._headers[path] = read_header(path, self._file(path))
     ti = h[1].get(k)
-    if ti is None: raise KeyError(f'{path}: has no tensor {k!r}, which {self.what} assigns to it')
+    if ti is None:
+        held = [p for p in self.stored_in([k]).get(k, []) if p != path]
+        hint = (f'; it is in {held[0].name}: the index is stale, so regenerate model.safetensors.index.json from the shards '
+                '(transformers: from_pretrained, then save_pretrained)') if held else ''
+        raise KeyError(f'{path}: has no tensor {k!r}, which {self.what} assigns to it{hint}')
     r = self._info[k] = (path, h[0], ti)
     return r
+
+@patch
+def stored_in(self: FileSource, keys) -> dict:
+    "{key: [files whose header holds it]} for those of `keys` that any file of the source holds, listed or not; reads every file's header (error paths use it)."
+    want, out = set(keys), {}
+    for path in sorted(set(self.k2f.values()), key=str):
+        h = self._headers.get(path)
+        if h is None: h = self._headers[path] = read_header(path, self._file(path))
+        for k in want.intersection(h[1]): out.setdefault(k, []).append(path)
+    return out
 
 # %% ../nbs/01_safetensors.ipynb #8c41e9b2
 _IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
@@ -315,6 +329,9 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     path, start, (dt, shape, begin, end) = self.info(k)
     if self.mmap and out is None and end > begin and (start + begin) % dt.itemsize == 0:
         return self._mapped(path)[start + begin:start + end].view(dt).view(shape)
+    if out is not None and (out.dtype != dt or out.shape != shape or out.device.type != 'cpu' or not out.is_contiguous()):
+        raise ValueError(f'{path}: tensor {k!r} is {dt} {list(shape)}; out must be a contiguous CPU tensor of that dtype and shape, '
+                         f'got {out.dtype} {list(out.shape)} on {out.device}' + ('' if out.is_contiguous() else ', not contiguous'))
     t = torch.empty(shape, dtype=dt) if out is None else out
     if t.numel():
         buf = t.view(-1).view(torch.uint8).numpy()

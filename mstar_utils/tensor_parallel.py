@@ -434,7 +434,7 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
                        *,
                        group=None, # the process group of the collectives; None: the default group
                        device: str = 'cpu', # where the weights land
-                       dtype: torch.dtype | None = None, # parameters' dtype; None: config.json's
+                       dtype: torch.dtype | None = None, # parameters' dtype; None: config.json's, else the checkpoint's (`checkpoint_dtype`)
                        conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (see `model_source`)
                        rules=(), # per-key slicing rules (see `Sharding`)
                        expert_parallel: bool = False, # default plan: experts split by expert
@@ -442,17 +442,20 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
                       ) -> torch.nn.Module:
     "Rank `rank`'s part of the model in `checkpoint_dir`: built on meta, cut, filled with only its slices, checked, with its collectives, in eval mode."
     from transformers import AutoConfig
-    from mstar_utils.model import build_on_meta, model_source, attach_generation_config
+    from mstar_utils.model import build_on_meta, model_source, attach_generation_config, checkpoint_dtype, built_buffers_kept, report_kept_buffers
     if rank is None or world_size is None:
         if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
     sharding = Sharding(tp_plan(config, world_size, expert_parallel) if plan is None else plan, rank, world_size, rules)
-    model = build_on_meta(config, model_class, dtype)
+    model = build_on_meta(config, model_class, dtype or (None if getattr(config, 'dtype', None) else checkpoint_dtype(ckpt)))
     shard_module(model, sharding, group)
-    res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding, device, source=model_source(ckpt, config, model, conv))
-    check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__}, rank {rank} of {world_size})')
+    src = model_source(ckpt, config, model, conv)
+    with built_buffers_kept(model, src) as kept:   # closed by load_weights_sharded
+        res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding, device, source=src)
+        check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__}, rank {rank} of {world_size})')
+    report_kept_buffers(model, kept, ckpt.name)
     model.to(device)
     process_weights_after_loading(model, device)
     attach_generation_config(model, ckpt)

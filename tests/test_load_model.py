@@ -161,3 +161,67 @@ def test_concurrent_load_model_calls():
     ref = models[0].state_dict()
     for m in models[1:]:
         for k, v in m.state_dict().items(): assert torch.equal(v, ref[k]), k
+
+
+def rewrite(folder, change):
+    "Apply `change(state_dict)` to every shard of a save_pretrained checkpoint, index kept in step."
+    import json
+    from safetensors.torch import load_file, save_file
+    idx_path = folder/'model.safetensors.index.json'
+    idx = json.loads(idx_path.read_text()) if idx_path.exists() else None
+    files = sorted(set(idx['weight_map'].values())) if idx else ['model.safetensors']
+    sd = {}
+    for f in files: sd.update(load_file(folder/f)); (folder/f).unlink()
+    change(sd)
+    save_file(sd, folder/'model.safetensors', metadata={'format': 'pt'})
+    if idx: idx_path.unlink()
+
+
+@pytest.mark.parametrize('name,tied_key,source_key', [('qwen2', 'lm_head.weight', 'model.embed_tokens.weight'),
+                                                       ('t5', 'encoder.embed_tokens.weight', 'shared.weight'),
+                                                       ('t5', 'lm_head.weight', 'shared.weight')])
+@pytest.mark.parametrize('equal', [True, False])
+def test_a_tie_stored_twice_loads_as_from_pretrained(tmp_path, name, tied_key, source_key, equal):
+    "A tied name the checkpoint stores besides its source: tied again when equal, loaded apart (with a warning) when not, as from_pretrained does."
+    import json
+    folder = save_tiny(name, tmp_path/name)
+    cfg = json.loads((folder/'config.json').read_text()); cfg['tie_word_embeddings'] = True; (folder/'config.json').write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(1)
+    def change(sd): sd[tied_key] = sd[source_key].clone() if equal else torch.randn(sd[source_key].shape, generator=g)
+    rewrite(folder, change)
+    ref = AUTO.get(name, AutoModelForCausalLM).from_pretrained(folder)
+    h = ListHandler(); logging.getLogger('mstar_utils.model').addHandler(h)
+    try: ours = load_model(folder)
+    finally: logging.getLogger('mstar_utils.model').removeHandler(h)
+    assert_same(ours, ref, inputs(name, ref))
+    same = lambda m: m.get_parameter(tied_key) is m.get_parameter(source_key)
+    assert same(ours) == same(ref) == equal
+    assert sorted(ours.all_tied_weights_keys) == sorted(ref.all_tied_weights_keys)
+    assert any('different values' in r.getMessage() for r in h.records) == (not equal)
+
+
+def test_config_without_dtype_builds_in_the_checkpoint_dtype(tmp_path):
+    import json
+    folder = save_tiny('qwen3_moe', tmp_path/'m', dtype=torch.bfloat16)
+    cfg = json.loads((folder/'config.json').read_text()); cfg.pop('dtype', None); cfg.pop('torch_dtype', None)
+    (folder/'config.json').write_text(json.dumps(cfg))
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    assert ref.dtype == torch.bfloat16
+    assert_same(load_model(folder), ref, inputs('qwen3_moe', ref))
+
+
+def test_missing_built_buffers_are_kept_and_reported_but_missing_parameters_are_not(tmp_path):
+    from transformers import ResNetConfig, ResNetForImageClassification
+    torch.manual_seed(0)
+    ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1], num_labels=2)).save_pretrained(tmp_path/'r')
+    rewrite(tmp_path/'r', lambda sd: [sd.pop(k) for k in [k for k in sd if k.endswith('num_batches_tracked') or k.endswith('running_var')]])
+    ref = ResNetForImageClassification.from_pretrained(tmp_path/'r')
+    h = ListHandler(); logging.getLogger('mstar_utils.model').addHandler(h)
+    try: ours = load_model(tmp_path/'r')
+    finally: logging.getLogger('mstar_utils.model').removeHandler(h)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad(): assert torch.equal(ours(pixel_values=x).logits, ref(pixel_values=x).logits)
+    assert sorted(ours.state_dict()) == sorted(ref.state_dict())
+    assert [r.getMessage().split(':')[1].strip() for r in h.records] == ['16 persistent buffer(s) the checkpoint lacks are kept as ResNetForImageClassification builds them']
+    rewrite(tmp_path/'r', lambda sd: sd.pop('classifier.1.weight'))
+    with pytest.raises(KeyError, match=r"missing key\(s\).*classifier\.1\.weight"): load_model(tmp_path/'r')

@@ -196,9 +196,10 @@ def test_a_module_that_keeps_the_scale_loads():
     assert m.weight.dtype == torch.float8_e4m3fn and m.weight_scale_inv.item() == 0.5
 
 
-@pytest.mark.parametrize('src_dtype', [torch.int32, torch.uint8, torch.int8, torch.float8_e5m2])
-def test_integer_or_float8_into_float_needs_a_recipe(src_dtype):
-    with pytest.raises(ValueError, match='a quantized or packed dtype'):
+@pytest.mark.parametrize('src_dtype,what', [(torch.int32, 'an integer dtype'), (torch.uint8, 'an integer dtype'), (torch.int8, 'an integer dtype'),
+                                            (torch.int64, 'an integer dtype'), (torch.float8_e5m2, 'a quantized or packed dtype')])
+def test_integer_or_float8_into_float_needs_a_recipe(src_dtype, what):
+    with pytest.raises(ValueError, match=what):
         load_weights({'weight': torch.ones(2, 3).to(src_dtype)}, nn.Linear(3, 2, bias=False))
 
 

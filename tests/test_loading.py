@@ -240,3 +240,40 @@ def test_mmap_mode_equal_tied_and_copy_on_write(tmp_path, ref):
     m32 = meta_smol(torch.float32)
     load_weights_from_hf_shards(d, [ModuleAndPrefix(m32.model.norm, 'model.norm.')], mmap=True)
     assert m32.model.norm.weight.dtype == torch.float32 and torch.equal(m32.model.norm.weight, ref.model.norm.weight.float())
+
+
+def test_stale_index_key_unlisted_says_where_it_is(tmp_path):
+    "A key the shards hold but the index does not list: the missing-key error says which shard holds it and that the index is stale."
+    d = link_checkpoint(tmp_path)
+    idx = json.loads((d/'model.safetensors.index.json').read_text())
+    shard = idx['weight_map'].pop('model.norm.weight')
+    (d/'model.safetensors.index.json').unlink(); (d/'model.safetensors.index.json').write_text(json.dumps(idx))
+    with pytest.raises(KeyError, match=rf"1 missing key.*model\.norm\.weight.*is in {shard}.*index is stale"):
+        load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
+
+
+def test_stale_index_key_in_another_shard_says_where_it_is(tmp_path):
+    d = link_checkpoint(tmp_path)
+    idx = json.loads((d/'model.safetensors.index.json').read_text())
+    owner = idx['weight_map']['model.norm.weight']
+    other = next(s for s in sorted(set(idx['weight_map'].values())) if s != owner)
+    idx['weight_map']['model.norm.weight'] = other
+    (d/'model.safetensors.index.json').unlink(); (d/'model.safetensors.index.json').write_text(json.dumps(idx))
+    with pytest.raises(KeyError, match=rf"{other}: has no tensor 'model\.norm\.weight'.*it is in {owner}: the index is stale"):
+        load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
+
+
+@pytest.mark.parametrize('out,what', [(torch.empty(576), 'got torch.float32 \\[576\\]'), (torch.empty(2, 288, dtype=torch.bfloat16), 'got torch.bfloat16 \\[2, 288\\]'),
+                                      (torch.empty(1152, dtype=torch.bfloat16)[::2], 'not contiguous')])
+def test_file_source_get_checks_out(out, what):
+    "`get(key, out=)` reads raw bytes into `out`: one of another dtype, shape or layout is refused, not filled with reinterpreted bytes."
+    from mstar_utils.sources import checkpoint_source
+    src = checkpoint_source(SMOL)
+    try:
+        with pytest.raises(ValueError, match=rf"'model\.norm\.weight' is torch\.bfloat16 \[576\]; out must be .*{what}"):
+            src.get('model.norm.weight', out=out)
+        good = torch.empty(576, dtype=torch.bfloat16)
+        assert src.get('model.norm.weight', out=good) is good
+        from safetensors import safe_open
+        with safe_open(str(src.where('model.norm.weight')), 'pt') as f: assert torch.equal(good, f.get_tensor('model.norm.weight'))
+    finally: src.close()
