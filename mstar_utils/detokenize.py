@@ -567,11 +567,20 @@ def stream(self: TextOutput,
 # %% ../nbs/08_detokenize.ipynb #48d21fff
 def generation_eos_ids(checkpoint_dir, # a checkpoint folder
                       ) -> list[int]:
-    "`eos_token_id` of `checkpoint_dir/generation_config.json` as a list (the file gives an int or a list; [] without it); `ValueError` naming the file otherwise."
-    path = Path(checkpoint_dir)/'generation_config.json'
+    "`eos_token_id` of `checkpoint_dir/generation_config.json` as a list (the file gives an int or a list). Without that file, config.json's, else its decoder's or text config's, as transformers' `GenerationConfig.from_model_config` reads them; [] without either. `ValueError` naming the file when it is not UTF-8 JSON holding an object, or the ids are not ints."
+    folder = Path(checkpoint_dir)
+    path = folder/'generation_config.json'
+    if not path.exists(): path = folder/'config.json'
     if not path.exists(): return []
-    try: eos = json.loads(path.read_text(encoding='utf-8')).get('eos_token_id')
-    except (json.JSONDecodeError, AttributeError) as e: raise ValueError(f'{path} is not a JSON object: {e}') from None
+    try: cfg = json.loads(path.read_text(encoding='utf-8'))
+    except UnicodeDecodeError as e: raise ValueError(f'{path} is not UTF-8 text: {e}') from None
+    except (ValueError, RecursionError) as e: raise ValueError(f'{path} is not a JSON object: {e}') from None
+    except OSError as e: raise ValueError(f'cannot read {path}: {e}') from None
+    if not isinstance(cfg, dict): raise ValueError(f'{path} is not a JSON object: it holds a JSON {type(cfg).__name__}')
+    eos = cfg.get('eos_token_id')
+    if eos is None and path.name == 'config.json':   # from_model_config: the first sub-config present, then its eos_token_id
+        sub = next((cfg[k] for k in ('decoder', 'generator', 'text_config') if cfg.get(k)), None)
+        eos = sub.get('eos_token_id') if isinstance(sub, dict) else None
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
     for v in ids:
         if not isinstance(v, int) or isinstance(v, bool): raise ValueError(f'{path}: eos_token_id must be an int or a list of ints, got {eos!r}')
@@ -581,6 +590,7 @@ def generation_eos_ids(checkpoint_dir, # a checkpoint folder
 def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
     "`generation_eos_ids` plus the tokenizer's eos_token_id, checked against the vocabulary."
     path, size = checkpoint_dir/'generation_config.json', len(tokenizer)
+    if not path.exists(): path = checkpoint_dir/'config.json'   # where generation_eos_ids then reads
     ids = {v: f'{path}: eos_token_id' for v in generation_eos_ids(checkpoint_dir)}
     if tokenizer.eos_token_id is not None: ids.setdefault(tokenizer.eos_token_id, f"the tokenizer's eos_token {tokenizer.eos_token!r}")
     for i, source in ids.items():

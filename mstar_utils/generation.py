@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_generation.ipynb #4fc9b39a
 from __future__ import annotations
-import json, logging, math, re
+import functools, json, logging, math, re, reprlib
 from pathlib import Path
 
 # %% auto #0
@@ -44,16 +44,26 @@ def _read_generation_config(path: Path) -> dict:
         _log.warning(f'{path} holds a JSON {type(cfg).__name__}, expected an object; using no generation defaults from it'); return {}
     return cfg
 
+# %% ../nbs/10_generation.ipynb #5a1c0011
+def _number(value, kind: type):
+    "`value` as `kind` (float or int); None when JSON gave another type (a bool included), or a number no float holds (NaN, ±inf, an int past about 1.8e308)."
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int): return None
+    if kind is int: return value
+    try: value = float(value)
+    except OverflowError: return None
+    return value if math.isfinite(value) else None
+
 # %% ../nbs/10_generation.ipynb #5a1c0003
 def _knob(cfg: dict, key: str, name: str, path: Path):
     "The value of `key` (knob `name`) as its Python type, or None when it is unset, or wrong (with a warning naming the file and key)."
     value = cfg.get(key)
     if value is None: return None
     kind, (ok, what) = (float, _FLOAT_KNOBS[name]) if name in _FLOAT_KNOBS else (int, _INT_KNOBS[name])
-    if (isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int)
-            or (kind is float and not math.isfinite(value)) or not ok(value)):
-        _log.warning(f'{path}: {key} is {value!r}, expected {what}; ignoring it'); return None
-    return TOP_K_DISABLED if name == 'top_k' and value < 1 else kind(value)
+    number = _number(value, kind)
+    if number is None or not ok(number):
+        unheld = ', which no float holds' if kind is float and type(value) is int and number is None else ''
+        _log.warning(f'{path}: {key} is {reprlib.repr(value)}{unheld}, expected {what}; ignoring it'); return None
+    return TOP_K_DISABLED if name == 'top_k' and number < 1 else number
 
 # %% ../nbs/10_generation.ipynb #5a1c0004
 def _greedy(cfg: dict, prefix: str, path: Path) -> bool:
@@ -65,12 +75,24 @@ def _greedy(cfg: dict, prefix: str, path: Path) -> bool:
         _log.warning(f'{path}: {key} is {value!r}, expected true or false; ignoring it')
     return False
 
+# %% ../nbs/10_generation.ipynb #5a1c0014
+@functools.cache
+def _transformers_keys() -> frozenset:
+    "The keys of transformers' `GenerationConfig` (its `to_dict()`), `encoder_repetition_penalty` among them."
+    from transformers import GenerationConfig
+    return frozenset(GenerationConfig().to_dict())
+
+# %% ../nbs/10_generation.ipynb #5a1c0013
+def _staged(cfg: dict) -> dict:
+    "`cfg` without transformers' own keys: what may be a stage's prefixed knob."
+    return {k: v for k, v in cfg.items() if k not in _transformers_keys()}
+
 # %% ../nbs/10_generation.ipynb #5a1c0006
 _KNOB_KEYS = (*_FLOAT_KNOBS, *_INT_KNOBS, *_SAMPLE_KEYS)
 
 def _stage_prefixes(cfg: dict) -> list[str]:
-    "The prefixes in front of knob names among the keys of `cfg`, such as 'talker_' for talker_temperature."
-    found = {k[:-len(n)] for k in cfg for n in _KNOB_KEYS if k.endswith('_' + n) and len(k) > len(n) + 1}
+    "The prefixes in front of knob names among the keys of `cfg`, such as 'talker_' for talker_temperature; transformers' own keys are none."
+    found = {k[:-len(n)] for k in _staged(cfg) for n in _KNOB_KEYS if k.endswith('_' + n) and len(k) > len(n) + 1}
     return sorted(found)
 
 def _normalized_prefix(prefix: str) -> str:
@@ -88,24 +110,27 @@ def load_generation_defaults(
     if checkpoint_dir is None: return {}
     prefix, path = _normalized_prefix(prefix), _generation_config_path(checkpoint_dir)
     cfg = _read_generation_config(path)
+    keys = _staged(cfg) if prefix else cfg   # a stage's keys are never transformers' own (encoder_repetition_penalty)
     out = {}
     for name in (*_FLOAT_KNOBS, *_INT_KNOBS):
-        value = _knob(cfg, prefix + name, name, path)
+        value = _knob(keys, prefix + name, name, path)
         if value is not None: out[stage + _RENAME.get(name, name)] = value
-    if _greedy(cfg, prefix, path): out[stage + 'temperature'] = 0.0
+    if _greedy(keys, prefix, path): out[stage + 'temperature'] = 0.0
     prefixes = _stage_prefixes(cfg)
-    if prefix and prefixes and not any(prefix + k in cfg for k in _KNOB_KEYS):
+    if prefix and prefixes and not any(prefix + k in keys for k in _KNOB_KEYS):
         _log.warning(f"{path}: prefix {prefix!r} selects no key; the file's prefixes are {', '.join(map(repr, prefixes))}")
     return out
 
 # %% ../nbs/10_generation.ipynb #9716fef1
 _PRIMARY = re.compile(r'[A-Za-z]{2,8}')
 
-def base_language(code: str, # a BCP 47 tag or POSIX locale: 'en-US', 'en_us', 'zh-Hant-TW', 'yue'
+def base_language(code: str, # a BCP 47 tag or POSIX locale: 'en-US', 'en_us', 'zh-Hant-TW', 'yue', 'en_US.UTF-8', 'sr@latin'
                  ) -> str:
-    "The primary language subtag of `code`, lowercased (`'en-US'` -> `'en'`). `ValueError` naming `code` unless it is 2 to 8 ASCII letters (RFC 5646, 2.1)."
+    "The primary language subtag of `code`, lowercased (`'en-US'` -> `'en'`, `'de@euro'` -> `'de'`). `ValueError` naming `code` unless it is 2 to 8 ASCII letters (RFC 5646, 2.1), and for the C and POSIX locales, which name no language."
     if not isinstance(code, str): raise ValueError(f'language code must be a string, got {type(code).__name__} {code!r}')
-    primary = re.split(r'[-_]', code.strip(), maxsplit=1)[0]
+    primary = re.split(r'[-_.@]', code.strip(), maxsplit=1)[0]
+    if primary.upper() in ('C', 'POSIX'):
+        raise ValueError(f"language code {code!r} is the {primary} locale, which names no language; pass a language such as en, or leave it unset for the default")
     if not _PRIMARY.fullmatch(primary):
         raise ValueError(f'language code {code!r} does not start with a language subtag of 2 to 8 letters (as in en, en-US, yue)')
     return primary.lower()

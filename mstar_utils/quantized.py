@@ -128,9 +128,12 @@ def _numel(shape): return int(torch.Size(shape).numel())
 class FP8BlockDequantize(_BlockScaled):
     """(`weight` fp8 [..., R, C], `weight_scale_inv` [..., ⌈R/br⌉, ⌈C/bc⌉]) → weight × scale, one scale per `block` (br, bc), partial at the edges.
 
-    `quant_method: "fp8"` checkpoints (DeepSeek-V3, Qwen3-FP8). `block=(None, None)`: one scale per tensor. E8M0 scales (uint8) are decoded."""
-    suffixes: ClassVar[tuple] = ('', '_scale_inv')   # the stored keys: the weight's key + suffix
+    `quant_method: "fp8"` checkpoints (DeepSeek-V3, Qwen3-FP8). `block=(None, None)`: one scale per tensor. E8M0 scales (uint8) are decoded.
+    `scale` is the scale key's suffix: `'_scale_inv'`, or `'_scale'` for the per-tensor `weight_scale` of AutoFP8 and vLLM checkpoints; either multiplies."""
+    scale: str = '_scale_inv'
     codes: ClassVar[tuple] = (torch.float8_e4m3fn, torch.float8_e5m2)
+    @property
+    def suffixes(self): return ('', self.scale)   # the stored keys: the weight's key + suffix
 
 # %% ../nbs/06_quantized.ipynb #7d2be872
 @dataclass(frozen=True)
@@ -222,7 +225,10 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
     keys = [target + s for s in op.suffixes]
     missing = [k for k in keys if k not in src]
     if missing and keys[0] in src:
-        raise ValueError(f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its {missing[0]!r} is missing')
+        module = keys[0].rpartition('.')[0]
+        scales = sorted(k for k in src.keys() if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])
+        beside = f'the scale keys beside it are {", ".join(map(repr, scales))}' if scales else 'there is no scale key beside it'
+        raise ValueError(f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its {missing[0]!r} is missing; {beside}')
     if missing:
         have = next(k for k in keys if k in src)
         raise ValueError(f'{what}: {have!r} ({src.dtype(have)}) belongs to quantized codes {keys[0]!r}, which are missing')
@@ -233,17 +239,28 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
     except ValueError as e: raise ValueError(f'{what}: {keys[0]!r}: {e}') from None
     return QuantizedTensor(target, keys, op, shapes, dtypes)
 
+# %% ../nbs/06_quantized.ipynb #9855774e
+def _fp8_op(src, target: str, block: tuple, dtype, what: str) -> FP8BlockDequantize:
+    "The operation for `target`: its scale `*_scale_inv`, else `*_scale`, one per `block`, or one per tensor when the scale has one element."
+    inv, plain = target + '_scale_inv', target + '_scale'
+    if inv in src and plain in src: raise ValueError(f'{what}: {target!r} has two scales, {inv!r} and {plain!r}; an fp8 weight has one')
+    suffix = '_scale' if plain in src else '_scale_inv'
+    key = target + suffix
+    if key in src and target in src and _numel(src.shape(key)) == 1 and _numel(scale_grid(src.shape(target), block)) != 1: block = (None, None)
+    return FP8BlockDequantize(block, dtype, suffix)
+
 # %% ../nbs/06_quantized.ipynb #9855774f
 def _strip(k: str, suffixes) -> str | None: return next((k[:-len(s)] for s in suffixes if k.endswith(s)), None)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def _fp8_tensors(src, qc: dict, dtype, what: str) -> list:
-    "`quant_method: \"fp8\"`: every key with a `*_scale_inv` beside it, or of an fp8 dtype."
-    bs = qc.get('weight_block_size')
-    op = FP8BlockDequantize(tuple(bs) if bs else (None, None), dtype)
+    "`quant_method: \"fp8\"`: every key with a `*_scale_inv` or `*.weight_scale` beside it, or of an fp8 dtype."
+    bs = qc.get('weight_block_size', (128, 128))   # transformers' FineGrainedFP8Config default; null: per tensor
+    block = tuple(bs) if bs else (None, None)
     targets = {t for k in src.keys() if (t := _strip(k, ['_scale_inv'])) is not None}
+    targets |= {k[:-len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}
     targets |= {k for k in src.keys() if src.dtype(k) in _FP8}
-    return [_unit(src, t, op, what) for t in sorted(targets)]
+    return [_unit(src, t, _fp8_op(src, t, block, dtype, what), what) for t in sorted(targets)]
 
 def _mxfp4_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"mxfp4\"` (gpt-oss): every `*_blocks`/`*_scales` pair."
@@ -260,15 +277,16 @@ def _ct_block(w: dict, what: str) -> tuple:
     if s == 'block': return tuple(w['block_structure'])
     raise NotImplementedError(f'{what}: compressed-tensors weight strategy {s!r} is not supported (tensor, channel, group and block are)')
 
+_CLASS_NAME = re.compile(r'[A-Z][A-Za-z0-9_]*')   # a target taken for a class name, such as 'Linear'
+
 def _ct_scheme(qc: dict, module: str) -> dict | None:
-    "The config group quantizing `module`: exact name first, then `re:` regex, then class name; None when ignored or untargeted."
-    def hit(t, kind):
-        if kind == 0: return t == module
-        if kind == 1: return t.startswith('re:') and re.match(t[3:], module) is not None
-        return not t.startswith('re:') and '.' not in t   # a class name such as 'Linear'
-    if any(hit(t, 0) or hit(t, 1) for t in qc.get('ignore') or []): return None
-    groups = list((qc.get('config_groups') or {}).values())
-    return next((g for kind in range(3) for g in groups if any(hit(t, kind) for t in g.get('targets') or [])), None)
+    "The config group quantizing `module`, as compressed-tensors' `match_targets` orders targets: exact names, then `re:` regexes, then class names; None when ignored or untargeted."
+    def named(t): return re.match(t[3:], module) is not None if t.startswith('re:') else t == module
+    if any(named(t) for t in qc.get('ignore') or []): return None
+    group = {t: g for g in (qc.get('config_groups') or {}).values() for t in g.get('targets') or []}   # a target's last group
+    order = sorted(group, key=lambda t: ('re:' in t, t))
+    hit = next((t for t in order if named(t)), None) or next((t for t in order if _CLASS_NAME.fullmatch(t)), None)
+    return group[hit] if hit else None
 
 # %% ../nbs/06_quantized.ipynb #36a6e4c4
 _CT_FLOAT = ('float-quantized', 'int-quantized', 'naive-quantized')

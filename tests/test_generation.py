@@ -187,6 +187,146 @@ def test_null_is_unset(tmp_path, caplog):
         ({'top_p': 0.5}, [])
 
 
+FLOAT_KNOBS = ('temperature', 'top_p', 'min_p', 'repetition_penalty')
+
+
+@pytest.mark.parametrize('key', FLOAT_KNOBS)
+@pytest.mark.parametrize('digits', [310, 400, 4000])
+def test_int_too_large_for_a_float_warns_and_is_skipped(tmp_path, caplog, key, digits):
+    "JSON integers have no bound: one past the largest float (sys.float_info.max) is dropped like any other wrong value."
+    import sys
+    huge = '1' + '0' * digits
+    assert int(huge) > sys.float_info.max
+    with pytest.raises(OverflowError): float(int(huge))       # what GenerationConfig's own float() of it would do
+    (tmp_path/'generation_config.json').write_text('{"top_k": 20, "%s": %s}' % (key, huge))
+    out, warns = load(caplog, tmp_path)
+    assert out == {'top_k': 20}
+    assert len(warns) == 1 and key in warns[0] and 'no float holds' in warns[0] and len(warns[0]) < 400, warns
+
+
+@pytest.mark.parametrize('key', FLOAT_KNOBS)
+def test_the_largest_int_a_float_holds_is_a_number(tmp_path, caplog, key):
+    "The boundary: 10**308 is a float (and a legal temperature or penalty), 10**309 is not."
+    (tmp_path/'generation_config.json').write_text('{"%s": 1%s}' % (key, '0' * 308))
+    out, warns = load(caplog, tmp_path)
+    assert (out, len(warns)) == (({key: 1e308}, 0) if key in ('temperature', 'repetition_penalty') else ({}, 1))
+
+
+def test_integer_knobs_have_no_upper_bound(tmp_path, caplog):
+    "transformers' GenerationConfig.validate sets none either (max_new_tokens must only be > 0); vLLM's limits depend on the model."
+    from transformers import GenerationConfig
+    big = 10**30
+    write(tmp_path, {'do_sample': True, 'top_k': big, 'max_new_tokens': big})
+    gc = GenerationConfig.from_pretrained(tmp_path)
+    gc.validate(strict=True)
+    assert load(caplog, tmp_path) == ({'top_k': gc.top_k, 'max_output_tokens': gc.max_new_tokens}, []) and gc.top_k == big
+
+
+# ---- transformers' own keys are no stage's knobs
+
+def transformers_keys_ending_in_a_knob() -> dict:
+    "{GenerationConfig key: (the prefix it would seem to have, the knob)} for keys such as encoder_repetition_penalty."
+    from transformers import GenerationConfig
+    knobs = ('temperature', 'top_p', 'min_p', 'repetition_penalty', 'top_k', 'max_new_tokens', 'do_sample', 'dosample')
+    return {k: (k[:-len(n)], n) for k in GenerationConfig().to_dict() for n in knobs if k.endswith('_' + n) and k != n}
+
+
+def test_transformers_keys_are_no_stage(tmp_path, caplog):
+    from transformers import GenerationConfig
+    keys = transformers_keys_ending_in_a_knob()
+    assert 'encoder_repetition_penalty' in keys    # the case at hand; the list itself comes from transformers
+    good = {'temperature': 1.5, 'top_p': 0.5, 'min_p': 0.5, 'repetition_penalty': 1.3, 'top_k': 7, 'max_new_tokens': 9, 'do_sample': False, 'dosample': False}
+    cfg = {'temperature': 0.5, **{k: good[n] for k, (_, n) in keys.items()}}
+    write(tmp_path, cfg)
+    gc = GenerationConfig.from_pretrained(tmp_path)
+    assert all(getattr(gc, k) == v for k, v in cfg.items())   # transformers reads each as its own setting
+    for prefix, _ in keys.values():
+        assert load(caplog, tmp_path, prefix=prefix) == ({}, [])   # no stage, and no prefix to misspell
+    assert load(caplog, tmp_path) == ({'temperature': 0.5}, [])
+    # beside a real stage: that stage reads its keys, and the warning for a prefix that selects nothing lists it alone
+    write(tmp_path, {**cfg, 'talker_temperature': 0.7})
+    assert load(caplog, tmp_path, prefix='talker')[0] == {'temperature': 0.7}
+    out, warns = load(caplog, tmp_path, prefix='encoder')
+    assert out == {} and len(warns) == 1 and "the file's prefixes are 'talker_'" in warns[0], warns
+
+
+# ---- stop ids: generation_config.json, else config.json (transformers' GenerationConfig.from_model_config)
+
+def _without_generation_config(src: Path, dest: Path, **config) -> Path:
+    "A copy of checkpoint `src`'s config and tokenizer files, without generation_config.json; `config` overrides config.json keys."
+    import shutil
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.suffix == '.json' and f.name != 'generation_config.json' and f.name != 'model.safetensors.index.json': shutil.copy(f, dest/f.name)
+    if config:
+        cfg = json.loads((dest/'config.json').read_text(encoding='utf-8'))
+        (dest/'config.json').write_text(json.dumps({**cfg, **config}), encoding='utf-8')
+    return dest
+
+
+def _transformers_eos(folder: Path) -> list:
+    "The eos ids transformers generates with for `folder` without a generation_config.json."
+    from transformers import AutoConfig, GenerationConfig
+    eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder)).eos_token_id
+    return [] if eos is None else eos if isinstance(eos, list) else [eos]
+
+
+@pytest.mark.parametrize('which', ['smollm2', 'whisper'])
+def test_no_generation_config_falls_back_to_config_json_as_transformers(tmp_path, which):
+    from mstar_utils.checkpoints import whisper_checkpoint
+    from mstar_utils.detokenize import TextOutput, generation_eos_ids
+    src = smollm2_checkpoint() if which == 'smollm2' else whisper_checkpoint()
+    d = _without_generation_config(src, tmp_path/'plain')
+    assert generation_eos_ids(d) == _transformers_eos(d) != []
+    two = _without_generation_config(src, tmp_path/'two', eos_token_id=[2, 0])     # an id only config.json declares
+    assert generation_eos_ids(two) == _transformers_eos(two) == [2, 0]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(two)
+    assert TextOutput.from_checkpoint(two, tokenizer=tok).stop_token_ids == {*_transformers_eos(two), tok.eos_token_id}
+    # the file, where there is one, wins, as in from_pretrained: its eos_token_id alone, or none
+    (two/'generation_config.json').write_text('{"eos_token_id": 1}')
+    assert generation_eos_ids(two) == [1]
+    (two/'generation_config.json').write_text('{}')
+    assert generation_eos_ids(two) == []
+
+
+def test_config_json_text_config_eos_as_transformers(tmp_path):
+    "A composite model's config.json: the top level's eos_token_id, else its text config's (from_model_config on the dict and on the config object)."
+    from transformers import AutoConfig, GenerationConfig, LlamaConfig, LlavaConfig
+    from mstar_utils.detokenize import generation_eos_ids
+    LlavaConfig(text_config=LlamaConfig(eos_token_id=7).to_dict()).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path/'config.json').read_text(encoding='utf-8'))
+    assert cfg.get('eos_token_id') is None and cfg['text_config']['eos_token_id'] == 7
+    assert generation_eos_ids(tmp_path) == [GenerationConfig.from_model_config(cfg).eos_token_id] == _transformers_eos(tmp_path) == [7]
+    for variant in ({**cfg, 'eos_token_id': [3, 4]}, {**cfg, 'eos_token_id': None}, {**cfg, 'text_config': {**cfg['text_config'], 'eos_token_id': None}}):
+        (tmp_path/'config.json').write_text(json.dumps(variant))
+        eos = GenerationConfig.from_model_config(variant).eos_token_id
+        assert generation_eos_ids(tmp_path) == ([] if eos is None else eos if isinstance(eos, list) else [eos])
+
+
+@pytest.mark.parametrize('name', ['generation_config.json', 'config.json'])
+@pytest.mark.parametrize('content,why', [(b'\xff\xfe{\x00}\x00', 'is not UTF-8 text'), (b'{"eos_token_id": 2, "x": "\xe9"}', 'is not UTF-8 text'),
+                                         (b'{"eos_token_id": 2', 'is not a JSON object'), (b'[2]', 'is not a JSON object'),
+                                         (b'{"eos_token_id": ' + b'9' * 5000 + b'}', 'is not a JSON object')],
+                         ids=['utf16', 'latin1', 'cut_short', 'list', '5000_digits'])
+def test_unreadable_eos_file_is_a_value_error_naming_it(tmp_path, name, content, why):
+    from mstar_utils.detokenize import TextOutput, generation_eos_ids
+    d = _without_generation_config(smollm2_checkpoint(), tmp_path/'ckpt')
+    (d/name).write_bytes(content)
+    with pytest.raises(ValueError, match=why) as e: generation_eos_ids(d)
+    assert str(d/name) in str(e.value) and not isinstance(e.value, UnicodeDecodeError)
+    if name == 'generation_config.json':
+        with pytest.raises(ValueError, match=why) as e: TextOutput.from_checkpoint(d)
+        assert str(d/name) in str(e.value)
+
+
+def test_config_json_eos_outside_the_vocabulary_names_config_json(tmp_path):
+    from mstar_utils.detokenize import TextOutput
+    d = _without_generation_config(smollm2_checkpoint(), tmp_path/'ckpt', eos_token_id=10**6)
+    with pytest.raises(ValueError, match=r'config\.json: eos_token_id is 1000000, outside the vocabulary') as e: TextOutput.from_checkpoint(d)
+    assert 'generation_config.json' not in str(e.value)
+
+
 def test_ints_for_floats(tmp_path, caplog):
     out, _ = load(caplog, write(tmp_path, {'temperature': 1, 'top_p': 1, 'repetition_penalty': 2}))
     assert out == {'temperature': 1.0, 'top_p': 1.0, 'repetition_penalty': 2.0}
@@ -215,6 +355,40 @@ def test_whisper_languages():
     for code in LANGUAGES:
         assert base_language(code) == code
         assert base_language(f' {code.upper()}-Latn_XX ') == code
+
+
+@pytest.mark.parametrize('code,lang', [('en_US.UTF-8', 'en'), ('en.UTF-8', 'en'), ('de@euro', 'de'), ('sr@latin', 'sr'),
+                                       ('ca@valencia', 'ca'), ('sr_RS@latin', 'sr'), ('de_DE.ISO-8859-15@euro', 'de'), ('EO.utf8', 'eo')])
+def test_posix_locales(code, lang): assert base_language(code) == lang
+
+
+@pytest.mark.parametrize('code', ['C', 'POSIX', 'C.UTF-8', 'C.utf8', 'POSIX.UTF-8', 'c', 'posix', ' C '])
+def test_c_and_posix_locales_name_no_language(code):
+    with pytest.raises(ValueError, match='names no language'): base_language(code)
+
+
+@pytest.mark.parametrize('code', ['.UTF-8', '@euro', '_US', 'e.UTF-8', 'en1@euro'])
+def test_posix_forms_without_a_language(code):
+    with pytest.raises(ValueError, match='language code'): base_language(code)
+
+
+def test_every_locale_name_python_knows():
+    "The normalized names of Python's locale alias table (X11's locale.alias and glibc's names): each is language[_territory][.codeset][@modifier], or C."
+    import locale, re
+    names = set(locale.locale_alias.values())
+    assert locale.normalize('posix') == 'C' and 'C' in names
+    for name in names - {'C'}:
+        m = re.fullmatch(r'([a-z]{2,8})(_[A-Za-z0-9]+)?(\.[^@]+)?(@.+)?', name)
+        assert m, name
+        assert base_language(name) == m[1]
+        if m[2] or m[3] or m[4]: assert base_language(m[1] + (m[3] or '') + (m[4] or '')) == m[1]   # without its territory
+
+
+@given(st.from_regex(r'[A-Za-z]{2,8}', fullmatch=True), st.sampled_from(['', '_US', '_419']),
+       st.sampled_from(['', '.UTF-8', '.ISO-8859-1', '.utf8']), st.sampled_from(['', '@euro', '@latin', '@valencia']))
+def test_posix_grammar(lang, territory, codeset, modifier):
+    if lang.upper() == 'POSIX': return
+    assert base_language(lang + territory + codeset + modifier) == lang.lower()
 
 
 @given(st.from_regex(r'[A-Za-z]{2,8}', fullmatch=True), st.sampled_from(['-', '_']),

@@ -1,5 +1,6 @@
 "Quantized checkpoints: each format's dequantization against transformers' and compressed-tensors' own code, both loading modes against the dequantized reference model, refusals, MLA and tensor-parallel block slices."
 import json, os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +23,10 @@ from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, pr
 from mstar_utils.mla import MLAAttention, rope_freqs
 from mstar_utils.model import CONVERSIONS_BY_MODEL_TYPE, build_on_meta, load_model
 from mstar_utils.quantized import *
-from mstar_utils.quantized import _fragments
+from mstar_utils.quantized import _fragments, _ct_scheme
 from mstar_utils.sources import DictSource, checkpoint_source
-from mstar_utils.testing import dequantized_reference, quantized_configs, write_quantized_checkpoint
+from mstar_utils.testing import (dequantized_reference, fp8_block_quantize, quantized_configs, write_compressed_tensors_checkpoint,
+                                 write_quantized_checkpoint)
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -186,6 +188,160 @@ def test_fragments_stay_few_at_deepseek_v3_scale():
     keys += [k for u in units for k in u.sources]
     rules = _fragments(units, keys)
     assert len(units) == 61 * 5 + 3 * 3 + 58 * 257 * 3 and sorted(t for _, t, _ in rules) == sorted(f'{p}.weight' for p in ('q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'))
+
+
+# ---- compressed-tensors: which config group a module belongs to, against compressed-tensors' own matching
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, tie_word_embeddings=False))
+
+
+W8 = {'num_bits': 8, 'type': 'int', 'strategy': 'channel', 'symmetric': True}
+GROUPINGS = {  # name: (config groups as {group: targets}, ignore)
+    'lm_head_then_linear': ({'head': ['lm_head'], 'rest': ['Linear']}, []),
+    'linear_then_lm_head': ({'rest': ['Linear'], 'head': ['lm_head']}, []),
+    'names_regexes_classes': ({'a': ['re:.*q_proj$', 'model.layers.0.mlp.down_proj'], 'b': ['re:.*proj$'], 'c': ['Linear'], 'd': ['lm_head']}, []),
+    'regexes_in_sorted_order': ({'z': ['re:.*layers\\.1\\..*'], 'a': ['re:.*mlp.*']}, ['lm_head']),
+    'a_target_in_two_groups': ({'a': ['Linear', 'model.layers.1.self_attn.o_proj'], 'b': ['Linear', 're:.*mlp.*']}, ['re:.*k_proj$']),
+    'names_only': ({'a': ['lm_head', 'model.layers.0.self_attn.v_proj']}, []),
+}
+
+
+@pytest.mark.parametrize('grouping', GROUPINGS)
+def test_ct_scheme_picks_the_group_compressed_tensors_picks(grouping):
+    "apply_quantization_config on a real transformers model is the reference: the group each Linear gets, or none."
+    import loguru
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    loguru.logger.disable('compressed_tensors')
+    groups, ignore = GROUPINGS[grouping]
+    qc = {'config_groups': {g: {'targets': t, 'weights': W8} for g, t in groups.items()}, 'ignore': ignore}
+    model = _tiny_llama()
+    apply_quantization_config(model, QuantizationConfig(**qc, quantization_status='initialized'), show_progress=False)
+    by_targets = {tuple(t): g for g, t in groups.items()}
+    got, want = {}, {}
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear): continue   # the modules a checkpoint stores scales for
+        scheme = getattr(m, 'quantization_scheme', None)
+        want[name] = by_targets[tuple(scheme.targets)] if scheme is not None else None
+        mine = _ct_scheme(qc, name)
+        got[name] = by_targets[tuple(mine['targets'])] if mine is not None else None
+    assert got == want
+    assert len(set(want.values())) > 1 or grouping == 'names_only'   # the grouping tells groups apart
+
+
+@pytest.mark.parametrize('head_first', [True, False])
+def test_lm_head_group_beside_linear_loads(tmp_path, head_first):
+    "A checkpoint whose lm_head is quantized per tensor by its own group and the other layers per channel by 'Linear', the groups in either order."
+    groups = {'head': {'targets': ['lm_head'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'tensor'}},
+              'rest': {'targets': ['Linear'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'channel'}}}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(quantized_configs()['ct_float'], dtype=torch.bfloat16)
+    d = write_compressed_tensors_checkpoint(model, tmp_path/'ckpt', groups, ignore=[])
+    cfg = config_of(d)   # compressed-tensors saves its groups in an order of its own: put them in the one asked for
+    saved = sorted(cfg['quantization_config']['config_groups'].values(), key=lambda g: (g['targets'] != ['lm_head']) == head_first)
+    cfg['quantization_config']['config_groups'] = {f'group_{i}': g for i, g in enumerate(saved)}
+    assert list(cfg['quantization_config']['config_groups'].values())[0]['targets'] == (['lm_head'] if head_first else ['Linear'])
+    (d/'config.json').write_text(json.dumps(cfg))
+    with safe_open(str(d/'model.safetensors'), 'pt') as f:
+        assert f.get_slice('lm_head.weight_scale').get_shape() == [1] and f.get_slice('model.layers.0.self_attn.q_proj.weight_scale').get_shape()[1] == 1
+    ops = {u.target: u.op.block for u in quantized_tensors(checkpoint_source(d), config_of(d))}
+    assert ops['lm_head.weight'] == (None, None) and ops['model.layers.0.self_attn.q_proj.weight'] == (1, None)
+    # the reference: transformers' compressed-tensors integration, which matches groups on the model's modules, dequantizing
+    # (compressed-tensors' own checkpoint dequantizer, which sees names only, takes 'Linear' to mean every tensor, embeddings too)
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+    with pytest.warns(UserWarning, match='loading attributes'):   # transformers: only `dequantize` is taken from the config passed
+        ref_model = AutoModelForCausalLM.from_pretrained(d, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    deq = load_model(d)
+    assert deq.state_dict().keys() == ref_model.state_dict().keys()
+    for k, v in ref_model.state_dict().items(): same(deq.state_dict()[k], v)
+    ref = logits(ref_model)
+    same(logits(deq), ref)
+    same(logits(load_model(d, quantized='keep')), ref)
+
+
+# ---- fp8 without weight_block_size, and per-tensor weight_scale
+
+def test_fp8_block_size_defaults_as_transformers(ckpts, refs, tmp_path):
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+    d = tmp_path/'no_block'
+    d.mkdir()
+    for f in ckpts['fp8'].iterdir(): (d/f.name).write_bytes(f.read_bytes())
+    cfg = config_of(d)
+    assert cfg['quantization_config'].pop('weight_block_size') == [128, 128]
+    (d/'config.json').write_text(json.dumps(cfg))
+    block = FineGrainedFP8Config.from_dict(cfg['quantization_config']).weight_block_size
+    assert {u.op.block for u in quantized_tensors(checkpoint_source(d), cfg)} == {tuple(block)}
+    same(logits(load_model(d)), logits(AutoModelForCausalLM.from_pretrained(refs['fp8']).eval()))
+    cfg['quantization_config']['weight_block_size'] = None   # explicit null: one scale per tensor, which these grids are not
+    with pytest.raises(ValueError, match='_scale_inv.* has shape .*FP8BlockDequantize needs one value per block'):
+        quantized_tensors(checkpoint_source(d), cfg)
+
+
+@pytest.mark.parametrize('scale_shape', [(), (1,), (1, 1)])
+@pytest.mark.parametrize('suffix', ['_scale', '_scale_inv'])
+@pytest.mark.parametrize('qc', [{}, {'weight_block_size': [128, 128]}, {'weight_block_size': None}], ids=['absent', 'blocks', 'null'])
+def test_one_scale_is_per_tensor(scale_shape, suffix, qc):
+    w = (torch.randn(300, 260) * 10).to(torch.float8_e4m3fn)
+    s = torch.rand(scale_shape) + 0.1
+    src = DictSource({'m.weight': w, 'm.weight' + suffix: s, 'm.input_scale': torch.tensor(0.25)})
+    u, = quantized_tensors(src, {'quantization_config': {'quant_method': 'fp8', 'activation_scheme': 'static', **qc}})
+    assert u.sources == ['m.weight', 'm.weight' + suffix] and u.op.block == (None, None)
+    same(u.op.apply([w, s]), _dequantize_fp8_weight(w, s, None, torch.float32).bfloat16())
+
+
+def test_fp8_scale_refusals_name_the_scale_keys():
+    w = (torch.randn(8, 8) * 10).to(torch.float8_e4m3fn)
+    qc = {'quantization_config': {'quant_method': 'fp8'}}
+    with pytest.raises(ValueError, match=r"'m.weight_scale_inv' is missing; the scale keys beside it are 'm.input_scale', 'm.k_scale'"):
+        quantized_tensors(DictSource({'m.weight': w, 'm.input_scale': torch.ones(()), 'm.k_scale': torch.ones(())}), qc)
+    with pytest.raises(ValueError, match=r"'m.weight_scale_inv' is missing; there is no scale key beside it"):
+        quantized_tensors(DictSource({'m.weight': w, 'n.weight_scale': torch.ones(())}), qc)
+    with pytest.raises(ValueError, match=r"'m.weight' has two scales, 'm.weight_scale_inv' and 'm.weight_scale'"):
+        quantized_tensors(DictSource({'m.weight': w, 'm.weight_scale_inv': torch.ones(1), 'm.weight_scale': torch.ones(1)}), qc)
+    with pytest.raises(ValueError, match=r"'m.weight_scale' \(torch.float32\) belongs to quantized codes 'm.weight', which are missing"):
+        quantized_tensors(DictSource({'m.weight_scale': torch.ones(())}), qc)
+
+
+def _per_tensor_fp8(src: Path, dest: Path) -> tuple:
+    "(checkpoint, reference): `src`'s fp8 checkpoint re-quantized per tensor in the AutoFP8/vLLM layout (weight_scale, input_scale, no weight_block_size), and the model transformers' _dequantize_fp8_weight makes of it."
+    import shutil
+    sd = load_file(str(src/'model.safetensors'))
+    full = load_file(str(dequantized_reference(src, dest/'src_ref', torch.float32)/'model.safetensors'))   # the checkpoint's keys
+    weights = {k: v for k, v in full.items() if k + '_scale_inv' in sd}
+    out, deq = {}, {}
+    for k, v in sd.items():
+        if k.endswith('_scale_inv'): continue
+        if k not in weights: out[k] = deq[k] = v; continue
+        q, s = fp8_block_quantize(weights[k], tuple(weights[k].shape))        # one block: the whole tensor
+        out[k], out[k + '_scale'], out[k[:-len('weight')] + 'input_scale'] = q, s.reshape(()), torch.tensor(0.5)
+        deq[k] = _dequantize_fp8_weight(q, s.reshape(()), None, torch.float32).bfloat16()
+    for name, tensors, qc in (('per_tensor', out, {'quant_method': 'fp8', 'activation_scheme': 'static'}), ('reference', deq, None)):
+        (dest/name).mkdir()
+        cfg = config_of(src)
+        cfg.pop('quantization_config')
+        if qc: cfg['quantization_config'] = qc
+        (dest/name/'config.json').write_text(json.dumps(cfg))
+        shutil.copy(src/'generation_config.json', dest/name/'generation_config.json')
+        save_file(tensors, str(dest/name/'model.safetensors'), metadata={'format': 'pt'})
+    return dest/'per_tensor', dest/'reference'
+
+
+def test_per_tensor_weight_scale_checkpoint_loads(ckpts, tmp_path, caplog):
+    "input_scale (static activations) is no parameter's: load_model reports it unused, loads with strict=False and refuses with strict=True."
+    import logging
+    d, ref_dir = _per_tensor_fp8(ckpts['fp8'], tmp_path)
+    units = quantized_tensors(checkpoint_source(d), config_of(d))
+    assert units and all(u.op.block == (None, None) and u.sources[1].endswith('.weight_scale') for u in units)
+    ref = logits(AutoModelForCausalLM.from_pretrained(ref_dir).eval())
+    with caplog.at_level(logging.WARNING, logger='mstar_utils.model'):
+        same(logits(load_model(d)), ref)
+        same(logits(load_model(d, quantized='keep')), ref)
+    warned = [r.getMessage() for r in caplog.records if r.name == 'mstar_utils.model']
+    assert len(warned) == 2 and all(f'{len(units)} checkpoint key(s) were not used' in w and '.input_scale' in w for w in warned), warned
+    with pytest.raises(ValueError, match=r'input_scale.*pass strict=False'): load_model(d, strict=True)
 
 
 # ---- both loading modes against the reference model
