@@ -77,17 +77,29 @@ def from_config(cls: MLAAttention, config, layer_idx: int | None = None) -> MLAA
     return cls(config.hidden_size, config.num_attention_heads, config.kv_lora_rank, config.qk_nope_head_dim,
                config.qk_rope_head_dim, config.v_head_dim, config.q_lora_rank, config.attention_bias, scale, layer_idx=layer_idx)
 
+# %% ../nbs/05_mla.ipynb #d69b24f6
+@patch
+def _heads(self: MLAAttention) -> int:
+    "The heads this layer computes: `num_heads`, or a rank's share after a tensor-parallel cut, when the query projection, `kv_b_proj` and `o_proj` all hold the same whole heads."
+    P, R, V = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+    q = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+    n = self.kv_b_proj.out_features // (P + V)
+    cut = (0 < n < self.num_heads and self.num_heads % n == 0 and self.kv_b_proj.out_features == n * (P + V)
+           and q.out_features == n * (P + R) and self.o_proj.in_features == n * V)
+    return n if cut else self.num_heads
+
 # %% ../nbs/05_mla.ipynb #d69b24f7
 @patch
 def process_weights_after_loading(self: MLAAttention, device) -> None:
-    "Derive `w_kc` [N, P, L] and `w_vc` [N, L, V] on `device` from `kv_b_proj.weight` [N·(P+V), L] (dequantized first when kept quantized); rebuilds them on every call."
+    "Derive `w_kc` [N, P, L] and `w_vc` [N, L, V] on `device` from `kv_b_proj.weight` [N·(P+V), L] (dequantized first when kept quantized), N the heads this layer computes (`_heads`); rebuilds them on every call."
     w = self.kv_b_proj.weight
     if w.is_meta: raise RuntimeError(f'{self._name()}: kv_b_proj.weight is still on meta; load the weights before process_weights_after_loading')
     if hasattr(self.kv_b_proj, 'dequantized_weight'): w = self.kv_b_proj.dequantized_weight()   # a QuantizedLinear: fp8 codes and scales
-    N, P, V, L = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+    N, P, V, L = self._heads(), self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
     if tuple(w.shape) != (N * (P + V), L):
         raise ValueError(f'{self._name()}: kv_b_proj.weight has shape {list(w.shape)}, expected [N*(P+V), L] = [{N * (P + V)}, {L}] '
-                         f'for num_heads N={N}, qk_nope_head_dim P={P}, v_head_dim V={V}, kv_lora_rank L={L}')
+                         f'for num_heads N={N}, qk_nope_head_dim P={P}, v_head_dim V={V}, kv_lora_rank L={L} '
+                         '(a tensor-parallel cut must give the query projection, kv_b_proj and o_proj the same whole heads)')
     w = w.detach().to(device).view(N, P + V, L)
     self.w_kc = w[:, :P].contiguous()                   # [N, P, L]
     self.w_vc = w[:, P:].transpose(1, 2).contiguous()   # [N, L, V]
@@ -98,7 +110,7 @@ def queries(self: MLAAttention, h):
     "(q_nope [B, N, T, P], q_pe [B, N, T, R]) for hidden states `h` [B, T, hidden], q_pe not yet rotated."
     B, T, _ = h.shape
     q = self.q_proj(h) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
-    q = q.view(B, T, self.num_heads, -1).transpose(1, 2)
+    q = q.view(B, T, -1, self.qk_nope_head_dim + self.qk_rope_head_dim).transpose(1, 2)   # this rank's heads under tensor parallelism
     return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
 @patch

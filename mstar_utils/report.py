@@ -73,24 +73,33 @@ def _report_stop_ids(ckpt: Path) -> list[int]:
     try: return sorted(generation_eos_ids(ckpt))
     except ValueError: return []
 
+# %% ../nbs/12_report.ipynb #d6e6bc1e
+def _read_json(path: Path) -> dict:
+    "The JSON object in `path`; `ValueError` naming the file when it is not UTF-8, not JSON, or not an object."
+    try: d = json.loads(path.read_text(encoding='utf-8'))
+    except UnicodeDecodeError as e: raise ValueError(f'{path}: not UTF-8 text ({e})') from None
+    except (ValueError, RecursionError) as e: raise ValueError(f'{path}: not valid JSON ({e}); the file is cut short or was edited by hand') from None
+    if not isinstance(d, dict): raise ValueError(f'{path}: holds a JSON {type(d).__name__}, expected an object')
+    return d
+
 # %% ../nbs/12_report.ipynb #d6e6bc1f
 def checkpoint_report(checkpoint_dir, # an HF checkpoint folder
                      ) -> dict:
     "A JSON-ready summary of a checkpoint from its files only: architecture, shards (bytes), parameters, dtypes, tokenizer, stop ids, generation config."
     ckpt = _require_checkpoint(checkpoint_dir)
-    config = json.loads((ckpt/'config.json').read_text(encoding='utf-8'))
+    config = _read_json(ckpt/'config.json')
     wm = read_weight_map(ckpt)
     tok = None
     if (ckpt/'tokenizer.json').is_file():
         from tokenizers import Tokenizer
-        tok_json = json.loads((ckpt/'tokenizer.json').read_text(encoding='utf-8'))
+        tok_json = _read_json(ckpt/'tokenizer.json')
         tok = {'kind': tokenizer_kind(tok_json), 'vocab_size': Tokenizer.from_file(str(ckpt/'tokenizer.json')).get_vocab_size(with_added_tokens=True)}
     gc = ckpt/'generation_config.json'
     return {'checkpoint': str(ckpt), 'architectures': config.get('architectures', []), 'model_type': config.get('model_type'),
             'shards': [{'file': s.name, 'bytes': s.stat().st_size} for s in sorted(set(wm.values()))], 'tensors': len(wm),
             **_count_tensors(wm), 'tie_word_embeddings': config.get('tie_word_embeddings'), 'tokenizer': tok,
             'stop_token_ids': _report_stop_ids(ckpt),
-            'generation_config': json.loads(gc.read_text(encoding='utf-8')) if gc.is_file() else None,
+            'generation_config': _read_json(gc) if gc.is_file() else None,
             'sampling_defaults': load_generation_defaults(ckpt)}
 
 # %% ../nbs/12_report.ipynb #55a0c544

@@ -348,6 +348,8 @@ def _gather_output(m, sharding, sl, group):
 def _vocab_parallel(m, sharding, sl, group):
     "embedding_rowwise: each rank looks up the ids in its rows of the vocabulary, zeros for the rest; the sum over ranks is the lookup."
     (lo, hi), state = _split(sl, m, 'vocab_parallel').ranges[0], {}
+    pad = getattr(m, 'padding_idx', None)   # a global id: this rank's row of it, or none (it only keeps the row's gradient at zero)
+    if pad is not None: m.padding_idx = pad - lo if lo <= pad < hi else None
     def pre(mod, args):
         ids = args[0]; state['mine'] = mine = (ids >= lo) & (ids < hi)
         return (torch.where(mine, ids - lo, 0), *args[1:])

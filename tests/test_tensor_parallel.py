@@ -178,3 +178,22 @@ def test_sharded_load_refuses_a_tie_stored_twice_with_different_values_and_takes
     sd = load_file(folder/'model.safetensors'); sd['lm_head.weight'] = sd['model.embed_tokens.weight'].clone(); save_file(sd, folder/'model.safetensors')
     m = load_model_sharded(folder, 0, 1)
     assert m.lm_head.weight is m.model.embed_tokens.weight
+
+
+def test_vocab_parallel_embedding_with_a_pad_token(tmp_path):
+    "An embedding built with padding_idx (config pad_token_id, as gpt-oss-20b's 199999 of 201088) split by vocabulary: each rank keeps its own row of the pad id, or none, and the logits match."
+    import json
+    folder = save_tiny('qwen2', tmp_path/'q')
+    cfg = json.loads((folder/'config.json').read_text()); cfg['pad_token_id'] = 90; (folder/'config.json').write_text(json.dumps(cfg))
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4)); ids[0, -2:] = 90
+    config = AutoConfig.from_pretrained(folder)
+    vocab_split = {**tp_plan(config, 2), 'embed_tokens': 'embedding_rowwise', 'lm_head': 'colwise_gather_output'}
+    results = run_ranks(tp_jobs, 2, [(folder, ids, vocab_split, False)])
+    with torch.no_grad(): ref = load_model(folder, dtype=torch.float32)
+    assert ref.model.embed_tokens.padding_idx == 90
+    with torch.no_grad(): _check_ranks(results, [ref(ids).logits])
+    sharding = Sharding(vocab_split, 1, 2)
+    m = build_on_meta(config, dtype=torch.float32); shard_module(m, sharding)
+    assert (m.model.embed_tokens.padding_idx, m.model.embed_tokens.num_embeddings) == (90 - 48, 48)
+    m0 = build_on_meta(config, dtype=torch.float32); shard_module(m0, Sharding(vocab_split, 0, 2))
+    assert m0.model.embed_tokens.padding_idx is None
