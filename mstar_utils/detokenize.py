@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_detokenize.ipynb #92c55ea2
 from __future__ import annotations
-import functools, json, numbers, re, reprlib, threading
+import functools, itertools, json, numbers, re, reprlib, threading
 from pathlib import Path
 from collections.abc import Container, Iterable
 from typing import NamedTuple
@@ -34,8 +34,10 @@ def _check_id(self: _TokenMemo, token_id) -> int:
     "`token_id` as an int; `ValueError` naming it and the vocabulary size unless it is an int from 0 to `vocab_size - 1`."
     if isinstance(token_id, numbers.Integral) and not isinstance(token_id, bool):
         if 0 <= token_id < self.vocab_size: return int(token_id)
+        past = '' if token_id < 0 else (f'; a model whose embedding has more rows than its tokenizer has ids (padded, as Qwen2 and Phi-3 are) '
+                                         f'must not sample these: mask the logits of ids {self.vocab_size} and up')
         raise ValueError(f'token id {int(token_id)} is outside the vocabulary of {self._name}: '
-                         f'ids run from 0 to {self.vocab_size - 1} (vocabulary size {self.vocab_size})')
+                         f'ids run from 0 to {self.vocab_size - 1} (vocabulary size {self.vocab_size}){past}')
     raise ValueError(f'token id {token_id!r} is a {type(token_id).__name__}, not an int; '
                      f'the vocabulary of {self._name} has size {self.vocab_size}')
 
@@ -81,6 +83,14 @@ def _tokenizer_name(tokenizer) -> str:
     name = str(getattr(tokenizer, 'name_or_path', '') or '')
     return f'tokenizer {Path(name).name!r}' if name else f'this {type(tokenizer).__name__}'
 
+# %% ../nbs/08_detokenize.ipynb #b7d1c006
+def _vocab_bound(tokenizer) -> int:
+    "One past the largest id `tokenizer` has a token for, added tokens included: the ids its `decode` knows. Not `len(tokenizer)`, which counts tokens and falls short of a vocabulary with holes."
+    backend = getattr(tokenizer, 'backend_tokenizer', None)
+    if backend is not None: ids = backend.get_vocab(with_added_tokens=True).values()
+    else: ids = [*tokenizer.get_vocab().values(), *tokenizer.added_tokens_decoder]
+    return max(ids, default=-1) + 1
+
 # %% ../nbs/08_detokenize.ipynb #eafebd39
 def _gpt2_byte_decoder() -> dict[str, int]:
     "GPT-2's byte map inverted: the character that stands for each byte in a byte-level vocabulary -> the byte."
@@ -103,12 +113,20 @@ def _cleans_up(tokenizer) -> bool:
         return bool(getattr(tokenizer, 'clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output', True))
     return True
 
+# %% ../nbs/08_detokenize.ipynb #7df56974
+def _decoder_steps(part: dict | None, key: str = 'decoders') -> list[dict]:
+    "A tokenizer.json decoder (or, with `key='pretokenizers'`, pre-tokenizer) as a flat list of steps, `Sequence`s unrolled; [] for none."
+    if part is None: return []
+    if part.get('type') == 'Sequence': return [s for d in part.get(key) or [] for s in _decoder_steps(d, key)]
+    return [part]
+
 # %% ../nbs/08_detokenize.ipynb #7df56973
 def _byte_level_problem(tokenizer, cleanup: bool = True) -> str | None:
     "None when `tokenizer` is byte-level, else why not; `cleanup=False` leaves the cleanup rewrite out of the question."
     backend = getattr(tokenizer, 'backend_tokenizer', None)
     if backend is not None:
         kind = type(backend.decoder).__name__ if backend.decoder is not None else 'no decoder'
+        if kind == 'Sequence' and [s.get('type') for s in _decoder_steps(json.loads(backend.decoder.__getstate__()))] == ['ByteLevel']: kind = 'ByteLevel'
         if kind != 'ByteLevel': return f'its decoder is {kind}, not ByteLevel'
         suffix = getattr(backend.model, 'end_of_word_suffix', None)
         if suffix: return f'its BPE vocabulary ends words with {suffix!r} (end_of_word_suffix), which the ByteLevel decoder leaves in'
@@ -117,37 +135,55 @@ def _byte_level_problem(tokenizer, cleanup: bool = True) -> str | None:
     if cleanup and _cleans_up(tokenizer): return 'its decode rewrites spaces (clean_up_tokenization_spaces)'
     return None
 
+# %% ../nbs/08_detokenize.ipynb #39b785a4
+def _added_tokens(tokenizer) -> tuple[dict[int, str], frozenset[int]]:
+    "The added tokens of `tokenizer`, fast or slow: id -> the content `decode` starts from (a fast tokenizer's `id_to_token`, normalized for a `normalized` token), and the special ids."
+    backend = getattr(tokenizer, 'backend_tokenizer', None)
+    if backend is None:
+        added = tokenizer.added_tokens_decoder
+        return {i: t.content for i, t in added.items()}, frozenset({i for i, t in added.items() if t.special} | set(tokenizer.all_special_ids))
+    added = backend.get_added_tokens_decoder()
+    return {i: backend.id_to_token(i) for i in added}, frozenset(i for i, t in added.items() if t.special)
+
+# %% ../nbs/08_detokenize.ipynb #39b785a8
+def _timestamp_ids(tokenizer, added: dict[int, str]) -> frozenset[int]:
+    "Ids of the added tokens (id -> content) that `tokenizer.decode` deletes as timestamps: those its `timestamp_pat` (transformers' Whisper tokenizers) matches whole; empty for other tokenizers."
+    pat = getattr(tokenizer, 'timestamp_pat', None)
+    if not isinstance(pat, re.Pattern): return frozenset()
+    return frozenset(i for i, c in added.items() if pat.fullmatch(c))
+
 # %% ../nbs/08_detokenize.ipynb #39b785a5
 class ByteLevelDetokenizer(_TokenMemo):
     "Exact bytes per token id for a byte-level BPE tokenizer (GPT-2, Whisper, Qwen, Llama 3, SmolLM2), so that a character split across tokens reassembles on the client."
     def __init__(self,
                  tokenizer, # a transformers tokenizer for which `is_byte_level` holds
                  keep_special: bool = False, # keep special tokens' text; by default they give b''
+                 keep_timestamps: bool = False, # keep Whisper's timestamp tokens' text, which `decode` deletes; by default they give b''
                 ):
         problem = _byte_level_problem(tokenizer)
         if problem: raise ValueError(f'{_tokenizer_name(tokenizer)} is not byte-level: {problem}')
-        self._setup(tokenizer, keep_special)
+        self._setup(tokenizer, keep_special, keep_timestamps)
 
     @staticmethod
     def is_byte_level(tokenizer) -> bool:
-        "Whether `to_bytes` reproduces `tokenizer.decode`: a `ByteLevel` decoder (fast) or GPT-2's `byte_decoder` (slow), and no cleanup rewrite."
+        "Whether `to_bytes` reproduces `tokenizer.decode`: a `ByteLevel` decoder (fast) or GPT-2's `byte_decoder` (slow), and no cleanup rewrite. Whisper's timestamp tokens, which its `decode` deletes, give b'' unless `keep_timestamps`."
         return _byte_level_problem(tokenizer) is None
 
 # %% ../nbs/08_detokenize.ipynb #39b785a6
 @patch
-def _setup(self: ByteLevelDetokenizer, tokenizer, keep_special: bool):
-    "Read the added tokens and the special ids of `tokenizer`, fast or slow, and start the memo."
-    self.tokenizer, self.keep_special = tokenizer, keep_special
+def _setup(self: ByteLevelDetokenizer, tokenizer, keep_special: bool, keep_timestamps: bool = False):
+    "Read the added tokens, special and timestamp ids of `tokenizer`, fast or slow, and start the memo."
+    self.tokenizer, self.keep_special, self.keep_timestamps = tokenizer, keep_special, keep_timestamps
     backend = getattr(tokenizer, 'backend_tokenizer', None)
-    if backend is not None: added, self._id_to_token, special = backend.get_added_tokens_decoder(), backend.id_to_token, set()
-    else: added, self._id_to_token, special = tokenizer.added_tokens_decoder, tokenizer.convert_ids_to_tokens, set(tokenizer.all_special_ids)
-    self._added = {i: t.content for i, t in added.items()}
-    self.special_ids = frozenset(special | {i for i, t in added.items() if t.special})
-    self._init_memo(max(len(tokenizer), max(self._added, default=-1) + 1), _tokenizer_name(tokenizer))
+    self._id_to_token = backend.id_to_token if backend is not None else tokenizer.convert_ids_to_tokens
+    self._added, self.special_ids = _added_tokens(tokenizer)
+    self.timestamp_ids = _timestamp_ids(tokenizer, self._added)
+    self._skip = (frozenset() if keep_special else self.special_ids) | (frozenset() if keep_timestamps else self.timestamp_ids)
+    self._init_memo(_vocab_bound(tokenizer), _tokenizer_name(tokenizer))
 
 @patch
 def _bytes(self: ByteLevelDetokenizer, token_id: int) -> bytes:
-    if not self.keep_special and token_id in self.special_ids: return b''
+    if token_id in self._skip: return b''
     content = self._added.get(token_id)
     if content is not None: return content.encode()
     token = self._id_to_token(token_id)
@@ -183,6 +219,28 @@ def _sentencepiece_pieces(model) -> dict[int, str]:
     raise ValueError(f"tokenizer.json model type is {kind!r}: SentencePieceDetokenizer reads 'BPE' or 'Unigram' "
                      "models, whose pieces mark a word start with ▁ and spell missing characters as <0xNN> bytes")
 
+# %% ../nbs/08_detokenize.ipynb #29b16c65
+def _byte_level_json(tokenizer_json: dict) -> str | None:
+    "The part of a parsed tokenizer.json (normalizer, pre_tokenizer or decoder) with a `ByteLevel` step, which makes it byte-level BPE; None for none."
+    for part, key in (('normalizer', 'normalizers'), ('pre_tokenizer', 'pretokenizers'), ('decoder', 'decoders')):
+        obj = tokenizer_json.get(part)
+        if isinstance(obj, dict) and any(s.get('type') == 'ByteLevel' for s in _decoder_steps(obj, key)): return part
+    return None
+
+# %% ../nbs/08_detokenize.ipynb #29b16c66
+def _added_contents(tokenizer_json: dict) -> dict[int, str]:
+    "id -> content of tokenizer.json's added tokens, as `decode` reads them: a `normalized` token's content through the file's normalizer. `ValueError` naming the normalizer when HF tokenizers cannot read it."
+    added, normalizer = tokenizer_json.get('added_tokens') or [], tokenizer_json.get('normalizer')
+    normalized = lambda t: t.get('normalized', not t.get('special'))  # AddedToken's default: normalized unless special
+    norm = None
+    if normalizer is not None and any(map(normalized, added)):
+        from tokenizers import Tokenizer
+        bare = {'version': '1.0', 'truncation': None, 'padding': None, 'added_tokens': [], 'normalizer': normalizer, 'pre_tokenizer': None,
+                'post_processor': None, 'decoder': None, 'model': {'type': 'WordLevel', 'vocab': {}, 'unk_token': '<unk>'}}
+        try: norm = Tokenizer.from_str(json.dumps(bare)).normalizer.normalize_str
+        except Exception as e: raise ValueError(f"tokenizer.json 'normalizer' is not one HF tokenizers reads ({e}); it is needed for the added tokens marked normalized") from None
+    return {t['id']: norm(t['content']) if norm and normalized(t) else t['content'] for t in added}
+
 # %% ../nbs/08_detokenize.ipynb #29b16c63
 class SentencePieceDetokenizer(_TokenMemo):
     "Exact bytes per token id for a SentencePiece-style vocabulary (`▁` starts a word, `<0xNN>` pieces are byte fallback), read from an HF tokenizer.json."
@@ -193,8 +251,11 @@ class SentencePieceDetokenizer(_TokenMemo):
         if not isinstance(tokenizer_json, dict): raise ValueError(f'tokenizer_json must be a parsed tokenizer.json (a dict), got {type(tokenizer_json).__name__}')
         self._pieces = _sentencepiece_pieces(tokenizer_json.get('model'))
         self.model_type = tokenizer_json['model']['type']
+        part = _byte_level_json(tokenizer_json)
+        if part: raise ValueError(f"this tokenizer.json is byte-level BPE (its {part} has a ByteLevel step): its pieces spell bytes through GPT-2's byte map, "
+                                  "not ▁ and <0xNN>; load the tokenizer and use ByteLevelDetokenizer or TextChunkDetokenizer")
         added = tokenizer_json.get('added_tokens') or []
-        self._added = {t['id']: t['content'] for t in added}
+        self._added = _added_contents(tokenizer_json)
         self.special_ids, self.extra_skip_ids = frozenset(t['id'] for t in added if t.get('special')), frozenset(extra_skip_ids)
         self._skip = self.special_ids | self.extra_skip_ids
         self._init_memo(max(max(self._pieces, default=-1), max(self._added, default=-1)) + 1, f'this tokenizer.json ({self.model_type} model)')
@@ -211,43 +272,49 @@ def _bytes(self: SentencePieceDetokenizer, token_id: int) -> bytes:
     if token_id in self._skip: return b''
     piece = self._added.get(token_id, self._pieces.get(token_id))
     if piece is None: return b''
-    b = _byte_piece(piece) if token_id not in self._added else None
+    b = _byte_piece(piece)
     return bytes((b,)) if b is not None else piece.replace('▁', ' ').encode()
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e21
 class _Unstreamable(ValueError): "A decoder whose text for a token depends on its neighbours; the message says why."
 
 class _Plan:
-    "A tokenizer.json decoder compiled for streaming: `steps` turn one token's piece into its bytes mid-reply; `edges` say how `decode` differs at the ends."
-    def __init__(self): self.steps, self.edges, self.kinds, self.notes, self.joined = [], [], [], [], False
+    "A tokenizer.json decoder compiled for streaming: `steps` turn one token's piece into its bytes mid-reply (`text_steps`, the same less the byte map, an added token's); `edges` say how `decode` differs at the ends."
+    def __init__(self):
+        self.steps, self.text_steps, self.edges, self.kinds, self.notes = [], [], [], [], []
+        self.joined, self.splits = False, None  # the tokens are joined; the step after which a token may hold part of a character
 
-    def add(self, kind: str, step=None, edge: str | None = None):
-        if step is not None: self.steps.append(step)
+    def add(self, kind: str, step=None, edge: str | None = None, text: bool = True):
+        if step is not None:
+            self.steps.append(step)
+            if text: self.text_steps.append(step)
         if edge: self.edges.append(edge)
         self.kinds.append(kind)
 
-    def piece_bytes(self, piece: str) -> bytes:
-        "The bytes of one token's string, in the middle of a reply."
+    def piece_bytes(self, piece: str, text: bool = False) -> bytes:
+        "The bytes of one token's string in the middle of a reply; `text=True` for an added token, which the byte map leaves alone."
         b = piece.encode()
-        for step in self.steps: b = step(b)
+        for step in self.text_steps if text else self.steps: b = step(b)
         return b
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e22
-def _decoder_steps(decoder: dict | None) -> list[dict]:
-    "A tokenizer.json decoder as a flat list of steps, `Sequence`s unrolled; [] for none."
-    if decoder is None: return []
-    if decoder.get('type') == 'Sequence': return [s for d in decoder.get('decoders') or [] for s in _decoder_steps(d)]
-    return [decoder]
-
 def _per_token(plan: _Plan, kind: str):
     "Refuse a step that works token by token once the tokens are joined: there it would see the whole reply as one token."
     if plan.joined: raise _Unstreamable(f'its {kind} step comes after the tokens are joined, where it sees the whole reply as one token')
+
+def _unsplit(plan: _Plan, kind: str, s: str):
+    "Refuse a step that matches `s`, two or more bytes, after a step that can leave part of a character in a token: a match could straddle two tokens."
+    n = len(s.encode())
+    if plan.splits and n > 1:
+        raise _Unstreamable(f'its {kind} of {s!r} ({n} bytes) comes after its {plan.splits} step, which can leave part of a character '
+                            'in a token, so a match can straddle two tokens')
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e23
 def _replace_step(plan: _Plan, s: dict):
     pattern = s.get('pattern') or {}
     if 'String' not in pattern: raise _Unstreamable(f"its Replace step has a regex pattern {pattern.get('Regex')!r}")
     a, b = pattern['String'], s.get('content', '')
+    _unsplit(plan, 'Replace', a)
     if plan.joined and len(a) != 1: raise _Unstreamable(f'its Replace of {a!r} comes after the join, where it can match across tokens')
     a, b = a.encode(), b.encode()
     plan.add('Replace', lambda t: t.replace(a, b))
@@ -255,6 +322,7 @@ def _replace_step(plan: _Plan, s: dict):
 def _byte_fallback_step(plan: _Plan, s: dict):
     _per_token(plan, 'ByteFallback')
     plan.add('ByteFallback', _byte_fallback)
+    plan.splits = plan.splits or 'ByteFallback'  # decode turns a run of byte pieces into one token; the stream, each piece into a byte
 
 def _byte_fallback(t: bytes) -> bytes:
     b = _byte_piece(t)
@@ -267,6 +335,7 @@ def _strip_step(plan: _Plan, s: dict):
         if start: plan.add('Strip', edge=f'decode strips up to {start} leading {c!r} from the reply')
         if stop: plan.add('Strip', edge=f'decode strips up to {stop} trailing {c!r} from the reply')
         return
+    if plan.splits: raise _Unstreamable(f'its Strip step strips each token after its {plan.splits} step, where decode sees a run of byte pieces as one token')
     cb = c.encode()
     def strip(t):
         for _ in range(start):
@@ -280,6 +349,7 @@ def _strip_step(plan: _Plan, s: dict):
 def _metaspace_step(plan: _Plan, s: dict):
     _per_token(plan, 'Metaspace')
     mark = s.get('replacement', '▁')
+    _unsplit(plan, 'Metaspace', mark)
     scheme = s.get('prepend_scheme') or ('always' if s.get('add_prefix_space', True) else 'never')  # older files: add_prefix_space
     edge = None if scheme == 'never' else (f"decode drops every {mark} of the reply's first token (prepend_scheme "
                                            f"{scheme!r}): for the usual first token, its one leading space")
@@ -289,6 +359,7 @@ def _metaspace_step(plan: _Plan, s: dict):
 # %% ../nbs/08_detokenize.ipynb #a81e7e26
 def _wordpiece_step(plan: _Plan, s: dict):
     _per_token(plan, 'WordPiece')
+    _unsplit(plan, 'WordPiece', s.get('prefix', '##'))
     prefix, cleanup = s.get('prefix', '##').encode(), s.get('cleanup', True)
     def wordpiece(t):
         t = t[len(prefix):] if t.startswith(prefix) else b' ' + t
@@ -310,8 +381,8 @@ def _suffix_step(plan: _Plan, suffix: str):
 def _byte_level_step(plan: _Plan, s: dict):
     _per_token(plan, 'ByteLevel')
     if 'ByteFallback' in plan.kinds: raise _Unstreamable('its ByteLevel step comes after byte fallback, which leaves raw bytes, not byte-map characters')
-    plan.add('ByteLevel', lambda t: _byte_level_bytes(t.decode()))
-    plan.joined = True
+    plan.add('ByteLevel', lambda t: _byte_level_bytes(t.decode()), text=False)  # an added token is text (see Byte-level BPE)
+    plan.joined, plan.splits = True, 'ByteLevel'
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e28
 def _fuse_step(plan: _Plan, s: dict): plan.add('Fuse'); plan.joined = True
@@ -321,6 +392,7 @@ def _ctc_step(plan: _Plan, s: dict):
 
 def _bpe_decoder_step(plan: _Plan, s: dict):
     _per_token(plan, 'BPEDecoder')
+    _unsplit(plan, 'BPEDecoder', s.get('suffix', '</w>'))
     _suffix_step(plan, s.get('suffix', '</w>'))
 
 _STEPS = {'Replace': _replace_step, 'ByteFallback': _byte_fallback_step, 'Strip': _strip_step, 'Metaspace': _metaspace_step,
@@ -333,12 +405,18 @@ _MODES = (('BPEDecoder', 'bpe_suffix'), ('WordPiece', 'wordpiece'), ('Metaspace'
 
 def _plan_decoder(tokenizer_json: dict) -> _Plan:
     "Compile tokenizer.json's decoder for streaming, the vocabulary's byte fallback and end-of-word suffix included; `_Unstreamable` says why not."
-    plan, model = _Plan(), tokenizer_json.get('model') or {}
-    steps = _decoder_steps(tokenizer_json.get('decoder'))
-    kinds = {s.get('type') for s in steps}
+    plan, model, decoder = _Plan(), tokenizer_json.get('model') or {}, tokenizer_json.get('decoder')
+    if decoder is None:  # decode joins the pieces with spaces: nothing of the vocabulary's rules can apply
+        plan.add('none', lambda t: b' ' + t, "decode gives the reply's first token no leading space (tokens are joined by spaces)")
+        plan.mode, plan.why = 'joined', 'it has no decoder: decode joins the tokens with spaces, and the chunks follow it'
+        if model.get('byte_fallback') or model.get('end_of_word_suffix'):
+            plan.notes.append('byte pieces (<0xNN>) and end-of-word suffixes stay as written, as decode writes them')
+        return plan
+    steps = _decoder_steps(decoder)
+    kinds = [s.get('type') for s in steps]
+    plan.why = f"its decoder ({' + '.join(map(str, kinds))}) works token by token" if steps else 'its decoder is an empty Sequence, which joins the tokens as they are'
     if model.get('byte_fallback') and 'ByteFallback' not in kinds:
         plan.add('ByteFallback', _byte_fallback); plan.notes.append('the vocabulary declares byte_fallback, which the decoder lacks: <0xNN> pieces are bytes')
-    if not steps: plan.add('none', lambda t: b' ' + t, "decode gives the reply's first token no leading space (tokens are joined by spaces)")
     for s in steps:
         if s.get('type') not in _STEPS: raise _Unstreamable(f"its decoder step {s.get('type')!r} is not one that streams token by token")
         _STEPS[s['type']](plan, s)
@@ -354,12 +432,15 @@ class TextChunkDetokenizer(_TokenMemo):
     def __init__(self,
                  tokenizer, # a transformers tokenizer, fast or slow
                  keep_special: bool = True, # keep the text of special tokens (those flagged `special` in tokenizer.json)
-                 extra_skip_ids: Iterable[int] = (), # more ids that give b'', such as Whisper's timestamp tokens
+                 extra_skip_ids: Iterable[int] = (), # more ids that give b''
+                 keep_timestamps: bool = False, # keep Whisper's timestamp tokens' text, which `decode` deletes; by default they give b''
                 ):
         self.tokenizer, self.keep_special, self.extra_skip_ids = tokenizer, keep_special, frozenset(extra_skip_ids)
+        self.keep_timestamps = keep_timestamps
         self.mode, self.reason, self._plan = _choose_mode(tokenizer)
         self.edges = tuple(self._plan.edges) if isinstance(self._plan, _Plan) else ()
         self._read_vocabulary()
+        if self.timestamp_ids and not keep_timestamps: self.reason += "; Whisper's timestamp tokens give no bytes, as decode deletes them"
 
 # %% ../nbs/08_detokenize.ipynb #d9626cfe
 def _choose_mode(tokenizer) -> tuple[str, str, object]:
@@ -368,42 +449,42 @@ def _choose_mode(tokenizer) -> tuple[str, str, object]:
     cleanup = "; transformers' clean_up_tokenization_spaces rewrite works on whole texts and is not applied" if _cleans_up(tokenizer) else ''
     if _byte_level_problem(tokenizer, cleanup=False) is None:
         inner = ByteLevelDetokenizer.__new__(ByteLevelDetokenizer)
-        inner._setup(tokenizer, keep_special=True)
+        inner._setup(tokenizer, keep_special=True, keep_timestamps=True)  # the chunk detokenizer's own skip set decides
         return 'byte_level', 'its decoder is ByteLevel: every token stands for exact bytes' + cleanup, inner
     if backend is None: return 'decode', f'per-token decode: {_byte_level_problem(tokenizer)}, and it has no tokenizer.json decoder to follow', None
     try: plan = _plan_decoder(json.loads(backend.to_str()))
     except _Unstreamable as e: return 'decode', f'per-token decode: {e}', None
-    why = f"its decoder ({' + '.join(k for k in plan.kinds if k != 'none') or 'none: tokens joined by spaces'}) works token by token"
-    return plan.mode, '; '.join([why, *plan.notes]) + cleanup, plan
+    return plan.mode, '; '.join([plan.why, *plan.notes]) + cleanup, plan
 
 # %% ../nbs/08_detokenize.ipynb #d9626cff
 @patch
 def _read_vocabulary(self: TextChunkDetokenizer):
-    "The added tokens, the ids to skip and the vocabulary size of `self.tokenizer`."
-    tok, backend = self.tokenizer, getattr(self.tokenizer, 'backend_tokenizer', None)
-    added = backend.get_added_tokens_decoder() if backend is not None else tok.added_tokens_decoder
-    special = {i for i, t in added.items() if t.special} | (set(tok.all_special_ids) if backend is None else set())
-    self.special_ids = frozenset(special)
-    self._skip = self.extra_skip_ids | (frozenset() if self.keep_special else self.special_ids)
-    self._added = {i: t.content for i, t in added.items()}
+    "The added tokens, the special and timestamp ids, the ids to skip and the vocabulary bound of `self.tokenizer`."
+    tok, backend, inner = self.tokenizer, getattr(self.tokenizer, 'backend_tokenizer', None), self._plan
+    if isinstance(inner, ByteLevelDetokenizer): self._added, self.special_ids, self.timestamp_ids, bound = inner._added, inner.special_ids, inner.timestamp_ids, inner.vocab_size
+    else:
+        self._added, self.special_ids = _added_tokens(tok)
+        self.timestamp_ids, bound = _timestamp_ids(tok, self._added), _vocab_bound(tok)
+    self._skip = (self.extra_skip_ids | (frozenset() if self.keep_special else self.special_ids)
+                  | (frozenset() if self.keep_timestamps else self.timestamp_ids))
     self._id_to_token = backend.id_to_token if backend is not None else tok.convert_ids_to_tokens
-    self._init_memo(max(len(tok), max(self._added, default=-1) + 1), _tokenizer_name(tok))
+    self._init_memo(bound, _tokenizer_name(tok))
 
 # %% ../nbs/08_detokenize.ipynb #d9626d00
 @patch
 def _bytes(self: TextChunkDetokenizer, token_id: int) -> bytes:
     if token_id in self._skip: return b''
-    if self.mode == 'byte_level': return self._plan._bytes(token_id)  # a ByteLevelDetokenizer keeping specials
-    if self._plan is None: return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
-    added = self._added.get(token_id)
-    if added is not None and 'ByteLevel' in self._plan.kinds: return added.encode()  # added tokens are text (byte-level rule)
-    piece = added if added is not None else self._id_to_token(token_id)
-    return b'' if piece is None else self._plan.piece_bytes(piece)
+    how = self._plan
+    if isinstance(how, ByteLevelDetokenizer): return how._bytes(token_id)  # it keeps everything: self._skip decided above
+    if token_id in self.timestamp_ids: return self._added[token_id].encode()  # kept, as decode_with_timestamps writes it
+    if how is None: return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+    piece = self._id_to_token(token_id)  # an added token's normalized content, as decode reads it
+    return b'' if piece is None else how.piece_bytes(piece, text=token_id in self._added)
 
 # %% ../nbs/08_detokenize.ipynb #d9626d02
 @patch
 def __getstate__(self: TextChunkDetokenizer):  # the plan holds closures: the other side rebuilds it from the tokenizer
-    return {'tokenizer': self.tokenizer, 'keep_special': self.keep_special, 'extra_skip_ids': self.extra_skip_ids}
+    return {'tokenizer': self.tokenizer, 'keep_special': self.keep_special, 'extra_skip_ids': self.extra_skip_ids, 'keep_timestamps': self.keep_timestamps}
 
 @patch
 def __setstate__(self: TextChunkDetokenizer, state): self.__init__(**state)
@@ -413,11 +494,12 @@ def __setstate__(self: TextChunkDetokenizer, state): self.__init__(**state)
 def to_bytes(self: TextChunkDetokenizer,
              token_ids, # a sequence of ints, or a 1-d integer tensor
             ) -> bytes:
-    "The bytes of `token_ids`: the joined `token_bytes`, except in `'decode'` mode, where the ids are decoded together."
+    "The bytes of `token_ids`: the joined `token_bytes`, except in `'decode'` mode, where the ids are decoded together (kept timestamps, which `decode` deletes, as their text)."
     if self.mode != 'decode': return _TokenMemo.to_bytes(self, token_ids)   # the memo's joined token_bytes
     if hasattr(token_ids, 'tolist'): token_ids = token_ids.tolist()
     ids = [i for i in map(self._check_id, token_ids) if i not in self._skip]
-    return self.tokenizer.decode(ids, skip_special_tokens=False).encode()
+    runs = itertools.groupby(ids, self.timestamp_ids.__contains__)  # one run, unless timestamps are kept
+    return b''.join(b''.join(map(self._bytes, run)) if ts else self.tokenizer.decode(list(run), skip_special_tokens=False).encode() for ts, run in runs)
 
 # %% ../nbs/08_detokenize.ipynb #5ca33e0b
 _INT_DTYPES = frozenset(d for d in (getattr(torch, n, None) for n in ('int8', 'int16', 'int32', 'int64', 'uint8', 'uint16', 'uint32', 'uint64')) if d is not None)
@@ -588,13 +670,13 @@ def generation_eos_ids(checkpoint_dir, # a checkpoint folder
 
 # %% ../nbs/08_detokenize.ipynb #d2d8cf60
 def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
-    "`generation_eos_ids` plus the tokenizer's eos_token_id, checked against the vocabulary."
-    path, size = checkpoint_dir/'generation_config.json', len(tokenizer)
+    "`generation_eos_ids` plus the tokenizer's eos_token_id, checked against the vocabulary bound the detokenizers use (`_vocab_bound`)."
+    path, size = checkpoint_dir/'generation_config.json', _vocab_bound(tokenizer)
     if not path.exists(): path = checkpoint_dir/'config.json'   # where generation_eos_ids then reads
     ids = {v: f'{path}: eos_token_id' for v in generation_eos_ids(checkpoint_dir)}
     if tokenizer.eos_token_id is not None: ids.setdefault(tokenizer.eos_token_id, f"the tokenizer's eos_token {tokenizer.eos_token!r}")
     for i, source in ids.items():
-        if not 0 <= i < size: raise ValueError(f'{source} is {i}, outside the vocabulary of {_tokenizer_name(tokenizer)} (vocabulary size {size})')
+        if not 0 <= i < size: raise ValueError(f'{source} is {i}, outside the vocabulary of {_tokenizer_name(tokenizer)}: ids run from 0 to {size - 1} (vocabulary size {size})')
     return frozenset(ids)
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f71
@@ -603,7 +685,8 @@ def from_checkpoint(cls: TextOutput,
                     checkpoint_dir, # a HF checkpoint folder with the tokenizer files
                     tokenizer=None, # the folder's tokenizer, if already loaded
                     keep_special: bool = True, # False: special tokens (flagged in tokenizer.json) give no text
-                    extra_skip_ids: Iterable[int] = (), # more ids that give no text, such as Whisper's timestamp tokens
+                    extra_skip_ids: Iterable[int] = (), # more ids that give no text
+                    keep_timestamps: bool = False, # True: Whisper's timestamp tokens give their text, which `decode` deletes
                    ) -> TextOutput:
     "A `TextChunkDetokenizer` over the folder's tokenizer, stopping at generation_config.json's `eos_token_id` and the tokenizer's eos. `ValueError` naming the folder, file or key at fault."
     checkpoint_dir = Path(checkpoint_dir)
@@ -611,4 +694,4 @@ def from_checkpoint(cls: TextOutput,
         from transformers import AutoTokenizer
         try: tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
         except (OSError, ValueError, TypeError) as e: raise ValueError(f'no tokenizer loads from {checkpoint_dir}: {e}') from e
-    return cls(TextChunkDetokenizer(tokenizer, keep_special, extra_skip_ids), _stop_token_ids(checkpoint_dir, tokenizer))
+    return cls(TextChunkDetokenizer(tokenizer, keep_special, extra_skip_ids, keep_timestamps), _stop_token_ids(checkpoint_dir, tokenizer))

@@ -142,5 +142,6 @@ def transcribe_stream(checkpoint_dir, # a Whisper checkpoint folder (config.json
     whisper_config_json(checkpoint_dir)
     if model is None: model = load_model(checkpoint_dir, device=device, dtype=dtype)
     features = log_mel(checkpoint_dir, read_audio(audio_path))
-    out = TextOutput.from_checkpoint(checkpoint_dir, keep_special=keep_special, extra_skip_ids=() if keep_special else timestamp_ids(checkpoint_dir))
+    out = TextOutput.from_checkpoint(checkpoint_dir, keep_special=keep_special, keep_timestamps=keep_special,
+                                     extra_skip_ids=() if keep_special else timestamp_ids(checkpoint_dir))
     for i in generate_stream(model, features, **generate_kwargs): yield out.step_bytes([i])
