@@ -20,8 +20,9 @@ from .quantized import quantized_source
 
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
-           'transformers_conversions', 'checkpoint_renames', 'checkpoint_dtype', 'untie_stored', 'retie_equal',
-           'built_buffers_kept', 'report_kept_buffers', 'attach_generation_config', 'model_source', 'load_model']
+           'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
+           'untie_stored', 'retie_equal', 'built_buffers_kept', 'initialize_unloaded', 'report_kept_buffers',
+           'with_skipped_rules', 'attach_generation_config', 'model_source', 'load_model']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -74,8 +75,10 @@ CONVERSIONS_BY_MODEL_TYPE = {'mixtral': MIXTRAL_CONVERSIONS, 'qwen2_moe': QWEN2_
 
 # %% ../nbs/03_load_model.ipynb #b9b3199d
 def _model_types(config) -> list:
-    "`config`'s model type, then its text config's when that differs (a vision-language model's language model)."
-    return [t for t in dict.fromkeys([config.model_type, getattr(config.get_text_config(), 'model_type', None)]) if t is not None]
+    "`config`'s model type, then its text config's when that differs (a vision-language model's language model); the text config's is left out where transformers finds several (MusicGen)."
+    try: text = getattr(config.get_text_config(), 'model_type', None)
+    except ValueError: text = None   # "Multiple valid text configs": no one language model to add
+    return [t for t in dict.fromkeys([config.model_type, text]) if t is not None]
 
 # %% ../nbs/03_load_model.ipynb #b9b3199e
 def auto_conversions(config, ckpt: Path) -> list:
@@ -84,20 +87,42 @@ def auto_conversions(config, ckpt: Path) -> list:
 
 # %% ../nbs/03_load_model.ipynb #6b2d0f02
 def transformers_conversions(config) -> list:
-    "Our `WeightConverter` recipes for the fusing rules transformers keeps for `config`'s model types (text config included) that `CONVERSIONS_BY_MODEL_TYPE` lacks: those built of MergeModulelist and Concatenate into one target; their patterns match keys after `checkpoint_renames`."
+    "Our `WeightConverter` recipes for the fusing rules transformers keeps for `config`'s model types (text config included) when `CONVERSIONS_BY_MODEL_TYPE` has none for any of them: those built of MergeModulelist and Concatenate into one target, with plain patterns, each once; their patterns match keys after `checkpoint_renames`. `transformers_conversions_skipped` names the rest."
+    return _transformers_rules(config)[0]
+
+# %% ../nbs/03_load_model.ipynb #6b2d0f14
+def transformers_conversions_skipped(config) -> list[str]:
+    "The fusing rules of transformers for `config`'s model types that `transformers_conversions` cannot express, each as 'sources -> target (why)'; load errors name them."
+    return _transformers_rules(config)[1]
+
+# %% ../nbs/03_load_model.ipynb #6b2d0f05
+_REGEX = re.compile(r'[\\^$+?()\[\]{}|]')   # regular-expression syntax in a pattern beyond the `*` ours know
+
+def _transformers_rules(config) -> tuple[list, list]:
+    "(our recipes, descriptions of the rules skipped) for transformers' fusing rules of `config`'s model types."
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightConverter as HFConverter
-    except ImportError: return []
-    out = []
-    for t in _model_types(config):
-        if t in CONVERSIONS_BY_MODEL_TYPE: continue
+    except ImportError: return [], []
+    types = _model_types(config)
+    if any(t in CONVERSIONS_BY_MODEL_TYPE for t in types): return [], []   # ours, written for these checkpoints, do the fusing
+    out, skipped, seen = [], [], set()
+    for t in types:
         for c in get_checkpoint_conversion_mapping(t) or []:
+            if not isinstance(c, HFConverter): continue
             names = [type(o).__name__ for o in getattr(c, 'operations', [])]
-            if not isinstance(c, HFConverter) or len(c.target_patterns) != 1 or not names or any(n not in OPERATIONS for n in names): continue
-            try: out.append(WeightConverter(list(c.source_patterns), c.target_patterns[0], [Operation(n, o.dim) for n, o in zip(names, c.operations)]))
-            except ValueError: continue  # a rule our converter cannot express
-    return out
+            key = (tuple(c.source_patterns), tuple(c.target_patterns), tuple(names))
+            if key in seen: continue   # the same rule listed for the model type and for its text model
+            seen.add(key)
+            what = f"{', '.join(c.source_patterns)} -> {', '.join(c.target_patterns)}"
+            why = ('several targets' if len(c.target_patterns) != 1 else 'no operation' if not names else
+                   f"operations {', '.join(n for n in names if n not in OPERATIONS)}" if any(n not in OPERATIONS for n in names) else
+                   'regular-expression patterns' if any(_REGEX.search(p) for p in [*c.source_patterns, *c.target_patterns]) else None)
+            if why is None:
+                try: out.append(WeightConverter(list(c.source_patterns), c.target_patterns[0], [Operation(n, o.dim) for n, o in zip(names, c.operations)])); continue
+                except ValueError as e: why = str(e)
+            skipped.append(f'{what} ({why})')
+    return out, skipped
 
 # %% ../nbs/03_load_model.ipynb #6a1c0e02
 def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-built one will do)
@@ -197,15 +222,39 @@ def built_buffers_kept(model: torch.nn.Module, # built on meta, buffers real
     finally:
         for mod, leaf in marked: mod._non_persistent_buffers_set.discard(leaf)
 
+# %% ../nbs/03_load_model.ipynb #3a7c0d12
+def initialize_unloaded(model: torch.nn.Module, # loaded; a transformers `PreTrainedModel` (others are left as they are)
+                        loaded, # the names the load filled (`LoadResult` entry)
+                       ) -> None:
+    "Run the model's `initialize_weights` over what the load did not fill (non-persistent buffers, buffers the checkpoint lacks), as `from_pretrained` does after loading; the loaded tensors are marked `_is_hf_initialized`, which transformers' init functions skip."
+    init = getattr(model, 'initialize_weights', None)
+    if not callable(init): return
+    loaded = set(loaded)
+    for n, t, _ in named_tensors(model):
+        if n in loaded: t._is_hf_initialized = True
+    for m in model.modules(): m.__dict__.pop('_is_hf_initialized', None)   # set by the build's own initialization, which would skip them all
+    with torch.no_grad(): init()
+
 # %% ../nbs/03_load_model.ipynb #3a7c0d10
 def report_kept_buffers(model: torch.nn.Module, # the loaded model
                         kept: list, # the names `built_buffers_kept` yielded
                         where: str, # names the checkpoint
                        ):
-    "Warn, on the `mstar_utils.model` logger, about the buffers a load kept as built: how many, and the first few."
+    "Warn, on the `mstar_utils.model` logger, about the buffers the checkpoint lacked (`built_buffers_kept`), which `initialize_unloaded` initializes: how many, and the first few."
     if not kept: return
     shown = ', '.join(kept[:5]) + (f', ... ({len(kept) - 5} more)' if len(kept) > 5 else '')
-    _log.warning(f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are kept as {type(model).__name__} builds them: {shown}')
+    _log.warning(f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are initialized as {type(model).__name__} initializes them: {shown}')
+
+# %% ../nbs/03_load_model.ipynb #3a7c0d14
+def with_skipped_rules(e: KeyError, # a missing-key error of the loader
+                       config, # the model's transformers config
+                       conv, # the `conv` the load was given
+                      ) -> KeyError:
+    "`e` with, when `conv='auto'` left transformers' fusing rules for this model type unapplied, those rules named: the likely reason for missing keys."
+    skipped = transformers_conversions_skipped(config) if conv == 'auto' else []
+    if not skipped: return e
+    return KeyError(f"{e.args[0]}; transformers converts {config.model_type} checkpoints with rules load_model cannot apply, which may be why: "
+                    + '; '.join(skipped[:3]) + (f' ... ({len(skipped) - 3} more)' if len(skipped) > 3 else ''))
 
 # %% ../nbs/03_load_model.ipynb #1f9989df
 def attach_generation_config(model, ckpt: Path):
@@ -257,8 +306,10 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
         with built_buffers_kept(model, src) as kept:
             res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(ckpt))
             check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__})')
+    except KeyError as e: raise with_skipped_rules(e, config, conv) from None
     finally: src.close()
     retie_equal(model, untied, ckpt.name)
+    initialize_unloaded(model, res[0])
     report_kept_buffers(model, kept, ckpt.name)
     model.to(device)   # the buffers built real on the CPU
     process_weights_after_loading(model, device)

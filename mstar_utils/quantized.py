@@ -240,13 +240,19 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
     return QuantizedTensor(target, keys, op, shapes, dtypes)
 
 # %% ../nbs/06_quantized.ipynb #9855774e
-def _fp8_op(src, target: str, block: tuple, dtype, what: str) -> FP8BlockDequantize:
-    "The operation for `target`: its scale `*_scale_inv`, else `*_scale`, one per `block`, or one per tensor when the scale has one element."
+def _fp8_op(src, target: str, block: tuple | None, dtype, what: str) -> FP8BlockDequantize:
+    "The operation for `target`: its scale `*_scale_inv`, else `*_scale`, one per `block`, or one per tensor when the scale has one element. `block` None (no `weight_block_size`): 128 × 128, else the block the shapes give when 128 × 128 does not fit them (as transformers' `Fp8Dequantize` reads them)."
     inv, plain = target + '_scale_inv', target + '_scale'
     if inv in src and plain in src: raise ValueError(f'{what}: {target!r} has two scales, {inv!r} and {plain!r}; an fp8 weight has one')
     suffix = '_scale' if plain in src else '_scale_inv'
-    key = target + suffix
-    if key in src and target in src and _numel(src.shape(key)) == 1 and _numel(scale_grid(src.shape(target), block)) != 1: block = (None, None)
+    key, given = target + suffix, block is not None
+    block = block if given else (128, 128)
+    if key in src and target in src:
+        w, s = tuple(src.shape(target)), tuple(src.shape(key))
+        if _numel(s) == 1 and _numel(scale_grid(w, block)) != 1: block = (None, None)
+        elif not given and len(w) >= 2 and len(s) >= 2 and scale_grid(w, block) != s:
+            shaped = tuple(-(-d // max(n, 1)) for d, n in zip(w[-2:], s[-2:]))
+            if scale_grid(w, shaped) == s: block = shaped
     return FP8BlockDequantize(block, dtype, suffix)
 
 # %% ../nbs/06_quantized.ipynb #9855774f
@@ -255,8 +261,8 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def _fp8_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"fp8\"`: every key with a `*_scale_inv` or `*.weight_scale` beside it, or of an fp8 dtype."
-    bs = qc.get('weight_block_size', (128, 128))   # transformers' FineGrainedFP8Config default; null: per tensor
-    block = tuple(bs) if bs else (None, None)
+    bs = qc.get('weight_block_size', ...)   # missing: 128 x 128, or what the shapes give (`_fp8_op`); null: per tensor
+    block = None if bs is ... else tuple(bs) if bs else (None, None)
     targets = {t for k in src.keys() if (t := _strip(k, ['_scale_inv'])) is not None}
     targets |= {k[:-len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}
     targets |= {k for k in src.keys() if src.dtype(k) in _FP8}

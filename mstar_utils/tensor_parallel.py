@@ -444,7 +444,8 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
                       ) -> torch.nn.Module:
     "Rank `rank`'s part of the model in `checkpoint_dir`: built on meta, cut, filled with only its slices, checked, with its collectives, in eval mode."
     from transformers import AutoConfig
-    from mstar_utils.model import build_on_meta, model_source, attach_generation_config, checkpoint_dtype, built_buffers_kept, report_kept_buffers
+    from mstar_utils.model import (build_on_meta, model_source, attach_generation_config, checkpoint_dtype, built_buffers_kept, report_kept_buffers,
+                                   initialize_unloaded, with_skipped_rules)
     if rank is None or world_size is None:
         if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -454,9 +455,12 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
     model = build_on_meta(config, model_class, dtype or (None if getattr(config, 'dtype', None) else checkpoint_dtype(ckpt)))
     shard_module(model, sharding, group)
     src = model_source(ckpt, config, model, conv)
-    with built_buffers_kept(model, src) as kept:   # closed by load_weights_sharded
-        res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding, device, source=src)
-        check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__}, rank {rank} of {world_size})')
+    try:
+        with built_buffers_kept(model, src) as kept:   # closed by load_weights_sharded
+            res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding, device, source=src)
+            check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__}, rank {rank} of {world_size})')
+    except KeyError as e: raise with_skipped_rules(e, config, conv) from None
+    initialize_unloaded(model, res[0])
     report_kept_buffers(model, kept, ckpt.name)
     model.to(device)
     process_weights_after_loading(model, device)

@@ -222,6 +222,40 @@ def test_missing_built_buffers_are_kept_and_reported_but_missing_parameters_are_
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad(): assert torch.equal(ours(pixel_values=x).logits, ref(pixel_values=x).logits)
     assert sorted(ours.state_dict()) == sorted(ref.state_dict())
-    assert [r.getMessage().split(':')[1].strip() for r in h.records] == ['16 persistent buffer(s) the checkpoint lacks are kept as ResNetForImageClassification builds them']
+    assert [r.getMessage().split(':')[1].strip() for r in h.records] == ['16 persistent buffer(s) the checkpoint lacks are initialized as ResNetForImageClassification initializes them']
     rewrite(tmp_path/'r', lambda sd: sd.pop('classifier.1.weight'))
     with pytest.raises(KeyError, match=r"missing key\(s\).*classifier\.1\.weight"): load_model(tmp_path/'r')
+
+
+@pytest.mark.parametrize('arch,kwargs', [('GPTJConfig', dict(n_embd=64, n_layer=1, n_head=4, rotary_dim=16, n_positions=2048)),
+                                         ('CodeGenConfig', dict(n_embd=64, n_layer=1, n_head=4, rotary_dim=16, n_positions=2048, n_ctx=2048))])
+def test_non_persistent_buffers_are_initialized_as_from_pretrained_does(tmp_path, arch, kwargs):
+    "GPT-J's and CodeGen's sin/cos tables are built while bf16 is the default dtype; from_pretrained computes them again after loading, and so does load_model."
+    import transformers
+    cfg = getattr(transformers, arch)(vocab_size=96, bos_token_id=0, eos_token_id=0, **kwargs)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path/'m')
+    ours, ref = load_model(tmp_path/'m'), AutoModelForCausalLM.from_pretrained(tmp_path/'m')
+    a, b = dict(ours.named_buffers()), dict(ref.named_buffers())   # non-persistent ones included
+    assert sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b)
+    assert_same(ours, ref, dict(input_ids=torch.arange(9)[None]))
+
+
+def test_transformers_rules_listed_once_and_the_rest_named():
+    "A rule transformers lists for a model type and again for its text model is taken once; rules our converter cannot express are named in load errors."
+    from transformers import CONFIG_MAPPING
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from mstar_utils.model import transformers_conversions, transformers_conversions_skipped, with_skipped_rules
+    omni = CONFIG_MAPPING['qwen3_omni_moe']().thinker_config
+    rules = transformers_conversions(omni)
+    assert rules and len({(tuple(c.source_patterns), c.target_patterns) for c in rules}) == len(rules)
+    for t in ('hrm_text', 'lara_mini', 'kimi_linear'):
+        cfg = CONFIG_MAPPING[t]()
+        theirs = [c for c in get_checkpoint_conversion_mapping(t) or [] if hasattr(c, 'operations')]
+        skipped = transformers_conversions_skipped(cfg)
+        assert len(skipped) + len(transformers_conversions(cfg)) == len(theirs) and skipped
+        e = with_skipped_rules(KeyError('ckpt: 2 missing key(s)'), cfg, 'auto')
+        assert 'rules load_model cannot apply' in e.args[0] and skipped[0] in e.args[0]
+        assert with_skipped_rules(KeyError('x'), cfg, None).args[0] == 'x'
+    from mstar_utils.model import auto_conversions
+    assert auto_conversions(CONFIG_MAPPING['musicgen'](), None) == []   # several text configs: get_text_config refuses to pick one
