@@ -31,9 +31,9 @@ class _TokenMemo:
 # %% ../nbs/08_detokenize.ipynb #b7d1c001
 @patch
 def _check_id(self: _TokenMemo, token_id) -> int:
-    "`token_id` as an int; `ValueError` naming it and the vocabulary size unless it is an int from 0 to `vocab_size - 1`."
+    "`token_id` as an int; `ValueError` naming it and the vocabulary size unless it is an int from 0 to `vocab_size - 1`, or one the caller said gives no text (`extra_skip_ids`: Whisper's timestamp ids, which older tokenizer files lack)."
     if isinstance(token_id, numbers.Integral) and not isinstance(token_id, bool):
-        if 0 <= token_id < self.vocab_size: return int(token_id)
+        if 0 <= token_id < self.vocab_size or token_id in getattr(self, '_skip', ()): return int(token_id)
         past = '' if token_id < 0 else (f'; a model whose embedding has more rows than its tokenizer has ids (padded, as Qwen2 and Phi-3 are) '
                                          f'must not sample these: mask the logits of ids {self.vocab_size} and up')
         raise ValueError(f'token id {int(token_id)} is outside the vocabulary of {self._name}: '

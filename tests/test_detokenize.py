@@ -1140,3 +1140,19 @@ def test_sentencepiece_added_byte_pieces():
     ids = [1010, a, 1010, *tok.convert_tokens_to_ids(['▁', '<0xE7>', '<0x88>', '<0xBF>']), 1010]
     assert sp.token_bytes(a) == b'A' == tok.decode([a]).encode() and sp.token_bytes(e7) == b'\xe7'
     for det in (sp, chunk): assert strip1(det.to_bytes(ids).decode()) == tok.decode(ids)
+
+
+def test_declared_skip_ids_past_the_vocabulary_give_no_text():
+    "Ids the caller declares textless (extra_skip_ids) may lie past the tokenizer's ids: Whisper's timestamps, which older tokenizer files lack. Other ids past it still raise."
+    from transformers import AutoTokenizer
+    from mstar_utils.checkpoints import tokenizer_folder
+    from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder('gpt2'))
+    past = len(tok) + 10
+    det = TextChunkDetokenizer(tok, extra_skip_ids={past})
+    ids = tok.encode('Hello world', add_special_tokens=False)
+    assert det.token_bytes(past) == b''
+    assert det.to_bytes(ids[:1] + [past] + ids[1:]).decode() == tok.decode(ids)
+    out = TextOutput(det, stop_token_ids=frozenset())
+    assert b''.join(out.step_bytes([i]) for i in ids[:1] + [past] + ids[1:]).decode() == tok.decode(ids)
+    with pytest.raises(ValueError, match=rf'token id {past + 1} is outside the vocabulary'): det.token_bytes(past + 1)
