@@ -93,11 +93,12 @@ def _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot) -> tup
 
 # %% ../nbs/14_cli.ipynb #45eae062
 class _StdoutBytes:
-    "Bytes to stdout as they stream: its binary buffer, or (a notebook's or a test's text stream) through an incremental UTF-8 decoder."
-    def __init__(self):
+    "Bytes to stdout as they stream: its binary buffer, or (a notebook's or a test's text stream) through an incremental UTF-8 decoder; `head` goes first, with the first bytes, so that progress on stderr does not come between a label and its text."
+    def __init__(self, head: str = ''):
         import codecs
-        self.buf, self.dec = getattr(sys.stdout, 'buffer', None), codecs.getincrementaldecoder('utf-8')('replace')
+        self.buf, self.dec, self.head = getattr(sys.stdout, 'buffer', None), codecs.getincrementaldecoder('utf-8')('replace'), head
     def write(self, b: bytes):
+        if self.head: b, self.head = self.head.encode('utf-8') + b, ''
         if self.buf is not None: self.buf.write(b); self.buf.flush()
         else: sys.stdout.write(self.dec.decode(b)); sys.stdout.flush()
     def flush(self): pass
@@ -113,11 +114,11 @@ def _check_task(rep: dict, prompt, audio):
     if prompt is not None: check_can_answer(Path(rep['checkpoint']))
 
 # %% ../nbs/14_cli.ipynb #9980d654
-def _transcribe(ckpt, audio, rep: dict, as_json: bool):
-    "Stream the transcription of `audio` to stdout, or into `rep['transcription']` for JSON."
+def _transcribe(ckpt, audio, rep: dict, as_json: bool, head: str = ''):
+    "Stream the transcription of `audio` to stdout after `head`, or into `rep['transcription']` for JSON."
     if not Path(audio).is_file(): raise _Usage(f'--audio: no file {audio}')
     print(f'transcribing {Path(audio).name} with {Path(ckpt).name} ...', file=sys.stderr, flush=True)
-    chunks, out = [], _StdoutBytes()
+    chunks, out = [], _StdoutBytes(head)
     for chunk in transcribe_stream(ckpt, audio):
         chunks.append(chunk)
         if not as_json: out.write(chunk)
@@ -153,10 +154,10 @@ def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-I
     if rep['model_type'] == 'whisper': rep['whisper'] = whisper_report(ckpt)
     rep['kv'], rep['kv_lines'] = _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot)
     head = '\n\nreply         ' if prompt is not None else '\n\ntranscription ' if audio is not None else '\n'
-    if not json: print(format_report(rep) + head, end='', flush=True)
-    if audio is not None: _transcribe(ckpt, audio, rep, json)
+    if not json: print(format_report(rep) + ('' if prompt is not None or audio is not None else head), end='', flush=True)
+    if audio is not None: _transcribe(ckpt, audio, rep, json, head)
     if prompt is not None:
-        out = io.BytesIO() if json else _StdoutBytes()
+        out = io.BytesIO() if json else _StdoutBytes(head)
         ids = generate_reply(ckpt, prompt, max_new_tokens, out=out, log=sys.stderr)
         if json: rep['reply'] = {'prompt': prompt, 'text': out.getvalue().decode('utf-8', 'replace'), 'token_ids': ids}
         else: out.write(b'\n')

@@ -481,7 +481,7 @@ def format_kv_report(report: dict, # from `kv_report`
     cap = plan['max_concurrent_requests']
     head = f"KV check ({plan['pools'][0]['max_num_pages']} pages, max_concurrent_requests {cap if cap is not None else 'unset'}): "
     if plan['error']: return lines + [head + 'refused: ' + plan['error']]
-    return lines + [head + f"{plan['verdict']} (the pool holds {plan['max_requests']} requests at max context)",
+    return lines + [head + f"{plan['verdict']} (the pool holds {plan['max_requests']} request{'' if plan['max_requests'] == 1 else 's'} at max context)",
                     *(f'  warning: {w}' for w in plan['warnings'])]
 
 # %% ../nbs/09_kv.ipynb #6172839a
