@@ -274,7 +274,9 @@ def model_source(ckpt: Path, # a checkpoint folder
                 ):
     "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it; the caller closes it. Raises as the steps it chains."
     recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
-    src, recipes = quantized_source(checkpoint_source(ckpt), config, model, recipes, keep=quantized == 'keep')
+    raw = checkpoint_source(ckpt)
+    names = checkpoint_renames(model, raw.keys()) if renames and getattr(config, 'quantization_config', None) else {}   # quantization targets name the model's modules
+    src, recipes = quantized_source(raw, config, model, recipes, keep=quantized == 'keep', names=names)
     try:
         if recipes: src = converted_source(src, recipes)
         if renames: src = RenamedSource(src, checkpoint_renames(model, src.keys()))

@@ -308,13 +308,20 @@ def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
     if fmt in _CT_FLOAT: return FloatQuantizedDequantize(block, dtype, sym)
     raise NotImplementedError(f'{what}: compressed-tensors format {fmt!r} of {module!r} is not supported ({", ".join(("pack-quantized",) + _CT_FLOAT)} are)')
 
-def _ct_tensors(src, qc: dict, dtype, what: str) -> list:
-    "`quant_method: \"compressed-tensors\"`: every module with a `weight_packed`, a `weight_scale`, or an fp8 or int8 `weight`."
+def _model_name(module: str, names: dict) -> str:
+    "`module`, a checkpoint's module name, as the model names it: through the rename (`names`: checkpoint key -> model key) of its weight, packed weight or scale."
+    for s in ('.weight', '.weight_packed', '.weight_scale'):
+        new = names.get(module + s)
+        if new is not None and new.endswith(s): return new[:-len(s)]
+    return module
+
+def _ct_tensors(src, qc: dict, dtype, what: str, names: dict | None = None) -> list:
+    "`quant_method: \"compressed-tensors\"`: every module with a `weight_packed`, a `weight_scale`, or an fp8 or int8 `weight`; targets match its model name (`names`: the checkpoint's renames)."
     mods = {t for k in src.keys() if (t := _strip(k, ['.weight_packed', '.weight_scale'])) is not None}
     mods |= {k[:-7] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}
     units = []
     for m in sorted(mods):
-        g = _ct_scheme(qc, m)
+        g = _ct_scheme(qc, _model_name(m, names or {}))   # targets name the model's modules, which a checkpoint may store renamed
         if g is None: raise ValueError(f'{what}: {m!r} has quantization parameters, but no config group of quantization_config targets it')
         units.append(_unit(src, m + '.weight', _ct_op(src, qc, g, m, dtype, what), what))
     return units
@@ -325,12 +332,14 @@ _FORMATS = {'fp8': _fp8_tensors, 'compressed-tensors': _ct_tensors, 'mxfp4': _mx
 def quantized_tensors(src, # a loader source (`keys()`, `shape(k)`, `dtype(k)`, `get(k)`), e.g. the checkpoint's
                       config, # config.json as a dict, or a transformers config
                       dtype: torch.dtype | None = None, # what dequantized weights become; None: bfloat16
+                      names: dict | None = None, # checkpoint key -> the model's key, where they differ (`checkpoint_renames`): compressed-tensors targets name the model's modules
                      ) -> list[QuantizedTensor]:
     "The parameters the checkpoint stores quantized, by its `quantization_config`; [] without one. `ValueError` names a key whose scale or codes are missing."
     qc = _qconfig(config)
     if not qc: return []
     what, method = Path(getattr(src, 'what', 'checkpoint')).name, qc.get('quant_method')
     if method not in _FORMATS: raise NotImplementedError(f'{what}: quantization_config.quant_method {method!r} is not supported ({", ".join(map(repr, _FORMATS))} are)')
+    if method == 'compressed-tensors': return _ct_tensors(src, qc, dtype or torch.bfloat16, what, names)
     return _FORMATS[method](src, qc, dtype or torch.bfloat16, what)
 
 # %% ../nbs/06_quantized.ipynb #ab7f1df5
@@ -479,9 +488,10 @@ def quantized_source(src, # the checkpoint's source
                      conv: list | None = None, # the model's own recipes (fused experts)
                      keep: bool = False, # True: keep codes and scales (`keep_quantized`); False: dequantize on load
                      dtype: torch.dtype | None = None, # dequantized weights' dtype; None: the model's
+                     names: dict | None = None, # checkpoint key -> the model's key where they differ (see `quantized_tensors`)
                     ) -> tuple:
     "(source, recipes) to load `model` from: `src` seen through the dequantizing recipes, or `src` and the recipes left after `keep_quantized`. Unquantized: (src, conv)."
-    units = quantized_tensors(src, config, dtype or getattr(model, 'dtype', None))
+    units = quantized_tensors(src, config, dtype or getattr(model, 'dtype', None), names)
     if not units: return src, conv
     if keep: return src, keep_quantized(model, units, conv)
     return converted_source(src, [WeightConverter(p, t, [op]) for p, t, op in _fragments(units, src.keys())]), conv

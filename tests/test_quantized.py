@@ -435,3 +435,19 @@ def test_block_slice():
         block_slice('model.layers.3.mlp.down_proj.weight', 128, 0, 100, 300)
     with pytest.raises(ValueError, match="'k': shard"):
         block_slice('k', 128, 256, 512, 300)
+
+
+def test_compressed_tensors_targets_name_the_models_modules_not_the_checkpoints(tmp_path):
+    "PhiMoE stores its router as block_sparse_moe.router, which transformers renames to mlp.router: the config group targeting `re:.*mlp\\..*` quantized it (compressed-tensors matched the model's name), and load_model matches the target against that name too."
+    from mstar_utils.model import load_model
+    from mstar_utils.testing import tiny_model, CT_PACK_GROUPS
+    m = tiny_model('phimoe', dtype=torch.bfloat16)
+    d = write_compressed_tensors_checkpoint(m, tmp_path/'ct', CT_PACK_GROUPS)
+    sd = load_file(d/'model.safetensors')
+    router = 'model.layers.0.block_sparse_moe.router.'
+    assert router + 'weight_packed' in sd
+    ours = load_model(d)
+    # the reference for the router: compressed-tensors' own decompression of what it stored, under the group that quantized it
+    sc = scheme(**CT_PACK_GROUPS['mlp']['weights'])
+    want = PackedQuantizationCompressor.decompress({k[len(router):]: v for k, v in sd.items() if k.startswith(router)}, sc)['weight']
+    same(ours.model.layers[0].mlp.router.weight.detach(), want.to(ours.dtype))
