@@ -21,8 +21,8 @@ from .quantized import quantized_source
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
-           'untie_stored', 'retie_equal', 'built_buffers_kept', 'initialize_unloaded', 'report_kept_buffers',
-           'with_skipped_rules', 'attach_generation_config', 'model_source', 'load_model']
+           'model_dtype', 'untie_stored', 'retie_equal', 'built_buffers_kept', 'initialize_unloaded',
+           'report_kept_buffers', 'with_skipped_rules', 'attach_generation_config', 'model_source', 'load_model']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -145,6 +145,11 @@ def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-bu
         if new != k: out[k] = new
     return out
 
+# %% ../nbs/03_load_model.ipynb #4b049084
+def _listed(names: list, n: int = 5, sep: str = ', ') -> str:
+    "The first `n` of `names` joined by `sep`, then how many more there are: what the warnings and errors of this page show."
+    return sep.join(names[:n]) + (f'{sep}... ({len(names) - n} more)' if len(names) > n else '')
+
 # %% ../nbs/03_load_model.ipynb #4b049085
 _log = logging.getLogger('mstar_utils.model')
 
@@ -154,8 +159,7 @@ def _report_unexpected(model, keys: list, where, strict: bool):
     buffers = {n for n, _ in model.named_buffers()}   # a checkpoint may hold a buffer the class computes (position_ids)
     keys = [k for k in keys if k not in buffers and not any(p.search(k) for p in pats)]
     if not keys: return
-    shown = ', '.join(keys[:5]) + (f', ... ({len(keys) - 5} more)' if len(keys) > 5 else '')
-    msg = f'{where}: {len(keys)} checkpoint key(s) were not used by {type(model).__name__}: {shown}'
+    msg = f'{where}: {len(keys)} checkpoint key(s) were not used by {type(model).__name__}: {_listed(keys)}'
     if strict: raise ValueError(msg + '; pass strict=False to load anyway')
     _log.warning(msg)
 
@@ -169,6 +173,14 @@ def checkpoint_dtype(ckpt: Path, # a checkpoint folder
         dt = infos[k].dtype
         if dt.is_floating_point and dt.itemsize >= 2: return dt
     return None
+
+# %% ../nbs/03_load_model.ipynb #3a7c0d15
+def model_dtype(config, # the model's transformers config
+                ckpt: Path, # its checkpoint folder
+                dtype: torch.dtype | None = None, # asked for by the caller
+               ) -> torch.dtype | None:
+    "The dtype to build the model in, as `from_pretrained(dtype='auto')` picks it: `dtype`, else config.json's, else `checkpoint_dtype(ckpt)`."
+    return dtype or getattr(config, 'dtype', None) or checkpoint_dtype(ckpt)
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d06
 def untie_stored(model: torch.nn.Module, # built on meta, ties tied
@@ -242,8 +254,7 @@ def report_kept_buffers(model: torch.nn.Module, # the loaded model
                        ):
     "Warn, on the `mstar_utils.model` logger, about the buffers the checkpoint lacked (`built_buffers_kept`), which `initialize_unloaded` initializes: how many, and the first few."
     if not kept: return
-    shown = ', '.join(kept[:5]) + (f', ... ({len(kept) - 5} more)' if len(kept) > 5 else '')
-    _log.warning(f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are initialized as {type(model).__name__} initializes them: {shown}')
+    _log.warning(f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are initialized as {type(model).__name__} initializes them: {_listed(kept)}')
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d14
 def with_skipped_rules(e: KeyError, # a missing-key error of the loader
@@ -254,7 +265,7 @@ def with_skipped_rules(e: KeyError, # a missing-key error of the loader
     skipped = transformers_conversions_skipped(config) if conv == 'auto' else []
     if not skipped: return e
     return KeyError(f"{e.args[0]}; transformers converts {config.model_type} checkpoints with rules load_model cannot apply, which may be why: "
-                    + '; '.join(skipped[:3]) + (f' ... ({len(skipped) - 3} more)' if len(skipped) > 3 else ''))
+                    + _listed(skipped, 3, '; '))
 
 # %% ../nbs/03_load_model.ipynb #1f9989df
 def attach_generation_config(model, ckpt: Path):
@@ -274,10 +285,10 @@ def model_source(ckpt: Path, # a checkpoint folder
                 ):
     "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it; the caller closes it. Raises as the steps it chains."
     recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
-    raw = checkpoint_source(ckpt)
-    names = checkpoint_renames(model, raw.keys()) if renames and getattr(config, 'quantization_config', None) else {}   # quantization targets name the model's modules
-    src, recipes = quantized_source(raw, config, model, recipes, keep=quantized == 'keep', names=names)
+    src = raw = checkpoint_source(ckpt)
     try:
+        names = checkpoint_renames(model, raw.keys()) if renames and getattr(config, 'quantization_config', None) else {}   # quantization targets name the model's modules
+        src, recipes = quantized_source(raw, config, model, recipes, keep=quantized == 'keep', names=names)
         if recipes: src = converted_source(src, recipes)
         if renames: src = RenamedSource(src, checkpoint_renames(model, src.keys()))
         later = transformers_conversions(config) if conv == 'auto' else []  # written for the renamed keys
@@ -301,7 +312,7 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
     if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
-    model = build_on_meta(config, model_class, dtype or (None if getattr(config, 'dtype', None) else checkpoint_dtype(ckpt)))
+    model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
     src = model_source(ckpt, config, model, conv, renames, quantized)
     try:
         untied = untie_stored(model, src)

@@ -444,7 +444,7 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
                       ) -> torch.nn.Module:
     "Rank `rank`'s part of the model in `checkpoint_dir`: built on meta, cut, filled with only its slices, checked, with its collectives, in eval mode."
     from transformers import AutoConfig
-    from mstar_utils.model import (build_on_meta, model_source, attach_generation_config, checkpoint_dtype, built_buffers_kept, report_kept_buffers,
+    from mstar_utils.model import (build_on_meta, model_source, attach_generation_config, model_dtype, built_buffers_kept, report_kept_buffers,
                                    initialize_unloaded, with_skipped_rules)
     if rank is None or world_size is None:
         if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
@@ -452,7 +452,7 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
     sharding = Sharding(tp_plan(config, world_size, expert_parallel) if plan is None else plan, rank, world_size, rules)
-    model = build_on_meta(config, model_class, dtype or (None if getattr(config, 'dtype', None) else checkpoint_dtype(ckpt)))
+    model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
     shard_module(model, sharding, group)
     src = model_source(ckpt, config, model, conv)
     try:
