@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
 
-from .sources import DictSource
+from .sources import DictSource, WrappedSource
 
 # %% auto #0
 __all__ = ['OPERATIONS', 'MIXTRAL_CONVERSIONS', 'QWEN2_MOE_CONVERSIONS', 'QWEN3_MOE_CONVERSIONS', 'DEEPSEEK_V2_CONVERSIONS',
@@ -303,10 +303,10 @@ def _tree(src, target, conv, members, what):
     return state[0]
 
 # %% ../nbs/04_convert.ipynb #c18a162d
-class ConvertedSource:
+class ConvertedSource(WrappedSource):
     "A loader source over `src` in which the rules `conv` have replaced the keys they consume by their target keys."
     def __init__(self, src, conv: list[WeightConverter], what: str = 'checkpoint'):
-        self.src, self.what = src, what
+        super().__init__(src, what)
         self.groups, members = _group(list(src.keys()), conv, what)
         consumed = set().union(*(g.keys for g in self.groups.values())) if self.groups else set()
         clash = [t for t in self.groups if t in src and t not in consumed]
@@ -320,7 +320,7 @@ class ConvertedSource:
     def shape(self, k): return self._trees[k].shape if k in self._trees else self.src.shape(k)
     def dtype(self, k): return self._trees[k].dtype if k in self._trees else self.src.dtype(k)
     def borrowed(self, k): return False if k in self._trees else self.src.borrowed(k)
-    def close(self): self.src.close()
+    def resolve(self, k): return self.src, self._trees.get(k, k)
 
 # %% ../nbs/04_convert.ipynb #d45b111f
 @patch
@@ -332,27 +332,50 @@ def where(self: ConvertedSource, k):
     return f'{_fmt(files, 2)} (built from {len(self.groups[k].keys)} keys by {c.source_patterns} -> {c.target_patterns!r})'
 
 # %% ../nbs/04_convert.ipynb #8f15d4b4
-def _read_into(src, node, out, scratch):
-    "Fill `out` with the value of tree `node`, read from `src`."
+class _Batch:
+    "One batch of a converted read: (key, dest) pairs for the source below, the steps to run after it, the bytes of its buffers."
+    def __init__(self): self.pairs, self.after, self.scratch, self.n = [], [], 0, 0
+
+def _plan_node(node, out: torch.Tensor, batch: _Batch):
+    "Add to `batch` the reads and steps that fill `out` with the value of tree `node`."
     if isinstance(node, _Leaf):
-        if out.is_contiguous():
-            t = src.get(node.key, out=out)
-            if t.data_ptr() != out.data_ptr() or t.shape != out.shape: out.copy_(t)  # a source that ignores `out`
-        else:
-            buf = scratch.get((out.shape, out.dtype))
-            if buf is None: buf = scratch[(out.shape, out.dtype)] = torch.empty(out.shape, dtype=out.dtype)
-            out.copy_(src.get(node.key, out=buf))
+        if out.is_contiguous(): batch.pairs.append((node.key, out)); return
+        buf = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        batch.pairs.append((node.key, buf)); batch.after.append(lambda: out.copy_(buf))
+        batch.scratch += buf.numel() * buf.element_size()
         return
     views = node.op.views(out, [k.shape for k in node.kids])
     if views is not None:
-        for kid, v in zip(node.kids, views): _read_into(src, kid, v, scratch)
-    else: out.copy_(node.op.apply([_value(src, kid, scratch) for kid in node.kids]))
+        for kid, v in zip(node.kids, views): _plan_node(kid, v, batch)
+        return
+    vals = [torch.empty(k.shape, dtype=k.dtype, device='meta' if out.is_meta else 'cpu') for k in node.kids]
+    for kid, v in zip(node.kids, vals): _plan_node(kid, v, batch)
+    batch.scratch += sum(v.numel() * v.element_size() for v in vals)
+    if not out.is_meta: batch.after.append(lambda: out.copy_(node.op.apply(vals)))   # a dry read (meta) computes nothing
 
-def _value(src, node, scratch):
-    "The value of tree `node` as a new tensor."
-    out = torch.empty(node.shape, dtype=node.dtype)
-    _read_into(src, node, out, scratch)
-    return out
+# %% ../nbs/04_convert.ipynb #8f15d4b5
+@patch
+def read_many(self: ConvertedSource, pairs: list, # (key, dest): dest a contiguous tensor of the key's shape, any dtype and device
+              progress=None, # called as progress(bytes, tensors)
+              scratch_bytes: int = 256 << 20, # a batch ends when the buffers of its operations' inputs reach this
+              **kw): # passed to the source's `read_many`
+    "Fill each `dest` with its key's tensor: targets assembled from reads of the source below, in batches of its `read_many`."
+    batch, inner = _Batch(), (lambda b, n: progress(b, 0)) if progress else None
+    def flush(b):
+        WrappedSource.read_many(self, b.pairs, inner, **kw)
+        for step in b.after: step()
+        if progress: progress(0, b.n)
+    for k, d in pairs:
+        root = self._trees.get(k)
+        if root is None:
+            if k not in self._set: raise KeyError(f'{self.what}: no key {k!r} after conversion')
+            batch.pairs.append((k, d))
+        elif tuple(d.shape) != root.shape or not d.is_contiguous():
+            raise ValueError(f'{self.what}: the destination of {k!r} must be a contiguous tensor of shape {list(root.shape)}, got {list(d.shape)}')
+        else: _plan_node(root, d, batch)
+        batch.n += 1
+        if batch.scratch >= scratch_bytes: flush(batch); batch = _Batch()
+    if batch.n: flush(batch)
 
 # %% ../nbs/04_convert.ipynb #63c2cc28
 @patch
@@ -366,7 +389,7 @@ def get(self: ConvertedSource, k, out: torch.Tensor | None = None) -> torch.Tens
     elif tuple(out.shape) != root.shape or out.dtype != root.dtype or not out.is_contiguous() or out.device.type != 'cpu':
         raise ValueError(f'{self.what}: out for {k!r} must be a contiguous CPU {root.dtype} tensor of shape {list(root.shape)}, '
                          f'got {out.dtype} {list(out.shape)} on {out.device}')
-    _read_into(self.src, root, out, {})
+    self.read_many([(k, out)])
     return out
 
 # %% ../nbs/04_convert.ipynb #7907d6b1

@@ -4,25 +4,31 @@
 
 # %% ../nbs/03_load_model.ipynb #4236b782
 from __future__ import annotations
-import logging, re, threading
+import json, logging, re, threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from fastcore.basics import patch
 
 from .sources import checkpoint_dir as _checkpoint_dir
-from .loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded, process_weights_after_loading
+from .loading import ModuleAndPrefix, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS
 from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter
 from .quantized import quantized_source
+from .tensor_parallel import Slice, Sharding, ShardedSource, shard_module, tp_plan
 
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
            'model_dtype', 'untie_stored', 'retie_equal', 'built_buffers_kept', 'initialize_unloaded',
-           'report_kept_buffers', 'with_skipped_rules', 'attach_generation_config', 'model_source', 'load_model']
+           'report_kept_buffers', 'with_skipped_rules', 'attach_generation_config', 'model_source', 'load_model',
+           'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -282,10 +288,11 @@ def model_source(ckpt: Path, # a checkpoint folder
                  conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (`transformers_conversions`); None: none
                  renames: bool = True, # keys under the names transformers renames them to (`checkpoint_renames`)
                  quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize', or 'keep' codes and scales
+                 raw=None, # the checkpoint's own source; None: `checkpoint_source(ckpt)`
                 ):
     "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it; the caller closes it. Raises as the steps it chains."
     recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
-    src = raw = checkpoint_source(ckpt)
+    src = raw = raw if raw is not None else checkpoint_source(ckpt)
     try:
         names = checkpoint_renames(model, raw.keys()) if renames and getattr(config, 'quantization_config', None) else {}   # quantization targets name the model's modules
         src, recipes = quantized_source(raw, config, model, recipes, keep=quantized == 'keep', names=names)
@@ -295,6 +302,63 @@ def model_source(ckpt: Path, # a checkpoint folder
         if later: src = converted_source(src, later)
     except BaseException: src.close(); raise
     return src
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c02
+def _sharding(config, rank, world_size, plan, expert_parallel, rules):
+    "This rank's `Sharding` of the model, or None for one device (`rank` and `world_size` None, or a world of 1)."
+    if rank is None and world_size is None: return None
+    if rank is None or world_size is None: raise ValueError(f'rank={rank!r}, world_size={world_size!r}: pass both (or neither, for the whole model)')
+    if world_size == 1 and rank == 0: return None
+    return Sharding(tp_plan(config, world_size, expert_parallel) if plan is None else plan, rank, world_size, rules)
+
+def _check_keep_sharded(config, sharding, quantized: str, what: str):
+    "`NotImplementedError` for codes and scales kept under tensor parallelism, which cannot be sliced yet."
+    if sharding is None or quantized != 'keep' or not getattr(config, 'quantization_config', None): return
+    raise NotImplementedError(f"{what}: quantized='keep' at world_size {sharding.world_size}: slicing kept codes and scales is not "
+                              "supported yet; load with quantized='dequantize', or on one device")
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c03
+class _Prepared(NamedTuple):
+    "What `_prepare` gives: the folder, config, model (on meta, cut), the source to read, the checkpoint's own, and more."
+    ckpt: Path
+    config: object
+    model: torch.nn.Module
+    source: object   # what the load reads: keyed by the model's names, this rank's slices
+    raw: object   # the checkpoint's FileSource, at the bottom of `source`
+    sharding: object   # this rank's Sharding; None on one device
+    untied: list   # (kept, untied) names, for `retie_equal`
+    what: str   # names the model in messages
+
+def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantized='dequantize', renames=True, rank=None,
+             world_size=None, group=None, plan=None, expert_parallel=False, rules=(), dry=False) -> _Prepared:
+    "Every step of `load_model` before a weight is read (see `load_model` for the arguments); `dry`: a source that only records reads."
+    from transformers import AutoConfig
+    if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
+    ckpt = _checkpoint_dir(checkpoint_dir)
+    config = AutoConfig.from_pretrained(ckpt)
+    if group is not None and (rank is None or world_size is None): rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    sharding = _sharding(config, rank, world_size, plan, expert_parallel, rules)
+    _check_keep_sharded(config, sharding, quantized, ckpt.name)
+    model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
+    raw = checkpoint_source(ckpt, dry=dry)
+    src = model_source(ckpt, config, model, conv, renames, quantized, raw)
+    try:
+        untied = untie_stored(model, src)
+        if sharding is not None:
+            shard_module(model, sharding, group)
+            src = ShardedSource(src, sharding, str(ckpt))
+    except BaseException: src.close(); raise
+    where = '' if sharding is None else f', rank {sharding.rank} of {sharding.world_size}'
+    return _Prepared(ckpt, config, model, src, raw, sharding, untied, f'{ckpt.name} ({type(model).__name__}{where})')
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c04
+def _read_weights(prep: _Prepared, device, progress=None):
+    "(LoadResult, buffers kept as built): the prepared model filled from its source and checked; on device 'meta', a dry run."
+    model, src = prep.model, prep.source
+    with built_buffers_kept(model, src) as kept:
+        res = load_from_source(src, [ModuleAndPrefix(model)], device=device, progress=progress, what=str(prep.ckpt))
+        if str(device) != 'meta': check_loaded(model, res[0], prep.what)
+    return res, kept
 
 # %% ../nbs/03_load_model.ipynb #512231b4
 def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.json and safetensors (index + shards, or one file)
@@ -306,26 +370,150 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
                strict: bool = False, # raise `ValueError` instead of warning when checkpoint keys go unused
                quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize' into `dtype`, or 'keep' codes and scales
                renames: bool = True, # load keys under the names transformers renames them to (`checkpoint_renames`), as `from_pretrained` does
+               rank: int | None = None, # this rank of a tensor-parallel group; None with `world_size` None: the whole model
+               world_size: int | None = None, # the group's size
+               group=None, # the process group of the collectives (rank and size default to its own); None: the default group
+               plan: dict | None = None, # a tp_plan; None: `tp_plan(config, world_size, expert_parallel)`
+               expert_parallel: bool = False, # default plan: experts split by expert
+               rules=(), # per-key slicing rules, asked before the plan (see `Sharding`)
               ) -> torch.nn.Module:
-    "The model in `checkpoint_dir`, built on meta, loaded, checked, finalized and in eval mode, with its generation config."
-    from transformers import AutoConfig
-    if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
-    ckpt = _checkpoint_dir(checkpoint_dir)
-    config = AutoConfig.from_pretrained(ckpt)
-    model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
-    src = model_source(ckpt, config, model, conv, renames, quantized)
-    try:
-        untied = untie_stored(model, src)
-        with built_buffers_kept(model, src) as kept:
-            res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(ckpt))
-            check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__})')
-    except KeyError as e: raise with_skipped_rules(e, config, conv) from None
-    finally: src.close()
-    retie_equal(model, untied, ckpt.name)
+    "The model in `checkpoint_dir` (or rank `rank`'s part of it), built on meta, loaded, checked, finalized, in eval mode."
+    prep = _prepare(checkpoint_dir, model_class, dtype, conv, quantized, renames, rank, world_size, group, plan, expert_parallel, rules)
+    model, name = prep.model, prep.ckpt.name
+    try: res, kept = _read_weights(prep, device)
+    except KeyError as e: raise with_skipped_rules(e, prep.config, conv) from None
+    finally: prep.source.close()
+    retie_equal(model, prep.untied, name)
     initialize_unloaded(model, res[0])
-    report_kept_buffers(model, kept, ckpt.name)
+    report_kept_buffers(model, kept, name)
     model.to(device)   # the buffers built real on the CPU
     process_weights_after_loading(model, device)
-    _report_unexpected(model, res.unexpected_keys, ckpt.name, strict)
-    attach_generation_config(model, ckpt)
+    _report_unexpected(model, res.unexpected_keys, name, strict)
+    attach_generation_config(model, prep.ckpt)
+    model.bytes_read = prep.source.bytes_read
+    if prep.sharding is not None: model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
     return model.eval()
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c11
+class PlannedTensor(NamedTuple):
+    "One model tensor of a `LoadPlan`: where it comes from, what is done to it, the slice this rank holds, the bytes read for it."
+    name: str   # the model's name for it
+    shape: tuple   # the shape this rank holds
+    dtype: str   # as the source gives it (before a cast into the model's dtype)
+    keys: list   # the checkpoint keys it is read from
+    steps: list   # its transforms, in order
+    slice: Slice | None   # this rank's part of the whole tensor; None: all of it
+    bytes: int   # bytes read for it
+    ranges: list   # [(file name, start, stop)] read for it, merged
+
+class FileReads(NamedTuple):
+    "The reads of one checkpoint file: byte ranges [(start, stop)], merged where they touch, and the bytes read (twice if read twice)."
+    file: str
+    ranges: list
+    bytes: int
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c12
+@dataclass
+class LoadPlan:
+    "What `load_model` reads at one rank, and what it does with it: per tensor (`tensors`) and per file (`files`)."
+    checkpoint: str   # the folder
+    rank: int
+    world_size: int
+    tensors: list   # PlannedTensor, in the source's key order
+    files: list   # FileReads, by file name
+    total_bytes: int   # bytes this rank reads, all files
+    checkpoint_bytes: int   # bytes of tensor data the checkpoint holds
+    options: dict   # the keyword arguments of `load_model` it was made with
+    def __repr__(self):
+        head = (f'LoadPlan({Path(self.checkpoint).name}, rank {self.rank} of {self.world_size}): {len(self.tensors)} tensors, '
+                f'reads {_mb(self.total_bytes)} of {_mb(self.checkpoint_bytes)} in {len(self.files)} file(s)')
+        rows = [f'  {t.name} {list(t.shape)} {t.dtype} <- {_listed(t.keys, 2)}: {" | ".join(t.steps) or "as stored"}, {_mb(t.bytes)}'
+                for t in self.tensors[:6]]
+        more = [f'  ... ({len(self.tensors) - 6} more)'] if len(self.tensors) > 6 else []
+        files = [f'  {f.file}: {len(f.ranges)} range(s), {_mb(f.bytes)}' for f in self.files]
+        return '\n'.join([head, *rows, *more, *files])
+
+def _mb(n: int) -> str: return f'{n / 1e6:.2f} MB'
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c13
+@patch
+def to_json(self: LoadPlan, indent: int | None = 1) -> str:
+    "The plan as JSON: every field, slices as {dim, ranges}, dtypes and files by name."
+    def tensor(t):
+        d = t._asdict()
+        d['slice'] = None if t.slice is None else {'dim': t.slice.dim, 'ranges': [list(r) for r in t.slice.ranges]}
+        return d
+    return json.dumps(dict(checkpoint=self.checkpoint, rank=self.rank, world_size=self.world_size, total_bytes=self.total_bytes,
+                           checkpoint_bytes=self.checkpoint_bytes, options={k: str(v) for k, v in self.options.items()},
+                           files=[f._asdict() for f in self.files], tensors=[tensor(t) for t in self.tensors]), indent=indent)
+
+@patch
+def load(self: LoadPlan, **kw) -> torch.nn.Module:
+    "`load_model` with this plan's folder, rank and options (`kw` added: device, strict, ...)."
+    return load_model(self.checkpoint, rank=self.rank, world_size=self.world_size, **{**self.options, **kw})
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c15
+def _lineage(src, k: str, steps: list) -> list:
+    "The checkpoint keys key `k` of `src` is read from, walking the wrappers by `resolve`; adds its transforms to `steps`, innermost first."
+    step = src.resolve(k) if hasattr(src, 'resolve') else None
+    if step is None: return [k]
+    inner, node = step
+    if isinstance(node, str):
+        keys = _lineage(inner, node, steps)
+        if node != k: steps.append(f'rename {node} -> {k}')
+        return keys
+    keys, inside, ops = [], [], []
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if hasattr(n, 'key'): keys += _lineage(inner, n.key, inside)
+        else: ops.append(n.op); todo.extend(reversed(n.kids))
+    steps.extend(dict.fromkeys(inside))
+    for op in dict.fromkeys(reversed(ops)):   # innermost first
+        steps.append(f'{"dequantize" if hasattr(op, "target_dtype") else "fuse"} {op!r}')
+    return keys
+
+def _merged(reads: list) -> dict:
+    "{file: [[start, stop], ...]} of reads [(file, offset, bytes)], sorted, merged where they touch or overlap."
+    out = {}
+    for path, off, n in sorted(reads, key=lambda r: (str(r[0]), r[1])):
+        rs = out.setdefault(Path(path).name, [])
+        if rs and off <= rs[-1][1]: rs[-1][1] = max(rs[-1][1], off + n)
+        else: rs.append([off, off + n])
+    return out
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c16
+def load_plan(checkpoint_dir: str | Path, # an HF checkpoint folder
+              rank: int = 0, # the rank planned for
+              world_size: int = 1, # the tensor-parallel group's size
+              **kw, # as `load_model`: model_class, dtype, conv, quantized, renames, plan, expert_parallel, rules
+             ) -> LoadPlan:
+    "What `load_model(checkpoint_dir, rank=rank, world_size=world_size, **kw)` reads, computed from headers and config alone."
+    prep = _prepare(checkpoint_dir, rank=rank, world_size=world_size, dry=True, **kw)
+    src, raw = prep.source, prep.raw
+    try:
+        try: res, _ = _read_weights(prep, 'meta', progress=False)
+        except KeyError as e: raise with_skipped_rules(e, prep.config, kw.get('conv', 'auto')) from None
+        total, reads = raw.bytes_read, list(raw.reads)
+        quantized = kw.get('quantized') == 'keep' and getattr(prep.config, 'quantization_config', None)
+        tensors, unused = [], set(res.unexpected_keys)
+        for k in [k for k in src.keys() if k not in unused]:
+            mark = len(raw.reads)
+            src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k), device='meta'))])   # the load's reads, one key at a time
+            mine, steps = raw.reads[mark:], []
+            keys = _lineage(src, k, steps)
+            if quantized and (src.dtype(k) in _STORED_CODES or k.endswith(_SCALES)): steps.insert(0, 'keep (as stored)')
+            sl = src.slice(k) if prep.sharding is not None else None
+            if sl is not None and sl.dim is not None: steps.append(f'slice dim {sl.dim} {list(sl.ranges)}')
+            tensors.append(PlannedTensor(k, tuple(src.shape(k)), str(src.dtype(k)).replace('torch.', ''), keys, steps,
+                                         None if sl is None or sl.dim is None else sl, sum(r[2] for r in mine),
+                                         [(f, a, b) for f, rs in _merged(mine).items() for a, b in rs]))
+        ck = sum(raw.info(k)[2].end - raw.info(k)[2].begin for k in raw.keys())
+    finally: src.close()
+    by_file = {}
+    for path, _, n in reads: by_file[Path(path).name] = by_file.get(Path(path).name, 0) + n
+    files = [FileReads(f, [tuple(r) for r in rs], by_file[f]) for f, rs in sorted(_merged(reads).items())]
+    return LoadPlan(str(prep.ckpt), rank, world_size, tensors, files, total, ck, dict(kw))
+
+_STORED_CODES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.uint8, torch.int8}
+_SCALES = ('_scale_inv', '_scale', '_zero_point', '_scales', '_shape')

@@ -4,19 +4,20 @@
 
 # %% ../nbs/01_safetensors.ipynb #a827b658
 from __future__ import annotations
-import ctypes, gc, json, mmap as _mmap, os, sys
+import ctypes, gc, json, mmap as _mmap, os, sys, threading
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from fastcore.basics import patch
 from safetensors import safe_open
 
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
-           'read_weight_map', 'DictSource', 'default_threads', 'FileSource', 'HostCopier', 'CudaCopier', 'copier_for',
-           'checkpoint_source', 'file_source', 'RenamedSource']
+           'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'default_threads', 'FileSource', 'HostCopier',
+           'CudaCopier', 'copier_for', 'checkpoint_source', 'file_source', 'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
@@ -186,8 +187,67 @@ def read_weight_map(repo_dir: str | Path, # a checkpoint folder
         out[key] = p
     return out
 
+# %% ../nbs/01_safetensors.ipynb #5a0c1e01
+class Source:
+    "What the loaders read tensors through: a subclass must give keys, in, shape, dtype, where and get; the rest has defaults."
+    what: str = 'source'   # names the checkpoint in messages
+    mmap: bool = False   # `get` hands out mapped views of files
+    reads_slices: bool = False   # `get_slice` reads only the slice's bytes
+    bytes_read: int = 0   # bytes read from files so far
+    def _must(self, name): raise NotImplementedError(f'{type(self).__name__} is a Source and must define {name}')
+    def keys(self): self._must('keys()')
+    def __contains__(self, k): self._must('__contains__')
+    def shape(self, k) -> tuple: self._must('shape(k)')
+    def dtype(self, k) -> torch.dtype: self._must('dtype(k)')
+    def where(self, k) -> str: self._must('where(k)')
+    def get(self, k, out: torch.Tensor | None = None) -> torch.Tensor: self._must('get(k, out=None)')
+    def close(self): pass
+    def borrowed(self, k) -> bool: return False
+    def stored_in(self, keys) -> dict: return {}
+    def resolve(self, k): return None
+
+# %% ../nbs/01_safetensors.ipynb #5a0c1e02
+@patch
+def read_many(self: Source, pairs: list, # (key, dest): dest a contiguous tensor of the key's shape, any dtype and device
+              progress=None, # called as progress(bytes, tensors)
+              **kw):
+    "Fill each `dest` with its key's tensor; this default reads one `get` a pair."
+    for k, d in pairs:
+        t = self.get(k, out=d) if d.device.type == 'cpu' and d.dtype == self.dtype(k) and d.is_contiguous() else self.get(k)
+        if t is not d: d.copy_(t)
+        if progress: progress(t.numel() * t.element_size(), 1)
+
+@patch
+def get_slice(self: Source, k, dim: int, ranges, out: torch.Tensor | None = None) -> torch.Tensor:
+    "Indices `ranges` along `dim` of tensor `k`, joined in order; this default reads all of it, then cuts."
+    t = self.get(k)
+    parts = [t.narrow(dim, a, b - a) for a, b in ranges]
+    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return t.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(t)
+
+# %% ../nbs/01_safetensors.ipynb #5a0c1e03
+class WrappedSource(Source):
+    "A source over `src` that forwards everything to it, batched reads included; wrappers override what they change."
+    def __init__(self, src, what: str | None = None): self.src, self.what = src, what or getattr(src, 'what', 'checkpoint')
+    mmap = property(lambda self: getattr(self.src, 'mmap', False))
+    reads_slices = property(lambda self: getattr(self.src, 'reads_slices', False))
+    bytes_read = property(lambda self: getattr(self.src, 'bytes_read', 0))
+    def keys(self): return self.src.keys()
+    def __contains__(self, k): return k in self.src
+    def shape(self, k): return self.src.shape(k)
+    def dtype(self, k): return self.src.dtype(k)
+    def where(self, k): return self.src.where(k)
+    def get(self, k, out=None): return self.src.get(k, out=out)
+    def borrowed(self, k): return self.src.borrowed(k)
+    def stored_in(self, keys): return self.src.stored_in(keys) if hasattr(self.src, 'stored_in') else {}
+    def resolve(self, k): return self.src, k
+    def read_many(self, pairs, progress=None, **kw):
+        inner = getattr(self.src, 'read_many', None)   # a source of the caller's own making may lack it
+        return inner(pairs, progress, **kw) if inner else Source.read_many(self.src, pairs, progress)
+    def close(self): self.src.close()
+
 # %% ../nbs/01_safetensors.ipynb #b429eefb
-class DictSource:
+class DictSource(Source):
     "Tensors from an in-memory `state_dict` (str -> Tensor); `get` returns the caller's own tensors, so `borrowed` is True."
     def __init__(self, state_dict, what='state_dict'):
         if not hasattr(state_dict, 'keys'): raise TypeError(f'state_dict must be a mapping of str to Tensor, got {type(state_dict).__name__}')
@@ -198,10 +258,6 @@ class DictSource:
     def dtype(self, k): return self._tensor(k).dtype
     def where(self, k): return self.what
     def borrowed(self, k): return True
-    def close(self): pass
-
-# %% ../nbs/01_safetensors.ipynb #d6e5816e
-from fastcore.basics import patch
 
 # %% ../nbs/01_safetensors.ipynb #3e082976
 @patch
@@ -227,17 +283,21 @@ def default_threads() -> int:
     return max(1, min(8, n))
 
 # %% ../nbs/01_safetensors.ipynb #722a8ecf
-class FileSource:
+class FileSource(Source):
     "Tensors from safetensors files: `key_to_file` maps each key to the file trusted for it (the index's shard, or the one file)."
-    def __init__(self, key_to_file: dict, what: str, mmap: bool = False, threads: int | None = None):
+    reads_slices = True
+    def __init__(self, key_to_file: dict, what: str, mmap: bool = False, threads: int | None = None,
+                 record: bool = False, # list every read (file, offset, bytes) in `reads`
+                 dry: bool = False, # record reads without reading: tensors come back on meta, tiny ones excepted
+                ):
         self.k2f, self.what, self.mmap, self._headers, self._files, self._maps = key_to_file, what, mmap, {}, {}, {}
         self.threads, self._info = threads or default_threads(), {}  # _info: key -> info(key), once asked
+        self.dry, self.reads, self.bytes_read, self._lock = dry, [] if record or dry else None, 0, threading.Lock()
     def keys(self): return self.k2f.keys()
     def __contains__(self, k): return k in self.k2f
     def where(self, k): return str(self.k2f[k])
     def shape(self, k): return (self._info.get(k) or self.info(k))[2].shape
     def dtype(self, k): return (self._info.get(k) or self.info(k))[2].dtype
-    def borrowed(self, k): return False
     def close(self):
         for f in self._files.values(): f.close()
         self._files.clear(); self._maps.clear()  # tensors handed out keep their mapping alive
@@ -323,11 +383,24 @@ def _buffer(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
 # %% ../nbs/01_safetensors.ipynb #96547803
+_DRY_REAL = 64   # bytes: a dry source still reads a tensor this small when asked for its value (a `weight_shape`)
+
+@patch
+def _note(self: FileSource, path, offset: int, n: int):
+    "Count `n` bytes read at `offset` of `path` in `bytes_read`, and list the read in `reads` when the source records."
+    with self._lock:
+        self.bytes_read += n
+        if self.reads is not None: self.reads.append((path, offset, n))
+
 @patch
 def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     "The tensor `k`, read into `out` when given (a contiguous CPU tensor of the checkpoint's dtype and shape)."
     path, start, (dt, shape, begin, end) = self.info(k)
+    if self.dry and (out is not None or end - begin > _DRY_REAL):
+        self._note(path, start + begin, end - begin)
+        return torch.empty(shape, dtype=dt, device='meta') if out is None else out
     if self.mmap and out is None and end > begin and (start + begin) % dt.itemsize == 0:
+        self._note(path, start + begin, end - begin)
         return self._mapped(path)[start + begin:start + end].view(dt).view(shape)
     if out is not None and (out.dtype != dt or out.shape != shape or out.device.type != 'cpu' or not out.is_contiguous()):
         raise ValueError(f'{path}: tensor {k!r} is {dt} {list(shape)}; out must be a contiguous CPU tensor of that dtype and shape, '
@@ -338,6 +411,7 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
         if buf.nbytes != end - begin: raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {buf.nbytes}')
         got = _preadv(self._file(path).fileno(), [memoryview(buf)], start + begin)
         if got < buf.nbytes: raise _cut(path, [(0, 0, buf.nbytes)], [k], [buf.nbytes], got)
+        self._note(path, start + begin, end - begin)
     return t
 
 @patch
@@ -541,6 +615,11 @@ def read_many(self: FileSource,
         g = groups.get(gk) or groups.setdefault(gk, ([], [], [], []))
         g[0].append(k); g[1].append(d); g[2].append((path, start + begin, end - begin)); g[3].append(dt)
     if empty and progress: progress(0, empty)
+    for g in groups.values():
+        for sp in g[2]: self._note(*sp)
+    if self.dry:
+        if progress: progress(sum(sp[2] for g in groups.values() for sp in g[2]), len(pairs) - empty)
+        return
     paths = {sp[0] for g in groups.values() for sp in g[2]}
     with _sequential([self._file(p).fileno() for p in sorted(paths, key=str)]):
         for dev, (keys, dests, spans, dts) in groups.items():
@@ -551,9 +630,11 @@ def read_many(self: FileSource,
 def checkpoint_source(repo_dir: str | Path, # a checkpoint folder
                       mmap: bool = False, # hand out copy-on-write mapped views instead of owned memory
                       threads: int | None = None, # reader threads; default `default_threads()`
+                      record: bool = False, # list every read in `reads`
+                      dry: bool = False, # record the reads without reading (see `FileSource`)
                      ) -> FileSource:
     "A `FileSource` over the checkpoint folder `repo_dir`, keyed by its `read_weight_map`; raises as `read_weight_map`."
-    return FileSource(read_weight_map(repo_dir), str(repo_dir), mmap=mmap, threads=threads)
+    return FileSource(read_weight_map(repo_dir), str(repo_dir), mmap=mmap, threads=threads, record=record, dry=dry)
 
 # %% ../nbs/01_safetensors.ipynb #7e4b1a90
 def file_source(path: str | Path, # a safetensors file
@@ -606,28 +687,30 @@ def get_slice(self: FileSource, k, # a key of the source
     bad = [(a, b) for a, b in ranges if not 0 <= a <= b <= shape[d]]
     if bad: raise ValueError(f'{path}: tensor {k!r} has {shape[d]} entries along dim {d}; range {bad[0]} is outside it')
     sliced = (*shape[:d], sum(b - a for a, b in ranges), *shape[d + 1:])
-    t = torch.empty(sliced, dtype=dt) if out is None else out
+    t = torch.empty(sliced, dtype=dt, device='meta' if self.dry else 'cpu') if out is None else out
     if tuple(t.shape) != sliced or t.dtype != dt or not t.is_contiguous():
         raise ValueError(f'{path}: out for a slice of {k!r} must be a contiguous {dt} tensor of shape {list(sliced)}, got {t.dtype} {list(t.shape)}')
     if not t.numel(): return t
+    runs = _slice_runs(shape, dt.itemsize, d, ranges)
+    for off, n in runs: self._note(path, start + begin + off, n)
+    if self.dry: return t
     buf, pos, fd = memoryview(t.view(-1).view(torch.uint8).numpy()), 0, self._file(path).fileno()
-    for off, n in _slice_runs(shape, dt.itemsize, d, ranges):
+    for off, n in runs:
         _pread_into(fd, buf[pos:pos + n], start + begin + off, f'{path}: tensor {k!r}')
         pos += n
     return t
 
 # %% ../nbs/01_safetensors.ipynb #5e1d0a02
-class RenamedSource:
+class RenamedSource(WrappedSource):
     "The loader source `src` with the keys of `renames` (checkpoint key -> new key) under their new names; reads go to the checkpoint keys."
     def __init__(self, src, renames: dict, what: str | None = None):
-        self.src, self.what = src, what or getattr(src, 'what', 'checkpoint')
+        super().__init__(src, what)
         self.old = {new: old for old, new in renames.items()}
         clash = [n for n in self.old if n in src and n not in renames]
         if clash: raise ValueError(f'{self.what}: {self.old[clash[0]]!r} is renamed to {clash[0]!r}, which the checkpoint also holds; it would be loaded twice')
         if len(self.old) < len(renames): raise ValueError(f'{self.what}: two checkpoint keys are renamed to the same key')
         self._keys = [renames.get(k, k) for k in src.keys()]
-        self._set, self.mmap = set(self._keys), getattr(src, 'mmap', False)
-        if hasattr(src, 'read_many'): self.read_many = self._read_many  # batched only where `src` is
+        self._set = set(self._keys)
     def _k(self, k): return self.old.get(k, k)
     def keys(self): return self._keys
     def __contains__(self, k): return k in self._set
@@ -635,7 +718,7 @@ class RenamedSource:
     def shape(self, k): return self.src.shape(self._k(k))
     def dtype(self, k): return self.src.dtype(self._k(k))
     def borrowed(self, k): return self.src.borrowed(self._k(k))
+    def resolve(self, k): return self.src, self._k(k)
     def where(self, k): return self.src.where(self._k(k)) + (f' (as {self._k(k)!r})' if k in self.old else '')
     def get(self, k, out=None): return self.src.get(self._k(k), out=out)
-    def _read_many(self, pairs, progress=None, **kw): return self.src.read_many([(self._k(k), d) for k, d in pairs], progress, **kw)
-    def close(self): self.src.close()
+    def read_many(self, pairs, progress=None, **kw): return super().read_many([(self._k(k), d) for k, d in pairs], progress, **kw)

@@ -5,6 +5,7 @@
 # %% ../nbs/07_tensor_parallel.ipynb #0bdb913e
 from __future__ import annotations
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -14,10 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .sources import checkpoint_source, checkpoint_dir as _checkpoint_dir, RenamedSource
-from .convert import ConvertedSource, MergeModulelist, Concatenate, converted_source
-from .loading import (ModuleAndPrefix, LoadResult, load_from_source, check_loaded, process_weights_after_loading,
-                                 module_entries, named_tensors, norm_prefix)
+from .sources import Source, WrappedSource, checkpoint_source, default_threads
+from .convert import MergeModulelist, Concatenate, converted_source
+from .loading import ModuleAndPrefix, LoadResult, load_from_source, module_entries, named_tensors, norm_prefix
 
 # %% auto #0
 __all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'FORWARDS', 'Slice', 'slice_shape', 'take', 'TPStyle', 'Sharding', 'tp_plan',
@@ -202,51 +202,47 @@ def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
         return
     values = []
     for kid in node.kids:
-        v = torch.empty(kid.shape, dtype=kid.dtype); _fill_node(src, kid, WHOLE, v, count); values.append(v)
-    out.copy_(take(node.op.apply(values), sl))
+        v = torch.empty(kid.shape, dtype=kid.dtype, device='meta' if out.is_meta else 'cpu'); _fill_node(src, kid, WHOLE, v, count); values.append(v)
+    if not out.is_meta: out.copy_(take(node.op.apply(values), sl))   # a dry read (meta) computes nothing
 
 # %% ../nbs/07_tensor_parallel.ipynb #5b1e14e2
-def read_slice(src, # a loader source: FileSource, ConvertedSource, DictSource, or any with get(k, out)
+def read_slice(src, # a loader source (see `Source`)
                key: str, # the key to read
                sl: Slice, # the part of it to read
                out: torch.Tensor | None = None, # a contiguous CPU tensor of the slice's shape and the key's dtype
                count=None, # called with the byte count of each read
               ) -> torch.Tensor:
-    "Slice `sl` of `src`'s tensor `key`, reading only its bytes where `src` can (`get_slice`, a ConvertedSource's stacking and joining)."
+    "Slice `sl` of `src`'s tensor `key`, reading only its bytes where `src` can: through wrappers (`resolve`) to a `get_slice`."
     count = count or (lambda n: None)
-    if isinstance(src, RenamedSource): return read_slice(src.src, src.old.get(key, key), sl, out, count)
-    if isinstance(src, ConvertedSource):
-        tree = src._trees.get(key)
-        if tree is None: return read_slice(src.src, key, sl, out, count)
-        if out is None: out = torch.empty(slice_shape(tree.shape, sl), dtype=tree.dtype)
-        _fill_node(src.src, tree, sl, out, count)
+    step = src.resolve(key) if hasattr(src, 'resolve') else None
+    if step is not None:
+        inner, node = step
+        if isinstance(node, str): return read_slice(inner, node, sl, out, count)
+        if out is None: out = torch.empty(slice_shape(node.shape, sl), dtype=node.dtype)
+        _fill_node(inner, node, sl, out, count)
         return out
     if sl.dim is None: t = src.get(key, out=out)
-    elif callable(getattr(src, 'get_slice', None)): t = src.get_slice(key, sl.dim, sl.ranges, out=out)
-    else:
-        whole = src.get(key); count(whole.numel() * whole.element_size())
-        t = take(whole, sl)
-        return out.copy_(t) if out is not None else t.clone(memory_format=torch.contiguous_format)
-    count(t.numel() * t.element_size())
+    else: t = (src.get_slice if hasattr(src, 'get_slice') else Source.get_slice.__get__(src))(key, sl.dim, sl.ranges, out=out)
+    whole = sl.dim is not None and not getattr(src, 'reads_slices', False)   # this source read all of it to cut the slice
+    count(_numel(src.shape(key)) * src.dtype(key).itemsize if whole else t.numel() * t.element_size())
     if out is not None and t is not out: out.copy_(t); t = out   # a source that ignores `out`
     return t
 
+def _numel(shape) -> int: return int(torch.Size(shape).numel())
+
 # %% ../nbs/07_tensor_parallel.ipynb #8c1d301d
-class ShardedSource:
+class ShardedSource(WrappedSource):
     "A loader source over `src` that presents rank `sharding.rank`'s slice of each key: `shape` is the slice's, `get` reads only its bytes."
     def __init__(self, src, # a source keyed by the modules' names: FileSource, ConvertedSource, DictSource, ...
                  sharding: Sharding, # which slice of each key this rank holds
                  what: str | None = None, # names the checkpoint in messages; default: the source's
                 ):
-        self.src, self.sharding, self.bytes_read, self._slices = src, sharding, 0, {}
-        self.what = what or getattr(src, 'what', 'checkpoint')
-    def keys(self): return self.src.keys()
-    def __contains__(self, k): return k in self.src
-    def dtype(self, k): return self.src.dtype(k)
+        super().__init__(src, what)
+        self.sharding, self._slices = sharding, {}
     def full_shape(self, k) -> tuple: return tuple(self.src.shape(k))
     def shape(self, k) -> tuple: return slice_shape(self.full_shape(k), self.slice(k))
     def borrowed(self, k): return self.slice(k).dim is None and self.src.borrowed(k)
-    def close(self): self.src.close()
+    def resolve(self, k): return None   # its tensors are slices: it reads them itself
 
 # %% ../nbs/07_tensor_parallel.ipynb #d237693b
 @patch
@@ -264,9 +260,27 @@ def where(self: ShardedSource, k) -> str:
 
 @patch
 def get(self: ShardedSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
-    "This rank's slice of key `k`, read into `out` when given; adds the bytes read to `bytes_read`."
-    def count(n): self.bytes_read += n
-    return read_slice(self.src, k, self.slice(k), out, count)
+    "This rank's slice of key `k`, read into `out` when given."
+    return read_slice(self.src, k, self.slice(k), out)
+
+@patch
+def read_many(self: ShardedSource, pairs: list, # (key, dest): dest a contiguous tensor of the slice's shape, any dtype and device
+              progress=None, # called as progress(bytes, tensors)
+              **kw): # passed to the source's `read_many`
+    "Fill each `dest` with this rank's slice of its key: whole keys by the source's own `read_many`, cut ones on reader threads."
+    whole = [(k, d) for k, d in pairs if self.slice(k).dim is None]
+    cut = [(k, d) for k, d in pairs if self.slice(k).dim is not None]
+    if whole: WrappedSource.read_many(self, whole, progress, **kw)
+    def job(kd):
+        k, d = kd
+        direct = (d.is_meta or d.device.type == 'cpu') and d.dtype == self.dtype(k)
+        t = read_slice(self.src, k, self.slice(k), d if direct else None)
+        if t is not d: d.copy_(t)
+        return d.numel() * d.element_size()
+    if not cut: return
+    with ThreadPoolExecutor(min(len(cut), getattr(self.src, 'threads', None) or default_threads()), thread_name_prefix='slice') as ex:
+        for n in ex.map(job, cut):
+            if progress: progress(n, 1)
 
 # %% ../nbs/07_tensor_parallel.ipynb #d1a0800f
 def _cut(t: torch.Tensor, sl: Slice) -> torch.Tensor:
@@ -435,35 +449,11 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
                        plan: dict | None = None, # a tp_plan; None: `tp_plan(config, world_size, expert_parallel)`
                        *,
                        group=None, # the process group of the collectives; None: the default group
-                       device: str = 'cpu', # where the weights land
-                       dtype: torch.dtype | None = None, # parameters' dtype; None: config.json's, else the checkpoint's (`checkpoint_dtype`)
-                       conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (see `model_source`)
-                       rules=(), # per-key slicing rules (see `Sharding`)
-                       expert_parallel: bool = False, # default plan: experts split by expert
-                       model_class: type | None = None, # None: transformers' class for config.json `architectures`
+                       **kw, # as `load_model`: device, dtype, conv, quantized, strict, renames, rules, expert_parallel, model_class
                       ) -> torch.nn.Module:
-    "Rank `rank`'s part of the model in `checkpoint_dir`: built on meta, cut, filled with only its slices, checked, with its collectives, in eval mode."
-    from transformers import AutoConfig
-    from mstar_utils.model import (build_on_meta, model_source, attach_generation_config, model_dtype, built_buffers_kept, report_kept_buffers,
-                                   initialize_unloaded, with_skipped_rules)
+    "`load_model` for rank `rank` of `world_size`, which default to the process group's."
+    from .model import load_model
     if rank is None or world_size is None:
         if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    ckpt = _checkpoint_dir(checkpoint_dir)
-    config = AutoConfig.from_pretrained(ckpt)
-    sharding = Sharding(tp_plan(config, world_size, expert_parallel) if plan is None else plan, rank, world_size, rules)
-    model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
-    shard_module(model, sharding, group)
-    src = model_source(ckpt, config, model, conv)
-    try:
-        with built_buffers_kept(model, src) as kept:   # closed by load_weights_sharded
-            res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding, device, source=src)
-            check_loaded(model, res[0], f'{ckpt.name} ({type(model).__name__}, rank {rank} of {world_size})')
-    except KeyError as e: raise with_skipped_rules(e, config, conv) from None
-    initialize_unloaded(model, res[0])
-    report_kept_buffers(model, kept, ckpt.name)
-    model.to(device)
-    process_weights_after_loading(model, device)
-    attach_generation_config(model, ckpt)
-    model.tp_sharding, model.tp_bytes_read = sharding, res.bytes_read
-    return model.eval()
+    return load_model(checkpoint_dir, rank=rank, world_size=world_size, plan=plan, group=group, **kw)

@@ -230,14 +230,14 @@ def test_group_read_straight_into_result():
 
 
 def test_group_read_through_one_scratch_buffer():
-    "Concatenate on the last axis makes each slice strided: one scratch tensor of one source's size is reused."
+    "Concatenate on the last axis makes each slice strided: each source is read into a buffer of its own shape, then copied in."
     sd = experts_sd(); spy = Spy(sd)
     conv = [WeightConverter(['mlp.experts.*.gate_proj.weight', 'mlp.experts.*.up_proj.weight'], 'mlp.experts.gu_t', [Operation('MergeModulelist', 0), Operation('Concatenate', -1)])]
     out = converted_source(spy, conv).get('l.mlp.experts.gu_t')
     ref = torch.cat([torch.stack([sd[f'l.mlp.experts.{e}.{p}.weight'] for e in range(E)]) for p in ('gate_proj', 'up_proj')], -1)
     assert torch.equal(out, ref)
-    bufs = {buf.data_ptr() for _, buf in spy.reads}
-    assert len(bufs) == 1 and all(buf.shape == (3, 5) for _, buf in spy.reads)
+    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+    assert len(spy.reads) == 2 * E and all(buf.shape == (3, 5) and not lo <= buf.data_ptr() < hi for _, buf in spy.reads)
 
 
 def test_source_passthrough_and_headers(folders):
