@@ -3,7 +3,9 @@
 `save_pretrained` writes it, loaded into the fused `gate_up_proj`/`down_proj` layout two ways in the same run:
 
   (a) transformers `AutoModelForCausalLM.from_pretrained` (its own WeightConverter rules);
-  (b) ours: a model built on meta from config.json, filled by `load_weights_from_hf_shards(..., conv=QWEN3_MOE_CONVERSIONS)`.
+  (b) ours: `load_model`, which builds the model on meta from config.json and fills it through the Qwen3-MoE recipes;
+  (c) ours on a dense twin: the same tensors stored already fused (written once from (b)'s state_dict), loaded by
+      `load_model` with nothing to convert, so (b)'s GB/s over (c)'s is what the conversion costs per byte.
 
     python benchmarks/bench_moe_load.py               # 3 runs per method
     python benchmarks/bench_moe_load.py --repeats 1
@@ -31,7 +33,8 @@ CONFIG = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, moe_inte
               num_attention_heads=8, num_key_value_heads=4, head_dim=48, num_experts=64, num_experts_per_tok=4,
               max_position_embeddings=4096, tie_word_embeddings=False)
 SHARD = '100MB'
-METHODS = {'hf': '(a) transformers from_pretrained', 'ours': '(b) ours: meta model + load_weights_from_hf_shards(conv=...)'}
+METHODS = {'hf': '(a) transformers from_pretrained', 'ours': '(b) ours: load_model, per-expert keys fused on load',
+           'dense': '(c) ours: load_model, the same bytes stored fused'}
 
 
 def checkpoint(build: bool = True) -> Path:
@@ -42,6 +45,30 @@ def checkpoint(build: bool = True) -> Path:
     print(f'building {NAME} in {out} (once) ...', flush=True)
     subprocess.run([sys.executable, __file__, '--build'], check=True)
     return out
+
+
+def dense_checkpoint() -> Path:
+    "The fused twin of the checkpoint: config.json and the loaded state_dict in shards of about SHARD, with an index."
+    from mstar_utils.checkpoints import cache_dir, cached_folder
+    out = cache_dir()/'bench'/(NAME + '-fused')
+    if (out/'.complete').exists(): return out
+    import shutil, torch
+    from safetensors.torch import save_file
+    from mstar_utils.model import load_model
+    sd = load_model(checkpoint(), dtype=torch.bfloat16).state_dict()
+    def write(tmp):
+        shutil.copy(checkpoint()/'config.json', tmp/'config.json')
+        shards, cur, size, cap = [], {}, 0, int(SHARD.rstrip('MB')) * 10**6
+        for k, t in sd.items():
+            if cur and size + t.numel() * t.element_size() > cap: shards.append(cur); cur, size = {}, 0
+            cur[k] = t.contiguous(); size += t.numel() * t.element_size()
+        shards.append(cur)
+        wm = {}
+        for i, part in enumerate(shards):
+            name = f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors'
+            save_file(part, str(tmp/name), metadata={'format': 'pt'}); wm.update(dict.fromkeys(part, name))
+        (tmp/'model.safetensors.index.json').write_text(json.dumps({'metadata': {}, 'weight_map': wm}))
+    return cached_folder('bench', NAME + '-fused', write)
 
 
 def _build():
@@ -72,8 +99,10 @@ def measure(method: str) -> dict:
         t0 = time.perf_counter()
         if method == 'hf':
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
-        else:
+        elif method == 'ours':
             model = load_model(ckpt, dtype=torch.bfloat16)   # picks the Qwen3-MoE recipes, checks, finalizes
+        else:
+            model = load_model(dense_checkpoint(), dtype=torch.bfloat16)   # the same tensors, nothing to fuse
         load_s = time.perf_counter() - t0
     sd = model.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -97,13 +126,15 @@ def main(repeats: int = 3,      # runs per method, each in a new interpreter
     if worker: print('RESULT ' + json.dumps(measure(worker))); return
     if build: _build(); return
     ckpt = checkpoint()
+    subprocess.run([sys.executable, '-c', f'import sys; sys.path.insert(0, {str(HERE)!r}); import bench_moe_load as b; b.dense_checkpoint()'],
+                   check=True)
     files = sorted(ckpt.glob('*.safetensors'))
     ck_bytes = sum(f.stat().st_size for f in files)
     print(f'checkpoint {NAME}: {ck_bytes/1e6:.0f} MB in {len(files)} shards, 64 experts x 8 layers, per-expert keys; '
           f'{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}', flush=True)
     runs = []
     for i in range(repeats):
-        for m in ('hf', 'ours') if i % 2 == 0 else ('ours', 'hf'):  # alternate to spread page cache and thermal effects
+        for m in ('hf', 'ours', 'dense') if i % 2 == 0 else ('dense', 'ours', 'hf'):  # alternate to spread page cache and thermal effects
             r = run_one(m); runs.append(r)
             print(f'  run {i + 1}/{repeats} {m:<5} {r["load_s"]:.3f} s, peak RSS +{r["peak_above_base"]/1e6:.0f} MB', flush=True)
     fps = {r['fingerprint'] for r in runs}
@@ -120,8 +151,11 @@ def main(repeats: int = 3,      # runs per method, each in a new interpreter
         s = summ[m]
         print(f"{label:<62} {s['load_s']:15.3f} {s['load_min_s']:6.3f}-{s['load_max_s']:<6.3f} {s['peak_mb']:11.0f} {s['peak_mb']/s['model_mb']:7.2f}")
     t, r = summ['ours']['load_s']/summ['hf']['load_s'], summ['ours']['peak_mb']/summ['hf']['peak_mb']
+    gbs = {m: summ[m]['model_mb'] / 1e3 / summ[m]['load_s'] for m in ('ours', 'dense')}
+    conv_vs_dense = gbs['ours'] / gbs['dense']
+    print(f"converted load {gbs['ours']:.2f} GB/s, dense load of the same bytes {gbs['dense']:.2f} GB/s: {conv_vs_dense:.2f}x")
     print(f"\nours / transformers: time {t:.2f}x, peak RSS {r:.2f}x   (model {summ['hf']['model_mb']:.0f} MB, state_dicts identical: "
           f"{runs[0]['n_tensors']} tensors, one fingerprint)")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS/'moe_load.json').write_text(json.dumps(dict(checkpoint=NAME, bytes=ck_bytes, config=CONFIG, summary=summ, ratio_time=t,
-                                                          ratio_peak_rss=r, runs=runs, cpus=os.cpu_count()), indent=1))
+                                                          ratio_peak_rss=r, converted_vs_dense_gbs=conv_vs_dense, runs=runs, cpus=os.cpu_count()), indent=1))

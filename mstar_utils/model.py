@@ -28,7 +28,7 @@ __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
            'model_dtype', 'untie_stored', 'retie_equal', 'built_buffers_kept', 'initialize_unloaded',
            'report_kept_buffers', 'with_skipped_rules', 'attach_generation_config', 'model_source', 'load_model',
-           'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
+           'load_model_sharded', 'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -324,6 +324,7 @@ class _Prepared(NamedTuple):
     config: object
     model: torch.nn.Module
     source: object   # what the load reads: keyed by the model's names, this rank's slices
+    whole: object   # the same keys before slicing (`source` on one device)
     raw: object   # the checkpoint's FileSource, at the bottom of `source`
     sharding: object   # this rank's Sharding; None on one device
     untied: list   # (kept, untied) names, for `retie_equal`
@@ -342,6 +343,7 @@ def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantize
     model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
     raw = checkpoint_source(ckpt, dry=dry)
     src = model_source(ckpt, config, model, conv, renames, quantized, raw)
+    whole = src
     try:
         untied = untie_stored(model, src)
         if sharding is not None:
@@ -349,7 +351,7 @@ def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantize
             src = ShardedSource(src, sharding, str(ckpt))
     except BaseException: src.close(); raise
     where = '' if sharding is None else f', rank {sharding.rank} of {sharding.world_size}'
-    return _Prepared(ckpt, config, model, src, raw, sharding, untied, f'{ckpt.name} ({type(model).__name__}{where})')
+    return _Prepared(ckpt, config, model, src, whole, raw, sharding, untied, f'{ckpt.name} ({type(model).__name__}{where})')
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c04
 def _read_weights(prep: _Prepared, device, progress=None):
@@ -393,6 +395,21 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
     model.bytes_read = prep.source.bytes_read
     if prep.sharding is not None: model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
     return model.eval()
+
+# %% ../nbs/03_load_model.ipynb #0a1b2c05
+def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
+                       rank: int | None = None, # this rank; None: torch.distributed's rank in `group`
+                       world_size: int | None = None, # None: the size of `group`
+                       plan: dict | None = None, # a tp_plan; None: `tp_plan(config, world_size, expert_parallel)`
+                       *,
+                       group=None, # the process group of the collectives; None: the default group
+                       **kw, # as `load_model`: device, dtype, conv, quantized, strict, renames, rules, expert_parallel, model_class
+                      ) -> torch.nn.Module:
+    "`load_model` for rank `rank` of `world_size`, which default to the process group's."
+    if rank is None or world_size is None:
+        if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    return load_model(checkpoint_dir, rank=rank, world_size=world_size, plan=plan, group=group, **kw)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c11
 class PlannedTensor(NamedTuple):
@@ -501,7 +518,7 @@ def load_plan(checkpoint_dir: str | Path, # an HF checkpoint folder
             mark = len(raw.reads)
             src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k), device='meta'))])   # the load's reads, one key at a time
             mine, steps = raw.reads[mark:], []
-            keys = _lineage(src, k, steps)
+            keys = _lineage(prep.whole, k, steps)
             if quantized and (src.dtype(k) in _STORED_CODES or k.endswith(_SCALES)): steps.insert(0, 'keep (as stored)')
             sl = src.slice(k) if prep.sharding is not None else None
             if sl is not None and sl.dim is not None: steps.append(f'slice dim {sl.dim} {list(sl.ranges)}')

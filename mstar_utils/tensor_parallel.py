@@ -21,8 +21,7 @@ from .loading import ModuleAndPrefix, LoadResult, load_from_source, module_entri
 
 # %% auto #0
 __all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'FORWARDS', 'Slice', 'slice_shape', 'take', 'TPStyle', 'Sharding', 'tp_plan',
-           'read_slice', 'ShardedSource', 'shard_module', 'install_collectives', 'load_weights_sharded',
-           'load_model_sharded']
+           'read_slice', 'ShardedSource', 'shard_module', 'install_collectives', 'load_weights_sharded']
 
 # %% ../nbs/07_tensor_parallel.ipynb #f4c3d661
 class Slice(NamedTuple):
@@ -441,19 +440,3 @@ def load_weights_sharded(repo_dir: str | Path, # a checkpoint folder: index + sh
     finally: source.close()
     res.bytes_read = source.bytes_read
     return res
-
-# %% ../nbs/07_tensor_parallel.ipynb #1d38af22
-def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
-                       rank: int | None = None, # this rank; None: torch.distributed's rank in `group`
-                       world_size: int | None = None, # None: the size of `group`
-                       plan: dict | None = None, # a tp_plan; None: `tp_plan(config, world_size, expert_parallel)`
-                       *,
-                       group=None, # the process group of the collectives; None: the default group
-                       **kw, # as `load_model`: device, dtype, conv, quantized, strict, renames, rules, expert_parallel, model_class
-                      ) -> torch.nn.Module:
-    "`load_model` for rank `rank` of `world_size`, which default to the process group's."
-    from .model import load_model
-    if rank is None or world_size is None:
-        if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    return load_model(checkpoint_dir, rank=rank, world_size=world_size, plan=plan, group=group, **kw)

@@ -454,7 +454,7 @@ def tp_logits(rank: int, world_size: int, # this rank, the group size (as `run_r
               expert_parallel: bool = False, # default plan with experts split by expert
              ) -> dict:
     "One rank's work: `load_model_sharded` in float32, a forward pass on `ids`; {'logits', 'bytes_read', 'shapes': {name: shape}}."
-    from mstar_utils.tensor_parallel import load_model_sharded
+    from mstar_utils.model import load_model_sharded
     model = load_model_sharded(folder, rank, world_size, plan, dtype=torch.float32, expert_parallel=expert_parallel)
     with torch.no_grad(): logits = model(ids).logits
     return {'logits': logits, 'bytes_read': model.tp_bytes_read, 'shapes': {k: list(v.shape) for k, v in model.state_dict().items()}}

@@ -162,19 +162,23 @@ def test_four_ranks_match_the_unsharded_models(tiny):
     assert [r[0]['shapes']['model.layers.0.self_attn.k_proj.bias'] for r in results] == [[4]] * 4   # 2 kv heads over 4 ranks: gathered
 
 
-def test_sharded_load_refuses_a_tie_stored_twice_with_different_values_and_takes_the_checkpoint_dtype(tmp_path):
-    "load_model_sharded keeps the config's ties: a checkpoint that stores both tied names with different values is refused, naming both keys; a config without dtype builds in the checkpoint's."
+def test_sharded_load_unties_a_tie_stored_twice_with_different_values_and_takes_the_checkpoint_dtype(tmp_path):
+    "load_model_sharded is load_model at a rank: a checkpoint that stores both tied names with different values loads them untied, as from_pretrained does; a config without dtype builds in the checkpoint's."
     import json
     from safetensors.torch import load_file, save_file
-    from mstar_utils.tensor_parallel import load_model_sharded
+    from transformers import AutoModelForCausalLM
+    from mstar_utils.model import load_model_sharded
     from mstar_utils.testing import save_tiny
     folder = save_tiny('qwen2', tmp_path/'q', dtype=torch.bfloat16, max_shard_size='1GB')
     cfg = json.loads((folder/'config.json').read_text()); cfg.pop('dtype', None); cfg.pop('torch_dtype', None)
     (folder/'config.json').write_text(json.dumps(cfg))
     assert load_model_sharded(folder, 0, 1).dtype == torch.bfloat16
     cfg['tie_word_embeddings'] = True; (folder/'config.json').write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'model\.embed_tokens\.weight' and 'lm_head\.weight' hold different values"):
-        load_model_sharded(folder, 0, 1)
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    for rank in range(2):
+        m = load_model_sharded(folder, rank, 2)
+        assert m.lm_head.weight is not m.model.embed_tokens.weight
+        assert torch.equal(m.lm_head.weight, take(ref.lm_head.weight, m.tp_sharding.slice_for('lm_head.weight', ref.lm_head.weight.shape)))
     sd = load_file(folder/'model.safetensors'); sd['lm_head.weight'] = sd['model.embed_tokens.weight'].clone(); save_file(sd, folder/'model.safetensors')
     m = load_model_sharded(folder, 0, 1)
     assert m.lm_head.weight is m.model.embed_tokens.weight
