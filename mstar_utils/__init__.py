@@ -7,24 +7,29 @@ __all__ = []
 
 # %% ../nbs/99_api.ipynb #c33053af
 __version__ = "0.0.1"
-from .checkpoints import *
-from .sources import *
-from .loading import *
-from .model import *
-from .convert import *
-from .mla import *
-from .quantized import *
-from .tensor_parallel import *
-from .detokenize import *
-from .kv import *
-from .generation import *
-from .speech import *
-from .report import *
+from .checkpoints import smollm2_checkpoint, minilm_checkpoint, whisper_checkpoint
+from .sources import Source, checkpoint_source, read_header, read_weight_map
+from .loading import (ModuleAndPrefix, LoadResult, load_weights, load_weights_from_file, load_weights_from_hf_shards,
+                                 load_from_source, check_loaded, process_weights_after_loading)
+from .model import build_on_meta, load_model, load_model_sharded, load_plan, LoadPlan
+from .convert import (Operation, WeightConverter, KeysAndConverter, converted_source, MIXTRAL_CONVERSIONS,
+                                 QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS)
+from .mla import MLAAttention
+from .quantized import quantized_conversions
+from .tensor_parallel import Sharding, tp_plan, shard_module, load_weights_sharded
+from .detokenize import (ByteLevelDetokenizer, SentencePieceDetokenizer, TextChunkDetokenizer, TextOutput, TextStream,
+                                    drop_stop_tokens, generation_eos_ids)
+from .kv import kv_pages, check_kv_pools_fit, plan_kv_pools, kv_geometry, kv_bytes_per_token, kv_report
+from .generation import load_generation_defaults, base_language
+from .speech import transcribe_stream
+from .report import checkpoint_report, generate_reply
 from . import (checkpoints as _checkpoints, sources as _sources, loading as _loading, model as _model, convert as _convert,
-                         mla as _mla, quantized as _quantized, tensor_parallel as _tensor_parallel, detokenize as _detokenize, kv as _kv, generation as _generation, speech as _speech, report as _report)
+                         mla as _mla, quantized as _quantized, tensor_parallel as _tensor_parallel, detokenize as _detokenize, kv as _kv,
+                         generation as _generation, speech as _speech, report as _report)
 
-_MODULES = [_checkpoints, _sources, _loading, _model, _convert, _mla, _quantized, _tensor_parallel, _detokenize, _kv, _generation, _speech, _report]
-__all__ = [n for m in _MODULES for n in m.__all__]
+_MODULES = [_checkpoints, _sources, _loading, _model, _convert, _mla, _quantized, _tensor_parallel, _detokenize, _kv, _generation, _speech,
+            _report]
+__all__ = [n for m in _MODULES for n in m.__all__ if n in globals()]   # the names imported above, in the modules' order
 
 # %% ../nbs/99_api.ipynb #52e4f1cb
 def _summary(obj) -> str:

@@ -26,9 +26,7 @@ from .tensor_parallel import Slice, Sharding, ShardedSource, shard_module, tp_pl
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
-           'model_dtype', 'untie_stored', 'retie_equal', 'built_buffers_kept', 'initialize_unloaded',
-           'report_kept_buffers', 'with_skipped_rules', 'attach_generation_config', 'model_source', 'load_model',
-           'load_model_sharded', 'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
+           'model_dtype', 'load_model', 'load_model_sharded', 'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -189,10 +187,10 @@ def model_dtype(config, # the model's transformers config
     return dtype or getattr(config, 'dtype', None) or checkpoint_dtype(ckpt)
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d06
-def untie_stored(model: torch.nn.Module, # built on meta, ties tied
+def _untie_stored(model: torch.nn.Module, # built on meta, ties tied
                  keys, # the checkpoint's keys under the model's names (anything with `in`)
                 ) -> list[tuple[str, str]]:
-    "Give each tied parameter name of `model` that `keys` holds, past the first, a meta parameter of its own, so that both load; the (kept, untied) name pairs, for `retie_equal`."
+    "Give each tied parameter name of `model` that `keys` holds, past the first, a meta parameter of its own, so that both load; the (kept, untied) name pairs, for `_retie_equal`."
     groups, pairs = {}, []
     for n, t, is_param in named_tensors(model):
         if is_param: groups.setdefault(id(t), (t, []))[1].append(n)
@@ -205,7 +203,7 @@ def untie_stored(model: torch.nn.Module, # built on meta, ties tied
     return pairs
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d07
-def retie_equal(model: torch.nn.Module, # loaded, after `untie_stored`
+def _retie_equal(model: torch.nn.Module, # loaded, after `_untie_stored`
                 pairs: list, # its (kept, untied) name pairs
                 where: str, # names the checkpoint in the warning
                ) -> list[str]:
@@ -224,7 +222,7 @@ def retie_equal(model: torch.nn.Module, # loaded, after `untie_stored`
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d09
 @contextmanager
-def built_buffers_kept(model: torch.nn.Module, # built on meta, buffers real
+def _built_buffers_kept(model: torch.nn.Module, # built on meta, buffers real
                        keys, # the checkpoint's keys under the model's names (anything with `in`)
                       ):
     "For the block, count the persistent buffers of `model` that are built (not on meta) and that `keys` lacks as non-persistent, so that a load keeps them as built; yields their names."
@@ -241,7 +239,7 @@ def built_buffers_kept(model: torch.nn.Module, # built on meta, buffers real
         for mod, leaf in marked: mod._non_persistent_buffers_set.discard(leaf)
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d12
-def initialize_unloaded(model: torch.nn.Module, # loaded; a transformers `PreTrainedModel` (others are left as they are)
+def _initialize_unloaded(model: torch.nn.Module, # loaded; a transformers `PreTrainedModel` (others are left as they are)
                         loaded, # the names the load filled (`LoadResult` entry)
                        ) -> None:
     "Run the model's `initialize_weights` over what the load did not fill (non-persistent buffers, buffers the checkpoint lacks), as `from_pretrained` does after loading; the loaded tensors are marked `_is_hf_initialized`, which transformers' init functions skip."
@@ -254,16 +252,16 @@ def initialize_unloaded(model: torch.nn.Module, # loaded; a transformers `PreTra
     with torch.no_grad(): init()
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d10
-def report_kept_buffers(model: torch.nn.Module, # the loaded model
-                        kept: list, # the names `built_buffers_kept` yielded
+def _report_kept_buffers(model: torch.nn.Module, # the loaded model
+                        kept: list, # the names `_built_buffers_kept` yielded
                         where: str, # names the checkpoint
                        ):
-    "Warn, on the `mstar_utils.model` logger, about the buffers the checkpoint lacked (`built_buffers_kept`), which `initialize_unloaded` initializes: how many, and the first few."
+    "Warn, on the `mstar_utils.model` logger, about the buffers the checkpoint lacked (`_built_buffers_kept`), which `_initialize_unloaded` initializes: how many, and the first few."
     if not kept: return
     _log.warning(f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are initialized as {type(model).__name__} initializes them: {_listed(kept)}')
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d14
-def with_skipped_rules(e: KeyError, # a missing-key error of the loader
+def _with_skipped_rules(e: KeyError, # a missing-key error of the loader
                        config, # the model's transformers config
                        conv, # the `conv` the load was given
                       ) -> KeyError:
@@ -274,7 +272,7 @@ def with_skipped_rules(e: KeyError, # a missing-key error of the loader
                     + _listed(skipped, 3, '; '))
 
 # %% ../nbs/03_load_model.ipynb #1f9989df
-def attach_generation_config(model, ckpt: Path):
+def _attach_generation_config(model, ckpt: Path):
     "Set `model.generation_config` from `ckpt/generation_config.json`, else from its config.json, as `from_pretrained` does."
     if not (hasattr(model, 'can_generate') and model.can_generate()): return
     from transformers import GenerationConfig
@@ -282,7 +280,7 @@ def attach_generation_config(model, ckpt: Path):
     else: model.generation_config = GenerationConfig.from_pretrained(ckpt, config_file_name='config.json', _from_model_config=True)
 
 # %% ../nbs/03_load_model.ipynb #6d9905b2
-def model_source(ckpt: Path, # a checkpoint folder
+def _model_source(ckpt: Path, # a checkpoint folder
                  config, # its transformers config
                  model: torch.nn.Module, # the model it fills (meta-built, cut for tensor parallelism, ...)
                  conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (`transformers_conversions`); None: none
@@ -327,7 +325,7 @@ class _Prepared(NamedTuple):
     whole: object   # the same keys before slicing (`source` on one device)
     raw: object   # the checkpoint's FileSource, at the bottom of `source`
     sharding: object   # this rank's Sharding; None on one device
-    untied: list   # (kept, untied) names, for `retie_equal`
+    untied: list   # (kept, untied) names, for `_retie_equal`
     what: str   # names the model in messages
 
 def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantized='dequantize', renames=True, rank=None,
@@ -342,10 +340,10 @@ def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantize
     _check_keep_sharded(config, sharding, quantized, ckpt.name)
     model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
     raw = checkpoint_source(ckpt, dry=dry)
-    src = model_source(ckpt, config, model, conv, renames, quantized, raw)
+    src = _model_source(ckpt, config, model, conv, renames, quantized, raw)
     whole = src
     try:
-        untied = untie_stored(model, src)
+        untied = _untie_stored(model, src)
         if sharding is not None:
             shard_module(model, sharding, group)
             src = ShardedSource(src, sharding, str(ckpt))
@@ -357,7 +355,7 @@ def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantize
 def _read_weights(prep: _Prepared, device, progress=None):
     "(LoadResult, buffers kept as built): the prepared model filled from its source and checked; on device 'meta', a dry run."
     model, src = prep.model, prep.source
-    with built_buffers_kept(model, src) as kept:
+    with _built_buffers_kept(model, src) as kept:
         res = load_from_source(src, [ModuleAndPrefix(model)], device=device, progress=progress, what=str(prep.ckpt))
         if str(device) != 'meta': check_loaded(model, res[0], prep.what)
     return res, kept
@@ -383,15 +381,15 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
     prep = _prepare(checkpoint_dir, model_class, dtype, conv, quantized, renames, rank, world_size, group, plan, expert_parallel, rules)
     model, name = prep.model, prep.ckpt.name
     try: res, kept = _read_weights(prep, device)
-    except KeyError as e: raise with_skipped_rules(e, prep.config, conv) from None
+    except KeyError as e: raise _with_skipped_rules(e, prep.config, conv) from None
     finally: prep.source.close()
-    retie_equal(model, prep.untied, name)
-    initialize_unloaded(model, res[0])
-    report_kept_buffers(model, kept, name)
+    _retie_equal(model, prep.untied, name)
+    _initialize_unloaded(model, res[0])
+    _report_kept_buffers(model, kept, name)
     model.to(device)   # the buffers built real on the CPU
     process_weights_after_loading(model, device)
     _report_unexpected(model, res.unexpected_keys, name, strict)
-    attach_generation_config(model, prep.ckpt)
+    _attach_generation_config(model, prep.ckpt)
     model.bytes_read = prep.source.bytes_read
     if prep.sharding is not None: model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
     return model.eval()
@@ -510,7 +508,7 @@ def load_plan(checkpoint_dir: str | Path, # an HF checkpoint folder
     src, raw = prep.source, prep.raw
     try:
         try: res, _ = _read_weights(prep, 'meta', progress=False)
-        except KeyError as e: raise with_skipped_rules(e, prep.config, kw.get('conv', 'auto')) from None
+        except KeyError as e: raise _with_skipped_rules(e, prep.config, kw.get('conv', 'auto')) from None
         total, reads = raw.bytes_read, list(raw.reads)
         quantized = kw.get('quantized') == 'keep' and getattr(prep.config, 'quantization_config', None)
         tensors, unused = [], set(res.unexpected_keys)

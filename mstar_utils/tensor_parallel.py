@@ -426,7 +426,7 @@ def load_weights_sharded(repo_dir: str | Path, # a checkpoint folder: index + sh
                          device: str = 'cpu', # where new tensors land
                          conv: list | None = None, # WeightConverter recipes for fused layouts (sliced through)
                          progress: bool | None = None, # a tqdm bar; None: only when stderr is a terminal
-                         source=None, # a source over the checkpoint keyed by the modules' names (`model_source`); None: `repo_dir`'s shards through `conv`
+                         source=None, # a source over the checkpoint keyed by the modules' names (`_model_source`); None: `repo_dir`'s shards through `conv`
                         ) -> LoadResult:
     "Fill `modules` with this rank's slices of `repo_dir`, reading only their bytes; the result's `bytes_read` counts them. Raises as `load_weights_from_hf_shards`."
     entries = module_entries(modules)

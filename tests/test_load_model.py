@@ -245,7 +245,7 @@ def test_transformers_rules_listed_once_and_the_rest_named():
     "A rule transformers lists for a model type and again for its text model is taken once; rules our converter cannot express are named in load errors."
     from transformers import CONFIG_MAPPING
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from mstar_utils.model import transformers_conversions, transformers_conversions_skipped, with_skipped_rules
+    from mstar_utils.model import transformers_conversions, transformers_conversions_skipped, _with_skipped_rules
     omni = CONFIG_MAPPING['qwen3_omni_moe']().thinker_config
     rules = transformers_conversions(omni)
     assert rules and len({(tuple(c.source_patterns), c.target_patterns) for c in rules}) == len(rules)
@@ -254,8 +254,8 @@ def test_transformers_rules_listed_once_and_the_rest_named():
         theirs = [c for c in get_checkpoint_conversion_mapping(t) or [] if hasattr(c, 'operations')]
         skipped = transformers_conversions_skipped(cfg)
         assert len(skipped) + len(transformers_conversions(cfg)) == len(theirs) and skipped
-        e = with_skipped_rules(KeyError('ckpt: 2 missing key(s)'), cfg, 'auto')
+        e = _with_skipped_rules(KeyError('ckpt: 2 missing key(s)'), cfg, 'auto')
         assert 'rules load_model cannot apply' in e.args[0] and skipped[0] in e.args[0]
-        assert with_skipped_rules(KeyError('x'), cfg, None).args[0] == 'x'
+        assert _with_skipped_rules(KeyError('x'), cfg, None).args[0] == 'x'
     from mstar_utils.model import auto_conversions
     assert auto_conversions(CONFIG_MAPPING['musicgen'](), None) == []   # several text configs: get_text_config refuses to pick one
