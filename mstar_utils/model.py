@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_load_model.ipynb #4236b782
 from __future__ import annotations
-import json, logging, re, threading
+import bisect, json, logging, re, threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -415,7 +415,7 @@ class PlannedTensor(NamedTuple):
     name: str   # the model's name for it
     shape: tuple   # the shape this rank holds
     dtype: str   # as the source gives it (before a cast into the model's dtype)
-    keys: list   # the checkpoint keys it is read from
+    keys: list   # the checkpoint keys this rank reads for it
     steps: list   # its transforms, in order
     slice: Slice | None   # this rank's part of the whole tensor; None: all of it
     bytes: int   # bytes read for it
@@ -488,6 +488,13 @@ def _lineage(src, k: str, steps: list) -> list:
         steps.append(f'{"dequantize" if hasattr(op, "target_dtype") else "fuse"} {op!r}')
     return keys
 
+def _touches(raw, key: str, merged: dict) -> bool:
+    "Whether the merged reads {file: [[start, stop], ...]} take any byte of checkpoint key `key` of the FileSource `raw`."
+    path, start, ti = raw.info(key)
+    rs = merged.get(Path(path).name, [])
+    i = bisect.bisect_right([a for a, _ in rs], start + ti.end - 1) - 1
+    return i >= 0 and rs[i][1] > start + ti.begin
+
 def _merged(reads: list) -> dict:
     "{file: [[start, stop], ...]} of reads [(file, offset, bytes)], sorted, merged where they touch or overlap."
     out = {}
@@ -516,13 +523,14 @@ def load_plan(checkpoint_dir: str | Path, # an HF checkpoint folder
             mark = len(raw.reads)
             src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k), device='meta'))])   # the load's reads, one key at a time
             mine, steps = raw.reads[mark:], []
-            keys = _lineage(prep.whole, k, steps)
+            merged = _merged(mine)
+            keys = [c for c in _lineage(prep.whole, k, steps) if _touches(raw, c, merged)]   # those this rank reads
             if quantized and (src.dtype(k) in _STORED_CODES or k.endswith(_SCALES)): steps.insert(0, 'keep (as stored)')
             sl = src.slice(k) if prep.sharding is not None else None
             if sl is not None and sl.dim is not None: steps.append(f'slice dim {sl.dim} {list(sl.ranges)}')
             tensors.append(PlannedTensor(k, tuple(src.shape(k)), str(src.dtype(k)).replace('torch.', ''), keys, steps,
                                          None if sl is None or sl.dim is None else sl, sum(r[2] for r in mine),
-                                         [(f, a, b) for f, rs in _merged(mine).items() for a, b in rs]))
+                                         [(f, a, b) for f, rs in merged.items() for a, b in rs]))
         ck = sum(raw.info(k)[2].end - raw.info(k)[2].begin for k in raw.keys())
     finally: src.close()
     by_file = {}

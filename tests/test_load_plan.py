@@ -40,11 +40,16 @@ def _recording(monkeypatch) -> list:
 
 def _ranges(reads) -> dict:
     "{file name: merged [start, stop] ranges} of (file, offset, bytes) reads."
+    spans = {}
+    for path, off, n in reads: spans.setdefault(Path(path).name, []).append((off, off + n))
     out = {}
-    for path, off, n in sorted(reads, key=lambda r: (str(r[0]), r[1])):
-        rs = out.setdefault(Path(path).name, [])
-        if rs and off <= rs[-1][1]: rs[-1][1] = max(rs[-1][1], off + n)
-        else: rs.append([off, off + n])
+    for name, rs in spans.items():
+        rs.sort()
+        acc = [list(rs[0])]
+        for lo, hi in rs[1:]:
+            if lo > acc[-1][1]: acc.append([lo, hi])
+            else: acc[-1][1] = max(acc[-1][1], hi)
+        out[name] = acc
     return out
 
 
