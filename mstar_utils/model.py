@@ -37,10 +37,19 @@ def model_class_for(config) -> type:
 
 # %% ../nbs/03_load_model.ipynb #482e65c4
 def _fp32_names(model, dtype) -> list:
-    "Module names transformers keeps in float32 at `dtype` (its `_get_dtype_plan`), matched on whole dot parts."
+    "Parameter and buffer names transformers keeps in float32 at `dtype`: its `_get_dtype_plan` patterns searched in them, as it does."
     plan = model._get_dtype_plan(dtype) if hasattr(model, '_get_dtype_plan') else {}
-    pats = [re.compile(rf'(^|\.){re.escape(p)}($|\.)') for p in plan]
-    return [n for n, _ in model.named_modules() if n and any(p.search(n) for p in pats)]
+    if not plan: return []
+    rx = re.compile('|'.join(f'(?:{p.replace("*", ".*")})' for p in plan))   # transformers' build_glob_alternation, searched
+    return [n for n, t, _ in named_tensors(model) if t.is_floating_point() and rx.search(n)]
+
+def _to_fp32(model, name: str):
+    "Parameter or buffer `name` of `model` replaced by a float32 one (a new Parameter for a parameter); ties are re-tied after."
+    owner, _, leaf = name.rpartition('.')
+    m = model.get_submodule(owner)
+    if leaf in m._parameters: m._parameters[leaf] = torch.nn.Parameter(m._parameters[leaf].float(), m._parameters[leaf].requires_grad)
+    else: m._buffers[leaf] = m._buffers[leaf].float()
+
 
 # %% ../nbs/03_load_model.ipynb #eb4f0243
 _BUILD_LOCK = threading.Lock()  # accelerate's patch of nn.Module.register_parameter is process-wide
@@ -65,7 +74,7 @@ def build_on_meta(config, # a transformers config
     if isinstance(dtype, str): dtype = getattr(torch, dtype)
     model = meta_module(lambda: cls._from_config(config, dtype=dtype) if hasattr(cls, '_from_config') else cls(config).to(dtype))
     with torch.device('meta'):
-        for n in _fp32_names(model, dtype): model.get_submodule(n).float()
+        for n in _fp32_names(model, dtype): _to_fp32(model, n)
     if hasattr(model, 'tie_weights'): model.tie_weights()
     return model
 

@@ -540,11 +540,12 @@ def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped i
                    units: list, # from `quantized_tensors`
                    conv: list | None = None, # the model's fusing rules, for experts stored one at a time
                    prefix: str = '', # what the checkpoint's keys put before `model`'s names
+                  names: dict | None = None, # checkpoint key -> the model's key where they differ (`checkpoint_renames`)
                   ) -> list:
     "Swap in `QuantizedLinear` and `QuantizedExperts` where `units` are, so a load keeps codes and scales; returns the rules of `conv` a load still needs."
     lin, whole, per = [], {}, {}
     for u in units:
-        if u.target.startswith(prefix): _place(model, u, u.target[len(prefix):].rpartition('.')[0], lin, whole, per)
+        if u.target.startswith(prefix): _place(model, u, _model_name(u.target.rpartition('.')[0], names or {})[len(prefix):], lin, whole, per)
     for path, m, u in lin:
         q = QuantizedLinear(m.in_features, m.out_features, u, bias=False, device=m.weight.device)
         q.bias = m.bias
@@ -566,7 +567,7 @@ def quantized_source(src, # the checkpoint's source
     "(source, recipes) to load `model` from: `src` seen through the dequantizing recipes, or `src` and the recipes left after `keep_quantized`. Unquantized: (src, conv)."
     units = quantized_tensors(src, config, dtype or getattr(model, 'dtype', None), names)
     if not units: return src, conv
-    if keep: return src, keep_quantized(model, units, conv)
+    if keep: return src, keep_quantized(model, units, conv, names=names)
     return converted_source(src, [WeightConverter(p, t, [op]) for p, t, op in _fragments(units, src.keys())]), conv
 
 # %% ../nbs/06_quantized.ipynb #1d8b469a

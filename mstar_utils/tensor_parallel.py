@@ -358,6 +358,7 @@ def _fix_sizes(m):
 # %% ../nbs/07_tensor_parallel.ipynb #96ada0b3
 def _pin_kept(m, path: str, sharding: Sharding):
     "Pin the slices of kept module `m`'s codes and scales to what its weight's slice is made from (`cut`), and cut its op to match."
+    if sharding.world_size == 1: return
     if isinstance(m, QuantizedExperts) and any(isinstance(x, QuantizedLinear) for x in m.modules()):
         split = [n for n, p in m.inner.named_parameters(recurse=False) if sharding.slice_for(f'{path}.{n}', p.shape).dim is not None]
         if split: raise NotImplementedError(f'{path}: experts kept quantized one expert at a time cannot be cut yet (the plan splits '
@@ -377,6 +378,7 @@ def _pin_kept(m, path: str, sharding: Sharding):
         c = op.cut(stored, sl.dim, a, b)
         if c is None: raise ValueError(f'{path}.{p}: {type(op).__name__} cannot cut its scales along dim {sl.dim}; load it with quantized="dequantize"')
         for s, part in zip(op.suffixes, c.parts): sharding.pinned[f'{path}.{p}{s}'] = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
+        m.tp_slice = sl   # the weight's slice: what the collectives cut inputs by
         if isinstance(m, QuantizedLinear): m.op, m.trim = c.op, c.trim; m.out_features, m.in_features = slice_shape(shape, sl)
         else: m.ops[p] = c.op; m.trims[p] = c.trim
 
@@ -486,7 +488,7 @@ def install_collectives(module: torch.nn.Module, # the rank's cut model
         hit = sharding.entry(prefix + name) if prefix + name else None
         kind = TP_STYLES[hit[1]].forward if hit else None
         if kind is None: continue
-        own = [sl for n, sl in cut.items() if n.rpartition('.')[0] == name]
+        own = [m.tp_slice] if getattr(m, 'tp_slice', None) is not None else [sl for n, sl in cut.items() if n.rpartition('.')[0] == name]
         FORWARDS[kind](m, sharding, own[0] if own else WHOLE, group)
         done.append(name)
     return done

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mstar_utils.tensor_parallel import Sharding, take, _dim_for, TP_STYLES
+from mstar_utils.tensor_parallel import Sharding, take, _dim_for, TP_STYLES, WHOLE
 from mstar_utils.testing import (run_ranks, tp_cells, write_fp8_checkpoint, write_mxfp4_checkpoint, write_compressed_tensors_checkpoint,
                                  dequantized_reference, CT_FLOAT_GROUPS, CT_PACK_GROUPS)
 
@@ -58,6 +58,8 @@ ALL = [(m, f, q, ws) for m, fs in FORMATS.items() for f in fs for q in (('dequan
 FAST = [('llama', 'fp8', 'dequantize', 2), ('llama', 'fp8', 'keep', 2), ('llama', 'ct_pack', 'keep', 2),
         ('qwen3_moe', 'fp8', 'dequantize', 2), ('gpt_oss', 'mxfp4', 'keep', 2), ('llava', 'bf16', 'dequantize', 2)]
 CELLS = ALL if SLOW else FAST
+ONLY = os.environ.get('TPQ_ONLY')
+if ONLY: CELLS = [c for c in CELLS if re.search(ONLY, '-'.join(map(str, c)))]
 
 
 def _model(name: str):
@@ -126,6 +128,15 @@ def model_key(k: str) -> str:
     return re.sub(r'\.weight(_scale_inv|_scale|_packed|_shape|_zero_point)$', '.weight', k)
 
 
+_LLAVA = [(r'^language_model\.model\.', 'model.language_model.'), (r'^language_model\.lm_head', 'lm_head'),
+          (r'^(vision_tower|multi_modal_projector)\.', r'model.\1.')]
+
+def renamed(k: str) -> str:
+    "A stored key under the model's name: transformers renames Llava's legacy keys so."
+    for a, b in _LLAVA: k = re.sub(a, b, k)
+    return k
+
+
 def byte_bound(folder: Path, fmt: str, sharding: Sharding) -> tuple:
     "(checkpoint bytes, replicated bytes, whole blocks at cuts) of `folder` under `sharding`'s plan."
     total = repl = blocks = 0
@@ -133,7 +144,7 @@ def byte_bound(folder: Path, fmt: str, sharding: Sharding) -> tuple:
     for k, (shape, dt) in stored(folder).items():
         n = _BYTES[dt] * int(torch.Size(shape).numel())
         total += n
-        mk = model_key(k)
+        mk = model_key(renamed(k))
         hit = sharding.style_of(mk)
         split = hit is not None and _dim_for(TP_STYLES[hit[1]], mk.rpartition('.')[2], max(len(shape), 2)) is not None
         if not split or len(shape) < 1 or n <= 16: repl += n; continue   # whole on every rank; per-tensor scales and shapes too
@@ -182,15 +193,15 @@ def test_cell(matrix, cell):
     with torch.no_grad(): ref_logits = ref(**inputs(name)).logits
     ref_sd = ref.state_dict()
     ckpt = folders[name, fmt]
-    with safe_open(str(ckpt/'model.safetensors'), 'pt') as f: raw = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(str(ckpt/'model.safetensors'), 'pt') as f: raw = {renamed(k): f.get_tensor(k) for k in f.keys()}
     for r, res in enumerate(got):
         err = (res['logits'] - ref_logits).abs().max().item()
         assert err <= 1e-4, f'rank {r}: max |logits - from_pretrained of the dequantized reference| = {err:.2e}'
         sharding = Sharding(res['plan'], r, ws)
         for k, t in res['tensors'].items():
-            if k in res['pinned']: want = take(raw[k], res['pinned'][k])   # kept codes and scales: the stored tensor's part
-            elif k in ref_sd: want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
-            else: continue   # kept modules' stored tensors a plan leaves whole are checked below, through their weights
+            if k in res['pinned'] or k not in ref_sd or t.dtype != ref_sd[k].dtype:   # kept codes and scales: the stored tensor's part
+                want = take(raw[k], res['pinned'].get(k, WHOLE))
+            else: want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
             assert torch.equal(t, want.to(t.dtype)), f'rank {r}: {k} {list(t.shape)} is not the full tensor\'s slice'
         for k, w in res['dequantized'].items():   # a kept layer's weight: its slice of the reference weight
             want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
@@ -202,3 +213,32 @@ def test_cell(matrix, cell):
     bound = 1.01 * (total + (ws - 1) * repl) + blocks
     assert read <= bound, f'{ws} ranks read {read} bytes; bound {bound:.0f} (checkpoint {total}, replicated {repl}, blocks at cuts {blocks})'
     if ws == 1: assert read == total
+
+
+def _fp32_model(name: str):
+    "A tiny RWKV, T5 or BLIP-2 from its config class: models whose `_keep_in_fp32_modules` name parameters, modules or both."
+    import transformers as tf
+    torch.manual_seed(0)
+    if name == 'rwkv':
+        return tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                                intermediate_size=64, context_length=16))
+    if name == 't5': return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4))
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    qformer = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, encoder_hidden_size=32)
+    text = tf.OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=48, word_embed_proj_dim=32)
+    return tf.Blip2ForConditionalGeneration(tf.Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text.to_dict(),
+                                                           num_query_tokens=4))
+
+
+@pytest.mark.parametrize('name', ['rwkv', 't5', 'blip2'])
+def test_keep_in_fp32_as_from_pretrained(tmp_path, name):
+    "A float16 checkpoint: every tensor's dtype and value as `from_pretrained` gives them (RWKV's time_decay, BLIP-2's query_tokens in float32)."
+    from mstar_utils.model import load_model
+    model = _fp32_model(name)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.to(torch.float16).save_pretrained(tmp_path)
+        ref = type(model).from_pretrained(tmp_path, dtype=torch.float16).state_dict()
+    ours = load_model(tmp_path, dtype=torch.float16).state_dict()
+    assert set(ours) == set(ref)
+    assert any(t.dtype == torch.float32 for t in ref.values())
+    for k, t in ref.items(): assert ours[k].dtype == t.dtype and torch.equal(ours[k], t), k
