@@ -483,7 +483,7 @@ class QuantizedExperts(nn.Module):
         super().__init__()
         self.__dict__['inner'] = inner   # not a submodule: its parameters are stand-ins
         self.ops, self.conv, self.prefix = {p: u.op for p, u in (whole or {}).items()}, conv, prefix
-        self.trims = {}   # {parameter: trim} of a tensor-parallel cut
+        self.trims, self.expert_offset = {}, 0   # a tensor-parallel cut's {parameter: trim}; the first expert an expert-parallel rank holds
         if per_expert and not conv: raise ValueError(f'QuantizedExperts: {prefix}: per-expert weights need conv, the rules that fuse them for {type(inner).__name__}')
         dev = next(inner.parameters()).device
         for p, u in (whole or {}).items(): _stored(self, u, p, dev)
@@ -503,11 +503,17 @@ def _add_linear(root: nn.Module, path: str, u: QuantizedTensor, device) -> None:
     R, C = u.op.out_shape(u.shapes)
     m.add_module(leaf, QuantizedLinear(C, R, u, bias=False, device=device))
 
+def _renumbered(path: str, offset: int) -> str:
+    "`path` ('5.gate_proj') with its expert number less `offset`: an expert-parallel rank's experts, numbered from 0 for fusing."
+    first, _, rest = path.partition('.')
+    return f'{int(first) - offset}.{rest}' if offset and first.isdigit() else path
+
 @patch
 def dequantized(self: QuantizedExperts) -> dict:
     "`inner`'s parameters by name: the quantized ones dequantized (and fused by `conv`), the others as held."
     out = {p: _trimmed(op.apply([getattr(self, p + s) for s in op.suffixes]), self.trims.get(p)) for p, op in self.ops.items()}
-    lin = {self.prefix + n + '.weight': m.dequantized_weight() for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
+    lin = {self.prefix + _renumbered(n, self.expert_offset) + '.weight': m.dequantized_weight()
+           for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
     if lin: out.update({k[len(self.prefix):]: v for k, v in convert_state_dict(lin, self.conv).items()})
     mine = dict(self.named_parameters(recurse=False))
     out.update({n: mine[n] for n, _ in self.inner.named_parameters(recurse=False) if n not in out and n in mine})

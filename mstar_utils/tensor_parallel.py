@@ -356,14 +356,23 @@ def _fix_sizes(m):
     elif isinstance(m, torch.nn.Embedding): m.num_embeddings, m.embedding_dim = m.weight.shape
 
 # %% ../nbs/07_tensor_parallel.ipynb #96ada0b3
+def _pin_per_expert(m, path: str, sharding: Sharding):
+    "Experts kept one at a time: under expert parallelism the rank keeps its experts' layers whole and drops the others."
+    split = {n: sharding.slice_for(f'{path}.{n}', p.shape) for n, p in m.inner.named_parameters(recurse=False)}
+    split = {n: sl for n, sl in split.items() if sl.dim is not None}
+    if not split: return
+    cuts = {(sl.dim, sl.ranges) for sl in split.values()}
+    if len(cuts) != 1 or next(iter(cuts))[0] != 0:
+        raise NotImplementedError(f'{path}: experts kept quantized one expert at a time are cut by expert only (expert_parallel=True); the plan '
+                                  f'splits {", ".join(f"{n} along dim {sl.dim}" for n, sl in split.items())}: load them with quantized="dequantize"')
+    (lo, hi), = next(iter(cuts))[1]
+    for k in [k for k in m._modules if k.isdigit() and not lo <= int(k) < hi]: del m._modules[k]
+    m.expert_offset, m.tp_slice = lo, next(iter(split.values()))
+
 def _pin_kept(m, path: str, sharding: Sharding):
     "Pin the slices of kept module `m`'s codes and scales to what its weight's slice is made from (`cut`), and cut its op to match."
     if sharding.world_size == 1: return
-    if isinstance(m, QuantizedExperts) and any(isinstance(x, QuantizedLinear) for x in m.modules()):
-        split = [n for n, p in m.inner.named_parameters(recurse=False) if sharding.slice_for(f'{path}.{n}', p.shape).dim is not None]
-        if split: raise NotImplementedError(f'{path}: experts kept quantized one expert at a time cannot be cut yet (the plan splits '
-                                            f'{", ".join(split)}); load them with quantized="dequantize"')
-        return
+    if isinstance(m, QuantizedExperts) and any(isinstance(x, QuantizedLinear) for x in m.modules()): return _pin_per_expert(m, path, sharding)
     ops = {'weight': m.op} if isinstance(m, QuantizedLinear) else dict(m.ops)
     for p, op in ops.items():
         stored = [tuple(getattr(m, p + s).shape) for s in op.suffixes]

