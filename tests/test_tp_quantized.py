@@ -155,10 +155,12 @@ def byte_bound(folder: Path, fmt: str, sharding: Sharding) -> tuple:
         total += n
         mk = model_key(renamed(k))
         hit = sharding.style_of(mk)
-        split = hit is not None and _dim_for(TP_STYLES[hit[1]], mk.rpartition('.')[2], max(len(shape), 2)) is not None
-        if not split or len(shape) < 1 or n <= 16: repl += n; continue   # whole on every rank; per-tensor scales and shapes too
-        if UNIT[fmt] and len(shape) >= 2:   # a cut may widen to whole blocks: at most one block of rows or columns, per part
-            blocks += (ws - 1) * 2 * UNIT[fmt] * max(n // shape[-1], n // shape[-2])
+        style = TP_STYLES[hit[1]] if hit else None
+        dim = _dim_for(style, mk.rpartition('.')[2], max(len(shape), 2)) if style else None
+        if dim is None or n <= 16: repl += n; continue   # whole on every rank; per-tensor scales and shapes too
+        if UNIT[fmt] and len(shape) >= 2 and not style.uneven:   # each cut may read one block more along the cut dim, per packed part
+            parts = style.parts if mk == renamed(k) else 1   # per-expert keys are one part each
+            blocks += (ws - 1) * parts * UNIT[fmt] * (n // shape[dim])
     return total, repl, blocks
 
 
