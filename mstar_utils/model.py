@@ -37,17 +37,18 @@ def model_class_for(config) -> type:
 
 # %% ../nbs/03_load_model.ipynb #482e65c4
 def _fp32_names(model, dtype) -> list:
-    "Parameter and buffer names transformers keeps in float32 at `dtype`: its `_get_dtype_plan` patterns searched in them, as it does."
+    "Parameter and buffer names transformers keeps in float32 at `dtype`: `_get_dtype_plan` patterns searched in them."
     plan = model._get_dtype_plan(dtype) if hasattr(model, '_get_dtype_plan') else {}
     if not plan: return []
-    rx = re.compile('|'.join(f'(?:{p.replace("*", ".*")})' for p in plan))   # transformers' build_glob_alternation, searched
+    rx = re.compile('|'.join(f'(?:{p.replace("*", ".*")})' for p in plan))   # as build_glob_alternation, searched
     return [n for n, t, _ in named_tensors(model) if t.is_floating_point() and rx.search(n)]
 
 def _to_fp32(model, name: str):
-    "Parameter or buffer `name` of `model` replaced by a float32 one (a new Parameter for a parameter); ties are re-tied after."
+    "Parameter or buffer `name` of `model` replaced by a float32 one (a new Parameter); ties are re-tied after."
     owner, _, leaf = name.rpartition('.')
     m = model.get_submodule(owner)
-    if leaf in m._parameters: m._parameters[leaf] = torch.nn.Parameter(m._parameters[leaf].float(), m._parameters[leaf].requires_grad)
+    p = m._parameters.get(leaf)
+    if p is not None: m._parameters[leaf] = torch.nn.Parameter(p.float(), p.requires_grad)
     else: m._buffers[leaf] = m._buffers[leaf].float()
 
 

@@ -180,7 +180,8 @@ def mismatch(self: PackQuantizedDequantize, shapes: list):
 def _one(self: PackQuantizedDequantize, ts: list) -> torch.Tensor:
     R, C = self.weight_shape
     want = tuple(self.stored_shape or (R, C))
-    if tuple(ts[2].tolist()) != want: raise ValueError(f'{type(self).__name__}: weight_shape holds {ts[2].tolist()}, the recipe was made for {list(want)}')
+    if tuple(ts[2].tolist()) != want:
+        raise ValueError(f'{type(self).__name__}: weight_shape holds {ts[2].tolist()}, the recipe was made for {list(want)}')
     x = unpack_int32(ts[0], self.num_bits, C).float()
     if not self.symmetric: per_block_(x, unpack_int32(ts[3].T, self.num_bits, R).T, self.block, torch.Tensor.sub_)
     return per_block_(x, ts[1].reshape(scale_grid((R, C), self.block)).float(), self.block)
@@ -216,7 +217,7 @@ class StoredCut(NamedTuple):
 def _trimmed(t: torch.Tensor, trim) -> torch.Tensor: return t if trim is None else t.narrow(*trim)
 
 def _widen(start: int, stop: int, unit: int, size: int) -> tuple:
-    "[start, stop) widened to whole units: the start of the unit holding `start`, the end of the one holding `stop - 1`."
+    "[start, stop) widened to whole units: from the start of the unit holding `start` to the end of the last one."
     return start // unit * unit, min(-(-stop // unit) * unit, size)
 
 def _trim(dim: int, start: int, stop: int, lo: int, hi: int):
@@ -236,13 +237,13 @@ def cut(self: _BlockScaled, shapes: list, # the stored tensors' shapes, in `suff
         start: int, # the range of it taken: [start, stop)
         stop: int,
        ) -> StoredCut | None:
-    "The codes of the whole blocks that hold [start, stop) of `dim`, their scales and zero points; None: no cut (scales stored in another shape)."
+    "The codes of the whole blocks holding [start, stop) of `dim`, their scales and zero points; None: scales not in grid shape."
     w = tuple(shapes[0]); nd = len(w); dim %= nd
     grid = scale_grid(w, self.block)
     if any(tuple(s) != grid and _numel(s) != 1 for s in shapes[1:]): return None
     if dim < nd - 2: return StoredCut(tuple((dim, start, stop) if len(s) == nd else None for s in shapes), self, None)
     n = _block(self.block, w)[dim - nd + 2]
-    if n >= w[dim]: return StoredCut(((dim, start, stop),) + (None,) * (len(shapes) - 1), self, None)   # one scale spans the dim
+    if n >= w[dim]: return StoredCut(((dim, start, stop),) + (None,) * (len(shapes) - 1), self, None)   # one scale: all
     lo, hi = _widen(start, stop, n, w[dim])
     scales = tuple((dim, lo // n, -(-hi // n)) if tuple(s) == grid else None for s in shapes[1:])
     return StoredCut(((dim, lo, hi), *scales), self, _trim(dim, start, stop, lo, hi))
@@ -251,7 +252,7 @@ def cut(self: _BlockScaled, shapes: list, # the stored tensors' shapes, in `suff
 # %% ../nbs/06_quantized.ipynb #dac9d6b0
 @patch
 def cut(self: PackQuantizedDequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut | None:
-    "Whole int32 words and scale groups around [start, stop): rows, with the zero points packed down them, or packed columns."
+    "Whole int32 words and scale groups around [start, stop): rows, with zero points packed down them, or packed columns."
     (R, C), per = self.weight_shape, 32 // self.num_bits
     dim %= 2
     n, size = _block(self.block, (R, C))[dim], (R, C)[dim]
@@ -262,7 +263,8 @@ def cut(self: PackQuantizedDequantize, shapes: list, dim: int, start: int, stop:
     scale = (dim, lo // n, -(-hi // n)) if grouped else None
     words = (dim, lo // per, -(-hi // per))
     parts = ((0, lo, hi), scale, None, words) if dim == 0 else (words, scale, None, scale)
-    op = dataclasses.replace(self, weight_shape=(hi - lo, C) if dim == 0 else (R, hi - lo), stored_shape=self.stored_shape or (R, C))
+    shape = (hi - lo, C) if dim == 0 else (R, hi - lo)
+    op = dataclasses.replace(self, weight_shape=shape, stored_shape=self.stored_shape or (R, C))
     return StoredCut(parts[:len(shapes)], op, _trim(dim, start, stop, lo, hi))
 
 @patch
@@ -455,7 +457,8 @@ class QuantizedLinear(nn.Module):
     `forward` dequantizes with `u.op`, then multiplies: a CPU reference for kernels that read the same parameters."""
     def __init__(self, in_features: int, out_features: int, u: QuantizedTensor, bias: bool = True, device=None, dtype=None):
         super().__init__()
-        self.in_features, self.out_features, self.op, self.trim = in_features, out_features, u.op, None   # trim: set by a tensor-parallel cut
+        self.in_features, self.out_features, self.op = in_features, out_features, u.op
+        self.trim = None   # set by a tensor-parallel cut
         got = tuple(u.op.out_shape(u.shapes))
         if got != (out_features, in_features):
             raise ValueError(f'QuantizedLinear: {u.sources[0]!r} dequantizes to {list(got)}, the layer is [{out_features}, {in_features}]')
@@ -465,7 +468,7 @@ class QuantizedLinear(nn.Module):
 # %% ../nbs/06_quantized.ipynb #a4a2480d
 @patch
 def dequantized_weight(self: QuantizedLinear) -> torch.Tensor:
-    "The weight [out_features, in_features] in the op's `target_dtype` (of a tensor-parallel cut: its `trim` of the stored blocks)."
+    "The weight [out_features, in_features] in the op's `target_dtype` (of a tensor-parallel cut: its `trim`)."
     return _trimmed(self.op.apply([getattr(self, 'weight' + s) for s in self.op.suffixes]), self.trim)
 
 @patch
@@ -483,7 +486,8 @@ class QuantizedExperts(nn.Module):
         super().__init__()
         self.__dict__['inner'] = inner   # not a submodule: its parameters are stand-ins
         self.ops, self.conv, self.prefix = {p: u.op for p, u in (whole or {}).items()}, conv, prefix
-        self.trims, self.expert_offset = {}, 0   # a tensor-parallel cut's {parameter: trim}; the first expert an expert-parallel rank holds
+        self.trims = {}   # a tensor-parallel cut's {parameter: trim}
+        self.expert_offset = 0   # the first expert an expert-parallel rank holds
         if per_expert and not conv: raise ValueError(f'QuantizedExperts: {prefix}: per-expert weights need conv, the rules that fuse them for {type(inner).__name__}')
         dev = next(inner.parameters()).device
         for p, u in (whole or {}).items(): _stored(self, u, p, dev)
@@ -504,14 +508,15 @@ def _add_linear(root: nn.Module, path: str, u: QuantizedTensor, device) -> None:
     m.add_module(leaf, QuantizedLinear(C, R, u, bias=False, device=device))
 
 def _renumbered(path: str, offset: int) -> str:
-    "`path` ('5.gate_proj') with its expert number less `offset`: an expert-parallel rank's experts, numbered from 0 for fusing."
+    "`path` ('5.gate_proj') with its expert number less `offset`: a rank's experts, numbered from 0 for fusing."
     first, _, rest = path.partition('.')
     return f'{int(first) - offset}.{rest}' if offset and first.isdigit() else path
 
 @patch
 def dequantized(self: QuantizedExperts) -> dict:
     "`inner`'s parameters by name: the quantized ones dequantized (and fused by `conv`), the others as held."
-    out = {p: _trimmed(op.apply([getattr(self, p + s) for s in op.suffixes]), self.trims.get(p)) for p, op in self.ops.items()}
+    out = {p: _trimmed(op.apply([getattr(self, p + s) for s in op.suffixes]), self.trims.get(p))
+           for p, op in self.ops.items()}
     lin = {self.prefix + _renumbered(n, self.expert_offset) + '.weight': m.dequantized_weight()
            for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
     if lin: out.update({k[len(self.prefix):]: v for k, v in convert_state_dict(lin, self.conv).items()})
@@ -546,12 +551,13 @@ def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped i
                    units: list, # from `quantized_tensors`
                    conv: list | None = None, # the model's fusing rules, for experts stored one at a time
                    prefix: str = '', # what the checkpoint's keys put before `model`'s names
-                  names: dict | None = None, # checkpoint key -> the model's key where they differ (`checkpoint_renames`)
+                  names: dict | None = None, # checkpoint key -> the model's key (`checkpoint_renames`)
                   ) -> list:
     "Swap in `QuantizedLinear` and `QuantizedExperts` where `units` are, so a load keeps codes and scales; returns the rules of `conv` a load still needs."
     lin, whole, per = [], {}, {}
     for u in units:
-        if u.target.startswith(prefix): _place(model, u, _model_name(u.target.rpartition('.')[0], names or {})[len(prefix):], lin, whole, per)
+        path = _model_name(u.target.rpartition('.')[0], names or {})
+        if u.target.startswith(prefix): _place(model, u, path[len(prefix):], lin, whole, per)
     for path, m, u in lin:
         q = QuantizedLinear(m.in_features, m.out_features, u, bias=False, device=m.weight.device)
         q.bias = m.bias

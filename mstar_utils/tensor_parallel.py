@@ -157,8 +157,9 @@ def spread(self: Sharding, key: str, # names the tensor in the error
     "This rank's experts as vLLM splits them: n // world_size each, and one more for the first n % world_size ranks."
     d, ws, r = dim % len(shape), self.world_size, self.rank
     n = shape[d]
-    if n < ws: raise ValueError(f'{key}: dim {d} of shape {list(shape)} has {n} experts for world_size {ws}; every rank needs one: '
-                                f'use a world_size of at most {n}, or split the experts by rows (expert_parallel=False)')
+    if n < ws:
+        raise ValueError(f'{key}: dim {d} of shape {list(shape)} has {n} experts for world_size {ws}; every rank needs one: '
+                         f'use a world_size of at most {n}, or split the experts by rows (expert_parallel=False)')
     q, extra = divmod(n, ws)
     lo = r * q + min(r, extra)
     return Slice(d, ((lo, lo + q + (r < extra)),))
@@ -169,7 +170,7 @@ _ATTENTION = re.compile(r'(^|\.)(self_attn|attention|attn)\.')
 _HEADS = {'colwise': 'colwise_gather_output', 'rowwise': 'rowwise_split_input'}
 
 def _own_plan(cfg, world_size: int, expert_parallel: bool) -> dict:
-    "`cfg`'s `base_model_tp_plan` (and `base_model_ep_plan` over it), attention gathering where heads do not divide; {} without one."
+    "`cfg`'s `base_model_tp_plan` (`base_model_ep_plan` over it), attention gathering where heads do not divide; or {}."
     plan = dict(getattr(cfg, 'base_model_tp_plan', None) or {})
     if plan and expert_parallel and getattr(cfg, 'base_model_ep_plan', None): plan.update(cfg.base_model_ep_plan)
     heads = [getattr(cfg, 'num_attention_heads', None), getattr(cfg, 'num_key_value_heads', None)]
@@ -178,9 +179,10 @@ def _own_plan(cfg, world_size: int, expert_parallel: bool) -> dict:
     return plan
 
 def _tower(model, sub) -> str:
-    "The path of `model`'s submodule built from config `sub` (a multimodal model's language model, vision tower, ...), with a dot."
+    "The path of `model`'s submodule built from config `sub` (a language model, a vision tower), with a dot."
     names = [n for n, m in model.named_modules() if n and getattr(m, 'config', None) is sub]
-    if not names: raise ValueError(f'{type(model).__name__} has no submodule built from its {type(sub).__name__}; pass a plan')
+    if not names:
+        raise ValueError(f'{type(model).__name__} has no submodule built from its {type(sub).__name__}; pass a plan')
     return min(names, key=len) + '.'
 
 
@@ -188,7 +190,7 @@ def _tower(model, sub) -> str:
 def tp_plan(config, # a transformers config; a multimodal one's text plan applies to its language model
             world_size: int = 1, # the tensor-parallel group's size
             expert_parallel: bool = False, # experts split by expert (the config's `base_model_ep_plan`)
-            model=None, # the model built from `config`: where a multimodal model's towers are; None: built on meta when needed
+            model=None, # the model of `config`: where a multimodal model's towers are; None: built on meta if needed
            ) -> dict:
     "The config's `base_model_tp_plan` (and `base_model_ep_plan` over it); attention whose heads do not divide by `world_size` gathers instead."
     cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
@@ -244,7 +246,8 @@ def _route_dequantize(node, sl: Slice) -> list | None:
         out.append((c, d, pos, b - a)); pos += b - a
     return out
 
-DEQUANTIZE_ROUTES = dict.fromkeys((FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize), _route_dequantize)
+DEQUANTIZE_ROUTES = dict.fromkeys((FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize),
+                                  _route_dequantize)
 
 # %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3
 def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
@@ -259,7 +262,9 @@ def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
         return
     cuts = DEQUANTIZE_ROUTES[type(node.op)](node, sl) if type(node.op) in DEQUANTIZE_ROUTES else None
     if cuts is not None:
-        for c, d, pos, n in cuts: out.narrow(d, pos, n).copy_(dequantize_cut(c, [_read_part(src, k, p, count) for k, p in zip(node.kids, c.parts)]))
+        for c, d, pos, n in cuts:
+            parts = [_read_part(src, k, p, count) for k, p in zip(node.kids, c.parts)]
+            out.narrow(d, pos, n).copy_(dequantize_cut(c, parts))
         return
     values = []
     for kid in node.kids:
@@ -357,22 +362,24 @@ def _fix_sizes(m):
 
 # %% ../nbs/07_tensor_parallel.ipynb #96ada0b3
 def _pin_per_expert(m, path: str, sharding: Sharding):
-    "Experts kept one at a time: under expert parallelism the rank keeps its experts' layers whole and drops the others."
+    "Experts kept one at a time: under expert parallelism a rank keeps its experts' layers whole, drops the others."
     split = {n: sharding.slice_for(f'{path}.{n}', p.shape) for n, p in m.inner.named_parameters(recurse=False)}
     split = {n: sl for n, sl in split.items() if sl.dim is not None}
     if not split: return
     cuts = {(sl.dim, sl.ranges) for sl in split.values()}
     if len(cuts) != 1 or next(iter(cuts))[0] != 0:
-        raise NotImplementedError(f'{path}: experts kept quantized one expert at a time are cut by expert only (expert_parallel=True); the plan '
-                                  f'splits {", ".join(f"{n} along dim {sl.dim}" for n, sl in split.items())}: load them with quantized="dequantize"')
+        dims = ', '.join(f'{n} along dim {sl.dim}' for n, sl in split.items())
+        raise NotImplementedError(f'{path}: experts kept quantized one expert at a time are cut by expert only '
+                                  f'(expert_parallel=True); the plan splits {dims}: load them with quantized="dequantize"')
     (lo, hi), = next(iter(cuts))[1]
     for k in [k for k in m._modules if k.isdigit() and not lo <= int(k) < hi]: del m._modules[k]
     m.expert_offset, m.tp_slice = lo, next(iter(split.values()))
 
 def _pin_kept(m, path: str, sharding: Sharding):
-    "Pin the slices of kept module `m`'s codes and scales to what its weight's slice is made from (`cut`), and cut its op to match."
+    "Pin the slices of kept module `m`'s codes and scales to what its weight's slice is made from; its op cut to match."
     if sharding.world_size == 1: return
-    if isinstance(m, QuantizedExperts) and any(isinstance(x, QuantizedLinear) for x in m.modules()): return _pin_per_expert(m, path, sharding)
+    if isinstance(m, QuantizedExperts) and any(isinstance(x, QuantizedLinear) for x in m.modules()):
+        return _pin_per_expert(m, path, sharding)
     ops = {'weight': m.op} if isinstance(m, QuantizedLinear) else dict(m.ops)
     for p, op in ops.items():
         stored = [tuple(getattr(m, p + s).shape) for s in op.suffixes]
@@ -381,14 +388,20 @@ def _pin_kept(m, path: str, sharding: Sharding):
         if sl.dim is None:
             for s in op.suffixes: sharding.pinned[f'{path}.{p}{s}'] = WHOLE
             continue
-        if len(sl.ranges) != 1: raise NotImplementedError(f'{path}.{p}: a packed plan style cuts it in {len(sl.ranges)} ranges; '
+        if len(sl.ranges) != 1:
+            raise NotImplementedError(f'{path}.{p}: a packed plan style cuts it in {len(sl.ranges)} ranges; '
                                                           'kept quantized weights are cut in one')
         (a, b), = sl.ranges
         c = op.cut(stored, sl.dim, a, b)
-        if c is None: raise ValueError(f'{path}.{p}: {type(op).__name__} cannot cut its scales along dim {sl.dim}; load it with quantized="dequantize"')
-        for s, part in zip(op.suffixes, c.parts): sharding.pinned[f'{path}.{p}{s}'] = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
+        if c is None:
+            raise ValueError(f'{path}.{p}: {type(op).__name__} cannot cut its scales along dim {sl.dim}; '
+                             'load it with quantized="dequantize"')
+        for s, part in zip(op.suffixes, c.parts):
+            sharding.pinned[f'{path}.{p}{s}'] = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
         m.tp_slice = sl   # the weight's slice: what the collectives cut inputs by
-        if isinstance(m, QuantizedLinear): m.op, m.trim = c.op, c.trim; m.out_features, m.in_features = slice_shape(shape, sl)
+        if isinstance(m, QuantizedLinear):
+            m.op, m.trim = c.op, c.trim
+            m.out_features, m.in_features = slice_shape(shape, sl)
         else: m.ops[p] = c.op; m.trims[p] = c.trim
 
 
@@ -429,7 +442,8 @@ def _all_reduce_output(m, sharding, sl, group):
 
 def _reduce_output(m, sharding, sl, group):
     "rowwise: a Linear's partial products summed over the ranks, then its bias added once."
-    if not isinstance(m, (torch.nn.Linear, QuantizedLinear)): raise ValueError(f'rowwise splits nn.Linear layers; {type(m).__name__} is not one')
+    if not isinstance(m, (torch.nn.Linear, QuantizedLinear)):
+        raise ValueError(f'rowwise splits nn.Linear layers; {type(m).__name__} is not one')
     weight = (lambda x: m.dequantized_weight().to(x.dtype)) if isinstance(m, QuantizedLinear) else (lambda x: m.weight)
     def forward(x):
         y = F.linear(x, weight(x))
@@ -472,7 +486,7 @@ def _expert_dispatch(m, sharding, sl, group):
     "ep_dispatch_experts: the module holds experts [lo, hi); tokens routed elsewhere get its skip index `num_experts` and weight 0, outputs are summed."
     lo, hi = _split(sl, m, 'expert_dispatch').ranges[0]
     for e in {m, m.inner} if isinstance(m, QuantizedExperts) else (m,):   # a kept one runs its inner module
-        e.num_experts, e._is_expert_parallel = hi - lo, True   # transformers' experts kernels mask the skip index when this is set
+        e.num_experts, e._is_expert_parallel = hi - lo, True   # transformers' kernels then mask the skip index
     def pre(mod, args):
         if len(args) < 3: raise ValueError(f'{type(mod).__name__}: expert parallelism needs (hidden_states, top_k_index, top_k_weights) as positional arguments')
         x, idx, w = args[:3]
@@ -497,7 +511,8 @@ def install_collectives(module: torch.nn.Module, # the rank's cut model
         hit = sharding.entry(prefix + name) if prefix + name else None
         kind = TP_STYLES[hit[1]].forward if hit else None
         if kind is None: continue
-        own = [m.tp_slice] if getattr(m, 'tp_slice', None) is not None else [sl for n, sl in cut.items() if n.rpartition('.')[0] == name]
+        own = [sl for n, sl in cut.items() if n.rpartition('.')[0] == name]
+        if getattr(m, 'tp_slice', None) is not None: own = [m.tp_slice]   # a kept module: its weight's slice
         FORWARDS[kind](m, sharding, own[0] if own else WHOLE, group)
         done.append(name)
     return done
@@ -550,7 +565,7 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
                        rules=(), # per-key slicing rules (see `Sharding`)
                        expert_parallel: bool = False, # default plan: experts split by expert
                        model_class: type | None = None, # None: transformers' class for config.json `architectures`
-                       quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize', or 'keep' each rank's codes and scales
+                       quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize', or 'keep' codes and scales
                       ) -> torch.nn.Module:
     "Rank `rank`'s part of the model in `checkpoint_dir`: built on meta, cut, filled with only its slices, checked, with its collectives, in eval mode."
     from transformers import AutoConfig
@@ -561,10 +576,12 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
-    if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
+    if quantized not in ('dequantize', 'keep'):
+        raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
-    sharding = Sharding(tp_plan(config, world_size, expert_parallel, model) if plan is None else plan, rank, world_size, rules)
-    src = model_source(ckpt, config, model, conv, quantized=quantized)   # 'keep' swaps in the kept modules, which are cut next
+    plan = tp_plan(config, world_size, expert_parallel, model) if plan is None else plan
+    sharding = Sharding(plan, rank, world_size, rules)
+    src = model_source(ckpt, config, model, conv, quantized=quantized)   # 'keep' swaps in kept modules, cut next
     try: shard_module(model, sharding, group)
     except BaseException: src.close(); raise
     try:

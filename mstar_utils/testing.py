@@ -471,18 +471,21 @@ def tp_jobs(rank: int, world_size: int, # as `run_ranks` passes them
 def tp_cells(rank: int, world_size: int, # as `run_ranks` passes them
              cells: list, # [(folder, inputs {name: tensor}, expert_parallel, quantized), ...]
             ) -> list:
-    "Per cell, one rank's `load_model_sharded` in float32 and forward, `torch.save`d (fp8 tensors pickle only so): {'logits', 'bytes_read', 'tensors', 'dequantized', 'plan', 'pinned'}."
+    "Per cell, one rank's `load_model_sharded` in float32 and forward: a dict of results, `torch.save`d (fp8 pickles so)."
     from mstar_utils.tensor_parallel import load_model_sharded
     from mstar_utils.quantized import QuantizedLinear
     out = []
     for folder, inputs, ep, quantized in cells:
-        model = load_model_sharded(folder, rank, world_size, dtype=torch.float32, expert_parallel=ep, quantized=quantized)
+        model = load_model_sharded(folder, rank, world_size, dtype=torch.float32, expert_parallel=ep,
+                                   quantized=quantized)
         with torch.no_grad():
             logits = model(**inputs).logits
-            deq = {f'{n}.weight': m.dequantized_weight().float() for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+            deq = {f'{n}.weight': m.dequantized_weight().float()
+                   for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
         buf = io.BytesIO()
-        torch.save({'logits': logits, 'bytes_read': model.tp_bytes_read, 'tensors': {k: v.detach() for k, v in model.state_dict().items()},
-                    'dequantized': deq, 'plan': model.tp_sharding.plan, 'pinned': dict(model.tp_sharding.pinned)}, buf)
+        tensors = {k: v.detach() for k, v in model.state_dict().items()}
+        torch.save({'logits': logits, 'bytes_read': model.tp_bytes_read, 'tensors': tensors, 'dequantized': deq,
+                    'plan': model.tp_sharding.plan, 'pinned': dict(model.tp_sharding.pinned)}, buf)
         out.append(buf.getvalue())
     return out
 
