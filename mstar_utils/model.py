@@ -41,10 +41,20 @@ def model_class_for(config) -> type:
 
 # %% ../nbs/03_load_model.ipynb #482e65c4
 def _fp32_names(model, dtype) -> list:
-    "Module names transformers keeps in float32 at `dtype` (its `_get_dtype_plan`), matched on whole dot parts."
+    "Parameter and buffer names transformers keeps in float32 at `dtype`: `_get_dtype_plan` patterns searched in them."
     plan = model._get_dtype_plan(dtype) if hasattr(model, '_get_dtype_plan') else {}
-    pats = [re.compile(rf'(^|\.){re.escape(p)}($|\.)') for p in plan]
-    return [n for n, _ in model.named_modules() if n and any(p.search(n) for p in pats)]
+    if not plan: return []
+    rx = re.compile('|'.join(f'(?:{p.replace("*", ".*")})' for p in plan))   # as build_glob_alternation, searched
+    return [n for n, t, _ in named_tensors(model) if t.is_floating_point() and rx.search(n)]
+
+def _to_fp32(model, name: str):
+    "Parameter or buffer `name` of `model` replaced by a float32 one (a new Parameter); ties are re-tied after."
+    owner, _, leaf = name.rpartition('.')
+    m = model.get_submodule(owner)
+    p = m._parameters.get(leaf)
+    if p is not None: m._parameters[leaf] = torch.nn.Parameter(p.float(), p.requires_grad)
+    else: m._buffers[leaf] = m._buffers[leaf].float()
+
 
 # %% ../nbs/03_load_model.ipynb #eb4f0243
 _BUILD_LOCK = threading.Lock()  # accelerate's patch of nn.Module.register_parameter is process-wide
@@ -69,7 +79,7 @@ def build_on_meta(config, # a transformers config
     if isinstance(dtype, str): dtype = getattr(torch, dtype)
     model = meta_module(lambda: cls._from_config(config, dtype=dtype) if hasattr(cls, '_from_config') else cls(config).to(dtype))
     with torch.device('meta'):
-        for n in _fp32_names(model, dtype): model.get_submodule(n).float()
+        for n in _fp32_names(model, dtype): _to_fp32(model, n)
     if hasattr(model, 'tie_weights'): model.tie_weights()
     return model
 
@@ -302,18 +312,12 @@ def _model_source(ckpt: Path, # a checkpoint folder
     return src
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c02
-def _sharding(config, rank, world_size, plan, expert_parallel, rules):
+def _sharding(config, model, rank, world_size, plan, expert_parallel, rules):
     "This rank's `Sharding` of the model, or None for one device (`rank` and `world_size` None, or a world of 1)."
     if rank is None and world_size is None: return None
     if rank is None or world_size is None: raise ValueError(f'rank={rank!r}, world_size={world_size!r}: pass both (or neither, for the whole model)')
     if world_size == 1 and rank == 0: return None
-    return Sharding(tp_plan(config, world_size, expert_parallel) if plan is None else plan, rank, world_size, rules)
-
-def _check_keep_sharded(config, sharding, quantized: str, what: str):
-    "`NotImplementedError` for codes and scales kept under tensor parallelism, which cannot be sliced yet."
-    if sharding is None or quantized != 'keep' or not getattr(config, 'quantization_config', None): return
-    raise NotImplementedError(f"{what}: quantized='keep' at world_size {sharding.world_size}: slicing kept codes and scales is not "
-                              "supported yet; load with quantized='dequantize', or on one device")
+    return Sharding(tp_plan(config, world_size, expert_parallel, model) if plan is None else plan, rank, world_size, rules)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c03
 class _Prepared(NamedTuple):
@@ -336,9 +340,8 @@ def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantize
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
     if group is not None and (rank is None or world_size is None): rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    sharding = _sharding(config, rank, world_size, plan, expert_parallel, rules)
-    _check_keep_sharded(config, sharding, quantized, ckpt.name)
     model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
+    sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)   # the model: where its towers are
     raw = checkpoint_source(ckpt, dry=dry)
     src = _model_source(ckpt, config, model, conv, renames, quantized, raw)
     whole = src

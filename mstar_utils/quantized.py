@@ -4,10 +4,10 @@
 
 # %% ../nbs/06_quantized.ipynb #55c6b72d
 from __future__ import annotations
-import re
+import dataclasses, math, re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,9 @@ from .convert import ConversionOp, WeightConverter, convert_state_dict, converte
 
 # %% auto #0
 __all__ = ['FP4_E2M1', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_', 'FP8BlockDequantize',
-           'FloatQuantizedDequantize', 'PackQuantizedDequantize', 'MXFP4Dequantize', 'QuantizedTensor',
-           'quantized_tensors', 'quantized_conversions', 'QuantizedLinear', 'QuantizedExperts', 'keep_quantized',
-           'quantized_source', 'block_slice']
+           'FloatQuantizedDequantize', 'PackQuantizedDequantize', 'MXFP4Dequantize', 'StoredCut', 'dequantize_cut',
+           'QuantizedTensor', 'quantized_tensors', 'quantized_conversions', 'QuantizedLinear', 'QuantizedExperts',
+           'keep_quantized', 'quantized_source', 'block_slice']
 
 # %% ../nbs/06_quantized.ipynb #47664196
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 value by code 0..15
@@ -157,6 +157,7 @@ class PackQuantizedDequantize(_Dequantize):
     weight_shape: tuple = None
     symmetric: bool = True
     target_dtype: torch.dtype = torch.bfloat16
+    stored_shape: tuple = None   # what `weight_shape` holds when this op dequantizes a cut of it; None: `weight_shape`
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
     @property
@@ -178,7 +179,9 @@ def mismatch(self: PackQuantizedDequantize, shapes: list):
 @patch
 def _one(self: PackQuantizedDequantize, ts: list) -> torch.Tensor:
     R, C = self.weight_shape
-    if tuple(ts[2].tolist()) != (R, C): raise ValueError(f'{type(self).__name__}: weight_shape holds {ts[2].tolist()}, the recipe was made for {[R, C]}')
+    want = tuple(self.stored_shape or (R, C))
+    if tuple(ts[2].tolist()) != want:
+        raise ValueError(f'{type(self).__name__}: weight_shape holds {ts[2].tolist()}, the recipe was made for {list(want)}')
     x = unpack_int32(ts[0], self.num_bits, C).float()
     if not self.symmetric: per_block_(x, unpack_int32(ts[3].T, self.num_bits, R).T, self.block, torch.Tensor.sub_)
     return per_block_(x, ts[1].reshape(scale_grid((R, C), self.block)).float(), self.block)
@@ -203,6 +206,77 @@ class MXFP4Dequantize(_Dequantize):
     def _one(self, ts):
         x = unpack_fp4(ts[0]).mul_(e8m0_to_float(ts[1])[..., None]).flatten(-2)   # [..., R, G·32]
         return x.transpose(-1, -2) if self.transpose else x
+
+# %% ../nbs/06_quantized.ipynb #93c61a4e
+class StoredCut(NamedTuple):
+    "How range [start, stop) of one dim of a dequantized tensor is made: a part of each stored tensor, an op, a trim."
+    parts: tuple # per stored tensor (in `suffixes` order): (dim, start, stop) to read, or None: all of it
+    op: object # the operation that dequantizes the parts: the op itself, or a copy for the cut's shape
+    trim: tuple | None # (dim, start, length) to keep of the op's result; None: all of it
+
+def _trimmed(t: torch.Tensor, trim) -> torch.Tensor: return t if trim is None else t.narrow(*trim)
+
+def _widen(start: int, stop: int, unit: int, size: int) -> tuple:
+    "[start, stop) widened to whole units: from the start of the unit holding `start` to the end of the last one."
+    return start // unit * unit, min(-(-stop // unit) * unit, size)
+
+def _trim(dim: int, start: int, stop: int, lo: int, hi: int):
+    return None if (lo, hi) == (start, stop) else (dim, start - lo, stop - start)
+
+def dequantize_cut(c: StoredCut, # from an op's `cut`
+                   parts: list, # the stored tensors' parts that `c.parts` names, read
+                  ) -> torch.Tensor:
+    "The dequantized range: `c.op` over the parts, trimmed."
+    return _trimmed(c.op.apply(parts), c.trim)
+
+
+# %% ../nbs/06_quantized.ipynb #68b795cc
+@patch
+def cut(self: _BlockScaled, shapes: list, # the stored tensors' shapes, in `suffixes` order
+        dim: int, # the dim of the result that is cut
+        start: int, # the range of it taken: [start, stop)
+        stop: int,
+       ) -> StoredCut | None:
+    "The codes of the whole blocks holding [start, stop) of `dim`, their scales and zero points; None: scales not in grid shape."
+    w = tuple(shapes[0]); nd = len(w); dim %= nd
+    grid = scale_grid(w, self.block)
+    if any(tuple(s) != grid and _numel(s) != 1 for s in shapes[1:]): return None
+    if dim < nd - 2: return StoredCut(tuple((dim, start, stop) if len(s) == nd else None for s in shapes), self, None)
+    n = _block(self.block, w)[dim - nd + 2]
+    if n >= w[dim]: return StoredCut(((dim, start, stop),) + (None,) * (len(shapes) - 1), self, None)   # one scale: all
+    lo, hi = _widen(start, stop, n, w[dim])
+    scales = tuple((dim, lo // n, -(-hi // n)) if tuple(s) == grid else None for s in shapes[1:])
+    return StoredCut(((dim, lo, hi), *scales), self, _trim(dim, start, stop, lo, hi))
+
+
+# %% ../nbs/06_quantized.ipynb #dac9d6b0
+@patch
+def cut(self: PackQuantizedDequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut | None:
+    "Whole int32 words and scale groups around [start, stop): rows, with zero points packed down them, or packed columns."
+    (R, C), per = self.weight_shape, 32 // self.num_bits
+    dim %= 2
+    n, size = _block(self.block, (R, C))[dim], (R, C)[dim]
+    if dim == 0 and not self.symmetric and n != 1: return None   # zero points are packed one a row
+    grouped = n < size
+    unit = math.lcm(n if grouped else 1, per if dim == 1 or not self.symmetric else 1)
+    lo, hi = _widen(start, stop, unit, size)
+    scale = (dim, lo // n, -(-hi // n)) if grouped else None
+    words = (dim, lo // per, -(-hi // per))
+    parts = ((0, lo, hi), scale, None, words) if dim == 0 else (words, scale, None, scale)
+    shape = (hi - lo, C) if dim == 0 else (R, hi - lo)
+    op = dataclasses.replace(self, weight_shape=shape, stored_shape=self.stored_shape or (R, C))
+    return StoredCut(parts[:len(shapes)], op, _trim(dim, start, stop, lo, hi))
+
+@patch
+def cut(self: MXFP4Dequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
+    "Experts and rows cut exactly; values along the blocks in whole groups of 32, then trimmed."
+    nd = len(shapes[0]) - 1; dim %= nd; lead = nd - 2
+    if dim < lead or dim == (nd - 1 if self.transpose else nd - 2):
+        at = dim if dim < lead else lead
+        return StoredCut(((at, start, stop),) * 2, self, None)
+    lo, hi = start // 32, -(-stop // 32)
+    return StoredCut(((lead + 1, lo, hi),) * 2, self, _trim(dim, start, stop, lo * 32, hi * 32))
+
 
 # %% ../nbs/06_quantized.ipynb #dea6c242
 @dataclass
@@ -384,6 +458,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, u: QuantizedTensor, bias: bool = True, device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features, self.op = in_features, out_features, u.op
+        self.trim = None   # set by a tensor-parallel cut
         got = tuple(u.op.out_shape(u.shapes))
         if got != (out_features, in_features):
             raise ValueError(f'QuantizedLinear: {u.sources[0]!r} dequantizes to {list(got)}, the layer is [{out_features}, {in_features}]')
@@ -393,8 +468,8 @@ class QuantizedLinear(nn.Module):
 # %% ../nbs/06_quantized.ipynb #a4a2480d
 @patch
 def dequantized_weight(self: QuantizedLinear) -> torch.Tensor:
-    "The weight [out_features, in_features] in the op's `target_dtype`."
-    return self.op.apply([getattr(self, 'weight' + s) for s in self.op.suffixes])
+    "The weight [out_features, in_features] in the op's `target_dtype` (of a tensor-parallel cut: its `trim`)."
+    return _trimmed(self.op.apply([getattr(self, 'weight' + s) for s in self.op.suffixes]), self.trim)
 
 @patch
 def forward(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor: return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
@@ -411,6 +486,8 @@ class QuantizedExperts(nn.Module):
         super().__init__()
         self.__dict__['inner'] = inner   # not a submodule: its parameters are stand-ins
         self.ops, self.conv, self.prefix = {p: u.op for p, u in (whole or {}).items()}, conv, prefix
+        self.trims = {}   # a tensor-parallel cut's {parameter: trim}
+        self.expert_offset = 0   # the first expert an expert-parallel rank holds
         if per_expert and not conv: raise ValueError(f'QuantizedExperts: {prefix}: per-expert weights need conv, the rules that fuse them for {type(inner).__name__}')
         dev = next(inner.parameters()).device
         for p, u in (whole or {}).items(): _stored(self, u, p, dev)
@@ -430,11 +507,18 @@ def _add_linear(root: nn.Module, path: str, u: QuantizedTensor, device) -> None:
     R, C = u.op.out_shape(u.shapes)
     m.add_module(leaf, QuantizedLinear(C, R, u, bias=False, device=device))
 
+def _renumbered(path: str, offset: int) -> str:
+    "`path` ('5.gate_proj') with its expert number less `offset`: a rank's experts, numbered from 0 for fusing."
+    first, _, rest = path.partition('.')
+    return f'{int(first) - offset}.{rest}' if offset and first.isdigit() else path
+
 @patch
 def dequantized(self: QuantizedExperts) -> dict:
     "`inner`'s parameters by name: the quantized ones dequantized (and fused by `conv`), the others as held."
-    out = {p: op.apply([getattr(self, p + s) for s in op.suffixes]) for p, op in self.ops.items()}
-    lin = {self.prefix + n + '.weight': m.dequantized_weight() for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
+    out = {p: _trimmed(op.apply([getattr(self, p + s) for s in op.suffixes]), self.trims.get(p))
+           for p, op in self.ops.items()}
+    lin = {self.prefix + _renumbered(n, self.expert_offset) + '.weight': m.dequantized_weight()
+           for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
     if lin: out.update({k[len(self.prefix):]: v for k, v in convert_state_dict(lin, self.conv).items()})
     mine = dict(self.named_parameters(recurse=False))
     out.update({n: mine[n] for n, _ in self.inner.named_parameters(recurse=False) if n not in out and n in mine})
@@ -467,11 +551,13 @@ def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped i
                    units: list, # from `quantized_tensors`
                    conv: list | None = None, # the model's fusing rules, for experts stored one at a time
                    prefix: str = '', # what the checkpoint's keys put before `model`'s names
+                  names: dict | None = None, # checkpoint key -> the model's key (`checkpoint_renames`)
                   ) -> list:
     "Swap in `QuantizedLinear` and `QuantizedExperts` where `units` are, so a load keeps codes and scales; returns the rules of `conv` a load still needs."
     lin, whole, per = [], {}, {}
     for u in units:
-        if u.target.startswith(prefix): _place(model, u, u.target[len(prefix):].rpartition('.')[0], lin, whole, per)
+        path = _model_name(u.target.rpartition('.')[0], names or {})
+        if u.target.startswith(prefix): _place(model, u, path[len(prefix):], lin, whole, per)
     for path, m, u in lin:
         q = QuantizedLinear(m.in_features, m.out_features, u, bias=False, device=m.weight.device)
         q.bias = m.bias
@@ -493,7 +579,7 @@ def quantized_source(src, # the checkpoint's source
     "(source, recipes) to load `model` from: `src` seen through the dequantizing recipes, or `src` and the recipes left after `keep_quantized`. Unquantized: (src, conv)."
     units = quantized_tensors(src, config, dtype or getattr(model, 'dtype', None), names)
     if not units: return src, conv
-    if keep: return src, keep_quantized(model, units, conv)
+    if keep: return src, keep_quantized(model, units, conv, names=names)
     return converted_source(src, [WeightConverter(p, t, [op]) for p, t, op in _fragments(units, src.keys())]), conv
 
 # %% ../nbs/06_quantized.ipynb #1d8b469a

@@ -18,10 +18,13 @@ from fastcore.basics import patch
 from .sources import Source, WrappedSource, checkpoint_source, default_threads
 from .convert import MergeModulelist, Concatenate, converted_source
 from .loading import ModuleAndPrefix, LoadResult, load_from_source, module_entries, named_tensors, norm_prefix
+from .quantized import (FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize,
+                                   QuantizedLinear, QuantizedExperts, dequantize_cut)
 
 # %% auto #0
-__all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'FORWARDS', 'Slice', 'slice_shape', 'take', 'TPStyle', 'Sharding', 'tp_plan',
-           'read_slice', 'ShardedSource', 'shard_module', 'install_collectives', 'load_weights_sharded']
+__all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'DEQUANTIZE_ROUTES', 'FORWARDS', 'Slice', 'slice_shape', 'take', 'TPStyle',
+           'Sharding', 'tp_plan', 'read_slice', 'ShardedSource', 'shard_module', 'install_collectives',
+           'load_weights_sharded']
 
 # %% ../nbs/07_tensor_parallel.ipynb #f4c3d661
 class Slice(NamedTuple):
@@ -56,6 +59,7 @@ class TPStyle:
     bias_dim: int | None = None
     parts: int = 1
     forward: str | None = None
+    uneven: bool = False   # experts: the first n % world_size ranks take one more, as vLLM splits them
 
 _COL, _ROW = TPStyle(-2, -1), TPStyle(-1, None, forward='reduce_output')
 TP_STYLES = {'colwise': _COL, 'colwise_gather_output': TPStyle(-2, -1, forward='gather_output'),
@@ -63,7 +67,7 @@ TP_STYLES = {'colwise': _COL, 'colwise_gather_output': TPStyle(-2, -1, forward='
              'rowwise_split_input': TPStyle(-1, None, forward='split_input'), 'rowwise_rep': TPStyle(-1, None, forward='split_input'),
              'packed_colwise': TPStyle(-2, -1, parts=2), 'packed_rowwise': TPStyle(-1, None, parts=2),
              'embedding_rowwise': TPStyle(0, None, forward='vocab_parallel'), 'embedding_colwise': TPStyle(-1, None, forward='gather_output'),
-             'grouped_gemm': TPStyle(0, 0), 'moe_tp_experts': TPStyle(forward='all_reduce'), 'all_reduce': TPStyle(forward='all_reduce'),
+             'grouped_gemm': TPStyle(0, 0, uneven=True), 'moe_tp_experts': TPStyle(forward='all_reduce'), 'all_reduce': TPStyle(forward='all_reduce'),
              'ep_dispatch_experts': TPStyle(forward='expert_dispatch'), 'replicate': TPStyle(),
              'replicated_with_grad_allreduce': TPStyle(), 'local_params': TPStyle(), 'mla_kv_a_proj': TPStyle()}
 
@@ -96,6 +100,7 @@ class Sharding:
             raise ValueError(f'rank {rank!r} of world_size {world_size!r}: need an int world_size >= 1 and 0 <= rank < world_size')
         self.plan, self.rank, self.world_size, self.rules = dict(plan), rank, world_size, list(rules)
         self._compiled = _compile_plan(self.plan)
+        self.pinned = {}   # {key: Slice} fixed by `shard_module` for kept codes and scales, asked before the rules
     def __repr__(self): return f'Sharding(rank {self.rank} of {self.world_size}, {len(self.plan)} plan entries, {len(self.rules)} rules)'
 
 # %% ../nbs/07_tensor_parallel.ipynb #dceaf634
@@ -133,34 +138,77 @@ def slice_for(self: Sharding, key: str, # a parameter's or checkpoint key's name
              ) -> Slice:
     "The slice of tensor `key` this rank holds: the first rule's answer, else its plan style's, else `WHOLE`."
     shape = tuple(shape)
+    if key in self.pinned: return self.pinned[key]
     for rule in self.rules:
         sl = rule(self, key, shape)
         if sl is not None: return sl
     hit = self.style_of(key)
     style = TP_STYLES[hit[1]] if hit else TPStyle()
     d = _dim_for(style, key.rpartition('.')[2], len(shape))
-    return WHOLE if d is None else self.even(key, shape, d, style.parts)
+    if d is None: return WHOLE
+    return self.spread(key, shape, d) if style.uneven else self.even(key, shape, d, style.parts)
+
+# %% ../nbs/07_tensor_parallel.ipynb #86bd3cce
+@patch
+def spread(self: Sharding, key: str, # names the tensor in the error
+           shape, # the whole tensor's shape
+           dim: int, # the dimension to split: experts
+          ) -> Slice:
+    "This rank's experts as vLLM splits them: n // world_size each, and one more for the first n % world_size ranks."
+    d, ws, r = dim % len(shape), self.world_size, self.rank
+    n = shape[d]
+    if n < ws:
+        raise ValueError(f'{key}: dim {d} of shape {list(shape)} has {n} experts for world_size {ws}; every rank needs one: '
+                         f'use a world_size of at most {n}, or split the experts by rows (expert_parallel=False)')
+    q, extra = divmod(n, ws)
+    lo = r * q + min(r, extra)
+    return Slice(d, ((lo, lo + q + (r < extra)),))
+
 
 # %% ../nbs/07_tensor_parallel.ipynb #0ba81c5e
 _ATTENTION = re.compile(r'(^|\.)(self_attn|attention|attn)\.')
 _HEADS = {'colwise': 'colwise_gather_output', 'rowwise': 'rowwise_split_input'}
 
-def tp_plan(config, # a transformers config (a multimodal one's text config is used)
-            world_size: int = 1, # the tensor-parallel group's size
-            expert_parallel: bool = False, # experts split by expert (the config's `base_model_ep_plan`)
-           ) -> dict:
-    "The config's `base_model_tp_plan` (and `base_model_ep_plan` over it); attention whose heads do not divide by `world_size` gathers instead."
-    cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
+def _own_plan(cfg, world_size: int, expert_parallel: bool) -> dict:
+    "`cfg`'s `base_model_tp_plan` (`base_model_ep_plan` over it), attention gathering where heads do not divide; or {}."
     plan = dict(getattr(cfg, 'base_model_tp_plan', None) or {})
-    if not plan: raise ValueError(f'{type(cfg).__name__} declares no base_model_tp_plan; pass a plan')
-    if expert_parallel:
-        ep = getattr(cfg, 'base_model_ep_plan', None)
-        if not ep: raise ValueError(f'{type(cfg).__name__} declares no base_model_ep_plan, so its experts cannot be split by expert')
-        plan.update(ep)
+    if plan and expert_parallel and getattr(cfg, 'base_model_ep_plan', None): plan.update(cfg.base_model_ep_plan)
     heads = [getattr(cfg, 'num_attention_heads', None), getattr(cfg, 'num_key_value_heads', None)]
     if any(isinstance(h, int) and h % world_size for h in heads):
         plan = {k: _HEADS.get(v, v) if _ATTENTION.search(k) else v for k, v in plan.items()}
     return plan
+
+def _tower(model, sub) -> str:
+    "The path of `model`'s submodule built from config `sub` (a language model, a vision tower), with a dot."
+    names = [n for n, m in model.named_modules() if n and getattr(m, 'config', None) is sub]
+    if not names:
+        raise ValueError(f'{type(model).__name__} has no submodule built from its {type(sub).__name__}; pass a plan')
+    return min(names, key=len) + '.'
+
+
+# %% ../nbs/07_tensor_parallel.ipynb #57b92bd7
+def tp_plan(config, # a transformers config; a multimodal one's text plan applies to its language model
+            world_size: int = 1, # the tensor-parallel group's size
+            expert_parallel: bool = False, # experts split by expert (the config's `base_model_ep_plan`)
+            model=None, # the model of `config`: where a multimodal model's towers are; None: built on meta if needed
+           ) -> dict:
+    "The config's `base_model_tp_plan` (and `base_model_ep_plan` over it); attention whose heads do not divide by `world_size` gathers instead."
+    cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
+    plan = _own_plan(cfg, world_size, expert_parallel)
+    if not plan: raise ValueError(f'{type(cfg).__name__} declares no base_model_tp_plan; pass a plan')
+    if expert_parallel and not getattr(cfg, 'base_model_ep_plan', None):
+        raise ValueError(f'{type(cfg).__name__} declares no base_model_ep_plan, so its experts cannot be split by expert')
+    if cfg is config: return plan
+    if model is None:
+        from mstar_utils.model import build_on_meta
+        model = build_on_meta(config)
+    out = {_tower(model, cfg) + k: v for k, v in plan.items()}
+    for name in getattr(config, 'sub_configs', {}):   # a tower is whole unless its own config gives a plan
+        sub = getattr(config, name, None)
+        own = _own_plan(sub, world_size, expert_parallel) if sub is not None and sub is not cfg else {}
+        if own: out.update({_tower(model, sub) + k: v for k, v in own.items()})
+    return out
+
 
 # %% ../nbs/07_tensor_parallel.ipynb #af9877d1
 def _route_merge(node, sl: Slice, out) -> list:
@@ -188,6 +236,19 @@ def _route_concat(node, sl: Slice, out) -> list:
 
 SLICE_ROUTES = {MergeModulelist: _route_merge, Concatenate: _route_concat}
 
+def _route_dequantize(node, sl: Slice) -> list | None:
+    "[(StoredCut, where its range lands along the dim)] for a dequantize node, one a range; None: the op cannot cut it."
+    if sl.dim is None: return None
+    d, shapes, pos, out = sl.dim % len(node.shape), [k.shape for k in node.kids], 0, []
+    for a, b in sl.ranges:
+        c = node.op.cut(shapes, d, a, b)
+        if c is None: return None
+        out.append((c, d, pos, b - a)); pos += b - a
+    return out
+
+DEQUANTIZE_ROUTES = dict.fromkeys((FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize),
+                                  _route_dequantize)
+
 # %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3
 def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
     "Fill `out` with slice `sl` of tree `node`'s value, reading from `src` only the parts of its leaves that land in it."
@@ -199,10 +260,25 @@ def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
     if route is not None:
         for kid, ksl, view in route(node, sl, out): _fill_node(src, kid, ksl, view, count)
         return
+    cuts = DEQUANTIZE_ROUTES[type(node.op)](node, sl) if type(node.op) in DEQUANTIZE_ROUTES else None
+    if cuts is not None:
+        for c, d, pos, n in cuts:
+            parts = [_read_part(src, k, p, count, out.is_meta) for k, p in zip(node.kids, c.parts)]
+            if not out.is_meta: out.narrow(d, pos, n).copy_(dequantize_cut(c, parts))   # a dry read (meta) computes nothing
+        return
     values = []
     for kid in node.kids:
-        v = torch.empty(kid.shape, dtype=kid.dtype, device='meta' if out.is_meta else 'cpu'); _fill_node(src, kid, WHOLE, v, count); values.append(v)
+        v = torch.empty(kid.shape, dtype=kid.dtype, device='meta' if out.is_meta else 'cpu')
+        _fill_node(src, kid, WHOLE, v, count)
+        values.append(v)
     if not out.is_meta: out.copy_(take(node.op.apply(values), sl))   # a dry read (meta) computes nothing
+
+def _read_part(src, kid, part, count, dry: bool = False) -> torch.Tensor:
+    "Part `part` ((dim, start, stop), None: all) of tree `kid`'s value, read from `src`."
+    ksl = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
+    v = torch.empty(slice_shape(kid.shape, ksl), dtype=kid.dtype, device='meta' if dry else 'cpu')
+    _fill_node(src, kid, ksl, v, count)
+    return v
 
 # %% ../nbs/07_tensor_parallel.ipynb #5b1e14e2
 def read_slice(src, # a loader source (see `Source`)
@@ -300,6 +376,51 @@ def _fix_sizes(m):
     if isinstance(m, torch.nn.Linear): m.out_features, m.in_features = m.weight.shape
     elif isinstance(m, torch.nn.Embedding): m.num_embeddings, m.embedding_dim = m.weight.shape
 
+# %% ../nbs/07_tensor_parallel.ipynb #96ada0b3
+def _pin_per_expert(m, path: str, sharding: Sharding):
+    "Experts kept one at a time: under expert parallelism a rank keeps its experts' layers whole, drops the others."
+    split = {n: sharding.slice_for(f'{path}.{n}', p.shape) for n, p in m.inner.named_parameters(recurse=False)}
+    split = {n: sl for n, sl in split.items() if sl.dim is not None}
+    if not split: return
+    cuts = {(sl.dim, sl.ranges) for sl in split.values()}
+    if len(cuts) != 1 or next(iter(cuts))[0] != 0:
+        dims = ', '.join(f'{n} along dim {sl.dim}' for n, sl in split.items())
+        raise NotImplementedError(f'{path}: experts kept quantized one expert at a time are cut by expert only '
+                                  f'(expert_parallel=True); the plan splits {dims}: load them with quantized="dequantize"')
+    (lo, hi), = next(iter(cuts))[1]
+    for k in [k for k in m._modules if k.isdigit() and not lo <= int(k) < hi]: del m._modules[k]
+    m.expert_offset, m.tp_slice = lo, next(iter(split.values()))
+
+def _pin_kept(m, path: str, sharding: Sharding):
+    "Pin the slices of kept module `m`'s codes and scales to what its weight's slice is made from; its op cut to match."
+    if sharding.world_size == 1: return
+    if isinstance(m, QuantizedExperts) and any(isinstance(x, QuantizedLinear) for x in m.modules()):
+        return _pin_per_expert(m, path, sharding)
+    ops = {'weight': m.op} if isinstance(m, QuantizedLinear) else dict(m.ops)
+    for p, op in ops.items():
+        stored = [tuple(getattr(m, p + s).shape) for s in op.suffixes]
+        shape = tuple(op.out_shape(stored))
+        sl = sharding.slice_for(f'{path}.{p}', shape)
+        if sl.dim is None:
+            for s in op.suffixes: sharding.pinned[f'{path}.{p}{s}'] = WHOLE
+            continue
+        if len(sl.ranges) != 1:
+            raise NotImplementedError(f'{path}.{p}: a packed plan style cuts it in {len(sl.ranges)} ranges; '
+                                                          'kept quantized weights are cut in one')
+        (a, b), = sl.ranges
+        c = op.cut(stored, sl.dim, a, b)
+        if c is None:
+            raise ValueError(f'{path}.{p}: {type(op).__name__} cannot cut its scales along dim {sl.dim}; '
+                             'load it with quantized="dequantize"')
+        for s, part in zip(op.suffixes, c.parts):
+            sharding.pinned[f'{path}.{p}{s}'] = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
+        m.tp_slice = sl   # the weight's slice: what the collectives cut inputs by
+        if isinstance(m, QuantizedLinear):
+            m.op, m.trim = c.op, c.trim
+            m.out_features, m.in_features = slice_shape(shape, sl)
+        else: m.ops[p] = c.op; m.trims[p] = c.trim
+
+
 # %% ../nbs/07_tensor_parallel.ipynb #08cc4cca
 def shard_module(module: torch.nn.Module, # built on meta (or materialized: then its tensors are sliced)
                  sharding: Sharding, # which slice this rank holds
@@ -308,6 +429,8 @@ def shard_module(module: torch.nn.Module, # built on meta (or materialized: then
                 ) -> dict[str, Slice]:
     "Cut `module`'s parameters and persistent buffers to this rank's slices, in place, and install the collectives its styles need; {name: Slice} cut."
     prefix, tensors, cut = norm_prefix(prefix), {}, {}
+    for name, m in module.named_modules():
+        if isinstance(m, (QuantizedLinear, QuantizedExperts)): _pin_kept(m, prefix + name, sharding)
     for name, t, is_param in named_tensors(module): tensors.setdefault(id(t), (t, is_param, []))[2].append(name)
     for t, is_param, names in tensors.values():
         slices = {n: sharding.slice_for(prefix + n, t.shape) for n in names}
@@ -335,9 +458,11 @@ def _all_reduce_output(m, sharding, sl, group):
 
 def _reduce_output(m, sharding, sl, group):
     "rowwise: a Linear's partial products summed over the ranks, then its bias added once."
-    if not isinstance(m, torch.nn.Linear): raise ValueError(f'rowwise splits nn.Linear layers; {type(m).__name__} is not one')
+    if not isinstance(m, (torch.nn.Linear, QuantizedLinear)):
+        raise ValueError(f'rowwise splits nn.Linear layers; {type(m).__name__} is not one')
+    weight = (lambda x: m.dequantized_weight().to(x.dtype)) if isinstance(m, QuantizedLinear) else (lambda x: m.weight)
     def forward(x):
-        y = F.linear(x, m.weight)
+        y = F.linear(x, weight(x))
         dist.all_reduce(y, group=group)
         return y if m.bias is None else y + m.bias
     m.forward = forward
@@ -376,7 +501,8 @@ def _vocab_parallel(m, sharding, sl, group):
 def _expert_dispatch(m, sharding, sl, group):
     "ep_dispatch_experts: the module holds experts [lo, hi); tokens routed elsewhere get its skip index `num_experts` and weight 0, outputs are summed."
     lo, hi = _split(sl, m, 'expert_dispatch').ranges[0]
-    m.num_experts, m._is_expert_parallel = hi - lo, True   # transformers' experts kernels mask the skip index when this is set
+    for e in {m, m.inner} if isinstance(m, QuantizedExperts) else (m,):   # a kept one runs its inner module
+        e.num_experts, e._is_expert_parallel = hi - lo, True   # transformers' kernels then mask the skip index
     def pre(mod, args):
         if len(args) < 3: raise ValueError(f'{type(mod).__name__}: expert parallelism needs (hidden_states, top_k_index, top_k_weights) as positional arguments')
         x, idx, w = args[:3]
@@ -402,6 +528,7 @@ def install_collectives(module: torch.nn.Module, # the rank's cut model
         kind = TP_STYLES[hit[1]].forward if hit else None
         if kind is None: continue
         own = [sl for n, sl in cut.items() if n.rpartition('.')[0] == name]
+        if getattr(m, 'tp_slice', None) is not None: own = [m.tp_slice]   # a kept module: its weight's slice
         FORWARDS[kind](m, sharding, own[0] if own else WHOLE, group)
         done.append(name)
     return done

@@ -15,7 +15,8 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'CT_FLOAT_GROUPS', '
            'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
            'metaspace_tokenizer', 'clip_tokenizer_folder', 'fp8_block_quantize', 'mxfp4_quantize',
            'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
-           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'jfk_resampled']
+           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
+           'jfk_resampled']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -465,6 +466,29 @@ def tp_jobs(rank: int, world_size: int, # as `run_ranks` passes them
            ) -> list:
     "`tp_logits` for each job in turn, in one process: one spawn of `run_ranks` serves several checks."
     return [tp_logits(rank, world_size, *job) for job in jobs]
+
+# %% ../nbs/98_testing.ipynb #3c6f6320
+def tp_cells(rank: int, world_size: int, # as `run_ranks` passes them
+             cells: list, # [(folder, inputs {name: tensor}, expert_parallel, quantized), ...]
+            ) -> list:
+    "Per cell, one rank's `load_model_sharded` in float32 and forward: a dict of results, `torch.save`d (fp8 pickles so)."
+    from mstar_utils.tensor_parallel import load_model_sharded
+    from mstar_utils.quantized import QuantizedLinear
+    out = []
+    for folder, inputs, ep, quantized in cells:
+        model = load_model_sharded(folder, rank, world_size, dtype=torch.float32, expert_parallel=ep,
+                                   quantized=quantized)
+        with torch.no_grad():
+            logits = model(**inputs).logits
+            deq = {f'{n}.weight': m.dequantized_weight().float()
+                   for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        buf = io.BytesIO()
+        tensors = {k: v.detach() for k, v in model.state_dict().items()}
+        torch.save({'logits': logits, 'bytes_read': model.tp_bytes_read, 'tensors': tensors, 'dequantized': deq,
+                    'plan': model.tp_sharding.plan, 'pinned': dict(model.tp_sharding.pinned)}, buf)
+        out.append(buf.getvalue())
+    return out
+
 
 # %% ../nbs/98_testing.ipynb #67165d01
 def jfk_resampled(folder, # where to write the file

@@ -1,0 +1,414 @@
+"""Tensor-parallel loading of quantized checkpoints: a parity matrix and the bytes each rank reads.
+
+Models: tiny Llama, Qwen3-MoE (our recipe), OLMoE (transformers' rules), DeepSeek-V3 (MLA), gpt-oss and Llava,
+built from their config classes. Formats where the architecture ships them: bf16, fp8 block, compressed-tensors
+float and pack, MXFP4. Modes dequantize and keep; TP 1, 2 and 4, with expert parallelism for the MoE models.
+For each cell the logits equal `from_pretrained` of the checkpoint dequantized by the format's own reference
+(float32, <= 1e-4), each rank's tensors equal the full tensor's slice, and the bytes summed over ranks stay within
+1.01 x (checkpoint + (world_size - 1) x replicated) plus whole blocks at cuts.
+A representative cut runs by default; the full matrix with MSTAR_SLOW=1.
+"""
+
+import contextlib, io, json, os, re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from mstar_utils.tensor_parallel import Sharding, take, _dim_for, TP_STYLES, WHOLE
+from mstar_utils.testing import (
+    run_ranks,
+    tp_cells,
+    write_fp8_checkpoint,
+    write_mxfp4_checkpoint,
+    write_compressed_tensors_checkpoint,
+    dequantized_reference,
+    CT_FLOAT_GROUPS,
+    CT_PACK_GROUPS,
+)
+
+SLOW = bool(os.environ.get('MSTAR_SLOW'))
+FP8_BLOCK = (32, 32)
+UNIT = {
+    'bf16': 0,
+    'fp8': FP8_BLOCK[0],
+    'ct_float': 64,
+    'ct_pack': 8,
+    'mxfp4': 1,
+}  # stored indices a cut may widen to, per format
+
+
+def configs() -> dict:
+    "Tiny configs by model name: dims that divide by 4 where the plan cuts them, but most not multiples of the blocks."
+    import transformers as tf
+
+    llama = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    moe = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2)
+    return {
+        'llama': tf.LlamaConfig(**llama),
+        'qwen3_moe': tf.Qwen3MoeConfig(
+            **moe, intermediate_size=96, moe_intermediate_size=48, num_experts=6, num_key_value_heads=2, head_dim=16
+        ),
+        'olmoe': tf.OlmoeConfig(**moe, intermediate_size=48, num_experts=6, num_key_value_heads=4),
+        'deepseek_v3': tf.DeepseekV3Config(
+            vocab_size=256,
+            hidden_size=160,
+            intermediate_size=200,
+            moe_intermediate_size=72,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=136,
+            kv_lora_rank=144,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=24,
+            max_position_embeddings=64,
+        ),
+        'gpt_oss': tf.GptOssConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=['sliding_attention', 'full_attention'],
+        ),
+        'llava': tf.LlavaConfig(
+            text_config=tf.LlamaConfig(
+                **{**llama, 'vocab_size': 320, 'hidden_size': 64, 'intermediate_size': 96, 'head_dim': 16}
+            ),
+            vision_config=tf.CLIPVisionConfig(
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+            image_token_index=319,
+        ),
+    }
+
+
+FORMATS = {
+    'llama': ['bf16', 'fp8', 'ct_float', 'ct_pack'],
+    'qwen3_moe': ['bf16', 'fp8'],
+    'olmoe': ['bf16', 'fp8'],
+    'deepseek_v3': ['bf16', 'fp8'],
+    'gpt_oss': ['bf16', 'mxfp4'],
+    'llava': ['bf16', 'fp8'],
+}
+MOE = {'qwen3_moe', 'olmoe', 'deepseek_v3', 'gpt_oss'}
+ALL = [
+    (m, f, q, ws)
+    for m, fs in FORMATS.items()
+    for f in fs
+    for q in (('dequantize',) if f == 'bf16' else ('dequantize', 'keep'))
+    for ws in (1, 2, 4)
+]
+FAST = [
+    ('llama', 'fp8', 'dequantize', 2),
+    ('llama', 'fp8', 'keep', 2),
+    ('llama', 'ct_pack', 'keep', 2),
+    ('qwen3_moe', 'fp8', 'dequantize', 2),
+    ('deepseek_v3', 'fp8', 'keep', 2),
+    ('gpt_oss', 'mxfp4', 'keep', 2),
+    ('llava', 'bf16', 'dequantize', 2),
+]
+CELLS = ALL if SLOW else FAST
+ONLY = os.environ.get('TPQ_ONLY')
+if ONLY:
+    CELLS = [c for c in CELLS if re.search(ONLY, '-'.join(map(str, c)))]
+
+
+def _model(name: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cls = tf.LlavaForConditionalGeneration if name == 'llava' else tf.AutoModelForCausalLM
+    return (cls._from_config if name == 'llava' else cls.from_config)(configs()[name], dtype=torch.float32)
+
+
+def write(name: str, fmt: str, dest: Path) -> Path:
+    "The tiny `name` checkpoint in format `fmt`, by the format's writer (compressed-tensors' compressors for ct_*)."
+    model = _model(name)
+    if fmt == 'fp8':
+        return write_fp8_checkpoint(model, dest, FP8_BLOCK)
+    if fmt == 'mxfp4':
+        return write_mxfp4_checkpoint(model, dest)
+    if fmt in ('ct_float', 'ct_pack'):
+        return write_compressed_tensors_checkpoint(
+            model.to(torch.bfloat16), dest, CT_FLOAT_GROUPS if fmt == 'ct_float' else CT_PACK_GROUPS
+        )
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.to(torch.bfloat16).save_pretrained(dest)
+    return Path(dest)
+
+
+def inputs(name: str) -> dict:
+    "A prompt; Llava's holds an image (its 4 patch tokens) and its pixels."
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 250, (1, 10), generator=g)
+    if name != 'llava':
+        return {'input_ids': ids}
+    ids[0, 2:6] = configs()['llava'].image_token_index
+    return {'input_ids': ids, 'pixel_values': torch.randn(1, 3, 28, 28, generator=g)}
+
+
+def reference(name: str, folder: Path, fmt: str, tmp: Path):
+    "`from_pretrained` in float32 of `folder` dequantized by the format's reference, in eval mode."
+    import transformers as tf
+
+    if fmt == 'bf16':
+        ref = folder
+    elif fmt.startswith('ct_'):
+        ref = ct_reference(folder, tmp / f'{folder.name}-ref')
+    else:
+        ref = dequantized_reference(folder, tmp / f'{folder.name}-ref', torch.float32)
+    cls = tf.LlavaForConditionalGeneration if name == 'llava' else tf.AutoModelForCausalLM
+    with contextlib.redirect_stderr(io.StringIO()):
+        return cls.from_pretrained(ref, dtype=torch.float32).eval()
+
+
+def ct_reference(folder: Path, dest: Path) -> Path:
+    "`folder` dequantized by compressed-tensors' own dequantizer, scales widened to float32 (it computes in theirs)."
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+
+    sd = {k: v.float() if k.endswith('_scale') else v for k, v in load_file(str(folder / 'model.safetensors')).items()}
+    out = CompressedTensorsDequantizer(folder, dtype=torch.float32).process(sd)
+    dest.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((folder / 'config.json').read_text())
+    cfg.pop('quantization_config')
+    cfg['dtype'] = 'float32'
+    (dest / 'config.json').write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dest / 'model.safetensors'), metadata={'format': 'pt'})
+    return dest
+
+
+def stored(folder: Path) -> dict:
+    "{key: (shape, dtype)} of the checkpoint's tensors, from the header."
+    with safe_open(str(folder / 'model.safetensors'), 'pt') as f:
+        return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+
+
+_BYTES = {'BF16': 2, 'F16': 2, 'F32': 4, 'F8_E4M3': 1, 'U8': 1, 'I32': 4, 'I64': 8, 'I8': 1}
+
+
+def model_key(k: str) -> str:
+    "The model tensor a stored key goes into: per-expert weights to fused experts, codes and scales to weights."
+    k = re.sub(r'\.experts\.\d+\.(gate|up)_proj\.weight.*$', '.experts.gate_up_proj', k)
+    k = re.sub(r'\.experts\.\d+\.down_proj\.weight.*$', '.experts.down_proj', k)
+    k = re.sub(r'(_blocks|_scales)$', '', k)
+    return re.sub(r'\.weight(_scale_inv|_scale|_packed|_shape|_zero_point)$', '.weight', k)
+
+
+_LLAVA = [
+    (r'^language_model\.model\.', 'model.language_model.'),
+    (r'^language_model\.lm_head', 'lm_head'),
+    (r'^(vision_tower|multi_modal_projector)\.', r'model.\1.'),
+]
+
+
+def renamed(k: str) -> str:
+    "A stored key under the model's name: transformers renames Llava's legacy keys so."
+    for a, b in _LLAVA:
+        k = re.sub(a, b, k)
+    return k
+
+
+def expert_weight(ref_sd: dict, k: str) -> torch.Tensor:
+    "Expert e's gate, up or down weight `k` (`...experts.e.gate_proj.weight`), cut from the reference's fused experts."
+    head, e, proj = re.match(r'(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$', k).groups()
+    if proj == 'down':
+        return ref_sd[f'{head}.down_proj'][int(e)]
+    gate_up = ref_sd[f'{head}.gate_up_proj'][int(e)]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if proj == 'gate' else gate_up[half:]
+
+
+def byte_bound(folder: Path, fmt: str, sharding: Sharding) -> tuple:
+    "(checkpoint bytes, replicated bytes, whole blocks at cuts) of `folder` under `sharding`'s plan."
+    total = repl = blocks = 0
+    ws = sharding.world_size
+    for k, (shape, dt) in stored(folder).items():
+        n = _BYTES[dt] * int(torch.Size(shape).numel())
+        total += n
+        mk = model_key(renamed(k))
+        hit = sharding.style_of(mk)
+        style = TP_STYLES[hit[1]] if hit else None
+        dim = _dim_for(style, mk.rpartition('.')[2], max(len(shape), 2)) if style else None
+        if dim is None or n <= 16:
+            repl += n
+            continue  # whole on every rank; per-tensor scales and shapes too
+        if (
+            UNIT[fmt] and len(shape) >= 2 and not style.uneven
+        ):  # each cut may read one block more along the cut dim, per packed part
+            parts = style.parts if mk == renamed(k) else 1  # per-expert keys are one part each
+            blocks += (ws - 1) * parts * UNIT[fmt] * (n // shape[dim])
+    return total, repl, blocks
+
+
+def _load(b: bytes) -> dict:
+    return torch.load(io.BytesIO(b), weights_only=False)
+
+
+@pytest.fixture(scope='module')
+def matrix(tmp_path_factory):
+    "Every cell's per-rank results, its checkpoint and its reference model: one spawn of `run_ranks` per world_size."
+    tmp = tmp_path_factory.mktemp('tpq')
+    folders, refs = {}, {}
+    for m, f, _, _ in CELLS:
+        if (m, f) not in folders:
+            folders[m, f] = write(m, f, tmp / f'{m}-{f}')
+            refs[m, f] = reference(m, folders[m, f], f, tmp)
+    results = {}
+    for ws in sorted({c[3] for c in CELLS}):
+        cells = [c for c in CELLS if c[3] == ws]
+        jobs = [(folders[m, f], inputs(m), m in MOE, q) for m, f, q, _ in cells]
+        try:
+            per_rank = run_ranks(tp_cells, ws, jobs, timeout=900)
+        except RuntimeError as e:  # one failing cell fails the whole spawn: run the cells one by one to pin it down
+            per_rank = None
+            err = str(e)
+        if per_rank is not None:
+            for i, c in enumerate(cells):
+                results[c] = [_load(r[i]) for r in per_rank]
+            continue
+        for c, job in zip(cells, jobs):
+            try:
+                results[c] = [_load(r[0]) for r in run_ranks(tp_cells, ws, [job], timeout=600)]
+            except RuntimeError as e:
+                results[c] = RuntimeError(str(e)[-3000:])
+        del err
+    return folders, refs, results
+
+
+_KNOWN = pytest.mark.xfail(
+    strict=True,
+    reason="load_model's keep mode finds no fusing rules for OLMoE's per-expert fp8 layers: transformers' "
+    "rules are applied after the quantized step (model_source), so QuantizedExperts gets none",
+)
+PARAMS = [pytest.param(c, marks=_KNOWN) if c[0] == 'olmoe' and c[2] == 'keep' else c for c in CELLS]
+
+
+@pytest.mark.parametrize('cell', PARAMS, ids=lambda c: '-'.join(map(str, c)))
+def test_cell(matrix, cell):
+    name, fmt, quantized, ws = cell
+    folders, refs, results = matrix
+    got = results[cell]
+    if isinstance(got, Exception):
+        raise got
+    ref = refs[name, fmt]
+    with torch.no_grad():
+        ref_logits = ref(**inputs(name)).logits
+    ref_sd = ref.state_dict()
+    ckpt = folders[name, fmt]
+    with safe_open(str(ckpt / 'model.safetensors'), 'pt') as f:
+        raw = {renamed(k): f.get_tensor(k) for k in f.keys()}
+    for r, res in enumerate(got):
+        err = (res['logits'] - ref_logits).abs().max().item()
+        assert err <= 1e-4, f'rank {r}: max |logits - from_pretrained of the dequantized reference| = {err:.2e}'
+        sharding = Sharding(res['plan'], r, ws)
+        for k, t in res['tensors'].items():
+            if (
+                k in res['pinned'] or k not in ref_sd or t.dtype != ref_sd[k].dtype
+            ):  # kept codes and scales: the stored tensor's part
+                want = take(raw[k], res['pinned'].get(k, WHOLE))
+            else:
+                want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
+            assert torch.equal(t, want.to(t.dtype)), f'rank {r}: {k} {list(t.shape)} is not the full tensor\'s slice'
+        for k, w in res['dequantized'].items():  # a kept layer's weight: its slice of the reference weight
+            if k not in ref_sd:
+                want = expert_weight(ref_sd, k)  # one expert's layer, kept whole by its rank
+            else:
+                want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
+            assert torch.allclose(w, want, atol=1e-6, rtol=0), f'rank {r}: kept {k} differs from the reference slice'
+        if quantized == 'keep' and fmt != 'bf16':
+            assert any(k.endswith(('_scale_inv', '_scale', '_scales', '_packed')) for k in res['tensors']), (
+                'keep held no scales'
+            )
+    total, repl, blocks = byte_bound(ckpt, fmt, Sharding(got[0]['plan'], 0, ws))
+    read = sum(res['bytes_read'] for res in got)
+    bound = 1.01 * (total + (ws - 1) * repl) + blocks
+    assert read <= bound, (
+        f'{ws} ranks read {read} bytes; bound {bound:.0f} '
+        f'(checkpoint {total}, replicated {repl}, blocks at cuts {blocks})'
+    )
+    if ws == 1:
+        assert read == total
+
+
+def _fp32_model(name: str):
+    "A tiny RWKV, T5 or BLIP-2 from its config class: their `_keep_in_fp32_modules` name parameters, modules or both."
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == 'rwkv':
+        return tf.RwkvForCausalLM(
+            tf.RwkvConfig(
+                vocab_size=64,
+                hidden_size=32,
+                num_hidden_layers=2,
+                attention_hidden_size=32,
+                intermediate_size=64,
+                context_length=16,
+            )
+        )
+    if name == 't5':
+        return tf.T5ForConditionalGeneration(
+            tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4)
+        )
+    vision = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    qformer = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=48,
+        encoder_hidden_size=32,
+    )
+    text = tf.OPTConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=48, word_embed_proj_dim=32
+    )
+    return tf.Blip2ForConditionalGeneration(
+        tf.Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text.to_dict(), num_query_tokens=4)
+    )
+
+
+@pytest.mark.parametrize('name', ['rwkv', 't5', 'blip2'])
+def test_keep_in_fp32_as_from_pretrained(tmp_path, name):
+    "A float16 checkpoint: every tensor's dtype and value as `from_pretrained` gives them."
+    from mstar_utils.model import load_model
+
+    model = _fp32_model(name)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.to(torch.float16).save_pretrained(tmp_path)
+        ref = type(model).from_pretrained(tmp_path, dtype=torch.float16).state_dict()
+    ours = load_model(tmp_path, dtype=torch.float16).state_dict()
+    assert set(ours) == set(ref)
+    assert any(t.dtype == torch.float32 for t in ref.values())
+    for k, t in ref.items():
+        assert ours[k].dtype == t.dtype and torch.equal(ours[k], t), k
