@@ -472,7 +472,7 @@ def tp_cells(rank: int, world_size: int, # as `run_ranks` passes them
              cells: list, # [(folder, inputs {name: tensor}, expert_parallel, quantized), ...]
             ) -> list:
     "Per cell, one rank's `load_model_sharded` in float32 and forward: a dict of results, `torch.save`d (fp8 pickles so)."
-    from mstar_utils.tensor_parallel import load_model_sharded
+    from mstar_utils.model import load_model_sharded
     from mstar_utils.quantized import QuantizedLinear
     out = []
     for folder, inputs, ep, quantized in cells:
