@@ -10,9 +10,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['kv_pages', 'kv_max_requests', 'KVCachePool', 'KVPoolFit', 'KVPlan', 'plan_kv_pools', 'check_kv_pools_fit',
-           'dtype_bytes', 'read_model_config', 'KVLayer', 'KVGeometry', 'kv_geometry', 'kv_bytes_per_token',
-           'kv_fixed_bytes_per_request', 'kv_page_bytes', 'plot_kv', 'kv_report', 'format_kv_report', 'save_kv_plot']
+__all__ = ['CONVENTIONS', 'kv_pages', 'kv_max_requests', 'KVCachePool', 'KVPoolFit', 'KVPlan', 'plan_kv_pools',
+           'check_kv_pools_fit', 'dtype_bytes', 'read_model_config', 'StateShape', 'KVLayer', 'KVGeometry',
+           'kv_geometry', 'kv_bytes_per_token', 'kv_fixed_bytes_per_request', 'kv_page_bytes', 'kv_cache_pool',
+           'VLLMGroup', 'VLLMConcurrency', 'vllm_concurrency', 'plot_kv', 'KVCurve', 'kv_curve', 'plot_kv_curve',
+           'kv_report', 'format_kv_report', 'save_kv_plot']
 
 # %% ../nbs/09_kv.ipynb #0b85a89e
 def _count(value, what: str, minimum: int = 0) -> int:
@@ -53,14 +55,17 @@ class KVCachePool:
     max_num_pages: int # pages on the accelerator, sink page included
     name: str = '' # the pool in messages
     cpu_offload_pages: int = 0 # pages parked in host memory; they never count towards what fits
+    fixed_pages_per_request: int = 0 # pages a request holds whatever its length: recurrent states, windows (hybrids)
     def __post_init__(self):
         what = 'KVCachePool' + (f' {self.name!r}' if self.name else '')
-        for attr, lo in (('max_seq_len', 1), ('page_size', 1), ('max_num_pages', 0), ('cpu_offload_pages', 0)):
+        for attr, lo in (('max_seq_len', 1), ('page_size', 1), ('max_num_pages', 0), ('cpu_offload_pages', 0),
+                         ('fixed_pages_per_request', 0)):
             object.__setattr__(self, attr, _count(getattr(self, attr), f'{what} {attr}', lo))
     @property
     def max_requests(self) -> int:
-        "Requests of `max_seq_len` tokens the on-device pages hold next to the sink page (`kv_max_requests`)."
-        return kv_max_requests(self.max_num_pages, self.max_seq_len, self.page_size)
+        "Requests of `max_seq_len` tokens (and their fixed pages) the on-device pages hold next to the sink page."
+        per = kv_pages(self.max_seq_len, self.page_size, 1) - 1 + self.fixed_pages_per_request
+        return max(self.max_num_pages - 1, 0) // per
 
 # %% ../nbs/09_kv.ipynb #f2f85bfe
 def _labeled_pools(pools) -> list[tuple[str, object]]:
@@ -82,9 +87,10 @@ class KVPoolFit:
     max_seq_len: int
     page_size: int
     max_num_pages: int # sink page included
-    pages_per_request: int # pages one request of max_seq_len takes, sink not included
+    pages_per_request: int # pages one request of max_seq_len takes, its fixed pages included, sink not
     max_requests: int # requests of max_seq_len the pool holds next to its sink page
     pages_needed: int | None = None # pages the cap takes, sink included; None without a cap
+    fixed_pages: int = 0 # of pages_per_request, those a request holds whatever its length
     @property
     def fits(self) -> bool:
         "The pool holds the cap (without a cap: at least one request)."
@@ -104,8 +110,9 @@ def _pool_fit(label: str, pool, cap: int | None, config_path: str) -> KVPoolFit:
                             'expected max_seq_len, page_size and max_num_pages')
         vals.append(_count(getattr(pool, attr), f'{config_path}: KV cache pool {label!r} {attr}', lo))
     seq, ps, n = vals
-    return KVPoolFit(label, seq, ps, n, kv_pages(seq, ps, 1) - 1, kv_max_requests(n, seq, ps),
-                     None if cap is None else kv_pages(seq, ps, cap))
+    fixed = _count(getattr(pool, 'fixed_pages_per_request', 0), f'{config_path}: KV cache pool {label!r} fixed_pages_per_request')
+    per = kv_pages(seq, ps, 1) - 1 + fixed
+    return KVPoolFit(label, seq, ps, n, per, max(n - 1, 0) // per, None if cap is None else cap * per + 1, fixed)
 
 # %% ../nbs/09_kv.ipynb #6a7b8c9d
 @dataclass(frozen=True)
@@ -135,8 +142,9 @@ def _refusal(pools: tuple[KVPoolFit, ...], cap: int | None, best: int, config_pa
         p = short[0]
         return (f'{config_path}: KV cache pool {p.label!r} cannot hold one request of max_seq_len {p.max_seq_len}: that needs '
                 f'{p.pages_per_request + 1} pages of {p.page_size} tokens (sink page included), the pool has {p.max_num_pages}')
+    def per(p): return f' ({p.fixed_pages} of them fixed state)' if p.fixed_pages else ''
     lines = [f'pool {p.label!r} needs {p.pages_needed} pages ({cap} × {p.pages_per_request} pages of {p.page_size} tokens for '
-             f'max_seq_len {p.max_seq_len}, + 1 sink page) and has {p.max_num_pages}' for p in short]
+             f'max_seq_len {p.max_seq_len}{per(p)}, + 1 sink page) and has {p.max_num_pages}' for p in short]
     hint = (f'The largest max_concurrent_requests that fits is {best}' if best else
             'No max_concurrent_requests fits: not even one request of max_seq_len fits next to the sink page')
     return f'{config_path}: max_concurrent_requests: {cap} does not fit the KV cache: ' + '; '.join(lines) + f'. {hint}'
@@ -247,7 +255,7 @@ def _layer_kinds(text) -> list[str | None]:
     if len(kinds) != n: raise ValueError(f'{text.model_type} config has {len(kinds)} layer_types for {n} layers')
     shared = getattr(text, 'kv_sharing_modes', None) or n * [None]
     cross = set(getattr(text, 'cross_attention_layers', None) or [])   # Mllama: these layers attend to the image instead
-    return [None if mode == 'reuse' or kind in ('moe', 'mlp') else 'cross_attention' if i in cross else _LEGACY_KINDS.get(kind, kind)
+    return [None if mode == 'reuse' or kind in ('moe', 'mlp', 'dummy') else 'cross_attention' if i in cross else _LEGACY_KINDS.get(kind, kind)
             for i, (kind, mode) in enumerate(zip(kinds, shared))]
 
 # %% ../nbs/09_kv.ipynb #7e8f9a0b
@@ -263,49 +271,155 @@ def _attention_token_bytes(text, nbytes: int) -> int:
     "Bytes one token takes in one attention layer: the MLA latent when the config sets `kv_lora_rank`, else K and V of each KV head."
     if getattr(text, 'kv_lora_rank', None): return (_need(text, 'kv_lora_rank') + _need(text, 'qk_rope_head_dim')) * nbytes
     heads, kv_heads = _need(text, 'num_attention_heads'), _kv_heads(text)
-    if getattr(text, 'head_dim', None) is not None: return 2 * kv_heads * _need(text, 'head_dim') * nbytes
+    head_dim = _first(text, 'head_dim', 'attention_head_dim')   # Zamba: attention_head_dim
+    if head_dim is not None: return 2 * kv_heads * head_dim * nbytes
     hidden = _need(text, 'hidden_size')
     if hidden % heads:
         raise ValueError(f'{text.model_type} config has no head_dim and hidden_size {hidden} is not a multiple of num_attention_heads {heads}')
     return 2 * kv_heads * (hidden // heads) * nbytes
 
 # %% ../nbs/09_kv.ipynb #0c1d2e3f
-_GATED_DELTANET = ('linear_num_key_heads', 'linear_key_head_dim', 'linear_num_value_heads', 'linear_value_head_dim', 'linear_conv_kernel_dim')
+CONVENTIONS = ('vllm', 'transformers')
 
-def _linear_state_bytes(text, nbytes: int) -> int:
-    "Bytes of one Gated DeltaNet layer's state: the conv window in elements of `nbytes` (the model's dtype), the recurrent state in float32."
-    missing = [k for k in _GATED_DELTANET if getattr(text, k, None) is None]
-    if missing: raise ValueError(f'{text.model_type} config has linear_attention layers but no {", ".join(missing)}: '
-                                 'only Gated DeltaNet states (Qwen3-Next) are counted')
-    nk, dk, nv, dv, kernel = (_need(text, k) for k in _GATED_DELTANET)
-    return (2 * nk * dk + nv * dv) * kernel * nbytes + nv * dk * dv * 4
+def _convention(convention) -> str:
+    "`convention` checked: `'vllm'` or `'transformers'`; `ValueError` naming the choices otherwise."
+    if convention not in CONVENTIONS:
+        raise ValueError(f'convention must be one of {CONVENTIONS}, got {convention!r}')
+    return convention
+
+# %% ../nbs/09_kv.ipynb #a15c870d
+def _first(cfg, *keys: str) -> int | None:
+    "The first of `keys` that `cfg` sets, as a count ≥ 1; None when it sets none of them."
+    for k in keys:
+        if getattr(cfg, k, None) is not None: return _need(cfg, k)
+    return None
+
+def _needs(cfg, family: str, **keys) -> dict[str, int]:
+    "Each named dimension of a `family` state from the first of its config keys; `ValueError` naming what is missing."
+    dims = {name: _first(cfg, *alts) for name, alts in keys.items()}
+    missing = [' or '.join(keys[n]) for n, v in dims.items() if v is None]
+    if missing: raise ValueError(f'{cfg.model_type} config has {family} layers but no {", ".join(missing)}')
+    return dims
+
+# %% ../nbs/09_kv.ipynb #f462b262
+@dataclass(frozen=True)
+class StateShape:
+    "A recurrent layer's state per request: `conv_channels × conv_positions` elements and `ssm_elements` more."
+    family: str # mamba1, mamba2, gated_deltanet, kda, short_conv or lightning
+    conv_channels: int = 0 # channels of the causal convolution's window
+    conv_kernel: int = 0 # the convolution's width; the window keeps kernel - 1 (vLLM) or kernel (transformers) positions
+    ssm_elements: int = 0 # elements of the recurrent (SSM, delta-rule or linear-attention) state
+    ssm_float32: bool = True # transformers keeps the recurrent state in float32
+    vllm_ssm_float32: bool = False # vLLM keeps it in float32 whatever the model dtype (KDA)
+    def bytes(self, nbytes: int, ssm_nbytes: int, convention: str) -> int:
+        "Bytes of the state: the window in elements of `nbytes`; the recurrent state in `ssm_nbytes` or the convention's float32."
+        positions = self.conv_kernel - 1 if convention == 'vllm' else self.conv_kernel
+        fp32 = self.vllm_ssm_float32 if convention == 'vllm' else self.ssm_float32
+        ssm = 4 if fp32 else ssm_nbytes if convention == 'vllm' else nbytes
+        return self.conv_channels * positions * nbytes + self.ssm_elements * ssm
+
+# %% ../nbs/09_kv.ipynb #9c4de1ca
+def _mamba2(t) -> StateShape:
+    "Mamba-2 (SSD): window over x, B and C (`heads × head_dim + 2 × groups × state` channels), state `heads × head_dim × state`."
+    d = _needs(t, 'Mamba-2', heads=('mamba_n_heads', 'mamba_num_heads', 'n_mamba_heads', 'num_heads'),
+               head_dim=('mamba_d_head', 'mamba_head_dim', 'mamba_headdim', 'head_dim'),
+               groups=('mamba_n_groups', 'n_groups', 'mamba_ngroups'), state=('mamba_d_state', 'ssm_state_size', 'state_size'),
+               kernel=('mamba_d_conv', 'conv_kernel'))
+    inner = d['heads'] * d['head_dim']
+    return StateShape('mamba2', inner + 2 * d['groups'] * d['state'], d['kernel'], inner * d['state'])
+
+def _mamba1(t) -> StateShape:
+    "Mamba-1: window over the `intermediate` channels, state `intermediate × state`; intermediate = expand × hidden (Jamba, Zamba)."
+    d = _needs(t, 'Mamba-1', state=('mamba_d_state', 'state_size'), kernel=('mamba_d_conv', 'conv_kernel'))
+    inner = _need(t, 'mamba_expand') * _need(t, 'hidden_size') if getattr(t, 'mamba_expand', None) else _first(t, 'intermediate_size')
+    if inner is None: raise ValueError(f'{t.model_type} config has Mamba-1 layers but no mamba_expand or intermediate_size')
+    return StateShape('mamba1', inner, d['kernel'], inner * d['state'])
+
+def _gated_deltanet(t) -> StateShape:
+    "Gated DeltaNet (Qwen3-Next): window over q, k and v, one `key_head_dim × value_head_dim` state per value head."
+    d = _needs(t, 'Gated DeltaNet', nk=('linear_num_key_heads',), dk=('linear_key_head_dim',), nv=('linear_num_value_heads',),
+               dv=('linear_value_head_dim',), kernel=('linear_conv_kernel_dim',))
+    return StateShape('gated_deltanet', 2 * d['nk'] * d['dk'] + d['nv'] * d['dv'], d['kernel'], d['nv'] * d['dk'] * d['dv'])
+
+def _kda(t) -> StateShape:
+    "Kimi Delta Attention (Kimi Linear): window over q, k and v of `heads × head_dim` each, a `head_dim²` state per head."
+    d = _needs(t, 'Kimi Delta Attention', heads=('linear_num_heads',), dim=('linear_head_dim',),
+               kernel=('linear_conv_kernel_dim', 'short_conv_kernel_size'))
+    return StateShape('kda', 3 * d['heads'] * d['dim'], d['kernel'], d['heads'] * d['dim'] ** 2, vllm_ssm_float32=True)
+
+def _short_conv(t) -> StateShape:
+    "LFM2's gated short convolution: a window of `conv_L_cache` positions over `hidden_size` channels, no recurrent state."
+    d = _needs(t, 'short convolution', channels=('conv_dim', 'hidden_size'), kernel=('conv_L_cache',))
+    return StateShape('short_conv', d['channels'], d['kernel'])
+
+def _lightning(t) -> StateShape:
+    "MiniMax's lightning attention: one `head_dim × head_dim` state per head, no convolution, kept in the model dtype."
+    heads = _need(t, 'num_attention_heads')
+    dim = _first(t, 'head_dim') or _need(t, 'hidden_size') // heads
+    return StateShape('lightning', ssm_elements=heads * dim * dim, ssm_float32=False)
+
+# %% ../nbs/09_kv.ipynb #d4197e8b
+_STATE_FAMILIES = (   # (family, the config keys that mark it), tried in order
+    (_gated_deltanet, ('linear_num_key_heads',)), (_kda, ('linear_num_heads',)),
+    (_mamba2, ('mamba_n_groups', 'mamba_ngroups', 'n_groups')), (_mamba1, ('mamba_d_state', 'state_size')),
+    (_lightning, ('linear_attn_alpha_factor',)))
+
+def _state_shape(t, kind: str) -> StateShape:
+    "The recurrent state a `kind` layer of text config `t` keeps: LFM2's conv, else the family its keys mark; `ValueError` otherwise."
+    if kind == 'conv': return _short_conv(t)
+    for family, marks in _STATE_FAMILIES:
+        if any(getattr(t, k, None) is not None for k in marks): return family(t)
+    raise ValueError(f'{t.model_type} config: its {kind} layers keep a state of a kind not counted here (Mamba-1, Mamba-2, '
+                     'Gated DeltaNet, Kimi Delta Attention, short convolutions and lightning attention are)')
+
+# %% ../nbs/09_kv.ipynb #7879b3ad
+def _indexer_token_bytes(t, nbytes: int, convention: str) -> int:
+    "Bytes per token of DeepSeek-V3.2's indexer key: vLLM stores it in fp8 with a float32 scale per 128; transformers in `nbytes`."
+    dim = _need(t, 'index_head_dim')
+    return dim + dim // 128 * 4 if convention == 'vllm' else dim * nbytes
 
 # %% ../nbs/09_kv.ipynb #2e3f4a5b
 @dataclass(frozen=True)
 class KVLayer:
     "What one layer's cache holds per request: `token_bytes` for each of at most `tokens` tokens, plus `state_bytes`."
     layer: int # decoder layer index
-    kind: str # full_attention, mla, sliding_attention, chunked_attention, linear_attention or cross_attention
+    kind: str # the layer type: full_attention, mla, sliding/chunked_attention, indexed_attention, linear_attention, conv, hybrid, ...
     token_bytes: int = 0 # bytes per cached token
     tokens: int | None = None # tokens held at most: the window, the encoder length, one image's positions; None: grows with the sequence
     state_bytes: int = 0 # bytes held whatever the length (a recurrent state)
+    state: str | None = None # the recurrent family (mamba1, mamba2, gated_deltanet, kda, short_conv, lightning)
     @property
     def fixed_bytes(self) -> int:
         "Bytes per request that do not grow with the sequence."
         return self.state_bytes + (0 if self.tokens is None else self.tokens * self.token_bytes)
 
-# %% ../nbs/09_kv.ipynb #3f4a5b6c
-def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None, image_tokens: int | None = None, state_nbytes: int | None = None) -> KVLayer:
-    "What decoder layer `i` of `kind` caches, `nbytes` an element of the KV cache and `state_nbytes` one of a linear-attention state (default `nbytes`), `image_tokens` the positions a cross-attention layer holds; `ValueError` for a kind not counted here."
+# %% ../nbs/09_kv.ipynb #27b283d9
+_NOT_COUNTED = {'compressed_sparse_attention': "DeepSeek-V4's compressed sparse attention",
+                'heavily_compressed_attention': "DeepSeek-V4's heavily compressed attention"}
+
+def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None, image_tokens: int | None = None,
+                 state_nbytes: int | None = None, convention: str = 'vllm', ssm_nbytes: int | None = None) -> KVLayer:
+    "What decoder layer `i` of `kind` caches under `convention`; `ValueError` naming a kind not counted here."
+    state_nbytes = state_nbytes or nbytes
+    window = None
+    if kind in ('sliding_attention', 'chunked_attention', 'hybrid_sliding'):
+        window = _need(text, 'attention_chunk_size' if kind == 'chunked_attention' else 'sliding_window')
+        window = min(window - (convention == 'transformers' and kind != 'chunked_attention'), max_seq_len or window)
     if kind == 'cross_attention': return KVLayer(i, kind, _attention_token_bytes(text, nbytes), image_tokens)
-    if kind == 'full_attention':
-        return KVLayer(i, 'mla' if getattr(text, 'kv_lora_rank', None) else kind, _attention_token_bytes(text, nbytes))
-    if kind in ('sliding_attention', 'chunked_attention'):
-        window = _need(text, 'sliding_window' if kind == 'sliding_attention' else 'attention_chunk_size')
-        return KVLayer(i, kind, _attention_token_bytes(text, nbytes), min(window, max_seq_len or window))
-    if kind == 'linear_attention': return KVLayer(i, kind, state_bytes=_linear_state_bytes(text, state_nbytes or nbytes))
-    raise ValueError(f'{text.model_type} config: layer {i} is {kind!r}, whose cache is not counted here '
-                     '(full, sliding, chunked and linear attention, MLA and cross-attention are)')
+    if kind in ('full_attention', 'sliding_attention', 'chunked_attention'):
+        mla = kind == 'full_attention' and getattr(text, 'kv_lora_rank', None)
+        return KVLayer(i, 'mla' if mla else kind, _attention_token_bytes(text, nbytes), window)
+    if kind == 'indexed_attention':
+        index = _indexer_token_bytes(text, state_nbytes, convention)
+        return KVLayer(i, kind, _attention_token_bytes(text, nbytes) + index)
+    if kind in ('linear_attention', 'conv', 'hybrid', 'hybrid_sliding'):
+        shape = _state_shape(text, kind)
+        state = shape.bytes(state_nbytes, ssm_nbytes or state_nbytes, convention)
+        token = _attention_token_bytes(text, nbytes) if kind.startswith('hybrid') else 0
+        return KVLayer(i, kind, token, window, state, shape.family)
+    what = _NOT_COUNTED.get(kind, f'{kind!r}')
+    raise ValueError(f'{text.model_type} config: layer {i} is {what}, whose cache is not counted here (full, sliding, chunked, '
+                     'MLA, indexed, cross-attention, hybrid and recurrent layers are)')
 
 # %% ../nbs/09_kv.ipynb #5b6c7d8e
 def _cross_attention(config, text, nbytes: int) -> list[KVLayer]:
@@ -348,6 +462,7 @@ class KVGeometry:
     dtype: str # the dtype the bytes are counted in
     max_seq_len: int | None # max_position_embeddings (Whisper: max_target_positions); None when unset
     layers: tuple[KVLayer, ...] # decoder layers in order, then cross-attention
+    convention: str = 'vllm' # whose layout the states and windows are counted in
     @property
     def bytes_per_token(self) -> int:
         "Bytes each token adds: the layers whose cache grows with the sequence."
@@ -364,42 +479,127 @@ class KVGeometry:
 # %% ../nbs/09_kv.ipynb #9f0a1b2c
 def kv_geometry(config, # a transformers config, a config.json dict, or a checkpoint folder (see `read_model_config`)
                 dtype=None, # the cache dtype; None: the config's
+                convention: str = 'vllm', # 'vllm' or 'transformers': whose layout recurrent states are counted in
                ) -> KVGeometry:
     "Each layer's KV cache of the model's decoder; `ValueError` names a missing key or a layer kind not counted."
-    config = read_model_config(config)
+    convention, config = _convention(convention), read_model_config(config)
     text = config.get_text_config(decoder=True)
     name, nbytes = _kv_dtype(config, text, dtype)
-    model_dtype = _model_dtype(config, text)   # linear-attention states stay in it whatever the KV cache dtype
+    model_dtype = _model_dtype(config, text)   # recurrent states stay in it whatever the KV cache dtype
     state_nbytes = nbytes if model_dtype is None else dtype_bytes(model_dtype)
+    ssm_dtype = getattr(text, 'mamba_ssm_cache_dtype', None)   # vLLM reads it (Nemotron-H: float32)
+    ssm_nbytes = dtype_bytes(ssm_dtype) if ssm_dtype not in (None, 'auto') else state_nbytes
     seq = getattr(text, 'max_position_embeddings', None) or getattr(text, 'max_target_positions', None)
     seq = None if seq is None else _count(seq, f'{config.model_type} config max_position_embeddings', 1)
     per_layer = text.per_layer_config if getattr(text, 'is_heterogeneous', False) else None   # e.g. head_dim varying by layer
     image = _image_tokens(config)
-    layers = [_layer_cache(i, kind, per_layer[i] if per_layer else text, nbytes, seq, image, state_nbytes)
+    layers = [_layer_cache(i, kind, per_layer[i] if per_layer else text, nbytes, seq, image, state_nbytes, convention, ssm_nbytes)
               for i, kind in enumerate(_layer_kinds(text)) if kind is not None]
-    return KVGeometry(config.model_type, name, seq, tuple(layers + _cross_attention(config, text, nbytes)))
+    return KVGeometry(config.model_type, name, seq, tuple(layers + _cross_attention(config, text, nbytes)), convention)
 
 # %% ../nbs/09_kv.ipynb #0a1b2c3e
 def kv_bytes_per_token(config, # a transformers config, a config.json dict, or a checkpoint folder
                        dtype=None, # the cache dtype; None: the config's
+                       convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
                       ) -> int:
     "Bytes of KV cache each token of a request adds: only the layers whose cache grows with the sequence (full attention, MLA)."
-    return kv_geometry(config, dtype).bytes_per_token
+    return kv_geometry(config, dtype, convention).bytes_per_token
 
 # %% ../nbs/09_kv.ipynb #1b2c3d4f
 def kv_fixed_bytes_per_request(config, # a transformers config, a config.json dict, or a checkpoint folder
                                dtype=None, # the cache dtype; None: the config's
+                               convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
                               ) -> int:
     "Bytes of cache a request holds however long it gets: sliding windows, linear-attention states, cross-attention to the encoder."
-    return kv_geometry(config, dtype).fixed_bytes
+    return kv_geometry(config, dtype, convention).fixed_bytes
 
 # %% ../nbs/09_kv.ipynb #2c3d4e50
 def kv_page_bytes(config, # a transformers config, a config.json dict, or a checkpoint folder
                   page_size: int, # token slots per page
                   dtype=None, # the cache dtype; None: the config's
+                  convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
                  ) -> int:
-    "Bytes of one KV cache page: `page_size × kv_bytes_per_token(config, dtype)`."
-    return _count(page_size, 'page_size', 1) * kv_bytes_per_token(config, dtype)
+    "Bytes of one KV cache page: `page_size × kv_bytes_per_token(config, dtype, convention)`."
+    return _count(page_size, 'page_size', 1) * kv_bytes_per_token(config, dtype, convention)
+
+# %% ../nbs/09_kv.ipynb #4fbc762c
+def kv_cache_pool(config, # a transformers config, a config.json dict, or a checkpoint folder
+                  page_size: int = 16, # token slots per page
+                  max_num_pages: int | None = None, # the pool's pages, sink included; or give budget_bytes
+                  budget_bytes: int | None = None, # the pool's bytes: as many whole pages as fit
+                  max_seq_len: int | None = None, # None: the config's
+                  dtype=None, # the cache dtype; None: the config's
+                  convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
+                  name: str = '', # the pool in messages
+                 ) -> KVCachePool:
+    "The one pool a checkpoint's layers share: pages of `page_size` tokens, a request's fixed bytes in whole pages."
+    g, page_size = kv_geometry(config, dtype, convention), _count(page_size, 'page_size', 1)
+    page_bytes = page_size * g.bytes_per_token
+    if not page_bytes:
+        raise ValueError(f'{g.model_type} config: no layer grows with the sequence, so there is no page of tokens to size; '
+                         f'each request holds {g.fixed_bytes} bytes (kv_fixed_bytes_per_request)')
+    if (max_num_pages is None) == (budget_bytes is None): raise ValueError('give max_num_pages or budget_bytes, not both or neither')
+    n = _count(max_num_pages, 'max_num_pages') if budget_bytes is None else _count(budget_bytes, 'budget_bytes') // page_bytes
+    seq = max_seq_len or g.max_seq_len
+    if seq is None: raise ValueError(f'{g.model_type} config has no max_position_embeddings: give max_seq_len')
+    return KVCachePool(seq, page_size, n, name or g.model_type, fixed_pages_per_request=-(-g.fixed_bytes // page_bytes))
+
+# %% ../nbs/09_kv.ipynb #d72a5925
+@dataclass(frozen=True)
+class VLLMGroup:
+    "One of vLLM's KV cache groups: layers of one kind that share a block table, and the blocks a request takes in it."
+    kind: str # full_attention (MLA, indexed too), sliding_attention, chunked_attention, mamba, cross_attention
+    layers: int
+    blocks_per_request: int
+
+@dataclass(frozen=True)
+class VLLMConcurrency:
+    "What vLLM would log and admit for a pool of `num_blocks` blocks of `block_size` tokens."
+    max_model_len: int
+    block_size: int
+    num_blocks: int # the pool, the null block included
+    groups: tuple[VLLMGroup, ...]
+    blocks_per_request: int # a request at max_model_len, over all groups
+    max_concurrency: float # what vLLM logs: num_blocks / blocks_per_request
+    admitted: int # requests at max_model_len that really fit: (num_blocks - 1 null block) // blocks_per_request
+    @property
+    def message(self) -> str:
+        "vLLM's log line."
+        return f'Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x'
+
+# %% ../nbs/09_kv.ipynb #b8c15667
+def _vllm_blocks(layer: KVLayer, max_model_len: int, block_size: int, batched: int) -> list[tuple[str, int]]:
+    "(group kind, blocks per request) of the specs vLLM gives `layer`, as its specs' `max_memory_usage_bytes` count them."
+    full = -(-max_model_len // block_size)
+    specs = []
+    if layer.token_bytes and layer.kind != 'cross_attention':
+        if layer.tokens is None: specs.append(('full_attention', full))
+        elif layer.kind == 'chunked_attention':
+            specs.append(('chunked_attention', -(-min(layer.tokens + batched, max_model_len) // block_size)))
+        else: specs.append(('sliding_attention', -(-min(layer.tokens - 1 + batched, max_model_len) // block_size) + 1))
+    if layer.kind == 'cross_attention': specs.append(('cross_attention', -(-layer.tokens // block_size)))
+    if layer.state_bytes: specs.append(('mamba', 1))
+    return specs
+
+# %% ../nbs/09_kv.ipynb #0537512b
+def vllm_concurrency(config, # a transformers config, a config.json dict, or a checkpoint folder
+                     num_blocks: int, # blocks in vLLM's pool ("GPU KV cache size" / block_size), null block included
+                     block_size: int = 16, # vLLM's --block-size (hybrids: the size it raised attention's to)
+                     max_model_len: int | None = None, # None: the config's
+                     max_num_batched_tokens: int = 2048, # bounds what a sliding window holds during a chunked prefill
+                     dtype=None, # the cache dtype; None: the config's
+                    ) -> VLLMConcurrency:
+    "The maximum concurrency vLLM logs for `config` and a pool, its blocks per request, and what fits next to its null block."
+    g = kv_geometry(config, dtype, 'vllm')
+    block_size, num_blocks = _count(block_size, 'block_size', 1), _count(num_blocks, 'num_blocks', 1)
+    mml = _count(max_model_len or g.max_seq_len, 'max_model_len', 1)
+    kinds = Counter(spec for l in g.layers for spec in _vllm_blocks(l, mml, block_size, _count(max_num_batched_tokens, 'max_num_batched_tokens', 1)))
+    if not kinds: raise ValueError(f'{g.model_type} config: no layer keeps a KV cache, so vLLM plans no pool')
+    size = min(kinds.values())   # vLLM's uniform page size: groups of as many layers as the rarest kind has
+    if max(kinds.values()) < 1.25 * size: size = max(kinds.values())
+    groups = tuple(VLLMGroup(kind, min(size, n - i), blocks) for (kind, blocks), n in kinds.items() for i in range(0, n, size))
+    per = sum(gr.blocks_per_request for gr in groups)
+    return VLLMConcurrency(mml, block_size, num_blocks, groups, per, num_blocks / per, (num_blocks - 1) // per)
 
 # %% ../nbs/09_kv.ipynb #05162739
 def _requests_in(budget: int, pages: list[int], page_bytes: int, fixed: int) -> list[float]:
@@ -446,6 +646,73 @@ def plot_kv(config, # a transformers config, a config.json dict, or a checkpoint
     fig.suptitle(title or _plot_title(g, page_size))
     return fig
 
+# %% ../nbs/09_kv.ipynb #798fcbce
+@dataclass(frozen=True)
+class KVCurve:
+    "Requests a pool holds at each context length, under each limit alone and all together (`fits`)."
+    model_type: str
+    pool: KVCachePool
+    page_bytes: int # bytes of one page: page_size tokens of every growing layer
+    fixed_bytes: int # what a request holds whatever its length, before rounding to pages
+    context: tuple[int, ...] # context lengths, tokens
+    per_token: tuple[float, ...] # the limit of the growing layers alone, no page rounding
+    fixed_state: float | None # the limit of the fixed bytes alone (a flat line); None when a request holds none
+    unrounded: tuple[float, ...] # both limits, in bytes, no page rounding
+    fits: tuple[int, ...] # what the pool holds: whole pages for tokens and fixed bytes, the sink page taken
+    cap: int | None = None # max_concurrent_requests
+    cap_fits_to: int | None = None # the longest context the cap fits at (0: none); None without a cap
+
+# %% ../nbs/09_kv.ipynb #1e65593a
+def kv_curve(config, # a transformers config, a config.json dict, or a checkpoint folder
+             max_num_pages: int, # the pool's pages, sink included
+             page_size: int = 16, # token slots per page
+             max_concurrent_requests: int | None = None, # the cap whose fall to mark
+             dtype=None, # the cache dtype; None: the config's
+             convention: str = 'vllm', # or 'transformers'
+             max_seq_len: int | None = None, # right end of the context axis; None: the config's
+             points: int = 400, # context lengths sampled, page boundaries kept
+            ) -> KVCurve:
+    "The requests one pool holds against context length, one curve per limit, and the longest context the cap fits at."
+    g = kv_geometry(config, dtype, convention)
+    pool = kv_cache_pool(config, page_size, max_num_pages, None, max_seq_len, dtype, convention)
+    ps, n, fp = pool.page_size, pool.max_num_pages, pool.fixed_pages_per_request
+    page_bytes, usable = ps * g.bytes_per_token, max(n - 1, 0) * ps * g.bytes_per_token
+    step = max(1, pool.max_seq_len // _count(points, 'points', 2))
+    ctx = sorted({*range(1, pool.max_seq_len + 1, step), *range(ps, pool.max_seq_len + 1, -(-step // ps) * ps), pool.max_seq_len})
+    cap = None if max_concurrent_requests is None else _count(max_concurrent_requests, 'max_concurrent_requests', 1)
+    reach = None if cap is None else min(max((max(n - 1, 0) // cap - fp) * ps, 0), pool.max_seq_len)
+    return KVCurve(g.model_type, pool, page_bytes, g.fixed_bytes, tuple(ctx),
+                   tuple(usable / (t * g.bytes_per_token) for t in ctx), usable / g.fixed_bytes if g.fixed_bytes else None,
+                   tuple(usable / (t * g.bytes_per_token + g.fixed_bytes) for t in ctx),
+                   tuple(max(n - 1, 0) // (-(-t // ps) + fp) for t in ctx), cap, reach)
+
+# %% ../nbs/09_kv.ipynb #c98ce99f
+def plot_kv_curve(curve: KVCurve, # from `kv_curve`
+                  title: str | None = None): # None: the model, the pool and its figures
+    "A matplotlib `Figure` of `curve`: requests that fit against context length, a line per limit, the cap's fall marked."
+    import matplotlib.pyplot as plt
+    c, p = curve, curve.pool
+    fig, ax = plt.subplots(figsize=(9, 4.5), layout='constrained')
+    ax.plot(c.context, c.per_token, color='C0', label='per-token pool (growing layers alone)')
+    if c.fixed_state is not None: ax.axhline(c.fixed_state, color='C1', label=f'fixed state ({c.fixed_bytes / 2**20:.2f} MiB per request)')
+    ax.plot(c.context, c.unrounded, color='C2', ls='--', label='both, in bytes (no page rounding)')
+    ax.plot(c.context, c.fits, color='C3', drawstyle='steps-post', lw=2,
+            label=f'page rounding: what fits ({p.page_size}-token pages, {p.fixed_pages_per_request} fixed per request, 1 sink)')
+    if c.cap is not None:
+        ax.axhline(c.cap, color='0.4', ls=':', lw=1)
+        if c.cap_fits_to < p.max_seq_len:
+            ax.axvline(c.cap_fits_to, color='0.4', ls=':', lw=1)
+            ax.plot([max(c.cap_fits_to, 1)], [c.cap], 'o', color='k',
+                    label=f'max_concurrent_requests {c.cap} fits up to {c.cap_fits_to:,} tokens')
+        else: ax.plot([p.max_seq_len], [c.cap], 'o', color='k', label=f'max_concurrent_requests {c.cap} fits at max_seq_len')
+    ax.set(xscale='log', yscale='log', xlabel='context length per request (tokens)', ylabel='concurrent requests that fit',
+           ylim=(0.5, None))
+    ax.grid(alpha=0.3, which='both')
+    ax.legend(fontsize='small', loc='upper right')
+    ax.set_title(title or f'{c.model_type}: pool of {p.max_num_pages:,} pages ({p.max_num_pages * c.page_bytes / 2**30:.2f} GiB), '
+                 f'{c.page_bytes // p.page_size:,} B per token')
+    return fig
+
 # %% ../nbs/09_kv.ipynb #8768efae
 def kv_report(checkpoint_dir, # a checkpoint folder, or its config.json
               page_size: int = 16, # token slots per page
@@ -457,12 +724,16 @@ def kv_report(checkpoint_dir, # a checkpoint folder, or its config.json
     "A checkpoint's KV figures as a JSON-ready dict; `plan` and `verdict` hold `plan_kv_pools`' plan when `max_num_pages` is given, else `None`."
     g, page_size = kv_geometry(checkpoint_dir, dtype), _count(page_size, 'page_size', 1)
     if g.max_seq_len is None: raise ValueError(f'{checkpoint_dir}: model config has no max_position_embeddings')
+    page_bytes = page_size * g.bytes_per_token
+    fixed_pages = -(-g.fixed_bytes // page_bytes) if page_bytes else 0   # a hybrid's states, in whole pages of its pool
     rep = dict(checkpoint=str(checkpoint_dir), model_type=g.model_type, dtype=g.dtype, layers=g.kinds,
                kv_bytes_per_token=g.bytes_per_token, kv_fixed_bytes_per_request=g.fixed_bytes, page_size=page_size,
                page_bytes=page_size * g.bytes_per_token, max_seq_len=g.max_seq_len,
-               pages_per_request=kv_pages(g.max_seq_len, page_size, 1) - 1, plan=None, verdict=None)
+               pages_per_request=kv_pages(g.max_seq_len, page_size, 1) - 1, fixed_pages_per_request=fixed_pages,
+               states=dict(Counter(l.state for l in g.layers if l.state)), plan=None, verdict=None)
     if max_num_pages is None: return rep
-    pool = KVCachePool(g.max_seq_len, page_size, max_num_pages, name=Path(checkpoint_dir).name or 'kv')
+    pool = KVCachePool(g.max_seq_len, page_size, max_num_pages, name=Path(checkpoint_dir).name or 'kv',
+                       fixed_pages_per_request=fixed_pages)
     plan = plan_kv_pools([pool], max_concurrent_requests, config_path)
     plain = {**asdict(plan), 'pools': [asdict(p) for p in plan.pools], 'warnings': list(plan.warnings)}
     return {**rep, 'plan': {**plain, 'short': [p.label for p in plan.short], 'verdict': plan.verdict}, 'verdict': plan.verdict}
@@ -473,10 +744,12 @@ def format_kv_report(report: dict, # from `kv_report`
     "The lines `mstar-utils inspect` prints for a `kv_report`."
     r, plan = report, report['plan']
     kinds = ' + '.join(f'{n} {kind}' for kind, n in r['layers'].items())
+    states = ''.join(f', {n} {s}' for s, n in (r.get('states') or {}).items())
+    fixed = f" + {r['fixed_pages_per_request']} for its fixed bytes" if r.get('fixed_pages_per_request') else ''
     lines = [f"KV cache: {r['kv_bytes_per_token']} bytes per token and {r['kv_fixed_bytes_per_request']} bytes fixed per request "
-             f"({kinds} layers, {r['dtype']})",
+             f"({kinds} layers{states}, {r['dtype']})",
              f"KV pages: {r['pages_per_request']} pages of {r['page_size']} tokens ({r['page_bytes']} bytes each) per request "
-             f"at max_seq_len {r['max_seq_len']}, + 1 sink page per pool"]
+             f"at max_seq_len {r['max_seq_len']}{fixed}, + 1 sink page per pool"]
     if plan is None: return lines
     cap = plan['max_concurrent_requests']
     head = f"KV check ({plan['pools'][0]['max_num_pages']} pages, max_concurrent_requests {cap if cap is not None else 'unset'}): "
@@ -488,10 +761,13 @@ def format_kv_report(report: dict, # from `kv_report`
 def save_kv_plot(checkpoint_dir, # a checkpoint folder, or anything `plot_kv` reads
                  path, # where to write; the format follows the suffix (.png, .svg)
                  page_size: int = 16, max_num_pages: int | None = None, dtype=None,
+                 max_concurrent_requests: int | None = None, # with max_num_pages: the cap to mark on the curve
                  **kwargs) -> Path: # more `plot_kv` arguments
-    "Write `plot_kv` for `checkpoint_dir` to `path`; returns `path`."
+    "Write `checkpoint_dir`'s KV figure to `path`: with `max_num_pages`, that pool's `plot_kv_curve`; else `plot_kv`."
     import matplotlib.pyplot as plt
-    fig = plot_kv(checkpoint_dir, page_size=page_size, max_num_pages=max_num_pages, dtype=dtype, **kwargs)
+    if max_num_pages is not None and kv_bytes_per_token(checkpoint_dir, dtype):
+        fig = plot_kv_curve(kv_curve(checkpoint_dir, max_num_pages, page_size, max_concurrent_requests, dtype))
+    else: fig = plot_kv(checkpoint_dir, page_size=page_size, max_num_pages=max_num_pages, dtype=dtype, **kwargs)
     path = Path(path)
     try: fig.savefig(path, dpi=120)
     finally: plt.close(fig)
