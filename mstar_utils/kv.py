@@ -219,6 +219,7 @@ def _config_from_dict(d: dict, where: str):
         raise ValueError(f'{where} has no model_type: transformers needs it to pick the config class whose defaults fill the rest')
     if model_type not in CONFIG_MAPPING: raise ValueError(f'{where}: model_type {model_type!r} is not one transformers knows')
     cls = CONFIG_MAPPING[model_type]
+    d = getattr(cls, '_decode_special_floats', lambda d: d)(d)   # save_pretrained writes inf as {'__float__': 'Infinity'}
     try: return cls.from_dict(d)
     except (AttributeError, TypeError, ValueError) as e: raise ValueError(f'{where}: transformers cannot build {cls.__name__} from it: {e}') from None
 
@@ -243,11 +244,29 @@ def _need(cfg, key: str, minimum: int = 1) -> int:
     if v is None: raise ValueError(f'{cfg.model_type} config has no {key}')
     return _count(v, f'{cfg.model_type} config {key}', minimum)
 
+# %% ../nbs/09_kv.ipynb #a15c870d
+def _first(cfg, *keys: str) -> int | None:
+    "The first of `keys` that `cfg` sets, as a count ≥ 1; None when it sets none of them."
+    for k in keys:
+        if getattr(cfg, k, None) is not None: return _need(cfg, k)
+    return None
+
+def _needs(cfg, family: str, **keys) -> dict[str, int]:
+    "Each named dimension of a `family` state from the first of its config keys; `ValueError` naming what is missing."
+    dims = {name: _first(cfg, *alts) for name, alts in keys.items()}
+    missing = [' or '.join(keys[n]) for n, v in dims.items() if v is None]
+    if missing: raise ValueError(f'{cfg.model_type} config has {family} layers but no {", ".join(missing)}')
+    return dims
+
 # %% ../nbs/09_kv.ipynb #4c5d6e7f
 _LEGACY_KINDS = {'mamba': 'linear_attention', 'attention': 'full_attention'}
+_RECURRENT_ONLY = {'rwkv': "RWKV's time-mix and channel-mix states", 'xlstm': "xLSTM's matrix-memory states",
+                   'recurrent_gemma': "RecurrentGemma's RG-LRU states", 'dory': "Dory's looped layers, cached once per loop,"}
 
 def _layer_kinds(text) -> list[str | None]:
     "Each decoder layer's kind from `layer_types` (or `sliding_window` / `attention_chunk_size`); `None` for a layer without a cache of its own."
+    if text.model_type in _RECURRENT_ONLY:
+        raise ValueError(f'{text.model_type} config: {_RECURRENT_ONLY[text.model_type]} are not counted here')
     n, kinds = _need(text, 'num_hidden_layers'), getattr(text, 'layer_types', None)
     if kinds is None:
         kinds = n * ['sliding_attention' if getattr(text, 'sliding_window', None) is not None else
@@ -272,11 +291,12 @@ def _attention_token_bytes(text, nbytes: int) -> int:
     if getattr(text, 'kv_lora_rank', None): return (_need(text, 'kv_lora_rank') + _need(text, 'qk_rope_head_dim')) * nbytes
     heads, kv_heads = _need(text, 'num_attention_heads'), _kv_heads(text)
     head_dim = _first(text, 'head_dim', 'attention_head_dim')   # Zamba: attention_head_dim
-    if head_dim is not None: return 2 * kv_heads * head_dim * nbytes
-    hidden = _need(text, 'hidden_size')
-    if hidden % heads:
-        raise ValueError(f'{text.model_type} config has no head_dim and hidden_size {hidden} is not a multiple of num_attention_heads {heads}')
-    return 2 * kv_heads * (hidden // heads) * nbytes
+    if head_dim is None:
+        hidden = _need(text, 'hidden_size')
+        if hidden % heads:
+            raise ValueError(f'{text.model_type} config has no head_dim and hidden_size {hidden} is not a multiple of num_attention_heads {heads}')
+        head_dim = hidden // heads
+    return kv_heads * (head_dim + (_first(text, 'v_head_dim') or head_dim)) * nbytes   # MiMo-V2: values narrower than keys
 
 # %% ../nbs/09_kv.ipynb #0c1d2e3f
 CONVENTIONS = ('vllm', 'transformers')
@@ -286,20 +306,6 @@ def _convention(convention) -> str:
     if convention not in CONVENTIONS:
         raise ValueError(f'convention must be one of {CONVENTIONS}, got {convention!r}')
     return convention
-
-# %% ../nbs/09_kv.ipynb #a15c870d
-def _first(cfg, *keys: str) -> int | None:
-    "The first of `keys` that `cfg` sets, as a count ≥ 1; None when it sets none of them."
-    for k in keys:
-        if getattr(cfg, k, None) is not None: return _need(cfg, k)
-    return None
-
-def _needs(cfg, family: str, **keys) -> dict[str, int]:
-    "Each named dimension of a `family` state from the first of its config keys; `ValueError` naming what is missing."
-    dims = {name: _first(cfg, *alts) for name, alts in keys.items()}
-    missing = [' or '.join(keys[n]) for n, v in dims.items() if v is None]
-    if missing: raise ValueError(f'{cfg.model_type} config has {family} layers but no {", ".join(missing)}')
-    return dims
 
 # %% ../nbs/09_kv.ipynb #f462b262
 @dataclass(frozen=True)
@@ -395,7 +401,10 @@ class KVLayer:
 
 # %% ../nbs/09_kv.ipynb #27b283d9
 _NOT_COUNTED = {'compressed_sparse_attention': "DeepSeek-V4's compressed sparse attention",
-                'heavily_compressed_attention': "DeepSeek-V4's heavily compressed attention"}
+                'heavily_compressed_attention': "DeepSeek-V4's heavily compressed attention",
+                'reference_sliding_attention': 'a reference sliding attention layer'}
+_SLIDING_KV_FACTOR = {'mimo_v2_flash': 2}   # its modeling doubles the KV heads of its sliding layers
+_PREFIX_TOKENS = {'cpmant': 'prompt_length'}   # CPM-Ant caches its prompt embeddings' positions before the tokens
 
 def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None, image_tokens: int | None = None,
                  state_nbytes: int | None = None, convention: str = 'vllm', ssm_nbytes: int | None = None) -> KVLayer:
@@ -404,13 +413,16 @@ def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None, 
     window = None
     if kind in ('sliding_attention', 'chunked_attention', 'hybrid_sliding'):
         window = _need(text, 'attention_chunk_size' if kind == 'chunked_attention' else 'sliding_window')
-        window = min(window - (convention == 'transformers' and kind != 'chunked_attention'), max_seq_len or window)
+        window = min(window - (convention == 'transformers'), max_seq_len or window)   # transformers keeps window - 1
     if kind == 'cross_attention': return KVLayer(i, kind, _attention_token_bytes(text, nbytes), image_tokens)
     if kind in ('full_attention', 'sliding_attention', 'chunked_attention'):
         mla = kind == 'full_attention' and getattr(text, 'kv_lora_rank', None)
-        return KVLayer(i, 'mla' if mla else kind, _attention_token_bytes(text, nbytes), window)
-    if kind == 'indexed_attention':
-        index = _indexer_token_bytes(text, state_nbytes, convention)
+        token = _attention_token_bytes(text, nbytes) * (_SLIDING_KV_FACTOR.get(text.model_type, 1) if window else 1)
+        prefix = _first(text, _PREFIX_TOKENS[text.model_type]) if text.model_type in _PREFIX_TOKENS else 0
+        return KVLayer(i, 'mla' if mla else kind, token, window, prefix * token)
+    if kind == 'indexed_attention':   # HY-V4: a 'shared' layer reuses an earlier layer's indexer keys
+        shared = (getattr(text, 'indexer_types', None) or {}) and text.indexer_types[i] == 'shared'
+        index = 0 if shared else _indexer_token_bytes(text, state_nbytes, convention)
         return KVLayer(i, kind, _attention_token_bytes(text, nbytes) + index)
     if kind in ('linear_attention', 'conv', 'hybrid', 'hybrid_sliding'):
         shape = _state_shape(text, kind)
