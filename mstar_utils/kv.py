@@ -605,7 +605,8 @@ def vllm_concurrency(config, # a transformers config, a config.json dict, or a c
     g = kv_geometry(config, dtype, 'vllm')
     block_size, num_blocks = _count(block_size, 'block_size', 1), _count(num_blocks, 'num_blocks', 1)
     mml = _count(max_model_len or g.max_seq_len, 'max_model_len', 1)
-    kinds = Counter(spec for l in g.layers for spec in _vllm_blocks(l, mml, block_size, _count(max_num_batched_tokens, 'max_num_batched_tokens', 1)))
+    batched = _count(max_num_batched_tokens, 'max_num_batched_tokens', 1)
+    kinds = Counter(spec for l in g.layers for spec in _vllm_blocks(l, mml, block_size, batched))
     if not kinds: raise ValueError(f'{g.model_type} config: no layer keeps a KV cache, so vLLM plans no pool')
     size = min(kinds.values())   # vLLM's uniform page size: groups of as many layers as the rarest kind has
     if max(kinds.values()) < 1.25 * size: size = max(kinds.values())
