@@ -87,7 +87,7 @@ def _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot) -> tup
         return None, [f'KV cache: not computed ({e})']
     lines = list(format_kv_report(kv))
     if plot:
-        save_kv_plot(ckpt, plot, page_size=page_size, max_num_pages=kv_pages)
+        save_kv_plot(ckpt, plot, page_size=page_size, max_num_pages=kv_pages, max_concurrent_requests=max_concurrent_requests)
         kv['plot'] = str(plot); lines.append(f'KV plot: wrote {plot}')
     return kv, lines
 

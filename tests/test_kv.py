@@ -262,16 +262,19 @@ def per_token(c, nbytes=2):
     return 2 * c.num_key_value_heads * head_dim * nbytes
 
 
-def expected_figures(cfg, nbytes=2):
+def expected_figures(cfg, nbytes=2, convention='vllm'):
     "(bytes per token, fixed bytes per request) of a released config, from its own attributes, arch by arch."
     t = cfg.get_text_config(decoder=True)
     kinds = getattr(t, 'layer_types', None) or ['full_attention'] * t.num_hidden_layers
     n_full, n_slide, n_lin = (kinds.count(k) for k in ('full_attention', 'sliding_attention', 'linear_attention'))
     if getattr(t, 'kv_lora_rank', None): return n_full * (t.kv_lora_rank + t.qk_rope_head_dim) * nbytes, 0
-    fixed = n_slide and n_slide * min(t.sliding_window, t.max_position_embeddings) * per_token(t, nbytes)
+    window = t.sliding_window - (convention == 'transformers') if n_slide else 0   # transformers keeps sliding_window - 1
+    fixed = n_slide and n_slide * min(window, t.max_position_embeddings) * per_token(t, nbytes)
     if n_lin:
         conv = (2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim)
-        fixed += n_lin * (conv * t.linear_conv_kernel_dim * nbytes + t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * 4)
+        # vLLM: conv_kernel - 1 positions, the state in the model dtype; transformers: conv_kernel positions, the state in float32
+        positions, ssm = (t.linear_conv_kernel_dim - 1, nbytes) if convention == 'vllm' else (t.linear_conv_kernel_dim, 4)
+        fixed += n_lin * (conv * positions * nbytes + t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * ssm)
     if cfg.is_encoder_decoder: fixed += cfg.decoder_layers * cfg.max_source_positions * per_token(t, nbytes)
     return n_full * per_token(t, nbytes), fixed
 
@@ -280,6 +283,8 @@ def expected_figures(cfg, nbytes=2):
 def test_released_architectures(arch):
     cfg = released_kv_config(arch)
     assert (kv_bytes_per_token(cfg), kv_fixed_bytes_per_request(cfg)) == expected_figures(cfg)
+    theirs = expected_figures(cfg, convention='transformers')
+    assert (kv_bytes_per_token(cfg, convention='transformers'), kv_fixed_bytes_per_request(cfg, convention='transformers')) == theirs
     assert (kv_bytes_per_token(cfg, 'float32'), kv_fixed_bytes_per_request(cfg, torch.float32))[0] == expected_figures(cfg, 4)[0]
 
 
@@ -305,7 +310,7 @@ def test_qwen2_vl_head_dim_from_hidden_size():
 @pytest.mark.parametrize('arch', list(KV_ARCHITECTURES))
 def test_layers_hold_what_transformers_caches(arch):
     cfg = tiny_kv_config(arch)
-    g = kv_geometry(cfg)
+    g = kv_geometry(cfg, convention='transformers')
     for tokens in (2, 9):
         theirs = cache_layer_bytes(transformers_kv_cache(cfg, tokens))
         assert len(theirs) == len(g.layers)
@@ -313,8 +318,8 @@ def test_layers_hold_what_transformers_caches(arch):
             if layer.kind == 'cross_attention': assert held == layer.fixed_bytes == layer.tokens * layer.token_bytes
             elif layer.kind == 'linear_attention': assert held == layer.state_bytes and layer.token_bytes == 0
             elif layer.tokens is None: assert held == tokens * layer.token_bytes            # full attention, MLA
-            else:                                                                             # transformers keeps window - 1
-                assert held == min(tokens, layer.tokens - 1) * layer.token_bytes, (layer, cls, held)
+            else:                                                    # transformers keeps window - 1, as its convention counts
+                assert held == min(tokens, layer.tokens) * layer.token_bytes, (layer, cls, held)
     assert g.bytes_per_token * 9 + sum(l.state_bytes for l in g.layers) == sum(
         held for l, (_, held) in zip(g.layers, cache_layer_bytes(transformers_kv_cache(cfg, 9))) if l.tokens is None)
 
@@ -408,8 +413,10 @@ def test_geometry_errors(tmp_path):
     assert kv_geometry({**base, 'torch_dtype': 'float16'}).dtype == 'float16'
     with pytest.raises(ValueError, match='not a multiple'):
         kv_geometry(transformers.Qwen2VLTextConfig(hidden_size=66, num_attention_heads=4, dtype='bfloat16'))
-    with pytest.raises(ValueError, match="mamba config has linear_attention layers but no linear_num_key_heads"):
-        kv_geometry(transformers.MambaConfig(dtype='bfloat16'))
+    odd = transformers.LlamaConfig(num_hidden_layers=2, dtype='bfloat16')
+    odd.layer_types = ['full_attention', 'linear_attention']
+    with pytest.raises(ValueError, match="llama config: its linear_attention layers keep a state of a kind not counted"): kv_geometry(odd)
+    with pytest.raises(ValueError, match="convention must be one of"): kv_geometry(transformers.LlamaConfig(dtype='bfloat16'), convention='sglang')
     odd = transformers.LlamaConfig(num_hidden_layers=2, dtype='bfloat16')
     odd.layer_types = ['full_attention', 'window_attention']
     with pytest.raises(ValueError, match="layer 1 is 'window_attention'"): kv_geometry(odd)
