@@ -787,9 +787,28 @@ def flush(self: _DecodeWindow) -> bytes:
     "What the window still holds back, at the end of the reply."
     return self._emit(final=True)
 
+# %% ../nbs/08_detokenize.ipynb #rp000013
+def _check_reply_args(stop: list, min_tokens, stop_token_ids):
+    "`ValueError` naming the setting: stop strings must be non-empty strs, `min_tokens` an int >= 0, stop ids ints."
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f'stop strings must be non-empty strings, got {s!r} in stop={stop!r}')
+    if not isinstance(min_tokens, numbers.Integral) or isinstance(min_tokens, bool) or min_tokens < 0:
+        raise ValueError(f'min_tokens must be an int >= 0, got {min_tokens!r}')
+    for i in stop_token_ids:
+        if not isinstance(i, numbers.Integral) or isinstance(i, bool):
+            raise ValueError(f'stop_token_ids must be ints, got {i!r}')
+
+# %% ../nbs/08_detokenize.ipynb #rp000023
+@functools.lru_cache(maxsize=256)
+def _shared(det, stop: tuple[str, ...], include: bool) -> tuple[_StopMatcher | None, list[dict]]:
+    "The matcher and the warm path's memo (one dict per held prefix) that replies with one detokenizer and stop list share."
+    matcher = _StopMatcher(stop, include) if stop else None
+    return matcher, [{None: k} for k in range(len(matcher.prefixes) if matcher else 1)]  # a row's own state under None
+
 # %% ../nbs/08_detokenize.ipynb #rp000012
 class Reply:
-    "One request's reply, streamed: `step(ids)` gives the bytes that may go out now, `finish()` the rest; stop ids and strings end it."
+    "One request's reply, streamed: `step(ids)` gives the bytes that may go out now, `finish()` the rest; stops end it."
     def __init__(self,
                  text_output: TextOutput, # the model's text output: its detokenizer and stop ids
                  stop: str | Iterable[str] = (), # stop strings: the reply ends at the first to occur, matched on its bytes
@@ -803,100 +822,28 @@ class Reply:
         self.text_output, self.include_stop_str_in_output, self.min_tokens = text_output, include_stop_str_in_output, int(min_tokens)
         model_ids = frozenset() if ignore_eos else frozenset(text_output.stop_token_ids)
         self.stop_ids = model_ids | frozenset(stop_token_ids)
-        self.stopped, self.finished, self.stop_reason, self.num_tokens = False, False, None, 0
+        self.stopped, self.finished, self.stop_reason, self._seen = False, False, None, 0
         self._setup(stop)
-
-# %% ../nbs/08_detokenize.ipynb #rp000013
-def _check_reply_args(stop: list, min_tokens, stop_token_ids):
-    "`ValueError` naming the setting: stop strings must be non-empty strs, `min_tokens` an int >= 0, stop ids ints."
-    for s in stop:
-        if not isinstance(s, str) or not s:
-            raise ValueError(f'stop strings must be non-empty strings, got {s!r} in stop={stop!r}')
-    if not isinstance(min_tokens, numbers.Integral) or isinstance(min_tokens, bool) or min_tokens < 0:
-        raise ValueError(f'min_tokens must be an int >= 0, got {min_tokens!r}')
-    for i in stop_token_ids:
-        if not isinstance(i, numbers.Integral) or isinstance(i, bool):
-            raise ValueError(f'stop_token_ids must be ints, got {i!r}')
 
 # %% ../nbs/08_detokenize.ipynb #rp000014
 @patch
 def _setup(self: Reply, stop: list[str]):
-    "The matcher, the chunk source for the detokenizer's mode, and the warm path's memo (one dict per held prefix)."
+    "The matcher and memo (shared by the requests with the same stop strings), and the chunk source for the mode."
     det = self.text_output.detokenizer
-    self._matcher = _StopMatcher(stop, self.include_stop_str_in_output) if stop else None
-    self._state, self._held = 0, b''
+    self._matcher, self._memo = _shared(det, tuple(dict.fromkeys(stop)), self.include_stop_str_in_output)
+    self._state = 0
     self._window = _DecodeWindow(det) if getattr(det, 'mode', None) == 'decode' else None
     self._begun = not getattr(det, 'edges', ()) or self._window is not None  # False: decode treats the start apart
     self._start_ids = []
-    self._memo = [{} for _ in (self._matcher.prefixes if self._matcher else (b'',))]
-    self._rows = None  # the memo once the warm path may run
+    self._row = None  # the memo's row for the held prefix, once the warm path may run
     self._open()
 
 # %% ../nbs/08_detokenize.ipynb #rp000015
 @patch
 def _open(self: Reply):
     "Let the warm path run once nothing but the memo decides a step: past `min_tokens`, the start, and not in `'decode'` mode."
-    ok = not (self.stopped or self.finished) and self._window is None and self._begun and self.num_tokens >= self.min_tokens
-    self._rows = self._memo if ok else None
-
-# %% ../nbs/08_detokenize.ipynb #rp000016
-@patch
-def step(self: Reply,
-         output, # this step's ids: an integer tensor of any shape, or a sequence of ints
-        ) -> bytes:
-    "The bytes of this step that may go to the client now; b'' once the reply has stopped."
-    rows = self._rows
-    if rows is not None:
-        try: n = _numel(output)
-        except TypeError: n = 0  # not a tensor: the general path
-        if n == 1:
-            i = _item(output)
-            if type(i) is int:
-                hit = rows[self._state].get(i)
-                if hit is not None:
-                    self._state = hit[0]
-                    self.num_tokens += 1
-                    return hit[1]
-        elif n:
-            return self._warm(_tolist(output), rows)
-    return self._step(_token_ids(output))
-
-# %% ../nbs/08_detokenize.ipynb #rp000017
-@patch
-def _warm(self: Reply, ids: list, rows: list[dict]) -> bytes:
-    "A k-token step through the memo; the general path from the first id it lacks."
-    state, outs = self._state, []
-    for k, i in enumerate(ids):
-        hit = rows[state].get(i) if type(i) is int else None
-        if hit is None:
-            self._state, self.num_tokens = state, self.num_tokens + k
-            outs.append(self._step(_token_ids(ids[k:])))
-            return b''.join(outs)
-        state = hit[0]
-        outs.append(hit[1])
-    self._state, self.num_tokens = state, self.num_tokens + len(ids)
-    return b''.join(outs)
-
-# %% ../nbs/08_detokenize.ipynb #rp000018
-@patch
-def _step(self: Reply, ids: list[int]) -> bytes:
-    "The general path: each id in turn through the stop checks, its chunk source and the matcher; the memo filled as it goes."
-    if self.stopped: return b''
-    if self.finished: raise ValueError('this reply has finished: finish() was called, so step() takes no more ids')
-    outs = []
-    for i in ids:
-        if self.stopped: break
-        state, k, begun = self._state, self.num_tokens + 1, self._begun  # k: this token's number in the reply
-        stop_id = i in self.stop_ids and k >= self.min_tokens
-        chunk = self._chunk(i, stop_id)
-        self.num_tokens = k
-        out = self._match(chunk, k > self.min_tokens)
-        if stop_id and not self.stopped: out, self.stopped, self.stop_reason = out + self._release(), True, i
-        outs.append(out)
-        if not (stop_id or self.stopped) and begun and self._window is None and k > self.min_tokens:
-            self._memo[state][i] = (self._state, out)
-    self._open()
-    return b''.join(outs)
+    ok = not (self.stopped or self.finished) and self._window is None and self._begun and self._seen >= self.min_tokens
+    self._row = self._memo[self._state] if ok else None
 
 # %% ../nbs/08_detokenize.ipynb #rp000019
 @patch
@@ -941,17 +888,80 @@ def _release(self: Reply) -> bytes:
     self._state = 0
     return held
 
+# %% ../nbs/08_detokenize.ipynb #rp000016
+@patch
+def step(self: Reply,
+         output, # this step's ids: an integer tensor of any shape, or a sequence of ints
+        ) -> bytes:
+    "The bytes of this step that may go to the client now; b'' once the reply has stopped."
+    row = self._row
+    if row is not None:
+        try: n = _numel(output)
+        except TypeError: n = 0  # not a tensor: the general path
+        if n == 1:
+            i = _item(output)
+            if type(i) is int:  # not a float or bool tensor, which the general path refuses
+                try: hit = row[i]
+                except KeyError: pass  # a cold id or a stop id
+                else:
+                    self._row = hit[0]
+                    return hit[1]
+        elif n:
+            return self._warm(_tolist(output))
+    return self._step(_token_ids(output))
+
+# %% ../nbs/08_detokenize.ipynb #rp000017
+@patch
+def _warm(self: Reply, ids: list) -> bytes:
+    "A k-token step through the memo; the general path from the first id it lacks."
+    row, outs = self._row, []
+    for k, i in enumerate(ids):
+        hit = row.get(i) if type(i) is int else None
+        if hit is None:
+            self._row = row
+            outs.append(self._step(_token_ids(ids[k:])))
+            return b''.join(outs)
+        row = hit[0]
+        outs.append(hit[1])
+    self._row = row
+    return b''.join(outs)
+
+# %% ../nbs/08_detokenize.ipynb #rp000018
+@patch
+def _step(self: Reply, ids: list[int]) -> bytes:
+    "The general path: each id in turn through the stop checks, its chunk source and the matcher; the memo filled as it goes."
+    if self.stopped: return b''
+    if self.finished: raise ValueError('this reply has finished: finish() was called, so step() takes no more ids')
+    if self._row is not None: self._state = self._row[None]  # where the warm path left it
+    outs = []
+    for i in ids:
+        if self.stopped: break
+        state, k, begun = self._state, self._seen + 1, self._begun  # k: this token's number (counted up to min_tokens)
+        stop_id = i in self.stop_ids and k >= self.min_tokens
+        chunk = self._chunk(i, stop_id)
+        self._seen = min(k, self.min_tokens + 1)
+        out = self._match(chunk, k > self.min_tokens)
+        if stop_id and not self.stopped: out, self.stopped, self.stop_reason = out + self._release(), True, i
+        outs.append(out)
+        if not (stop_id or self.stopped) and begun and self._window is None and k > self.min_tokens:
+            self._memo[state][i] = (self._memo[self._state], out)
+    self._open()
+    return b''.join(outs)
+
 # %% ../nbs/08_detokenize.ipynb #rp000021
 @patch
 def finish(self: Reply) -> bytes:
     "What is still held back, at the end of the request (a length cut, an abort); b'' after a stop. Later steps raise, unless stopped."
-    if self.stopped or self.finished: self.finished = True; self._rows = None; return b''
+    if self.stopped or self.finished:
+        self.finished, self._row = True, None
+        return b''
+    if self._row is not None: self._state = self._row[None]
     rest = b''
     if self._window is not None: rest = self._window.flush()
     elif not self._begun: rest, self._begun = self._decoded(), True
-    out = self._match(rest, self.num_tokens > self.min_tokens)
+    out = self._match(rest, self._seen > self.min_tokens)
     if not self.stopped: out += self._release()
-    self.finished, self._rows = True, None
+    self.finished, self._row = True, None
     return out
 
 @patch
