@@ -801,8 +801,8 @@ def _check_reply_args(stop: list, min_tokens, stop_token_ids):
 
 # %% ../nbs/08_detokenize.ipynb #rp000023
 @functools.lru_cache(maxsize=256)
-def _shared(det, stop: tuple[str, ...], include: bool) -> tuple[_StopMatcher | None, list[dict]]:
-    "The matcher and the warm path's memo (one dict per held prefix) that replies with one detokenizer and stop list share."
+def _shared(det, stop: tuple[str, ...], include: bool, stop_ids: frozenset) -> tuple[_StopMatcher | None, list[dict]]:
+    "The matcher and the warm path's memo (one dict per held prefix) shared by replies with the same detokenizer and stops."
     matcher = _StopMatcher(stop, include) if stop else None
     return matcher, [{None: k} for k in range(len(matcher.prefixes) if matcher else 1)]  # a row's own state under None
 
@@ -830,7 +830,7 @@ class Reply:
 def _setup(self: Reply, stop: list[str]):
     "The matcher and memo (shared by the requests with the same stop strings), and the chunk source for the mode."
     det = self.text_output.detokenizer
-    self._matcher, self._memo = _shared(det, tuple(dict.fromkeys(stop)), self.include_stop_str_in_output)
+    self._matcher, self._memo = _shared(det, tuple(dict.fromkeys(stop)), self.include_stop_str_in_output, self.stop_ids)
     self._state = 0
     self._window = _DecodeWindow(det) if getattr(det, 'mode', None) == 'decode' else None
     self._begun = not getattr(det, 'edges', ()) or self._window is not None  # False: decode treats the start apart

@@ -142,6 +142,11 @@ def test_stop_token_kept_or_not():
     assert run(r, [ids])[0] + r.finish() == decode(t, ids) and not r.stopped
     r = text_output('mistral').reply(ignore_eos=True, stop_token_ids=[ids[1]])  # the request's own stop ids still stop it
     assert run(r, [ids])[0] == decode(t, ids[:1]) and r.stop_reason == ids[1]
+    for _ in range(2):  # a reply under ignore_eos warms its memo with the EOS id; a later reply still stops there
+        r = text_output('mistral').reply(ignore_eos=True)
+        assert run(r, [[i] for i in ids])[0] + r.finish() == decode(t, ids)
+        r = text_output('mistral').reply()
+        assert run(r, [[i] for i in ids])[0] == decode(t, ids[:ids.index(t.eos_token_id)]) and r.stop_reason == t.eos_token_id
 
 
 def test_multi_token_step_ends_mid_step():
