@@ -303,3 +303,25 @@ def test_contract_property(name):
         r = text_output(name).reply(stop=stop, include_stop_str_in_output=include, min_tokens=min_tokens)
         check_contract(tok(name), r, steps, stop, include, min_tokens, text_output(name).stop_token_ids)
     prop()
+
+
+# ---------------------------------------------------------------- the published benchmark figures
+
+def test_published_reply_figures():
+    "benchmarks/README.md quotes the Reply rows of benchmarks/detokenize_results.json, which bench_detokenize --publish writes."
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root/'benchmarks'/'detokenize_results.json').read_text(encoding='utf-8'))
+    text = (root/'benchmarks'/'README.md').read_text(encoding='utf-8')
+    sec = text[text.index('### Replies: `Reply.step`'):text.index('## Checkpoint loading')]
+    ns = {k: v['ns_per_token'] for k, v in res['results'].items()}
+    rows = {'tokenizers `DecodeStream.step`': ns['DecodeStream.step'], '`TextOutput.step_bytes`, one-token tensor': ns['step_bytes'],
+            '`Reply.step`, no stop strings': ns['reply'], '`Reply.step`, 4 stop strings': ns['reply_stop4'],
+            '`Reply.step`, 4 stop strings, tokens 256-511': res['reply_stop4_at']['256'],
+            '`Reply.step`, 4 stop strings, tokens 32,768-33,023': res['reply_stop4_at']['32768']}
+    for label, v in rows.items(): assert f'| {label} | {v:.1f} |' in sec, label
+    assert f"{res['reply_vs_step_bytes']:.2f}x `step_bytes`" in sec and res['reply_vs_step_bytes'] <= 1.3
+    assert f"{res['reply_stop4_vs_decode_stream']:.2f}x `DecodeStream.step`" in sec and res['reply_stop4_vs_decode_stream'] <= 0.7
+    assert f"{res['reply_stop4_flat']:.2f}x tokens 256-511" in sec and res['reply_stop4_flat'] <= 1.3
+    assert all(res['results'][k]['byte_exact'] for k in ('reply', 'reply_stop4'))
+    assert ('All three targets met' in sec) == all(v for k, v in res['targets'].items() if 'reply' in k or 'stop strings' in k)
