@@ -6,6 +6,7 @@ byte-level tokenizer and about 10k tokens of mixed text.
     python benchmarks/bench_detokenize.py                 # 10k tokens, best of 7 passes
     python benchmarks/bench_detokenize.py --tokens 50000 --repeats 11
     python benchmarks/bench_detokenize.py --strict        # also exit 1 when a target is missed
+    python benchmarks/bench_detokenize.py --publish       # also write benchmarks/detokenize_results.json (committed)
 
 All methods run in the same process on the same ids, each pass a plain `for` loop over the ids (or the steps) calling
 one bound method, so loop overhead is the same for every row. The ids are timed in blocks of 256 whose inputs are made
@@ -15,8 +16,15 @@ of each is reported, so load from other processes weighs on all rows alike. Also
 method's joined output is byte-exact against `tokenizer.decode(ids)`. Exits 1 when token_bytes, step_bytes or
 DecodeStream is not byte-exact. Writes benchmarks/results/detokenize.json.
 
+The `Reply` rows stream the same ids through `text_output.reply(...)`, one reply per pass (its memo, shared by the
+replies with the same stop strings, warm from the pass before, as a server's is after its first requests): with no
+stop strings, and with the 4 in `STOPS`, which never occur in the text but whose first bytes often do, so the stream
+holds back and lets go again. The reply's own output is checked against `tokenizer.decode(ids)` too. Then the
+4-stop reply of `--long` tokens is timed per token on the 256 tokens from token 256 and from token 32,768.
+
 Targets: token_bytes >= 10x faster than DecodeStream.step; step_bytes on a one-token tensor <= 0.5x DecodeStream.step
-per token; a step of k tokens (k = 2, 4, 8) <= k times that.
+per token; a step of k tokens (k = 2, 4, 8) <= k times that; a reply without stop strings <= 1.3x step_bytes per step;
+a reply with 4 stop strings <= 0.7x DecodeStream.step per token; the same at token 32,768 <= 1.3x its cost at 256.
 """
 from __future__ import annotations
 import json, os, platform, random, sys, time
@@ -31,6 +39,11 @@ RESULTS = Path(__file__).resolve().parent/'results'
 TARGET = 10.0  # token_bytes at least this many times faster than DecodeStream.step
 STEP_TARGET = 0.5  # step_bytes on a one-token tensor at most this fraction of DecodeStream.step per token
 KS = (2, 4, 8)  # multi-token steps timed: each at most k x STEP_TARGET x DecodeStream.step
+REPLY_TARGET = 1.3  # a Reply without stop strings at most this many times step_bytes per step
+STOP_TARGET = 0.7  # a Reply with the 4 STOPS at most this fraction of DecodeStream.step per token
+FLAT_TARGET = 1.3  # its cost per token at token 32,768 at most this many times the cost at token 256
+STOPS = ['The answer is', '\n\nUser:', '你好世界!', 'Results: 42']  # never in the text; their first bytes often are
+AT = (256, 32_768)  # where the long reply is timed, 256 tokens each
 
 # Fragments of the mixed text; sampled with a fixed seed, so every run times the same ids.
 FRAGMENTS = {
@@ -83,10 +96,29 @@ def best_ns(methods: dict, n: int, repeats: int) -> dict:
     return {key: ns/n for key, ns in best.items()}
 
 
+def reply_at(to, ids: list[int], repeats: int) -> dict[int, float]:
+    "Best ns/token of a 4-stop Reply over the BLOCK tokens from each of AT, stepping untimed up to there; one reply per round."
+    import torch
+    steps = [torch.tensor([i]) for i in ids]
+    best = dict.fromkeys(AT, float('inf'))
+    for _ in range(repeats):
+        step, pos = to.reply(stop=STOPS).step, 0
+        for at in AT:
+            for t in steps[pos:at]: step(t)
+            block = steps[at:at + BLOCK]
+            t0 = time.perf_counter_ns()
+            for t in block: step(t)
+            best[at] = min(best[at], (time.perf_counter_ns() - t0)/len(block))
+            pos = at + BLOCK
+    return best
+
+
 @call_parse
 def main(tokens: int = 10_000,  # how many tokens of mixed text
          repeats: int = 7,  # passes per method; the best is reported
          strict: store_true = False,  # exit 1 when a target is missed
+         long: int = 33_024,  # tokens of the long reply timed at AT
+         publish: store_true = False,  # also write benchmarks/detokenize_results.json, which benchmarks/README.md quotes
         ):
     import tokenizers, torch, transformers
     from tokenizers.decoders import DecodeStream
@@ -127,6 +159,16 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
         def run(block):
             for t in block: step_bytes(t, None)
         return run
+    def start_reply(stop):
+        def start():
+            step = to.reply(stop=stop).step
+            def run(block):
+                for t in block: step(t)
+            return run
+        return start
+    def reply_bytes(stop, steps):
+        r = to.reply(stop=stop)
+        return b''.join(r.step(t) for t in steps) + r.finish()
 
     steps = step_block(1)(0, len(ids))
     k_steps = {k: step_block(k)(0, len(ids)) for k in KS}
@@ -141,13 +183,16 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
         'Tokenizer.decode([id])': ''.join(backend.decode([i]) for i in ids).encode(),
         'step_bytes': b''.join(to.step_bytes(t, None) for t in steps),
         **{f'step_bytes_k{k}': b''.join(to.step_bytes(t, None) for t in k_steps[k]) for k in KS},
+        'reply': reply_bytes((), steps), 'reply_stop4': reply_bytes(STOPS, steps),
     }
     rows = [('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', (id_block, lambda: each(token_bytes))),
             ('DecodeStream.step', 'tokenizers DecodeStream.step', (id_block, start_decode_stream)),
             ('decode([id])', 'transformers tokenizer.decode([id])', (id_block, lambda: each(decode_one))),
             ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', (id_block, lambda: each(backend_one))),
             ('step_bytes', 'TextOutput.step_bytes(tensor([id])) (whole step path)', (step_block(1), start_step_bytes)),
-            *[(f'step_bytes_k{k}', f'TextOutput.step_bytes, {k}-token steps (per token)', (step_block(k), start_step_bytes)) for k in KS]]
+            *[(f'step_bytes_k{k}', f'TextOutput.step_bytes, {k}-token steps (per token)', (step_block(k), start_step_bytes)) for k in KS],
+            ('reply', 'Reply.step(tensor([id])), no stop strings', (step_block(1), start_reply(()))),
+            ('reply_stop4', 'Reply.step(tensor([id])), 4 stop strings', (step_block(1), start_reply(STOPS)))]
     ns = best_ns({key: method for key, _, method in rows}, len(ids), repeats)
 
     print(f'SmolLM2-135M-Instruct tokenizer (byte-level BPE, vocab {len(tok)}), {len(ids)} tokens of mixed text '
@@ -168,15 +213,28 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
     # a k-token step costs <= k x (STEP_TARGET x DecodeStream.step): per token, the same bound
     checks += [(f'a {k}-token step <= {k} x {STEP_TARGET}x DecodeStream.step', ns[f'step_bytes_k{k}'] <= STEP_TARGET*ds,
                 f"{ns[f'step_bytes_k{k}']*k/ds:.2f}x per step = {k} x {ns[f'step_bytes_k{k}']/ds:.2f}x") for k in KS]
+    at = reply_at(to, mixed_ids(tok, max(long, AT[-1] + BLOCK)), repeats)
+    for k, v in at.items(): print(f'Reply.step, 4 stop strings, tokens {k}-{k + BLOCK - 1}: {v:.1f} ns/token')
+    flat = at[AT[-1]]/at[AT[0]]
+    checks += [(f'a reply without stop strings <= {REPLY_TARGET}x step_bytes per step', ns['reply'] <= REPLY_TARGET*ns['step_bytes'],
+                f"{ns['reply']/ns['step_bytes']:.2f}x"),
+               (f'a reply with 4 stop strings <= {STOP_TARGET}x DecodeStream.step per token', ns['reply_stop4'] <= STOP_TARGET*ds,
+                f"{ns['reply_stop4']/ds:.2f}x"),
+               (f'4 stop strings at token {AT[-1]:,} <= {FLAT_TARGET}x the cost at token {AT[0]}', flat <= FLAT_TARGET, f'{flat:.2f}x')]
     print()
     for what, ok, got in checks: print(f"target: {what}: {'met' if ok else 'NOT met'} ({got})")
     met = all(ok for _, ok, _ in checks)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS/'detokenize.json').write_text(json.dumps(dict(
+    out = json.dumps(dict(
         tokens=len(ids), characters=len(reference), repeats=repeats, python=platform.python_version(),
         tokenizers=tokenizers.__version__, transformers=transformers.__version__, target=TARGET,
         speedup_vs_decode_stream=speedup, step_bytes_vs_decode_stream=ns['step_bytes']/ds,
-        targets={what: ok for what, ok, _ in checks}, results=results), indent=1))
-    if not all(results[k]['byte_exact'] for k in ('token_bytes', 'DecodeStream.step', 'step_bytes', *[f'step_bytes_k{k}' for k in KS])): sys.exit(1)
+        reply_vs_step_bytes=ns['reply']/ns['step_bytes'], reply_stop4_vs_decode_stream=ns['reply_stop4']/ds,
+        reply_stop4_at={str(k): v for k, v in at.items()}, reply_stop4_flat=flat,
+        targets={what: ok for what, ok, _ in checks}, results=results), indent=1)
+    (RESULTS/'detokenize.json').write_text(out)
+    if publish: (RESULTS.parent/'detokenize_results.json').write_text(out + '\n')
+    exact = ('token_bytes', 'DecodeStream.step', 'step_bytes', *[f'step_bytes_k{k}' for k in KS], 'reply', 'reply_stop4')
+    if not all(results[k]['byte_exact'] for k in exact): sys.exit(1)
     if strict and not met: sys.exit(1)

@@ -14,7 +14,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['ByteLevelDetokenizer', 'SentencePieceDetokenizer', 'TextChunkDetokenizer', 'drop_stop_tokens', 'TextOutput',
-           'TextStream', 'generation_eos_ids']
+           'TextStream', 'generation_eos_ids', 'Reply']
 
 # %% ../nbs/08_detokenize.ipynb #487e2b25
 class _TokenMemo:
@@ -695,3 +695,283 @@ def from_checkpoint(cls: TextOutput,
         try: tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
         except (OSError, ValueError, TypeError) as e: raise ValueError(f'no tokenizer loads from {checkpoint_dir}: {e}') from e
     return cls(TextChunkDetokenizer(tokenizer, keep_special, extra_skip_ids, keep_timestamps), _stop_token_ids(checkpoint_dir, tokenizer))
+
+# %% ../nbs/08_detokenize.ipynb #rp000003
+class _Advance(NamedTuple):
+    "What one chunk of bytes does to a stream's stop matching."
+    state: int # the held prefix after the chunk, as an index into `_StopMatcher.prefixes`
+    out: bytes # the bytes that may go out: the held prefix before and the chunk, less what is held after
+    stop: str | None = None # the stop string that ends the reply in this chunk, None for none
+
+# %% ../nbs/08_detokenize.ipynb #rp000004
+class _StopMatcher:
+    "The stop strings of one request, as bytes, with the proper prefixes a stream may hold back numbered (0 is b'')."
+    def __init__(self,
+                 stop: Iterable[str], # the stop strings, in the request's order
+                 include: bool = False, # cut after a stop string instead of before it
+                ):
+        self.stops = [(s, s.encode()) for s in dict.fromkeys(stop)]
+        self.include = include
+        held = {b[:k] for _, b in self.stops for k in range(1, len(b))}
+        self.prefixes = [b'', *sorted(held, key=lambda p: (len(p), p))]
+        self._index = {p: k for k, p in enumerate(self.prefixes)}
+        self.longest = max(len(b) for _, b in self.stops)
+
+# %% ../nbs/08_detokenize.ipynb #rp000005
+@patch
+def advance(self: _StopMatcher,
+            state: int, # the held prefix before the chunk
+            chunk: bytes, # the next bytes of the reply
+            active: bool = True, # False: a stop string completing here does not count (before `min_tokens`)
+           ) -> _Advance:
+    "The chunk's effect: the stop string ending first in it (the longer of two ending together), else the held prefix."
+    held = self.prefixes[state]
+    buf = held + chunk
+    if active:
+        best = None
+        for s, b in self.stops:
+            j = buf.find(b, max(0, len(held) - len(b) + 1))  # only matches that end inside the chunk
+            if j >= 0 and (best is None or (j + len(b), j) < (best[0] + len(best[1]), best[0])): best = (j, b, s)
+        if best is not None:
+            j, b, s = best
+            return _Advance(0, buf[:j + len(b) if self.include else j], s)
+    for k in range(min(len(buf), self.longest - 1), 0, -1):
+        new = self._index.get(buf[-k:])
+        if new is not None: return _Advance(new, buf[:-k])
+    return _Advance(0, buf)
+
+# %% ../nbs/08_detokenize.ipynb #rp000009
+class _DecodeWindow:
+    "A reply's text in `'decode'` mode, streamed as `decode` of a window of its last ids gives it."
+    def __init__(self, det: TextChunkDetokenizer):
+        self.det, self.ids, self.start, self.read, self.sent = det, [], 0, 0, 0
+        self.cleanup = _cleans_up(det.tokenizer)
+
+    def _text(self, lo: int, hi: int | None = None) -> str:
+        return self.det.tokenizer.decode(self.ids[lo:hi], skip_special_tokens=False)
+
+# %% ../nbs/08_detokenize.ipynb #rp000010
+@patch
+def _decided(self: _DecodeWindow, new: str) -> int:
+    "How much of the window's new text is decided: all but a trailing U+FFFD run, and a space a cleanup may still take."
+    n = len(new.rstrip('\ufffd'))
+    if self.cleanup:
+        k = new.rfind(' ', max(0, n - 3), n)
+        if k >= 0: n = k
+    return n
+
+@patch
+def _emit(self: _DecodeWindow, final: bool = False) -> bytes:
+    "The new text's decided part not sent yet; the window moves on once all of it is sent."
+    before, text = self._text(self.start, self.read), self._text(self.start)
+    if len(text) <= len(before) or not text.startswith(before):
+        return text[len(before):].encode() if final else b''
+    new = text[len(before):]
+    n = len(new) if final else self._decided(new)
+    out = new[self.sent:n]
+    if n == len(new): self.start, self.read, self.sent = self.read, len(self.ids), 0
+    else: self.sent = max(self.sent, n)
+    return out.encode()
+
+# %% ../nbs/08_detokenize.ipynb #rp000022
+@patch
+def push(self: _DecodeWindow, token_id: int) -> bytes:
+    "The bytes `token_id` adds to the reply's text, once they are decided (b'' until then)."
+    i = self.det._check_id(token_id)
+    if i in self.det._skip: return b''
+    self.ids.append(i)
+    return self._emit()
+
+@patch
+def flush(self: _DecodeWindow) -> bytes:
+    "What the window still holds back, at the end of the reply."
+    return self._emit(final=True)
+
+# %% ../nbs/08_detokenize.ipynb #rp000013
+def _check_reply_args(stop: list, min_tokens, stop_token_ids):
+    "`ValueError` naming the setting: stop strings must be non-empty strs, `min_tokens` an int >= 0, stop ids ints."
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f'stop strings must be non-empty strings, got {s!r} in stop={stop!r}')
+    if not isinstance(min_tokens, numbers.Integral) or isinstance(min_tokens, bool) or min_tokens < 0:
+        raise ValueError(f'min_tokens must be an int >= 0, got {min_tokens!r}')
+    for i in stop_token_ids:
+        if not isinstance(i, numbers.Integral) or isinstance(i, bool):
+            raise ValueError(f'stop_token_ids must be ints, got {i!r}')
+
+# %% ../nbs/08_detokenize.ipynb #rp000023
+@functools.lru_cache(maxsize=256)
+def _shared(det, stop: tuple[str, ...], include: bool, stop_ids: frozenset) -> tuple[_StopMatcher | None, list[dict]]:
+    "The matcher and the warm path's memo (one dict per held prefix) of the replies with one detokenizer and stops."
+    matcher = _StopMatcher(stop, include) if stop else None
+    return matcher, [{None: k} for k in range(len(matcher.prefixes) if matcher else 1)]  # a row's own state under None
+
+# %% ../nbs/08_detokenize.ipynb #rp000012
+class Reply:
+    "One request's reply, streamed: `step(ids)` gives the bytes that may go out now, `finish()` the rest; stops end it."
+    def __init__(self,
+                 text_output: TextOutput, # the model's text output: its detokenizer and stop ids
+                 stop: str | Iterable[str] = (), # stop strings: the reply ends at the first to occur, on its bytes
+                 include_stop_str_in_output: bool = False, # keep the stop string (or stop token's text) that ends it
+                 min_tokens: int = 0, # no stop id before this many tokens; stop strings count only in text after them
+                 ignore_eos: bool = False, # the model's stop ids (`text_output.stop_token_ids`) don't end the reply
+                 stop_token_ids: Iterable[int] = (), # the request's own stop ids, which end it even under `ignore_eos`
+                ):
+        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        _check_reply_args(stop, min_tokens, stop_token_ids)
+        self.text_output, self.min_tokens = text_output, int(min_tokens)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        model_ids = frozenset() if ignore_eos else frozenset(text_output.stop_token_ids)
+        self.stop_ids = model_ids | frozenset(stop_token_ids)
+        self.stopped, self.finished, self.stop_reason, self._seen = False, False, None, 0
+        self._setup(stop)
+
+# %% ../nbs/08_detokenize.ipynb #rp000014
+@patch
+def _setup(self: Reply, stop: list[str]):
+    "The matcher and memo (shared by the requests with the same stop strings), and the chunk source for the mode."
+    det = self.text_output.detokenizer
+    self._matcher, self._memo = _shared(det, tuple(dict.fromkeys(stop)), self.include_stop_str_in_output, self.stop_ids)
+    self._state = 0
+    self._window = _DecodeWindow(det) if getattr(det, 'mode', None) == 'decode' else None
+    self._begun = not getattr(det, 'edges', ()) or self._window is not None  # False: decode treats the start apart
+    self._start_ids = []
+    self._row = None  # the memo's row for the held prefix, once the warm path may run
+    self._open()
+
+# %% ../nbs/08_detokenize.ipynb #rp000015
+@patch
+def _open(self: Reply):
+    "Let the warm path run once the memo alone decides a step: past `min_tokens` and the start, not in `'decode'` mode."
+    ok = not (self.stopped or self.finished) and self._window is None and self._begun and self._seen >= self.min_tokens
+    self._row = self._memo[self._state] if ok else None
+
+# %% ../nbs/08_detokenize.ipynb #rp000019
+@patch
+def _chunk(self: Reply, token_id: int, stop_id: bool) -> bytes:
+    "The bytes `token_id` adds to the reply's text (b'' for a stop id unless its text is kept)."
+    if stop_id and not self.include_stop_str_in_output: return b''
+    if self._window is not None: return self._window.push(token_id)
+    if self._begun: return self.text_output.detokenizer.token_bytes(token_id)
+    return self._start(token_id)
+
+@patch
+def _start(self: Reply, token_id: int) -> bytes:
+    "Before the reply's first character: decode the ids so far, and let it all out once the joined bytes end with it."
+    self._start_ids.append(token_id)
+    joined, text = self.text_output.detokenizer.to_bytes(self._start_ids), self._decoded()
+    if text and not text.endswith('\ufffd'.encode()) and joined.endswith(text):
+        self._begun, self._start_ids = True, []
+        return text
+    return b''
+
+# %% ../nbs/08_detokenize.ipynb #rp000020
+@patch
+def _decoded(self: Reply) -> bytes:
+    "`decode` of the reply's ids before its first character, less those the detokenizer gives no text."
+    det = self.text_output.detokenizer
+    ids = [i for i in self._start_ids if i not in det._skip]
+    return det.tokenizer.decode(ids, skip_special_tokens=False).encode() if ids else b''
+
+@patch
+def _match(self: Reply, chunk: bytes, active: bool) -> bytes:
+    "`chunk` through the stop strings: what may go out; a completed stop string stops the reply."
+    if self._matcher is None: return chunk
+    a = self._matcher.advance(self._state, chunk, active)
+    self._state = a.state
+    if a.stop is not None: self.stopped, self.stop_reason = True, a.stop
+    return a.out
+
+@patch
+def _release(self: Reply) -> bytes:
+    "The held prefix, given up at the end of the reply."
+    held = self._matcher.prefixes[self._state] if self._matcher else b''
+    self._state = 0
+    return held
+
+# %% ../nbs/08_detokenize.ipynb #rp000016
+@patch
+def step(self: Reply,
+         output, # this step's ids: an integer tensor of any shape, or a sequence of ints
+        ) -> bytes:
+    "The bytes of this step that may go to the client now; b'' once the reply has stopped."
+    row = self._row
+    if row is not None:
+        try: n = _numel(output)
+        except TypeError: n = 0  # not a tensor: the general path
+        if n == 1:
+            i = _item(output)
+            if type(i) is int:  # not a float or bool tensor, which the general path refuses
+                try: hit = row[i]
+                except KeyError: pass  # a cold id or a stop id
+                else:
+                    self._row = hit[0]
+                    return hit[1]
+        elif n:
+            return self._warm(_tolist(output))
+    return self._step(_token_ids(output))
+
+# %% ../nbs/08_detokenize.ipynb #rp000017
+@patch
+def _warm(self: Reply, ids: list) -> bytes:
+    "A k-token step through the memo; the general path from the first id it lacks."
+    row, outs = self._row, []
+    for k, i in enumerate(ids):
+        hit = row.get(i) if type(i) is int else None
+        if hit is None:
+            self._row = row
+            outs.append(self._step(_token_ids(ids[k:])))
+            return b''.join(outs)
+        row = hit[0]
+        outs.append(hit[1])
+    self._row = row
+    return b''.join(outs)
+
+# %% ../nbs/08_detokenize.ipynb #rp000018
+@patch
+def _step(self: Reply, ids: list[int]) -> bytes:
+    "The general path: each id through the stop checks, its chunk source and the matcher, filling the memo."
+    if self.stopped: return b''
+    if self.finished: raise ValueError('this reply has finished: finish() was called, so step() takes no more ids')
+    if self._row is not None: self._state = self._row[None]  # where the warm path left it
+    outs = []
+    for i in ids:
+        if self.stopped: break
+        state, k, begun = self._state, self._seen + 1, self._begun  # k: this token's number (counted up to min_tokens)
+        stop_id = i in self.stop_ids and k >= self.min_tokens
+        chunk = self._chunk(i, stop_id)
+        self._seen = min(k, self.min_tokens + 1)
+        out = self._match(chunk, k > self.min_tokens)
+        if stop_id and not self.stopped: out, self.stopped, self.stop_reason = out + self._release(), True, i
+        outs.append(out)
+        if not (stop_id or self.stopped) and begun and self._window is None and k > self.min_tokens:
+            self._memo[state][i] = (self._memo[self._state], out)
+    self._open()
+    return b''.join(outs)
+
+# %% ../nbs/08_detokenize.ipynb #rp000021
+@patch
+def finish(self: Reply) -> bytes:
+    "What is still held back, at the end of the request (a length cut, an abort); b'' after a stop. Later steps raise."
+    if self.stopped or self.finished:
+        self.finished, self._row = True, None
+        return b''
+    if self._row is not None: self._state = self._row[None]
+    rest = b''
+    if self._window is not None: rest = self._window.flush()
+    elif not self._begun: rest, self._begun = self._decoded(), True
+    out = self._match(rest, self._seen > self.min_tokens)
+    if not self.stopped: out += self._release()
+    self.finished, self._row = True, None
+    return out
+
+@patch
+def reply(self: TextOutput,
+          stop: str | Iterable[str] = (), # stop strings: the reply ends at the first to occur, matched on its bytes
+          include_stop_str_in_output: bool = False, # keep the stop string (or the stop token's text) that ends it
+          min_tokens: int = 0, # no stop id before this many tokens; stop strings count only in text after them
+          ignore_eos: bool = False, # the model's stop ids don't end the reply
+          stop_token_ids: Iterable[int] = (), # the request's own stop ids, which end it even under `ignore_eos`
+         ) -> Reply:
+    "A `Reply`: one request's stream of this model's text, with vLLM's stop parameters."
+    return Reply(self, stop, include_stop_str_in_output, min_tokens, ignore_eos, stop_token_ids)

@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler', 'ListHandler',
-           'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint', 'released_kv_config',
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler',
+           'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint', 'released_kv_config',
            'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
-           'metaspace_tokenizer', 'clip_tokenizer_folder', 'fp8_block_quantize', 'mxfp4_quantize',
-           'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
-           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
-           'jfk_resampled']
+           'metaspace_tokenizer', 'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer',
+           'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint',
+           'write_compressed_tensors_checkpoint', 'quantized_configs', 'write_quantized_checkpoint',
+           'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells', 'jfk_resampled']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -225,6 +225,27 @@ def clip_tokenizer_folder() -> Path:
     "Folder with CLIP's tokenizer (transformers' `CLIPTokenizer`, ids as HF's openai/clip-vit-base-patch32), built from the `open-clip-torch` package on first use."
     from mstar_utils.checkpoints import cached_folder
     return cached_folder('tokenizers', 'clip', _build_clip)
+
+# %% ../nbs/98_testing.ipynb #rt000002
+WAV2VEC2_CHARS = ('<pad>', '<s>', '</s>', '<unk>', '|', *"ETAONIHSRDLUMWCFGYPBVK'XJQZ")
+
+def ctc_tokenizer():
+    "A `Wav2Vec2CTCTokenizer` over wav2vec2-base-960h's 32 characters (`WAV2VEC2_CHARS`), its vocab.json in the cache."
+    from transformers import Wav2Vec2CTCTokenizer
+    from mstar_utils.checkpoints import cached_folder
+    def build(out: Path): (out/'vocab.json').write_text(json.dumps({c: i for i, c in enumerate(WAV2VEC2_CHARS)}))
+    return Wav2Vec2CTCTokenizer(str(cached_folder('tokenizers', 'wav2vec2-960h-chars', build)/'vocab.json'))
+
+# %% ../nbs/98_testing.ipynb #rt000005
+def sentencepiece_model_tokenizer(name: str = 'mistral-v1', # a SentencePiece entry of `checkpoints.TOKENIZERS`
+                                 ):
+    "The SentencePiece model of tokenizer `name` in transformers' Python `BertGenerationTokenizer`: no tokenizer.json."
+    from transformers import BertGenerationTokenizer
+    from mstar_utils.checkpoints import TOKENIZERS, cached_folder, extract_member
+    src = TOKENIZERS[name]
+    def build(out: Path): extract_member(src.package, src.member, out/'tokenizer.model')
+    folder = cached_folder('tokenizers', f'{name}-model', build)
+    return BertGenerationTokenizer(vocab_file=str(folder/'tokenizer.model'))
 
 # %% ../nbs/98_testing.ipynb #e51f00c5
 import contextlib, io, json, shutil
