@@ -5,7 +5,7 @@
 # %% ../nbs/03_load_model.ipynb #4236b782
 from __future__ import annotations
 import logging, re, threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -43,15 +43,35 @@ def _fp32_names(model, dtype) -> list:
     return [n for n, _ in model.named_modules() if n and any(p.search(n) for p in pats)]
 
 # %% ../nbs/03_load_model.ipynb #eb4f0243
-_BUILD_LOCK = threading.Lock()  # accelerate's patch of nn.Module.register_parameter is process-wide
+_BUILD_LOCK = threading.Lock()  # the build's patches of nn.Module.register_parameter and of torch's init are process-wide
+
+@contextmanager
+def _params_on_meta():
+    "For the block, each parameter a module registers is moved to meta, its class, attributes and `requires_grad` kept."
+    register = torch.nn.Module.register_parameter
+    def on_meta(self, name, param):
+        register(self, name, param)
+        p = self._parameters.get(name)
+        if p is None or p.is_meta: return
+        new = torch.Tensor._make_subclass(type(p), p.data.to('meta'), p.requires_grad)
+        if p.__dict__: new.__dict__.update(p.__dict__)
+        self._parameters[name] = new
+    torch.nn.Module.register_parameter = on_meta
+    try: yield
+    finally: torch.nn.Module.register_parameter = register
+
+def _no_init():
+    "transformers' `no_init_weights` (torch's `nn.init` functions and `init_weights` made no-ops); nothing without it."
+    try: from transformers.initialization import no_init_weights
+    except ImportError: return nullcontext()
+    return no_init_weights()
 
 # %% ../nbs/03_load_model.ipynb #fcf437aa
 def meta_module(make, # a callable that builds and returns an nn.Module
                 dtype: torch.dtype | None = None, # cast the result's floating-point tensors to this
                ) -> torch.nn.Module:
-    "`make()` with its parameters created on `meta` and its buffers real, under a process lock."
-    from accelerate import init_empty_weights
-    with _BUILD_LOCK, init_empty_weights(include_buffers=False): m = make()
+    "`make()` with its parameters created on `meta`, its buffers real and no weight initialized, under a process lock."
+    with _BUILD_LOCK, _params_on_meta(), _no_init(): m = make()
     return m if dtype is None else m.to(dtype)
 
 # %% ../nbs/03_load_model.ipynb #c79cfb69
