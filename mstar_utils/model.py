@@ -13,7 +13,7 @@ import torch
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS
-from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header
+from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header, FileSource, ReadAhead
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter
 from .quantized import quantized_source
@@ -22,7 +22,8 @@ from .quantized import quantized_source
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
            'model_dtype', 'untie_stored', 'retie_equal', 'built_buffers_kept', 'initialize_unloaded',
-           'report_kept_buffers', 'with_skipped_rules', 'attach_generation_config', 'model_source', 'load_model']
+           'report_kept_buffers', 'with_skipped_rules', 'attach_generation_config', 'start_reads', 'model_source',
+           'load_model']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -295,6 +296,28 @@ def attach_generation_config(model, ckpt: Path):
     if (ckpt/'generation_config.json').is_file(): model.generation_config = GenerationConfig.from_pretrained(ckpt)
     else: model.generation_config = GenerationConfig.from_pretrained(ckpt, config_file_name='config.json', _from_model_config=True)
 
+# %% ../nbs/03_load_model.ipynb #5b7d0a02
+def start_reads(ckpt: Path, # a checkpoint folder
+                config, # its transformers config
+                dtype: torch.dtype | None, # the dtype the model is built in (`model_dtype`)
+                conv: list | str | None = 'auto', # as `load_model`'s: the recipes whose keys are not read ahead
+                device: str = 'cpu', # where the weights land: nothing is read ahead for another device
+                mmap: bool = False, # mapped views: fault the mappings in instead of reading into owned memory
+               ) -> FileSource:
+    "The checkpoint's `FileSource`, its shards that load as stored already being read on a background thread (`ReadAhead`)."
+    src = checkpoint_source(ckpt, mmap=mmap)
+    if torch.device(device).type != 'cpu' or getattr(config, 'quantization_config', None): return src
+    try:
+        shards = sorted(set(src.k2f.values()), key=str)
+        if not mmap:
+            recipes = [*auto_conversions(config, ckpt), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
+            fused = {src.k2f[k] for k in src.keys() if any(r.match(k) for r in recipes)}
+            cast = {src.k2f[k] for k in src.keys() if src.dtype(k) != dtype}
+            shards = [p for p in shards if p not in fused and p not in cast]
+        if shards: ReadAhead(src, shards, mapped=mmap)
+    except BaseException: src.close(); raise
+    return src
+
 # %% ../nbs/03_load_model.ipynb #6d9905b2
 def model_source(ckpt: Path, # a checkpoint folder
                  config, # its transformers config
@@ -302,10 +325,11 @@ def model_source(ckpt: Path, # a checkpoint folder
                  conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (`transformers_conversions`); None: none
                  renames: bool = True, # keys under the names transformers renames them to (`checkpoint_renames`)
                  quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize', or 'keep' codes and scales
+                 raw: FileSource | None = None, # the checkpoint's files, reads perhaps started (`start_reads`); None: `checkpoint_source(ckpt)`
                 ):
     "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it; the caller closes it. Raises as the steps it chains."
     recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
-    src = raw = checkpoint_source(ckpt)
+    src = raw = raw if raw is not None else checkpoint_source(ckpt)
     try:
         names = checkpoint_renames(model, raw.keys()) if renames and getattr(config, 'quantization_config', None) else {}   # quantization targets name the model's modules
         src, recipes = quantized_source(raw, config, model, recipes, keep=quantized == 'keep', names=names)
@@ -326,14 +350,18 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
                strict: bool = False, # raise `ValueError` instead of warning when checkpoint keys go unused
                quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize' into `dtype`, or 'keep' codes and scales
                renames: bool = True, # load keys under the names transformers renames them to (`checkpoint_renames`), as `from_pretrained` does
+               mmap: bool = False, # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
               ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, built on meta, loaded, checked, finalized and in eval mode, with its generation config."
     from transformers import AutoConfig
     if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
-    model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
-    src = model_source(ckpt, config, model, conv, renames, quantized)
+    dtype = model_dtype(config, ckpt, dtype)
+    raw = start_reads(ckpt, config, dtype, conv, device, mmap)   # reading while the model class is imported and built
+    try: model = build_on_meta(config, model_class, dtype)
+    except BaseException: raw.close(); raise
+    src = model_source(ckpt, config, model, conv, renames, quantized, raw)
     try:
         untied = untie_stored(model, src)
         with built_buffers_kept(model, src) as kept:
