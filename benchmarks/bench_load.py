@@ -50,7 +50,7 @@ COLD_METHODS = ['hf', 'st-mmap', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subs
                 'limit-odirect'] + PEER_METHODS + E2E_METHODS
 MOE_NAME = 'qwen3-moe-64x8-bf16'  # bench_moe_load.py's checkpoint: only the end-to-end rows run on it
 MOE_METHODS = E2E_METHODS
-GPU_METHODS = ['hf-cuda', 'ours-cuda', 'h2d-pinned']
+GPU_METHODS = ['hf-cuda', 'ours-cuda', 'h2d-pinned', 'instanttensor-cuda']
 MANY_METHODS = {MANY_NAME: ['many-ours', 'many-st'], LLAMA20K_NAME: ['llama-ours', 'llama-hf']}
 ONCE = {'many-st', 'llama-hf'}  # quadratic in the number of modules here (10-100 s a run): measured in the first round only
 LABELS = {'hf': '(a) transformers from_pretrained', 'st-mmap': '(b) safetensors load_file (mmap) + load_state_dict(assign=True)',
@@ -64,6 +64,7 @@ LABELS = {'hf': '(a) transformers from_pretrained', 'st-mmap': '(b) safetensors 
           'limit-odirect': 'limit, O_DIRECT: sequential 8 MiB reads of the files around the page cache (the disk alone)',
           'hf-cuda': "(a) from_pretrained(device_map='cuda')", 'ours-cuda': "(c) ours, device='cuda' (pinned staging ring)",
           'h2d-pinned': 'limit, pinned host-to-device copy of the same bytes',
+          'instanttensor-cuda': "peer: InstantTensor safe_open(file, framework='pt', device=cuda) per shard + clone of each tensor (device memory)",
           'many-ours': '(c) ours: load_weights_from_file into a meta-built ModuleList of 20,000 Linear(16, 16)',
           'many-st': '(b) safetensors load_file + load_state_dict(assign=True), same module',
           'llama-ours': '(c) ours: build_on_meta + load_weights_from_hf_shards, Llama with 20,001 tensors',
@@ -313,7 +314,7 @@ def _load(method, ckpt, tensors, model, sub, bufs):
         from transformers import AutoModelForCausalLM
         kw = dict(device_map='cuda') if method == 'hf-cuda' else {}
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32 if method == 'llama-hf' else torch.bfloat16, **kw)
-    if method in PEER_METHODS: return _load_peer(method, files)
+    if method in PEER_METHODS or method == 'instanttensor-cuda': return _load_peer(method, files)
     if method in ('st-mmap', 'st-pread', 'many-st'):
         from safetensors.torch import load_file
         sd = {}
@@ -345,7 +346,13 @@ def _load(method, ckpt, tensors, model, sub, bufs):
 def _load_peer(method, files) -> dict:
     "A state dict {checkpoint key: CPU tensor} of the files, read by one of the peers."
     sd = {}
-    if method == 'runai':
+    if method == 'instanttensor-cuda':
+        import torch
+        from instanttensor import safe_open
+        for f in files:
+            with safe_open(f, framework='pt', device=torch.cuda.current_device()) as fh:
+                sd.update((k, t.clone()) for k, t in fh.tensors())  # its tensors view a buffer it reuses
+    elif method == 'runai':
         from runai_model_streamer import SafetensorsStreamer
         with SafetensorsStreamer() as s:
             s.stream_files(files, owned=True)
@@ -592,6 +599,7 @@ def targets(summary: list[dict], ckpts: dict) -> list[dict]:
                 ratio(ck, cache, 'ours', peer, f'8. raw loader: ours peak RSS / {peer} peak RSS (owned memory both)', '<=', 1.0, key='peak_rss')
         ratio(ck, 'warm', 'ours-cuda', 'h2d-pinned', "5. cuda: ours GB/s / pinned host-to-device GB/s", '>=', 0.8)
         ratio(ck, 'warm', 'ours-cuda', 'hf-cuda', "5. cuda: ours time / from_pretrained(device_map='cuda') time", '<=', 0.5, key='ready_s')
+        ratio(ck, 'warm', 'instanttensor-cuda', 'ours-cuda', '   cuda: InstantTensor time / ours time', key='ready_s')
         oc = _get(summary, ck, 'warm', 'ours-cuda')
         if oc: add(ck, 'warm', '4. cuda: ours host peak RSS growth, MiB (bound: 2 staging chunks + 64 MiB)', oc['peak_rss']/MiB, '<=', (2*CHUNK + 64*MiB)/MiB)
         if ck == MANY_NAME:
@@ -696,6 +704,9 @@ def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one wa
     unknown = set(wanted) - set(ALL_METHODS)
     if unknown: raise SystemExit(f'unknown methods {sorted(unknown)}; known: {ALL_METHODS}')
     if not has_gpu: wanted = [m for m in wanted if m not in GPU_METHODS]
+    if 'instanttensor-cuda' in wanted and subprocess.run([sys.executable, '-c', 'import instanttensor'], capture_output=True).returncode:
+        print('instanttensor-cuda skipped: instanttensor is not installed (pip install instanttensor==0.2.2)')
+        wanted.remove('instanttensor-cuda')
     if not spawn: _preimport()
     env = _env(has_gpu, repeats, cold_repeats, spawn)
     THREADS[0] = env['threads']
