@@ -6,6 +6,11 @@ safetensors, and print each result as a ratio to the limits measured in the same
     python benchmarks/bench_load.py --quick      # SmolLM2 and the 20,000-tensor file, one warm repeat (a minute or two)
     python benchmarks/bench_load.py --publish    # also copy the results to benchmarks/load_results.json and nbs/images/bench_load.png
     python benchmarks/bench_load.py --gpu        # only the CUDA rows (tools/gpu-check runs this)
+    python benchmarks/bench_load.py --e2e_only   # only the end-to-end rows (process start -> first logits) and the peers
+
+The end-to-end rows (`e2e-*`, `call-*`) start a new interpreter per run and time it from the parent's spawn to the first
+logits of a 4-token forward pass; they also run on the 64-expert MoE of bench_moe_load.py. The peers (Run:ai model
+streamer, fastsafetensors, safetensors load_file with and without a clone) need the `bench` extra (`pip install -e ".[bench]"`).
 
 Each run is a fresh process (forked from a parent that has only imported the libraries; CUDA runs and `--spawn` start a
 new interpreter). Prints the table and the targets, writes benchmarks/results/load.json and benchmarks/results/load.png.
@@ -37,10 +42,15 @@ LLAMA20K_NAME = 'llama-20k-tensors-fp32'
 LLAMA20K_CONFIG = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2222, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)  # 2222 x 9 + 3 = 20,001
 
+PEER_METHODS = ['runai', 'fastsafetensors', 'st-load', 'st-clone']
+E2E_METHODS = ['e2e-ours', 'e2e-ours-mmap', 'e2e-hf', 'call-ours', 'call-ours-mmap', 'call-hf']
 CPU_METHODS = ['hf', 'st-mmap', 'st-pread', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subset',
-               'limit-fresh', 'limit-prefaulted', 'limit-thp', 'limit-populate', 'limit-odirect']
-COLD_METHODS = ['hf', 'st-mmap', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subset', 'limit-fresh', 'limit-prefaulted', 'limit-odirect']
-GPU_METHODS = ['hf-cuda', 'ours-cuda', 'h2d-pinned']
+               'limit-fresh', 'limit-prefaulted', 'limit-thp', 'limit-populate', 'limit-odirect'] + PEER_METHODS + E2E_METHODS
+COLD_METHODS = ['hf', 'st-mmap', 'ours', 'ours-1thread', 'ours-mmap', 'ours-subset', 'limit-fresh', 'limit-prefaulted',
+                'limit-odirect'] + PEER_METHODS + E2E_METHODS
+MOE_NAME = 'qwen3-moe-64x8-bf16'  # bench_moe_load.py's checkpoint: only the end-to-end rows run on it
+MOE_METHODS = E2E_METHODS
+GPU_METHODS = ['hf-cuda', 'ours-cuda', 'h2d-pinned', 'instanttensor-cuda']
 MANY_METHODS = {MANY_NAME: ['many-ours', 'many-st'], LLAMA20K_NAME: ['llama-ours', 'llama-hf']}
 ONCE = {'many-st', 'llama-hf'}  # quadratic in the number of modules here (10-100 s a run): measured in the first round only
 LABELS = {'hf': '(a) transformers from_pretrained', 'st-mmap': '(b) safetensors load_file (mmap) + load_state_dict(assign=True)',
@@ -54,10 +64,21 @@ LABELS = {'hf': '(a) transformers from_pretrained', 'st-mmap': '(b) safetensors 
           'limit-odirect': 'limit, O_DIRECT: sequential 8 MiB reads of the files around the page cache (the disk alone)',
           'hf-cuda': "(a) from_pretrained(device_map='cuda')", 'ours-cuda': "(c) ours, device='cuda' (pinned staging ring)",
           'h2d-pinned': 'limit, pinned host-to-device copy of the same bytes',
+          'instanttensor-cuda': "peer: InstantTensor safe_open(file, framework='pt', device=cuda) per shard + clone of each tensor (device memory)",
           'many-ours': '(c) ours: load_weights_from_file into a meta-built ModuleList of 20,000 Linear(16, 16)',
           'many-st': '(b) safetensors load_file + load_state_dict(assign=True), same module',
           'llama-ours': '(c) ours: build_on_meta + load_weights_from_hf_shards, Llama with 20,001 tensors',
-          'llama-hf': '(a) from_pretrained, the same Llama (construction included)'}
+          'llama-hf': '(a) from_pretrained, the same Llama (construction included)',
+          'runai': 'peer: Run:ai model streamer, SafetensorsStreamer().stream_files(files, owned=True) (owned memory, a state dict)',
+          'fastsafetensors': "peer: fastsafetensors SafeTensorsFileLoader(None, 'cpu', nogds=True) (owned memory: its host buffers, a state dict)",
+          'st-load': 'peer: safetensors load_file per shard (page-cache mapping, a state dict)',
+          'st-clone': 'peer: safetensors load_file per shard + clone of every tensor (owned memory, a state dict)',
+          'e2e-ours': 'process start -> first logits: import torch, from mstar_utils import load_model, load_model(ckpt), a 4-token forward (owned memory)',
+          'e2e-ours-mmap': 'process start -> first logits: the same with load_model(ckpt, mmap=True) (page-cache mapping)',
+          'e2e-hf': 'process start -> first logits: import torch, from transformers import AutoModelForCausalLM, from_pretrained(ckpt), the forward (page-cache mapping)',
+          'call-ours': 'load_model(ckpt) + the forward alone, torch, transformers, mstar_utils and the modeling module imported beforehand (owned memory)',
+          'call-ours-mmap': 'load_model(ckpt, mmap=True) + the forward alone, modules imported beforehand (page-cache mapping)',
+          'call-hf': 'from_pretrained(ckpt) + the forward alone, modules imported beforehand (page-cache mapping)'}
 
 # ----------------------------------------------------------------------------------------------------------- checkpoints
 def cache_root() -> Path:
@@ -120,8 +141,15 @@ def read_files(paths):
         with open(p, 'rb', buffering=0) as f:
             while f.read(64 << 20): pass
 
-def drop_cache(paths) -> str | None:
-    "Drop these files' pages from the page cache (posix_fadvise DONTNEED, after fdatasync); the error text when some stay."
+def drop_cache(paths, tries: int = 5) -> str | None:
+    "Drop these files' pages from the page cache (posix_fadvise DONTNEED, after fdatasync), retried while another process still maps some; the error text when some stay."
+    for i in range(tries):
+        err = _drop(paths)
+        if err is None: return None
+        time.sleep(0.5)
+    return err
+
+def _drop(paths) -> str | None:
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try: os.fdatasync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -183,7 +211,7 @@ class RssSampler:
 # --------------------------------------------------------------------------------------------------------------- worker
 def _preimport():
     "The imports every method needs; done by the parent once when runs are forked, so no method pays for them."
-    import torch, transformers, accelerate, safetensors.torch  # noqa: F401
+    import torch, transformers, safetensors.torch  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
     import mstar_utils.loading, mstar_utils.model  # noqa: F401
@@ -293,6 +321,7 @@ def _load(method, ckpt, tensors, model, sub, bufs):
         from transformers import AutoModelForCausalLM
         kw = dict(device_map='cuda') if method == 'hf-cuda' else {}
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32 if method == 'llama-hf' else torch.bfloat16, **kw)
+    if method in PEER_METHODS or method == 'instanttensor-cuda': return _load_peer(method, files)
     if method in ('st-mmap', 'st-pread', 'many-st'):
         from safetensors.torch import load_file
         sd = {}
@@ -321,6 +350,33 @@ def _load(method, ckpt, tensors, model, sub, bufs):
         for f, b in bufs.items(): _read_file(f, b)
     return model
 
+def _load_peer(method, files) -> dict:
+    "A state dict {checkpoint key: CPU tensor} of the files, read by one of the peers."
+    sd = {}
+    if method == 'instanttensor-cuda':
+        import torch
+        from instanttensor import safe_open
+        for f in files:
+            with safe_open(f, framework='pt', device=torch.cuda.current_device()) as fh:
+                sd.update((k, t.clone()) for k, t in fh.tensors())  # its tensors view a buffer it reuses
+    elif method == 'runai':
+        from runai_model_streamer import SafetensorsStreamer
+        with SafetensorsStreamer() as s:
+            s.stream_files(files, owned=True)
+            sd.update(s.get_tensors())
+    elif method == 'fastsafetensors':
+        from fastsafetensors import SafeTensorsFileLoader
+        loader = SafeTensorsFileLoader(None, 'cpu', nogds=True)
+        loader.add_filenames({0: files})
+        fb = loader.copy_files_to_device()
+        sd = {k: fb.get_tensor(k) for k in loader.get_keys()}  # the tensors keep their host buffer after close
+        fb.close(); loader.close()
+    else:
+        from safetensors.torch import load_file
+        for f in files: sd.update(load_file(f))
+        if method == 'st-clone': sd = {k: v.clone() for k, v in sd.items()}
+    return sd
+
 def worker(spec: dict) -> dict:
     "One measured load in this (fresh) process; returns the metrics."
     import torch
@@ -336,18 +392,20 @@ def worker(spec: dict) -> dict:
     gc.collect()
     if cold:
         err = drop_cache(files)
-        if err: raise RuntimeError(f'cannot drop the page cache: {err}')
+        if err: print(f'warning: {spec}: {err} (a process outside the benchmark maps the files); measured anyway', file=sys.stderr)
     proc = psutil.Process()
     io0, st0 = proc.io_counters(), _status()
     res['hwm_reset'] = _reset_hwm()
     with RssSampler() as sampler:
         t0 = time.perf_counter()
         model = _load(method, ckpt, tensors, model, sub, bufs)
+        sd = model if isinstance(model, dict) else None  # a peer's state dict
+        if sd is not None: model = None
         if method in GPU_METHODS: torch.cuda.synchronize()
         res['load_s'] = time.perf_counter() - t0
         if method == 'h2d-pinned': res['load_s'] = bufs.pop('__h2d_s__')
         t0 = time.perf_counter()
-        owned = list(bufs.values()) if bufs else [] if model is None else list((sub or model).state_dict().values())
+        owned = list(bufs.values()) if bufs else list(sd.values()) if sd is not None else [] if model is None else list((sub or model).state_dict().values())
         _touch(owned)
         res['touch_s'] = time.perf_counter() - t0
     io1, st1 = proc.io_counters(), _status()
@@ -361,6 +419,7 @@ def worker(spec: dict) -> dict:
     # ---- correctness: every method must hold the checkpoint's bytes under the checkpoint's keys
     if model is not None: _no_meta(sub if sub is not None else model, method)
     if bufs: res['fingerprint'] = {t['key']: _fingerprint(bufs[t['file']][t['offset']:t['offset'] + t['nbytes']]) for t in tensors}
+    elif sd is not None: res['fingerprint'] = {k: _fingerprint(v) for k, v in sd.items()}
     elif model is not None:
         sd = sub.state_dict() if sub is not None else model.state_dict()
         pre = 'model.layers.' if sub is not None else ''
@@ -369,6 +428,61 @@ def worker(spec: dict) -> dict:
     else: res['fingerprint'] = None
     if method in ('h2d-pinned', 'limit-populate'): res['fingerprint'] = None  # nothing read: no bytes to check
     return res
+
+E2E_CHILD = r'''
+import json, sys, time
+method, ckpt = sys.argv[1], sys.argv[2]
+def status():
+    out = {}
+    with open('/proc/self/status') as f:
+        for line in f:
+            k, _, v = line.partition(':')
+            if k in ('VmRSS', 'VmHWM'): out[k] = int(v.split()[0]) * 1024
+    return out
+t_before = time.time()
+if method.startswith('call-'):  # the modules imported before the clock
+    import torch, transformers, mstar_utils
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from mstar_utils import load_model
+    getattr(transformers, AutoConfig.from_pretrained(ckpt).architectures[0])
+    open('/proc/self/clear_refs', 'w').write('5')  # VmHWM from here
+    t_before = time.time()
+base = status()['VmRSS']
+import torch
+if method.endswith('-hf'):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+else:
+    from mstar_utils import load_model
+    model = load_model(ckpt, mmap=method.endswith('-mmap'))
+t_loaded = time.time()
+with torch.inference_mode(): logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+t_logits = time.time()
+st = status()
+print('RESULT ' + json.dumps(dict(t_before=t_before, t_loaded=t_loaded, t_logits=t_logits, base=base, hwm=st['VmHWM'],
+                                  dtype=str(model.dtype), logits=[float(x) for x in logits[0, -1, :8].float()])))
+'''
+
+def run_e2e(spec: dict) -> dict:
+    "One end-to-end run in a new interpreter: spawn -> first logits (e2e-*), or the call and forward alone (call-*)."
+    method, ckpt = spec['method'], spec['ckpt']
+    files = sorted(str(p) for p in Path(ckpt).glob('*.safetensors'))
+    if spec['cold']:
+        err = drop_cache(files)
+        if err: print(f'warning: {spec}: {err} (a process outside the benchmark maps the files); measured anyway', file=sys.stderr)
+    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'TOKENIZERS_PARALLELISM': 'false', 'TRANSFORMERS_VERBOSITY': 'error',
+           'HF_HUB_DISABLE_PROGRESS_BARS': '1'}
+    t0 = time.time()
+    p = subprocess.run([sys.executable, '-c', E2E_CHILD, method, ckpt], capture_output=True, text=True, env=env)
+    line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith('RESULT ')), None)
+    if p.returncode or line is None: raise RuntimeError(f'{spec}: end-to-end run failed\n{p.stderr[-3000:]}')
+    r = json.loads(line[7:])
+    start = r['t_before'] if method.startswith('call-') else t0
+    peak = r['hwm'] - r['base'] if method.startswith('call-') else r['hwm']
+    return dict(method=method, ckpt=spec['ckpt_name'], cold=spec['cold'], construct_s=None, subset_bytes=None, load_s=r['t_loaded'] - start,
+                touch_s=r['t_logits'] - r['t_loaded'], ready_s=r['t_logits'] - start, peak_rss=peak, peak_sampled=None, peak_hwm=peak,
+                anon_delta=None, file_delta=None, rchar=None, read_bytes=None, cached_after=None, fingerprint=None,
+                logits=r['logits'], dtype=r['dtype'])
 
 def _child(spec, conn):
     try: conn.send(('ok', worker(spec)))
@@ -394,6 +508,7 @@ def run_one(spec: dict, spawn: bool) -> dict:
 
 # -------------------------------------------------------------------------------------------------------------- summary
 ALL_METHODS = CPU_METHODS + GPU_METHODS + [m for ms in MANY_METHODS.values() for m in ms]
+ALL_METHODS = list(dict.fromkeys(ALL_METHODS))
 
 def _med(rows, k):
     vals = [r[k] for r in rows if r.get(k) is not None]
@@ -416,11 +531,17 @@ def summarize(runs: list[dict], ckpts: dict) -> list[dict]:
     return out
 
 def verify(runs: list[dict]) -> list[str]:
-    "Methods whose bytes differ, for some key, from those a plain readinto of the file got (limit-fresh, or ours where no limit ran)."
+    "Methods whose bytes differ, for some key, from those a plain readinto of the file got (limit-fresh, or ours where no limit ran); end-to-end runs whose logits differ from from_pretrained's."
     bad = []
+    for r in runs:
+        ref = next((x for x in runs if x['ckpt'] == r['ckpt'] and x['method'] == 'e2e-hf'), None)
+        if r.get('logits') is None or ref is None: continue
+        if r['dtype'] != ref['dtype'] or any(abs(a - b) > 1e-3 * (1 + abs(b)) for a, b in zip(r['logits'], ref['logits'])):
+            bad.append(f"{r['ckpt']}/{r['method']}: first logits {r['logits'][:3]} ({r['dtype']}) differ from from_pretrained's {ref['logits'][:3]}")
     for r in runs:
         if not r.get('fingerprint'): continue
         ref = next((x['fingerprint'] for x in runs if x['ckpt'] == r['ckpt'] and x['method'] == 'limit-fresh'), None)
+        ref = ref or next((x['fingerprint'] for x in runs if x['ckpt'] == r['ckpt'] and x['method'] == 'ours'), None)
         if ref is None: continue
         if r['method'] != 'ours-subset' and set(r['fingerprint']) != set(ref):
             bad.append(f"{r['ckpt']}/{r['method']}: keys differ from the checkpoint's"); continue
@@ -464,8 +585,28 @@ def targets(summary: list[dict], ckpts: dict) -> list[dict]:
         for cache in ('warm', 'cold'):
             o = _get(summary, ck, cache, 'ours')
             if o: add(ck, cache, '4. ours peak RSS above baseline / checkpoint bytes', o['rss_x_bytes'], '<=', 1.05)
+        big = ck in ('SmolLM2-135M', 'Llama-synth-1.1B')
+        e2e = 0.5 if ck == MOE_NAME else None
+        ratio(ck, 'warm', 'e2e-ours', 'e2e-hf', '6. warm: load_model / from_pretrained, process start -> first logits', '<=', 1.0 if big else e2e, key='ready_s')
+        ratio(ck, 'warm', 'e2e-ours-mmap', 'e2e-hf', '6. warm: load_model(mmap=True) / from_pretrained, start -> logits', '<=', 0.9 if big else e2e, key='ready_s')
+        ratio(ck, 'cold', 'e2e-ours', 'e2e-hf', '6. cold: load_model / from_pretrained, start -> logits', '<=', 0.7 if big else e2e, key='ready_s')
+        ratio(ck, 'cold', 'e2e-ours-mmap', 'e2e-hf', '6. cold: load_model(mmap=True) / from_pretrained, start -> logits', '<=', 0.7 if big else e2e, key='ready_s')
+        for cache in ('warm', 'cold'):
+            ratio(ck, cache, 'call-ours', 'call-hf', f'   {cache}: the call + forward alone, modules imported: load_model / from_pretrained', key='ready_s')
+            ratio(ck, cache, 'call-ours-mmap', 'call-hf', f'   {cache}: the call + forward alone: load_model(mmap=True) / from_pretrained', key='ready_s')
+            c = _get(summary, ck, cache, 'call-ours')
+            if c and ck in ckpts:
+                shard = ckpts[ck].get('max_shard', 0) / c['bytes']
+                add(ck, cache, f'7. load_model peak RSS above baseline / checkpoint bytes (bound 1.05 + one shard, {shard:.2f})', c['rss_x_bytes'], '<=', round(1.05 + shard, 4))
+            for peer in ('runai', 'fastsafetensors'):
+                ratio(ck, cache, peer, 'ours', f'8. raw loader: {peer} ready time / ours', '>=', 1.2, key='ready_s')
+            ratio(ck, cache, 'st-clone', 'ours', '8. raw loader: load_file + clone ready time / ours', '>=', 1.0, key='ready_s')
+            ratio(ck, cache, 'st-load', 'ours', '   raw loader: load_file (mapped, touched) ready time / ours', key='ready_s')
+            for peer in ('runai', 'fastsafetensors', 'st-clone'):
+                ratio(ck, cache, 'ours', peer, f'8. raw loader: ours peak RSS / {peer} peak RSS (owned memory both)', '<=', 1.0, key='peak_rss')
         ratio(ck, 'warm', 'ours-cuda', 'h2d-pinned', "5. cuda: ours GB/s / pinned host-to-device GB/s", '>=', 0.8)
         ratio(ck, 'warm', 'ours-cuda', 'hf-cuda', "5. cuda: ours time / from_pretrained(device_map='cuda') time", '<=', 0.5, key='ready_s')
+        ratio(ck, 'warm', 'instanttensor-cuda', 'ours-cuda', '   cuda: InstantTensor time / ours time', key='ready_s')
         oc = _get(summary, ck, 'warm', 'ours-cuda')
         if oc: add(ck, 'warm', '4. cuda: ours host peak RSS growth, MiB (bound: 2 staging chunks + 64 MiB)', oc['peak_rss']/MiB, '<=', (2*CHUNK + 64*MiB)/MiB)
         if ck == MANY_NAME:
@@ -483,18 +624,18 @@ def table(summary: list[dict]) -> str:
     for s in summary:
         lines.append(f"{s['ckpt']:<24} {s['cache']:<5} {s['method']:<16} {f(s['construct_s'], '7.3f'):>7} {s['load_s']:7.3f} {s['touch_s']:7.3f} {s['ready_s']:7.3f} "
                      f"{s['ready_min_s']:6.3f}-{s['ready_max_s']:<6.3f} {s['gbps']:6.2f} {s['us_per_tensor']:7.1f} {s['peak_rss']/1e6:8.0f} {s['rss_x_bytes']:7.2f} "
-                     f"{s['anon_delta']/1e6:8.0f} {s['file_delta']/1e6:8.0f} {s['rchar']/1e6:8.0f}")
+                     f"{f(s['anon_delta'] and s['anon_delta']/1e6, '8.0f'):>8} {f(s['file_delta'] and s['file_delta']/1e6, '8.0f'):>8} {f(s['rchar'] and s['rchar']/1e6, '8.0f'):>8}")
     return '\n'.join(lines)
 
 def plot(summary: list[dict], ckpts: dict, path: Path):
     import matplotlib; matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    big = [c for c in ckpts if c not in MANY_METHODS and any(s['ckpt'] == c for s in summary)]
+    big = [c for c in ckpts if c not in MANY_METHODS and c != MOE_NAME and any(s['ckpt'] == c for s in summary)]
     many = [s for s in summary if s['ckpt'] in MANY_METHODS]
     rows = len(big) + (1 if many else 0)
     fig, axes = plt.subplots(rows, 2, figsize=(13, 3.8*rows), squeeze=False)
     for row, ck in zip(axes, big):
-        methods = [m for m in CPU_METHODS + GPU_METHODS if _get(summary, ck, 'warm', m) or _get(summary, ck, 'cold', m)]
+        methods = [m for m in CPU_METHODS + GPU_METHODS if m not in E2E_METHODS and (_get(summary, ck, 'warm', m) or _get(summary, ck, 'cold', m))]
         w = 0.38
         for off, cache, hatch in ((-w/2, 'warm', None), (w/2, 'cold', '//')):
             rs = [_get(summary, ck, cache, m) for m in methods]
@@ -534,6 +675,8 @@ def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one wa
          cold_repeats: int = 3,     # cold-cache runs per method and checkpoint (0: none)
          no_synth: bool = False,    # skip the 2.2 GB synthetic checkpoint
          no_many: bool = False,     # skip the 20,000-tensor checkpoints
+         no_moe: bool = False,      # skip the 64-expert MoE (end-to-end rows only)
+         e2e_only: bool = False,    # only the end-to-end rows, the peers and ours (raw loader)
          gpu: bool = False,         # only the CUDA rows (warm, SmolLM2 and the synthetic checkpoint)
          methods: str = '',         # comma-separated subset of the methods (default: all; CUDA ones only with a GPU)
          spawn: bool = False,       # a new interpreter per run instead of a fork of an imported parent
@@ -545,6 +688,7 @@ def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one wa
     if worker_spec: _preimport(); print('RESULT ' + json.dumps(worker(json.loads(worker_spec)))); return
     if build: _build(build); return
     if quick: repeats, cold_repeats, no_synth = 1, 0, True
+    if e2e_only: methods, no_many = methods or ','.join(['ours'] + PEER_METHODS + E2E_METHODS), True
     has_gpu = subprocess.run([sys.executable, '-c', 'import torch; print(torch.cuda.is_available())'], capture_output=True, text=True).stdout.strip() == 'True'
     if gpu:
         if not has_gpu: raise SystemExit('--gpu: no CUDA device')
@@ -553,29 +697,37 @@ def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one wa
     try: ckpt_dirs['SmolLM2-135M'] = built(SMOL_NAME)
     except Exception as e: print(f'SmolLM2 skipped: {type(e).__name__}: {e}')
     if not no_synth: ckpt_dirs['Llama-synth-1.1B'] = built(SYNTH_NAME)
+    if not no_moe:
+        from bench_moe_load import checkpoint as moe_checkpoint
+        ckpt_dirs[MOE_NAME] = moe_checkpoint()
     if not no_many: ckpt_dirs[MANY_NAME], ckpt_dirs[LLAMA20K_NAME] = built(MANY_NAME), built(LLAMA20K_NAME)
     ckpts = {}
     for name, d in ckpt_dirs.items():
         ts = checkpoint_tensors(d)
         ckpts[name] = dict(path=str(d), bytes=sum(t['nbytes'] for t in ts), tensors=len(ts), shards=len({t['file'] for t in ts}),
+                           max_shard=max(sum(t['nbytes'] for t in ts if t['file'] == f) for f in {t['file'] for t in ts}),
                            file_bytes=sum(p.stat().st_size for p in d.glob('*.safetensors')))
     wanted = [m for m in methods.split(',') if m] or ALL_METHODS
     unknown = set(wanted) - set(ALL_METHODS)
     if unknown: raise SystemExit(f'unknown methods {sorted(unknown)}; known: {ALL_METHODS}')
     if not has_gpu: wanted = [m for m in wanted if m not in GPU_METHODS]
+    if 'instanttensor-cuda' in wanted and subprocess.run([sys.executable, '-c', 'import instanttensor'], capture_output=True).returncode:
+        print('instanttensor-cuda skipped: instanttensor is not installed (pip install instanttensor==0.2.2)')
+        wanted.remove('instanttensor-cuda')
     if not spawn: _preimport()
     env = _env(has_gpu, repeats, cold_repeats, spawn)
     THREADS[0] = env['threads']
     runs, t_start = [], time.time()
     def plan(name, cold, rep):
         "The methods of one round, in an order shuffled per round: on a VM that hands freed memory back to the host, a run's speed depends on what ran before it."
-        ms = MANY_METHODS.get(name, COLD_METHODS if cold else CPU_METHODS + GPU_METHODS)
+        ms = MOE_METHODS if name == MOE_NAME else MANY_METHODS.get(name, COLD_METHODS if cold else CPU_METHODS + GPU_METHODS)
         ms = [m for m in ms if m in wanted and not (cold and m in GPU_METHODS)]
         random.Random(rep).shuffle(ms)
         return ms
 
     def go(name, m, cold):
-        r = run_one(dict(method=m, ckpt=ckpts[name]['path'], ckpt_name=name, cold=cold), spawn)
+        spec = dict(method=m, ckpt=ckpts[name]['path'], ckpt_name=name, cold=cold)
+        r = run_e2e(spec) if m in E2E_METHODS else run_one(spec, spawn)
         runs.append(r)
         print(f"  {name:<24} {'cold' if cold else 'warm'} {m:<16} load {r['load_s']:7.3f} s  touch {r['touch_s']:6.3f} s  peak +{r['peak_rss']/1e6:6.0f} MB", flush=True)
     for rep in range(repeats):

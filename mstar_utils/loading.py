@@ -299,10 +299,10 @@ def _read_fresh(source, fresh: list, device: torch.device, bar) -> list:
         for s, key in fresh:
             t = _read_new(source, s, key, device); out.append((s, t)); bar(t.numel() * t.element_size(), 1)
         return out
-    mapped = getattr(source, 'mmap', False) and device.type == 'cpu'
+    maps = getattr(source, 'maps', None) or (lambda k: getattr(source, 'mmap', False))  # get(k): a view of memory the source holds
     out, todo = [], []
     for s, key in fresh:
-        if mapped and source.dtype(key) == s.tensor.dtype:
+        if device.type == 'cpu' and source.dtype(key) == s.tensor.dtype and maps(key):
             t = source.get(key); bar(t.numel() * t.element_size(), 1)
         else:
             t = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, device=device); todo.append((key, t))

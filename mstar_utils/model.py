@@ -5,7 +5,7 @@
 # %% ../nbs/03_load_model.ipynb #4236b782
 from __future__ import annotations
 import bisect, json, logging, re, threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS
-from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header
+from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header, FileSource, ReadAhead
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter
 from .quantized import quantized_source
@@ -26,7 +26,8 @@ from .tensor_parallel import Slice, Sharding, ShardedSource, shard_module, tp_pl
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
-           'model_dtype', 'load_model', 'load_model_sharded', 'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
+           'model_dtype', 'start_reads', 'load_model', 'load_model_sharded', 'PlannedTensor', 'FileReads', 'LoadPlan',
+           'load_plan']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -57,15 +58,35 @@ def _to_fp32(model, name: str):
 
 
 # %% ../nbs/03_load_model.ipynb #eb4f0243
-_BUILD_LOCK = threading.Lock()  # accelerate's patch of nn.Module.register_parameter is process-wide
+_BUILD_LOCK = threading.Lock()  # the build's patches of nn.Module.register_parameter and of torch's init are process-wide
+
+@contextmanager
+def _params_on_meta():
+    "For the block, each parameter a module registers is moved to meta, its class, attributes and `requires_grad` kept."
+    register = torch.nn.Module.register_parameter
+    def on_meta(self, name, param):
+        register(self, name, param)
+        p = self._parameters.get(name)
+        if p is None or p.is_meta: return
+        new = torch.Tensor._make_subclass(type(p), p.data.to('meta'), p.requires_grad)
+        if p.__dict__: new.__dict__.update(p.__dict__)
+        self._parameters[name] = new
+    torch.nn.Module.register_parameter = on_meta
+    try: yield
+    finally: torch.nn.Module.register_parameter = register
+
+def _no_init():
+    "transformers' `no_init_weights` (torch's `nn.init` functions and `init_weights` made no-ops); nothing without it."
+    try: from transformers.initialization import no_init_weights
+    except ImportError: return nullcontext()
+    return no_init_weights()
 
 # %% ../nbs/03_load_model.ipynb #fcf437aa
 def meta_module(make, # a callable that builds and returns an nn.Module
                 dtype: torch.dtype | None = None, # cast the result's floating-point tensors to this
                ) -> torch.nn.Module:
-    "`make()` with its parameters created on `meta` and its buffers real, under a process lock."
-    from accelerate import init_empty_weights
-    with _BUILD_LOCK, init_empty_weights(include_buffers=False): m = make()
+    "`make()` with its parameters created on `meta`, its buffers real and no weight initialized, under a process lock."
+    with _BUILD_LOCK, _params_on_meta(), _no_init(): m = make()
     return m if dtype is None else m.to(dtype)
 
 # %% ../nbs/03_load_model.ipynb #c79cfb69
@@ -289,6 +310,28 @@ def _attach_generation_config(model, ckpt: Path):
     if (ckpt/'generation_config.json').is_file(): model.generation_config = GenerationConfig.from_pretrained(ckpt)
     else: model.generation_config = GenerationConfig.from_pretrained(ckpt, config_file_name='config.json', _from_model_config=True)
 
+# %% ../nbs/03_load_model.ipynb #5b7d0a02
+def start_reads(ckpt: Path, # a checkpoint folder
+                config, # its transformers config
+                dtype: torch.dtype | None, # the dtype the model is built in (`model_dtype`)
+                conv: list | str | None = 'auto', # as `load_model`'s: the recipes whose keys are not read ahead
+                device: str = 'cpu', # where the weights land: nothing is read ahead for another device
+                mmap: bool = False, # mapped views: fault the mappings in instead of reading into owned memory
+               ) -> FileSource:
+    "The checkpoint's `FileSource`, its shards that load as stored already being read on a background thread (`ReadAhead`)."
+    src = checkpoint_source(ckpt, mmap=mmap)
+    if torch.device(device).type != 'cpu' or getattr(config, 'quantization_config', None): return src
+    try:
+        shards = sorted(set(src.k2f.values()), key=str)
+        if not mmap:
+            recipes = [*auto_conversions(config, ckpt), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
+            fused = {src.k2f[k] for k in src.keys() if any(r.match(k) for r in recipes)}
+            cast = {src.k2f[k] for k in src.keys() if src.dtype(k) != dtype}
+            shards = [p for p in shards if p not in fused and p not in cast]
+        if shards: ReadAhead(src, shards, mapped=mmap)
+    except BaseException: src.close(); raise
+    return src
+
 # %% ../nbs/03_load_model.ipynb #6d9905b2
 def _model_source(ckpt: Path, # a checkpoint folder
                  config, # its transformers config
@@ -296,7 +339,7 @@ def _model_source(ckpt: Path, # a checkpoint folder
                  conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (`transformers_conversions`); None: none
                  renames: bool = True, # keys under the names transformers renames them to (`checkpoint_renames`)
                  quantized: str = 'dequantize', # a quantized checkpoint: 'dequantize', or 'keep' codes and scales
-                 raw=None, # the checkpoint's own source; None: `checkpoint_source(ckpt)`
+                 raw: FileSource | None = None, # the checkpoint's files, reads perhaps started (`start_reads`); None: `checkpoint_source(ckpt)`
                 ):
     "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it; the caller closes it. Raises as the steps it chains."
     recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
@@ -333,16 +376,21 @@ class _Prepared(NamedTuple):
     what: str   # names the model in messages
 
 def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantized='dequantize', renames=True, rank=None,
-             world_size=None, group=None, plan=None, expert_parallel=False, rules=(), dry=False) -> _Prepared:
+             world_size=None, group=None, plan=None, expert_parallel=False, rules=(), dry=False, mmap=False, device='cpu') -> _Prepared:
     "Every step of `load_model` before a weight is read (see `load_model` for the arguments); `dry`: a source that only records reads."
     from transformers import AutoConfig
     if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
     if group is not None and (rank is None or world_size is None): rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    model = build_on_meta(config, model_class, model_dtype(config, ckpt, dtype))
-    sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)   # the model: where its towers are
-    raw = checkpoint_source(ckpt, dry=dry)
+    dtype = model_dtype(config, ckpt, dtype)
+    whole_model = (rank is None and world_size is None) or (rank, world_size) == (0, 1)
+    if dry or not whole_model: raw = checkpoint_source(ckpt, mmap=mmap, dry=dry)   # a rank reads its slices, not whole shards
+    else: raw = start_reads(ckpt, config, dtype, conv, device, mmap)   # reading while the model class is imported and built
+    try:
+        model = build_on_meta(config, model_class, dtype)
+        sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)   # the model: where its towers are
+    except BaseException: raw.close(); raise
     src = _model_source(ckpt, config, model, conv, renames, quantized, raw)
     whole = src
     try:
@@ -379,9 +427,11 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
                plan: dict | None = None, # a tp_plan; None: `tp_plan(config, world_size, expert_parallel)`
                expert_parallel: bool = False, # default plan: experts split by expert
                rules=(), # per-key slicing rules, asked before the plan (see `Sharding`)
+               mmap: bool = False, # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
               ) -> torch.nn.Module:
     "The model in `checkpoint_dir` (or rank `rank`'s part of it), built on meta, loaded, checked, finalized, in eval mode."
-    prep = _prepare(checkpoint_dir, model_class, dtype, conv, quantized, renames, rank, world_size, group, plan, expert_parallel, rules)
+    prep = _prepare(checkpoint_dir, model_class, dtype, conv, quantized, renames, rank, world_size, group, plan, expert_parallel, rules,
+                    mmap=mmap, device=device)
     model, name = prep.model, prep.ckpt.name
     try: res, kept = _read_weights(prep, device)
     except KeyError as e: raise _with_skipped_rules(e, prep.config, conv) from None

@@ -17,7 +17,7 @@ from safetensors import safe_open
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
            'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'default_threads', 'FileSource', 'HostCopier',
-           'CudaCopier', 'copier_for', 'checkpoint_source', 'file_source', 'RenamedSource']
+           'CudaCopier', 'copier_for', 'checkpoint_source', 'file_source', 'ReadAhead', 'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
@@ -293,12 +293,15 @@ class FileSource(Source):
         self.k2f, self.what, self.mmap, self._headers, self._files, self._maps = key_to_file, what, mmap, {}, {}, {}
         self.threads, self._info = threads or default_threads(), {}  # _info: key -> info(key), once asked
         self.dry, self.reads, self.bytes_read, self._lock = dry, [] if record or dry else None, 0, threading.Lock()
+        self.ahead = None  # a `ReadAhead` over some of the files, once one is started
     def keys(self): return self.k2f.keys()
     def __contains__(self, k): return k in self.k2f
     def where(self, k): return str(self.k2f[k])
     def shape(self, k): return (self._info.get(k) or self.info(k))[2].shape
     def dtype(self, k): return (self._info.get(k) or self.info(k))[2].dtype
+    def maps(self, k): return self.mmap or (self.ahead is not None and self.k2f[k] in self.ahead)  # get(k): a view, no copy
     def close(self):
+        if self.ahead is not None: self.ahead.close()
         for f in self._files.values(): f.close()
         self._files.clear(); self._maps.clear()  # tensors handed out keep their mapping alive
 
@@ -399,7 +402,8 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     if self.dry and (out is not None or end - begin > _DRY_REAL):
         self._note(path, start + begin, end - begin)
         return torch.empty(shape, dtype=dt, device='meta') if out is None else out
-    if self.mmap and out is None and end > begin and (start + begin) % dt.itemsize == 0:
+    held = self.ahead is not None and path in self.ahead  # read ahead into memory the source owns
+    if (self.mmap or held) and out is None and end > begin and (start + begin) % dt.itemsize == 0:
         self._note(path, start + begin, end - begin)
         return self._mapped(path)[start + begin:start + end].view(dt).view(shape)
     if out is not None and (out.dtype != dt or out.shape != shape or out.device.type != 'cpu' or not out.is_contiguous()):
@@ -409,6 +413,10 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     if t.numel():
         buf = t.view(-1).view(torch.uint8).numpy()
         if buf.nbytes != end - begin: raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {buf.nbytes}')
+        if held:
+            t.view(-1).view(torch.uint8).copy_(self._mapped(path)[start + begin:start + end])
+            self._note(path, start + begin, end - begin)
+            return t
         got = _preadv(self._file(path).fileno(), [memoryview(buf)], start + begin)
         if got < buf.nbytes: raise _cut(path, [(0, 0, buf.nbytes)], [k], [buf.nbytes], got)
         self._note(path, start + begin, end - begin)
@@ -416,7 +424,8 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
 
 @patch
 def _mapped(self: FileSource, path) -> torch.Tensor:
-    "The whole file as a uint8 tensor over a private copy-on-write mapping of the handle its header was read through."
+    "The whole file as a uint8 tensor over a private copy-on-write mapping of the handle its header was read through; the owned buffer of a file read ahead."
+    if self.ahead is not None and path in self.ahead: return self.ahead.buffer(path)
     m = self._maps.get(path)
     if m is None: m = self._maps[path] = torch.frombuffer(_mmap.mmap(self._file(path).fileno(), 0, access=_mmap.ACCESS_COPY), dtype=torch.uint8)
     return m
@@ -604,17 +613,18 @@ def read_many(self: FileSource,
               chunk_bytes: int = 8 << 20, # bytes of one staging chunk
              ) -> None:
     "Fill each `dest` with its key's tensor: read straight into CPU tensors of the key's dtype, through the staging ring (cast, moved to the device) otherwise; `ValueError` for a file cut short or a destination of the wrong shape."
-    groups, empty = {}, 0
+    groups, empty, held = {}, 0, 0
     for k, d in pairs:
         path, start, (dt, shape, begin, end) = self._info.get(k) or self.info(k)
         if d.shape != shape or not d.is_contiguous():
             raise ValueError(f'{path}: tensor {k!r} is {dt} {list(shape)}; its destination must be a contiguous tensor of that shape, got {list(d.shape)}')
         if d.numel() * dt.itemsize != end - begin: raise ValueError(f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {d.numel() * dt.itemsize}')
         if end == begin: empty += 1; continue
+        if self.ahead is not None and path in self.ahead: d.copy_(self.get(k)); held += end - begin; empty += 1; continue  # from memory
         gk = 'direct' if d.is_cpu and d.dtype == dt else d.device
         g = groups.get(gk) or groups.setdefault(gk, ([], [], [], []))
         g[0].append(k); g[1].append(d); g[2].append((path, start + begin, end - begin)); g[3].append(dt)
-    if empty and progress: progress(0, empty)
+    if empty and progress: progress(held, empty)
     for g in groups.values():
         for sp in g[2]: self._note(*sp)
     if self.dry:
@@ -648,6 +658,61 @@ def file_source(path: str | Path, # a safetensors file
     except BaseException: src.close(); raise
     src.k2f = dict.fromkeys(h[1], path)
     return src
+
+# %% ../nbs/01_safetensors.ipynb #9a7e0c02
+class ReadAhead:
+    "The files `paths` of `src` read whole into owned memory (`mapped`: their mappings faulted in) on a background thread, from now on."
+    def __init__(self, src: FileSource, # the source that hands out views of the buffers; closing it stops the reads
+                 paths: list, # files of `src`, read in this order
+                 mapped: bool = False, # fault in `src`'s copy-on-write mappings of the files instead of reading them into owned memory
+                ):
+        self.src, self.paths, self.mapped, self._stop = src, list(paths), mapped, False
+        self._bufs, self._errors, self._done = {}, {}, {p: threading.Event() for p in self.paths}
+        for p in self.paths:  # opened (and mapped) here, so that no two threads race to open a file
+            fd = src._file(p).fileno()
+            if mapped: src._mapped(p)
+            else: self._bufs[p] = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8)
+        src.ahead = self
+        self._thread = threading.Thread(target=self._run, name='read-ahead', daemon=True)
+        self._thread.start()
+    def __contains__(self, path): return not self.mapped and path in self._bufs  # its bytes are (being) read into owned memory
+
+# %% ../nbs/01_safetensors.ipynb #9a7e0c03
+_MADV_POPULATE_READ = 22  # <asm-generic/mman-common.h>, Linux >= 5.14
+
+@patch
+def _run(self: ReadAhead):
+    "Read (or fault in) each file in turn; a failure is kept for `buffer` to raise."
+    advise = getattr(os, 'posix_fadvise', None)
+    if self.mapped and advise:
+        for p in self.paths: advise(self.src._file(p).fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+    for p in self.paths:
+        try:
+            if self._stop: raise RuntimeError(f'{p}: the read ahead was stopped before this file')
+            if self.mapped:
+                m = self.src._maps[p]
+                if _libc is not None and m.numel(): _libc.madvise(m.data_ptr(), m.numel(), _MADV_POPULATE_READ)
+            else:
+                b = self._bufs[p]
+                with _sequential([self.src._file(p).fileno()]): self.src._read_direct([str(p)], [b], [(p, 0, b.numel())])
+        except BaseException as e: self._errors[p] = e
+        finally: self._done[p].set()
+
+# %% ../nbs/01_safetensors.ipynb #9a7e0c04
+@patch
+def buffer(self: ReadAhead, path) -> torch.Tensor:
+    "The whole of file `path` as a uint8 tensor, once read (waits for it); raises what the read raised."
+    self._done[path].wait()
+    e = self._errors.get(path)
+    if e is not None: raise e
+    return self._bufs[path]
+
+@patch
+def close(self: ReadAhead):
+    "Stop after the file being read, wait for it, and let go of the buffers (tensors handed out keep theirs)."
+    self._stop = True
+    self._thread.join()
+    self._bufs.clear()
 
 # %% ../nbs/01_safetensors.ipynb #7b1e0c02
 def _slice_runs(shape, itemsize: int, dim: int, ranges) -> list:
@@ -710,7 +775,7 @@ class RenamedSource(WrappedSource):
         if clash: raise ValueError(f'{self.what}: {self.old[clash[0]]!r} is renamed to {clash[0]!r}, which the checkpoint also holds; it would be loaded twice')
         if len(self.old) < len(renames): raise ValueError(f'{self.what}: two checkpoint keys are renamed to the same key')
         self._keys = [renames.get(k, k) for k in src.keys()]
-        self._set = set(self._keys)
+        self._set, self.mmap = set(self._keys), getattr(src, 'mmap', False)
     def _k(self, k): return self.old.get(k, k)
     def keys(self): return self._keys
     def __contains__(self, k): return k in self._set
@@ -719,6 +784,7 @@ class RenamedSource(WrappedSource):
     def dtype(self, k): return self.src.dtype(self._k(k))
     def borrowed(self, k): return self.src.borrowed(self._k(k))
     def resolve(self, k): return self.src, self._k(k)
+    def maps(self, k): return getattr(self.src, 'maps', lambda k: False)(self._k(k))   # get(k): a view the source holds
     def where(self, k): return self.src.where(self._k(k)) + (f' (as {self._k(k)!r})' if k in self.old else '')
     def get(self, k, out=None): return self.src.get(self._k(k), out=out)
     def read_many(self, pairs, progress=None, **kw): return super().read_many([(self._k(k), d) for k, d in pairs], progress, **kw)
