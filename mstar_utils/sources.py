@@ -775,7 +775,7 @@ class RenamedSource(WrappedSource):
         if clash: raise ValueError(f'{self.what}: {self.old[clash[0]]!r} is renamed to {clash[0]!r}, which the checkpoint also holds; it would be loaded twice')
         if len(self.old) < len(renames): raise ValueError(f'{self.what}: two checkpoint keys are renamed to the same key')
         self._keys = [renames.get(k, k) for k in src.keys()]
-        self._set, self.mmap = set(self._keys), getattr(src, 'mmap', False)
+        self._set = set(self._keys)
     def _k(self, k): return self.old.get(k, k)
     def keys(self): return self._keys
     def __contains__(self, k): return k in self._set
