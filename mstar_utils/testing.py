@@ -233,7 +233,7 @@ def ctc_tokenizer():
     "A `Wav2Vec2CTCTokenizer` over wav2vec2-base-960h's 32 characters (`WAV2VEC2_CHARS`), its vocab.json in the cache."
     from transformers import Wav2Vec2CTCTokenizer
     from mstar_utils.checkpoints import cached_folder
-    def build(out: Path): (out/'vocab.json').write_text(json.dumps({c: i for i, c in enumerate(WAV2VEC2_CHARS)}))
+    def build(out: Path): (out/'vocab.json').write_text(json.dumps({c: i for i, c in enumerate(WAV2VEC2_CHARS)}), encoding='utf-8')
     return Wav2Vec2CTCTokenizer(str(cached_folder('tokenizers', 'wav2vec2-960h-chars', build)/'vocab.json'))
 
 # %% ../nbs/98_testing.ipynb #rt000005

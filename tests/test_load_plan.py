@@ -32,8 +32,8 @@ def fp8_moe(tmp_path_factory):
 def _recording(monkeypatch) -> list:
     "Make every checkpoint source load_model opens record its reads; returns the list the sources are appended to."
     made = []
-    def source(ckpt, dry=False):
-        s = checkpoint_source(ckpt, record=True, dry=dry); made.append(s); return s
+    def source(ckpt, dry=False, **kw):
+        s = checkpoint_source(ckpt, record=True, dry=dry, **kw); made.append(s); return s
     monkeypatch.setattr(model_mod, 'checkpoint_source', source)
     return made
 
