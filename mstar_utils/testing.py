@@ -15,7 +15,8 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'CT_FLOAT_GROUPS', '
            'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
            'metaspace_tokenizer', 'clip_tokenizer_folder', 'fp8_block_quantize', 'mxfp4_quantize',
            'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
-           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'jfk_resampled']
+           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'jfk_resampled',
+           'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -483,3 +484,79 @@ def jfk_resampled(folder, # where to write the file
     path.parent.mkdir(parents=True, exist_ok=True)
     sf.write(str(path), np.repeat(out[:, None], channels, axis=1), rate, subtype='PCM_16')
     return path
+
+# %% ../nbs/98_testing.ipynb #fmtt001
+def write_ct_preset_checkpoint(model, # a transformers model, quantized in place
+                               dest, # the checkpoint folder to write
+                               preset: str, # a compressed-tensors preset scheme: 'NVFP4A16', 'MXFP8A16', 'W4A16', ...
+                               ignore: list = ('lm_head',), # modules left unquantized
+                               compress: bool = True, # False: saved as llm-compressor's `save_compressed=False` does (format dense)
+                              ) -> Path:
+    "`model` quantized by compressed-tensors preset `preset` on every Linear (min-max scales, a global scale where it has one), saved by it."
+    import loguru
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+    from compressed_tensors.compressors import ModelCompressor
+    loguru.logger.disable('compressed_tensors')
+    groups = {'group_0': preset_name_to_scheme(preset, ['Linear'])}
+    qcfg = QuantizationConfig(config_groups=groups, ignore=list(ignore), quantization_status='frozen', **({} if compress else {'format': 'dense'}))
+    apply_quantization_config(model, qcfg, show_progress=False)
+    for m in model.modules():
+        if not hasattr(m, 'weight_scale'): continue
+        args, w = m.quantization_scheme.weights, m.weight.data.float()
+        gs = generate_gparam(w.min(), w.max()) if hasattr(m, 'weight_global_scale') else None
+        if gs is not None: m.weight_global_scale.data = gs.to(m.weight_global_scale.dtype)
+        mm = _minmax(w, args) if args.strategy != 'tensor_group' else _minmax(w, args.model_copy(update={'strategy': 'group'}))
+        s, z = calculate_qparams(*mm, args, global_scale=gs)
+        m.weight_scale.data = s.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
+        if hasattr(m, 'weight_zero_point'): m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+        if not compress: m.weight.data = fake_quantize(m.weight.data, m.weight_scale, getattr(m, 'weight_zero_point', None), args, gs)
+    comp = ModelCompressor.from_pretrained_model(model, quantization_format=None if compress else 'dense')
+    if compress:
+        with contextlib.redirect_stderr(io.StringIO()): comp.compress_model(model)
+    dest, _ = _saved(model, dest)
+    comp.update_config(str(dest))
+    return dest
+
+# %% ../nbs/98_testing.ipynb #fmtt002
+def formats_config():
+    "A tiny Qwen3 whose Linear dimensions are multiples of 128, which compressed-tensors' group quantizers need."
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=64)
+
+# %% ../nbs/98_testing.ipynb #fmtt003
+def ct_nvfp4_reference(packed: torch.Tensor, # uint8 [R, C/2]
+                       scale: torch.Tensor, # float8_e4m3fn [R, C/16]
+                       global_scale: torch.Tensor, # float32 [1], a divisor
+                       dtype=torch.float32, # the result's dtype, rounded once
+                      ) -> torch.Tensor:
+    "NVFP4 codes dequantized by compressed-tensors' own unpacking and `dequantize`, in float32 (its compressor rounds to bf16)."
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    args = preset_name_to_scheme('NVFP4A16', ['Linear']).weights
+    x = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+    return dequantize(x, scale.float(), args=args, global_scale=global_scale.float(), dtype=torch.float32).to(dtype)
+
+def ct_preset_reference(folder, # a checkpoint of `write_ct_preset_checkpoint`: nvfp4-pack-quantized or mxfp8-quantized
+                        dest, # where to write the dequantized copy
+                        dtype=torch.bfloat16, # the dequantized weights' dtype
+                       ) -> Path:
+    "`folder` dequantized by compressed-tensors (NVFP4: `ct_nvfp4_reference`; MXFP8: its compressor), saved without `quantization_config`."
+    from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    folder, dest = Path(folder), Path(dest)
+    sd, out = load_file(str(folder/'model.safetensors')), {}
+    mx = preset_name_to_scheme('MXFP8A16', ['Linear'])
+    for k, v in sd.items():
+        m = k.rpartition('.')[0]
+        if k.endswith('.weight_packed'): out[m + '.weight'] = ct_nvfp4_reference(v, sd[m + '.weight_scale'], sd[m + '.weight_global_scale'], dtype)
+        elif k.endswith('.weight') and m + '.weight_scale' in sd:
+            out[k] = MXFP8QuantizationCompressor.decompress({'weight': v, 'weight_scale': sd[m + '.weight_scale']}, mx)['weight'].to(dtype)
+        elif not k.endswith(('.weight_scale', '.weight_global_scale')): out[k] = v
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(folder/'config.json', dest/'config.json')
+    return _rewrite(dest, out, None, dtype)
