@@ -309,6 +309,8 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
               ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, built on meta, loaded, checked, finalized and in eval mode, with its generation config."
     from transformers import AutoConfig
+    from .gguf import gguf_file, load_gguf_model   # a .gguf file (or a folder of one) loads through the GGUF reader
+    if gguf_file(checkpoint_dir) is not None: return load_gguf_model(checkpoint_dir, model_class, device=device, dtype=dtype, strict=strict)
     if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     ckpt = _checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(ckpt)
