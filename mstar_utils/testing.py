@@ -16,7 +16,8 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'CT_FLOAT_GROUPS', '
            'metaspace_tokenizer', 'clip_tokenizer_folder', 'fp8_block_quantize', 'mxfp4_quantize',
            'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
            'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'jfk_resampled',
-           'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference']
+           'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference',
+           'tiny_llama_gguf_config', 'write_gguf_checkpoint']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -560,3 +561,60 @@ def ct_preset_reference(folder, # a checkpoint of `write_ct_preset_checkpoint`: 
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(folder/'config.json', dest/'config.json')
     return _rewrite(dest, out, None, dtype)
+
+# %% ../nbs/98_testing.ipynb #fmtu001
+def _llamacpp_permute(w, heads: int):
+    "llama.cpp's converter's q/k row order: each head's rows read as (2, rows/heads/2), written as (rows/heads/2, 2)."
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+def _gguf_codes(x, qtype, rng):
+    "`x` float32 [rows, cols] as gguf-py stores `qtype`: quantized by gguf-py, or (K-quants) random codes of finite scales."
+    import gguf
+    from gguf import GGML_QUANT_SIZES
+    try: return gguf.quants.quantize(x, qtype)
+    except NotImplementedError: pass
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (x.shape[0], x.shape[1] // block, size), dtype='uint8')
+    at = {'Q2_K': [80, 82], 'Q3_K': [108], 'Q4_K': [0, 2], 'Q5_K': [0, 2], 'Q6_K': [208]}[qtype.name]
+    for a in at: b[..., a + 1] &= 0x3B   # float16 scales of small magnitude: exponent bits 0b01110 at most
+    return b.reshape(x.shape[0], -1)
+
+# %% ../nbs/98_testing.ipynb #fmtu002
+def tiny_llama_gguf_config(**kw):
+    "A tiny Llama whose rows are whole K-quant blocks (256): hidden 256, intermediate 512, 4 heads, 2 key-value heads, vocab 333."
+    import transformers as tf
+    return tf.LlamaConfig(**{**dict(vocab_size=333, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-5,
+                                     rope_theta=10000.0, tie_word_embeddings=False), **kw})
+
+def write_gguf_checkpoint(dest, # the .gguf file to write
+                          qtypes, # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
+                          default='Q8_0', # the type of 2-d weights no entry matches
+                          config=None, # a LlamaConfig; None: `tiny_llama_gguf_config()`
+                          seed: int = 0, # the random init's and the random codes' seed
+                         ) -> Path:
+    "A tiny random Llama written by gguf-py as llama.cpp writes one; norms in F32; no `output.weight` when embeddings are tied."
+    import gguf
+    import numpy as np
+    from transformers import LlamaForCausalLM
+    from mstar_utils.gguf import gguf_names
+    config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    names = {v: k for k, v in gguf_names(model, config).items()}
+    w = gguf.GGUFWriter(str(dest), 'llama')
+    w.add_name('tiny-llama'); w.add_context_length(config.max_position_embeddings); w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers); w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads); w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_dimension_count(config.head_dim); w.add_rope_freq_base(config.rope_parameters['rope_theta'])
+    w.add_layer_norm_rms_eps(config.rms_norm_eps); w.add_vocab_size(config.vocab_size)
+    for k, t in model.state_dict().items():
+        g = names.get(k)
+        if g is None or (g == 'output.weight' and config.tie_word_embeddings): continue
+        x = t.float().numpy()
+        if '.attn_q.' in g: x = _llamacpp_permute(x, config.num_attention_heads)
+        if '.attn_k.' in g: x = _llamacpp_permute(x, config.num_key_value_heads)
+        qt = gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)] if x.ndim == 2 else gguf.GGMLQuantizationType.F32
+        w.add_tensor(g, np.ascontiguousarray(x) if qt == gguf.GGMLQuantizationType.F32 else _gguf_codes(x, qt, rng), raw_dtype=qt)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return dest
