@@ -92,7 +92,7 @@ _BLOCK_DECODERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T
                    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 _PLAIN = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 GGUF_TYPES = tuple(_PLAIN) + tuple(_BLOCK_DECODERS)   # the tensor types read
-_CHUNK = 1 << 15   # blocks decoded at a time: bounds the temporaries to a few MB
+_CHUNK = 2048   # blocks decoded at a time: the temporaries stay in cache (3x faster than 32k blocks on Q4_K)
 
 def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's bytes as stored, rows of whole blocks
                     qtype: int, # its GGML type (`gguf.GGMLQuantizationType`)
