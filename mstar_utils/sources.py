@@ -25,7 +25,8 @@ SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.f
     'U16': torch.uint16, 'U32': torch.uint32, 'U64': torch.uint64, 'C64': torch.complex64,
     'F8_E4M3': torch.float8_e4m3fn, 'F8_E5M2': torch.float8_e5m2}
 SAFETENSORS_DTYPES.update({k: getattr(torch, v) for k, v in {'F8_E8M0': 'float8_e8m0fnu', 'F8_E4M3FNUZ': 'float8_e4m3fnuz',
-                           'F8_E5M2FNUZ': 'float8_e5m2fnuz'}.items() if hasattr(torch, v)})
+                           'F8_E5M2FNUZ': 'float8_e5m2fnuz', 'F4': 'float4_e2m1fn_x2'}.items() if hasattr(torch, v)})
+_PAIRED = {'F4'}   # dtypes torch holds two values an element: the header's last dimension counts values, torch's is half
 
 # %% ../nbs/01_safetensors.ipynb #fb9f7011
 _MAX_HEADER = 100_000_000  # safetensors refuses larger headers
@@ -106,7 +107,11 @@ def read_header(path: str | Path, # a safetensors file
             dt = SAFETENSORS_DTYPES.get(v['dtype'])
             if dt is None: raise ValueError(f'{path}: tensor {k!r} has dtype {v["dtype"]}, which has no torch dtype to load it into '
                                             f'(readable: {", ".join(sorted(SAFETENSORS_DTYPES))})')
-            out[k] = TensorInfo(dt, tuple(v['shape']), *v['data_offsets'])
+            shape = tuple(v['shape'])
+            if v['dtype'] in _PAIRED:
+                if not shape or shape[-1] % 2: raise ValueError(f'{path}: tensor {k!r} is {v["dtype"]} {list(shape)}: two values a byte need an even last dimension')
+                shape = (*shape[:-1], shape[-1] // 2)   # as safetensors loads it: float4_e2m1fn_x2, two values an element
+            out[k] = TensorInfo(dt, shape, *v['data_offsets'])
     return 8 + n, out
 
 # %% ../nbs/01_safetensors.ipynb #ebde8308

@@ -16,7 +16,9 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'metaspace_tokenizer', 'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer',
            'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint',
            'write_compressed_tensors_checkpoint', 'quantized_configs', 'write_quantized_checkpoint',
-           'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells', 'jfk_resampled']
+           'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells', 'jfk_resampled',
+           'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference',
+           'tiny_llama_gguf_config', 'write_gguf_checkpoint']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -528,3 +530,136 @@ def jfk_resampled(folder, # where to write the file
     path.parent.mkdir(parents=True, exist_ok=True)
     sf.write(str(path), np.repeat(out[:, None], channels, axis=1), rate, subtype='PCM_16')
     return path
+
+# %% ../nbs/98_testing.ipynb #fmtt001
+def write_ct_preset_checkpoint(model, # a transformers model, quantized in place
+                               dest, # the checkpoint folder to write
+                               preset: str, # a compressed-tensors preset scheme: 'NVFP4A16', 'MXFP8A16', 'W4A16', ...
+                               ignore: list = ('lm_head',), # modules left unquantized
+                               compress: bool = True, # False: saved as llm-compressor's `save_compressed=False` does (format dense)
+                              ) -> Path:
+    "`model` quantized by compressed-tensors preset `preset` on every Linear (min-max scales, a global scale where it has one), saved by it."
+    import loguru
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+    from compressed_tensors.compressors import ModelCompressor
+    loguru.logger.disable('compressed_tensors')
+    groups = {'group_0': preset_name_to_scheme(preset, ['Linear'])}
+    qcfg = QuantizationConfig(config_groups=groups, ignore=list(ignore), quantization_status='frozen', **({} if compress else {'format': 'dense'}))
+    apply_quantization_config(model, qcfg, show_progress=False)
+    for m in model.modules():
+        if not hasattr(m, 'weight_scale'): continue
+        args, w = m.quantization_scheme.weights, m.weight.data.float()
+        gs = generate_gparam(w.min(), w.max()) if hasattr(m, 'weight_global_scale') else None
+        if gs is not None: m.weight_global_scale.data = gs.to(m.weight_global_scale.dtype)
+        mm = _minmax(w, args) if args.strategy != 'tensor_group' else _minmax(w, args.model_copy(update={'strategy': 'group'}))
+        s, z = calculate_qparams(*mm, args, global_scale=gs)
+        m.weight_scale.data = s.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
+        if hasattr(m, 'weight_zero_point'): m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+        if not compress: m.weight.data = fake_quantize(m.weight.data, m.weight_scale, getattr(m, 'weight_zero_point', None), args, gs)
+    comp = ModelCompressor.from_pretrained_model(model, quantization_format=None if compress else 'dense')
+    if compress:
+        with contextlib.redirect_stderr(io.StringIO()): comp.compress_model(model)
+    dest, _ = _saved(model, dest)
+    comp.update_config(str(dest))
+    return dest
+
+# %% ../nbs/98_testing.ipynb #fmtt002
+def formats_config():
+    "A tiny Qwen3 whose Linear dimensions are multiples of 128, which compressed-tensors' group quantizers need."
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=64)
+
+# %% ../nbs/98_testing.ipynb #fmtt003
+def ct_nvfp4_reference(packed: torch.Tensor, # uint8 [R, C/2]
+                       scale: torch.Tensor, # float8_e4m3fn [R, C/16]
+                       global_scale: torch.Tensor, # float32 [1], a divisor
+                       dtype=torch.float32, # the result's dtype, rounded once
+                      ) -> torch.Tensor:
+    "NVFP4 codes dequantized by compressed-tensors' own unpacking and `dequantize`, in float32 (its compressor rounds to bf16)."
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    args = preset_name_to_scheme('NVFP4A16', ['Linear']).weights
+    x = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+    return dequantize(x, scale.float(), args=args, global_scale=global_scale.float(), dtype=torch.float32).to(dtype)
+
+def ct_preset_reference(folder, # a checkpoint of `write_ct_preset_checkpoint`: nvfp4-pack-quantized or mxfp8-quantized
+                        dest, # where to write the dequantized copy
+                        dtype=torch.bfloat16, # the dequantized weights' dtype
+                       ) -> Path:
+    "`folder` dequantized by compressed-tensors (NVFP4: `ct_nvfp4_reference`; MXFP8: its compressor), saved without `quantization_config`."
+    from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    folder, dest = Path(folder), Path(dest)
+    sd, out = load_file(str(folder/'model.safetensors')), {}
+    mx = preset_name_to_scheme('MXFP8A16', ['Linear'])
+    for k, v in sd.items():
+        m = k.rpartition('.')[0]
+        if k.endswith('.weight_packed'): out[m + '.weight'] = ct_nvfp4_reference(v, sd[m + '.weight_scale'], sd[m + '.weight_global_scale'], dtype)
+        elif k.endswith('.weight') and m + '.weight_scale' in sd:
+            out[k] = MXFP8QuantizationCompressor.decompress({'weight': v, 'weight_scale': sd[m + '.weight_scale']}, mx)['weight'].to(dtype)
+        elif not k.endswith(('.weight_scale', '.weight_global_scale')): out[k] = v
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(folder/'config.json', dest/'config.json')
+    return _rewrite(dest, out, None, dtype)
+
+# %% ../nbs/98_testing.ipynb #fmtu001
+def _llamacpp_permute(w, heads: int):
+    "llama.cpp's converter's q/k row order: each head's rows read as (2, rows/heads/2), written as (rows/heads/2, 2)."
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+def _gguf_codes(x, qtype, rng):
+    "`x` float32 [rows, cols] as gguf-py stores `qtype`: quantized by gguf-py, or (K-quants) random codes of finite scales."
+    import gguf
+    from gguf import GGML_QUANT_SIZES
+    try: return gguf.quants.quantize(x, qtype)
+    except NotImplementedError: pass
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (x.shape[0], x.shape[1] // block, size), dtype='uint8')
+    at = {'Q2_K': [80, 82], 'Q3_K': [108], 'Q4_K': [0, 2], 'Q5_K': [0, 2], 'Q6_K': [208]}[qtype.name]
+    for a in at: b[..., a + 1] &= 0x3B   # float16 scales of small magnitude: exponent bits 0b01110 at most
+    return b.reshape(x.shape[0], -1)
+
+# %% ../nbs/98_testing.ipynb #fmtu002
+def tiny_llama_gguf_config(**kw):
+    "A tiny Llama whose rows are whole K-quant blocks (256): hidden 256, intermediate 512, 4 heads, 2 key-value heads, vocab 333."
+    import transformers as tf
+    return tf.LlamaConfig(**{**dict(vocab_size=333, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-5,
+                                     rope_theta=10000.0, tie_word_embeddings=False), **kw})
+
+def write_gguf_checkpoint(dest, # the .gguf file to write
+                          qtypes, # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
+                          default='Q8_0', # the type of 2-d weights no entry matches
+                          config=None, # a LlamaConfig; None: `tiny_llama_gguf_config()`
+                          seed: int = 0, # the random init's and the random codes' seed
+                         ) -> Path:
+    "A tiny random Llama written by gguf-py as llama.cpp writes one; norms in F32; no `output.weight` when embeddings are tied."
+    import gguf
+    import numpy as np
+    from transformers import LlamaForCausalLM
+    from mstar_utils.gguf import gguf_names
+    config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    names = {v: k for k, v in gguf_names(model, config).items()}
+    w = gguf.GGUFWriter(str(dest), 'llama')
+    w.add_name('tiny-llama'); w.add_context_length(config.max_position_embeddings); w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers); w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads); w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_dimension_count(config.head_dim); w.add_rope_freq_base(config.rope_parameters['rope_theta'])
+    w.add_layer_norm_rms_eps(config.rms_norm_eps); w.add_vocab_size(config.vocab_size)
+    for k, t in model.state_dict().items():
+        g = names.get(k)
+        if g is None or (g == 'output.weight' and config.tie_word_embeddings): continue
+        x = t.float().numpy()
+        if '.attn_q.' in g: x = _llamacpp_permute(x, config.num_attention_heads)
+        if '.attn_k.' in g: x = _llamacpp_permute(x, config.num_key_value_heads)
+        qt = gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)] if x.ndim == 2 else gguf.GGMLQuantizationType.F32
+        w.add_tensor(g, np.ascontiguousarray(x) if qt == gguf.GGMLQuantizationType.F32 else _gguf_codes(x, qt, rng), raw_dtype=qt)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return dest

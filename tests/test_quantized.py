@@ -161,7 +161,7 @@ def test_refusals_name_key_dtype_and_missing_scale(ckpts):
         quantized_tensors(without(ckpts['ct_pack'], k + '.weight_zero_point'), config_of(ckpts['ct_pack']))
     with pytest.raises(ValueError, match=rf"'{k}.weight' \(torch.float8_e4m3fn\) is quantized \(FloatQuantizedDequantize\) but its '{k}.weight_scale' is missing"):
         quantized_tensors(without(ckpts['ct_float'], k + '.weight_scale'), config_of(ckpts['ct_float']))
-    with pytest.raises(NotImplementedError, match="format 'nvfp4-pack-quantized'"):
+    with pytest.raises(ValueError, match=r"format 'nvfp4-pack-quantized' \(two FP4 codes a uint8\), but '.*weight_packed' is torch.int32"):
         cfg = config_of(ckpts['ct_pack']); cfg['quantization_config']['format'] = 'nvfp4-pack-quantized'
         for g in cfg['quantization_config']['config_groups'].values(): g.pop('format', None)
         quantized_tensors(checkpoint_source(ckpts['ct_pack']), cfg)

@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""Quantized-format load benchmark, ratios against the reference measured in the same run.
+
+    python benchmarks/bench_formats.py                 # SmolLM2's Q4_1 GGUF vs transformers, and a 0.25 GB Q4_K GGUF vs bf16
+    python benchmarks/bench_formats.py --q4k-gb 1.0    # the issue's 1 GB Q4_K file (needs ~8 GB of memory and a few minutes)
+
+Rows:
+- GGUF SmolLM2: `load_model(file.gguf)` against `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`, both float32,
+  best of `--repeat` for ours, one run of transformers (it takes tens of seconds); target >= 5x.
+- Q4_K dequantizing load: `load_model(file.gguf, dtype=bfloat16)` on a synthetic Llama of random Q4_K codes, GB/s of the bf16
+  output bytes, against `load_model` of the same model saved as bf16 safetensors; target >= 0.5x.
+"""
+from __future__ import annotations
+import contextlib, io, os, tempfile, time
+from pathlib import Path
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+
+import torch
+from fastcore.script import call_parse
+
+
+def best(fn, repeat: int) -> tuple:
+    "(best seconds, last result) of `repeat` calls of `fn`."
+    times, out = [], None
+    for _ in range(repeat):
+        out = None
+        t = time.perf_counter(); out = fn(); times.append(time.perf_counter() - t)
+    return min(times), out
+
+
+def nbytes(m) -> int: return sum(t.nbytes for t in m.state_dict().values())
+
+
+@call_parse
+def main(repeat: int = 3, # runs of each of our loads (the best is kept)
+         q4k_gb: float = 0.25, # size of the synthetic Q4_K GGUF file, in GB
+        ):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.utils import logging as hf_logging
+    from mstar_utils.checkpoints import smollm2_gguf
+    from mstar_utils.model import load_model
+    from mstar_utils.testing import write_gguf_checkpoint
+    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()
+    rows = []
+    f = smollm2_gguf()
+    load_model(f)   # warm: imports, page cache
+    ours, _ = best(lambda: load_model(f), repeat)
+    t = time.perf_counter()
+    with contextlib.redirect_stderr(io.StringIO()): AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name)
+    hf = time.perf_counter() - t
+    rows.append(('GGUF SmolLM2 Q4_1 load (s)', f'{ours:.2f}', f'{hf:.2f} (from_pretrained)', f'{hf / ours:.1f}x', '>= 5x'))
+    # a synthetic Llama in Q4_K: layers of hidden 2048 / intermediate 5632, as many as the size asks
+    layer_bytes = (4 * 2048 * 2048 // 2 + 3 * 2048 * 5632) * 144 // 256   # q, o, k+v (GQA 4:1) and the MLP, 144 bytes per 256
+    layers = max(1, round(q4k_gb * 1e9 / layer_bytes))
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
+    with tempfile.TemporaryDirectory(dir=os.environ.get('MSTAR_BENCH_TMP')) as tmp:
+        (Path(tmp)/'q4k').mkdir()
+        g = write_gguf_checkpoint(Path(tmp)/'q4k'/'synth.gguf', {}, 'Q4_K', cfg)
+        m = load_model(g, dtype=torch.bfloat16)
+        out_bytes = nbytes(m)
+        with contextlib.redirect_stderr(io.StringIO()): m.save_pretrained(Path(tmp)/'bf16')
+        del m
+        load_model(Path(tmp)/'bf16')   # warm the page cache
+        t_q, _ = best(lambda: load_model(g, dtype=torch.bfloat16), repeat)
+        t_b, _ = best(lambda: load_model(Path(tmp)/'bf16'), repeat)
+        gq, gb = out_bytes / t_q / 1e9, out_bytes / t_b / 1e9
+        rows.append((f'Q4_K GGUF {g.stat().st_size / 1e9:.2f} GB -> {out_bytes / 1e9:.2f} GB bf16 (GB/s of output)', f'{gq:.2f}',
+                     f'{gb:.2f} (bf16 safetensors load_model)', f'{gq / gb:.2f}x', '>= 0.5x'))
+    w = [max(len(r[i]) for r in rows + [('row', 'ours', 'reference', 'ratio', 'target')]) for i in range(5)]
+    for r in [('row', 'ours', 'reference', 'ratio', 'target')] + rows: print(' | '.join(c.ljust(n) for c, n in zip(r, w)))
+    print(f'torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}')

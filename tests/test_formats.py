@@ -1,0 +1,192 @@
+"More quantized formats: compressed-tensors dense, NVFP4 (compressed-tensors and ModelOpt), MXFP8, safetensors' F4 dtype, against compressed-tensors' own code."
+import json, os, shutil
+
+import pytest
+import torch
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
+from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+from compressed_tensors.quantization import preset_name_to_scheme
+
+from mstar_utils.model import load_model
+from mstar_utils.quantized import FloatQuantizedDequantize, NVFP4Dequantize, DenseQuantized, quantized_tensors
+from mstar_utils.sources import checkpoint_source, read_header
+from mstar_utils.testing import _rewrite, ct_nvfp4_reference, ct_preset_reference, formats_config, write_ct_preset_checkpoint
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
+
+
+def same(a, b):
+    assert (a.dtype, a.shape) == (b.dtype, b.shape), ((a.dtype, a.shape), (b.dtype, b.shape))
+    assert torch.equal(a, b), f'max |difference| {(a.float() - b.float()).abs().max().item()}'
+
+
+def logits(m):
+    with torch.no_grad(): return m(IDS).logits
+
+
+def config_of(d): return json.loads((d/'config.json').read_text())
+
+
+def fresh(): return AutoModelForCausalLM.from_config(formats_config(), dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope='module')
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp('formats')
+    out = {name: write_ct_preset_checkpoint(fresh(), root/name, preset, compress=comp)
+           for name, preset, comp in [('nvfp4', 'NVFP4A16', True), ('mxfp8', 'MXFP8A16', True), ('w4a16_dense', 'W4A16', False),
+                                      ('nvfp4_dense', 'NVFP4A16', False)]}
+    out['modelopt'] = as_modelopt(out['nvfp4'], root/'modelopt')
+    return out
+
+
+def as_modelopt(folder, dest, f4=False):
+    "compressed-tensors' NVFP4 checkpoint in ModelOpt's layout (what compressed-tensors' ModelOpt converter reverses); `f4`: codes as F4."
+    sd, out = load_file(str(folder/'model.safetensors')), {}
+    for k, v in sd.items():
+        if k.endswith('.weight_packed'): out[k[:-7]] = v.view(torch.float4_e2m1fn_x2) if f4 else v
+        elif k.endswith('.weight_global_scale'): out[k[:-len('_global_scale')] + '_scale_2'] = (1 / v).reshape(())
+        else: out[k] = v
+    for k in [k for k in out if k.endswith('.weight_scale_2')]: out[k[:-len('weight_scale_2')] + 'input_scale'] = torch.ones(())
+    shutil.copytree(folder, dest, dirs_exist_ok=True)
+    qc = {'quant_method': 'modelopt', 'quant_algo': 'NVFP4', 'group_size': 16, 'exclude_modules': ['lm_head'], 'producer': {'name': 'modelopt'}}
+    return _rewrite(dest, out, qc, torch.bfloat16)
+
+
+def modelopt_reference(d, dest, dtype):
+    "ModelOpt checkpoint `d` through compressed-tensors' ModelOpt converter, then its NVFP4 decompression."
+    sd = {k: (v.view(torch.uint8) if v.dtype == torch.float4_e2m1fn_x2 else v) for k, v in load_file(str(d/'model.safetensors')).items()}
+    ct = ModelOptNvfp4Converter(ignore=['lm_head'], targets=['re:.*_proj$']).process(sd)
+    conv = dest.parent/(dest.name + '_ct')
+    shutil.copytree(d, conv, dirs_exist_ok=True)
+    qc = {'quant_method': 'compressed-tensors', 'format': 'nvfp4-pack-quantized', 'ignore': ['lm_head'], 'quantization_status': 'compressed',
+          'config_groups': {'group_0': {'targets': ['Linear'], 'format': 'nvfp4-pack-quantized',
+                                        'weights': {'num_bits': 4, 'type': 'float', 'strategy': 'tensor_group', 'group_size': 16}}}}
+    _rewrite(conv, {k: v for k, v in ct.items() if not k.endswith('input_global_scale')}, qc, torch.bfloat16)
+    return ct_preset_reference(conv, dest, dtype)
+
+
+# ---- decoders against compressed-tensors
+
+@pytest.mark.parametrize('R,C', [(1, 16), (7, 48), (33, 160), (5, 32)])
+def test_nvfp4_op_equals_compressed_tensors(R, C):
+    torch.manual_seed(R * C)
+    p = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8)
+    s = torch.randint(0, 127, (R, C // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    gs = torch.rand(1) * 1000
+    same(NVFP4Dequantize(16, torch.float32).apply([p, s, gs]), ct_nvfp4_reference(p, s, gs))
+    same(NVFP4Dequantize(16).apply([p, s, gs]), ct_nvfp4_reference(p, s, gs, torch.bfloat16))
+    same(NVFP4Dequantize(16, torch.float32).apply([p.view(torch.float4_e2m1fn_x2), s, gs]), ct_nvfp4_reference(p, s, gs))
+
+
+@pytest.mark.parametrize('R,C', [(3, 32), (17, 96), (64, 320)])
+def test_mxfp8_op_equals_compressed_tensors(R, C):
+    torch.manual_seed(R + C)
+    w = torch.randint(0, 256, (R, C), dtype=torch.uint8)
+    w = torch.where((w & 0x7F) == 0x7F, 0, w).view(torch.float8_e4m3fn)   # no NaN codes
+    e = torch.randint(100, 150, (R, C // 32), dtype=torch.uint8)
+    ref = MXFP8QuantizationCompressor.decompress({'weight': w, 'weight_scale': e}, preset_name_to_scheme('MXFP8A16', ['Linear']))['weight']
+    same(FloatQuantizedDequantize((1, 32)).apply([w, e]), ref)
+
+
+# ---- loaded models against from_pretrained of the reference-dequantized checkpoint
+
+@pytest.mark.parametrize('name', ['nvfp4', 'mxfp8', 'modelopt'])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_logits_equal_the_dequantized_reference(name, dtype, ckpts, tmp_path):
+    d = ckpts[name]
+    ref_dir = modelopt_reference(d, tmp_path/'ref', dtype) if name == 'modelopt' else ct_preset_reference(d, tmp_path/'ref', dtype)
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).eval()
+    m = load_model(d, dtype=dtype)
+    same(m.model.layers[1].mlp.down_proj.weight, ref.model.layers[1].mlp.down_proj.weight)
+    same(logits(m), logits(ref))
+    same(logits(load_model(d, dtype=dtype, quantized='keep')), logits(ref))
+
+
+@pytest.mark.parametrize('name', ['w4a16_dense', 'nvfp4_dense'])
+def test_dense_loads_as_from_pretrained(name, ckpts):
+    d = ckpts[name]
+    assert config_of(d)['quantization_config']['format'] == 'dense'
+    hf = AutoModelForCausalLM.from_pretrained(d).eval()
+    m = load_model(d)
+    sd = load_file(str(d/'model.safetensors'))
+    same(m.model.layers[0].mlp.down_proj.weight, sd['model.layers.0.mlp.down_proj.weight'])
+    same(logits(m), logits(hf))
+    same(logits(load_model(d, quantized='keep')), logits(hf))
+    units = quantized_tensors(checkpoint_source(d), config_of(d))
+    assert units and all(isinstance(u.op, DenseQuantized) for u in units)
+
+
+def test_plain_weights_under_a_packed_label_load_as_dense(ckpts, tmp_path):
+    "An upload whose config says pack-quantized, frozen, but whose modules hold plain weights and their scales."
+    d = shutil.copytree(ckpts['w4a16_dense'], tmp_path/'mislabelled')
+    cfg = config_of(d)
+    cfg['quantization_config']['format'] = 'pack-quantized'
+    cfg['quantization_config']['config_groups']['group_0']['format'] = 'pack-quantized'
+    (d/'config.json').write_text(json.dumps(cfg))
+    same(logits(load_model(d)), logits(AutoModelForCausalLM.from_pretrained(ckpts['w4a16_dense']).eval()))
+
+
+def test_f4_dtype_is_read(ckpts, tmp_path):
+    d = as_modelopt(ckpts['nvfp4'], tmp_path/'f4', f4=True)
+    k = 'model.layers.0.mlp.down_proj.weight'
+    with safe_open(str(d/'model.safetensors'), 'pt') as f: want = f.get_tensor(k)
+    info = read_header(d/'model.safetensors')[1][k]
+    assert (info.dtype, info.shape) == (want.dtype, tuple(want.shape)) == (torch.float4_e2m1fn_x2, (128, 128))
+    src = checkpoint_source(d)
+    same(src.get(k).view(torch.uint8), want.view(torch.uint8))
+    ref = AutoModelForCausalLM.from_pretrained(modelopt_reference(d, tmp_path/'ref', torch.float32), dtype=torch.float32).eval()
+    same(logits(load_model(d, dtype=torch.float32)), logits(ref))
+
+
+def test_f4_odd_last_dimension_is_refused(tmp_path):
+    p = tmp_path/'odd.safetensors'
+    save_file({'w': torch.zeros(2, 3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, str(p))
+    raw = bytearray(p.read_bytes())
+    raw[:200] = bytes(raw[:200]).replace(b'"shape":[2,6]', b'"shape":[2,5]')
+    p.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"odd\.safetensors: not a readable safetensors file"): read_header(p)   # safetensors refuses it first
+
+
+# ---- contradictions name both sides
+
+def test_dense_label_with_fp8_codes_is_refused(ckpts, tmp_path):
+    d = shutil.copytree(ckpts['mxfp8'], tmp_path/'bad')
+    cfg = config_of(d)
+    cfg['quantization_config']['format'] = 'dense'
+    cfg['quantization_config']['config_groups']['group_0']['format'] = 'dense'
+    (d/'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"format 'dense'.*'model\.layers\.0\..*\.weight' is torch\.float8_e4m3fn"):
+        quantized_tensors(checkpoint_source(d), config_of(d))
+
+
+def test_modelopt_algo_contradiction_is_refused(ckpts, tmp_path):
+    d = shutil.copytree(ckpts['modelopt'], tmp_path/'bad')
+    cfg = config_of(d)
+    cfg['quantization_config']['quant_algo'] = 'FP8'
+    (d/'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"stored as NVFP4.*quant_algo for it is 'FP8'"): quantized_tensors(checkpoint_source(d), config_of(d))
+
+
+def test_nvfp4_scales_that_do_not_fit_the_group_are_refused(ckpts, tmp_path):
+    d = shutil.copytree(ckpts['nvfp4'], tmp_path/'bad')
+    cfg = config_of(d)
+    cfg['quantization_config']['config_groups']['group_0']['weights']['group_size'] = 32
+    (d/'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"weight_scale' has shape \[128, 16\].*one scale per 32 values, so \[128, 8\]"):
+        quantized_tensors(checkpoint_source(d), config_of(d))
+
+
+def test_kept_nvfp4_holds_the_checkpoint_bytes(ckpts):
+    d = ckpts['nvfp4']
+    m = load_model(d, quantized='keep')
+    file, params = load_file(str(d/'model.safetensors')), dict(m.named_parameters())
+    for k in [k for k in file if '.weight_' in k]: same(params[k].view(torch.uint8), file[k].view(torch.uint8))

@@ -1,0 +1,137 @@
+"GGUF: the block decoders against gguf-py, tiny files written by gguf-py against transformers' from_pretrained(gguf_file=...), SmolLM2's real Q4_1 file, refusals."
+import os, shutil
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import gguf
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from mstar_utils.checkpoints import smollm2_gguf
+from mstar_utils.gguf import GGUF_TYPES, dequantize_gguf, gguf_config, gguf_file, load_gguf_model, read_gguf, unpermute_rows
+from mstar_utils.model import load_model
+from mstar_utils.testing import tiny_llama_gguf_config, write_gguf_checkpoint
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
+SCALE_AT = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
+            T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+ALL_TYPES = {'attn_q': 'Q4_0', 'attn_k': 'Q4_1', 'attn_v': 'Q5_0', 'attn_output': 'Q5_1', 'ffn_gate': 'Q2_K', 'ffn_up': 'Q3_K',
+             'ffn_down': 'Q4_K', 'token_embd': 'Q5_K', 'output': 'Q6_K'}
+
+
+def same(a, b):
+    assert (a.dtype, a.shape) == (b.dtype, b.shape), ((a.dtype, a.shape), (b.dtype, b.shape))
+    assert torch.equal(a, b), f'max |difference| {(a.float() - b.float()).abs().max().item()}'
+
+
+def logits(m):
+    with torch.no_grad(): return m(IDS).logits
+
+
+def random_blocks(rng, qtype, shape):
+    "Random bytes of a tensor of `shape` (the last axis counted in blocks), float16 scales kept finite."
+    b = rng.integers(0, 256, (*shape, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    for at in SCALE_AT[qtype]: b[..., at + 1] &= 0xBF
+    return b.reshape(*shape[:-1], -1)
+
+
+@pytest.mark.parametrize('qtype', list(SCALE_AT), ids=lambda q: q.name)
+@pytest.mark.parametrize('shape', [(1, 1), (7, 3), (33, 2), (3, 5, 1)])
+def test_block_decoders_equal_gguf_py(qtype, shape):
+    b = random_blocks(np.random.default_rng(int(qtype) * 100 + sum(shape)), qtype, shape)
+    same(dequantize_gguf(torch.from_numpy(b), qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
+
+
+@pytest.mark.parametrize('qtype', [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda q: q.name)
+def test_gguf_py_quantized_values_decode_as_gguf_py(qtype):
+    x = np.random.default_rng(1).standard_normal((13, 96)).astype(np.float32) * 3
+    q = gguf.quants.quantize(x, qtype)
+    same(dequantize_gguf(torch.from_numpy(q.view(np.uint8).copy()), qtype), torch.from_numpy(gguf.quants.dequantize(q, qtype).astype(np.float32)))
+
+
+def test_out_and_refusals():
+    b = random_blocks(np.random.default_rng(2), T.Q4_K, (4, 2))
+    out = torch.empty(4, 512)
+    assert dequantize_gguf(torch.from_numpy(b), T.Q4_K, out) is out
+    with pytest.raises(ValueError, match='a row of 35 bytes is not a whole number of 34-byte blocks'): dequantize_gguf(torch.zeros(2, 35, dtype=torch.uint8), T.Q8_0)
+    with pytest.raises(NotImplementedError, match='IQ2_XXS is not decoded'): dequantize_gguf(torch.zeros(2, 66, dtype=torch.uint8), T.IQ2_XXS)
+    assert T.Q4_K in GGUF_TYPES and T.IQ2_XXS not in GGUF_TYPES
+
+
+def test_unpermute_undoes_llamacpp_and_matches_transformers():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+    w = torch.randn(24, 5)
+    same(unpermute_rows(w, 3), torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(w.numpy(), 3, 3)))
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp('gguf')
+    out = {}
+    for name, qt, tie in [('all_types', ALL_TYPES, False), ('plain_tied', {'token_embd': 'F16', 'ffn': 'BF16', 'attn': 'F32'}, True),
+                          ('q8_0', {}, False)]:
+        (root/name).mkdir()
+        out[name] = write_gguf_checkpoint(root/name/'tiny.gguf', qt, config=tiny_llama_gguf_config(tie_word_embeddings=tie))
+    return out
+
+
+@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0'])
+def test_tiny_files_load_as_from_pretrained(name, tiny):
+    f = tiny[name]
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
+    for m in (load_model(f), load_model(f.parent)):
+        a, b = m.state_dict(), ref.state_dict()
+        assert set(a) == set(b)
+        for k in a: same(a[k], b[k])
+        same(logits(m), logits(ref))
+        assert (m.lm_head.weight is m.model.embed_tokens.weight) == (ref.lm_head.weight is ref.model.embed_tokens.weight)
+
+
+def test_dtype_is_one_rounding_of_the_float32_values(tiny):
+    f = tiny['all_types']
+    m32, m16 = load_gguf_model(f), load_gguf_model(f, dtype=torch.bfloat16)
+    same(m16.model.layers[0].mlp.down_proj.weight, m32.model.layers[0].mlp.down_proj.weight.to(torch.bfloat16))
+
+
+def test_header_and_config_equal_gguf_py_and_transformers(tiny):
+    f = tiny['all_types']
+    h, r = read_gguf(f), gguf.GGUFReader(f)
+    assert list(h.tensors) == [t.name for t in r.tensors]
+    for t in r.tensors:
+        mine = h.tensors[t.name]
+        assert (mine.qtype, mine.shape) == (T(t.tensor_type), tuple(int(d) for d in reversed(t.shape)))
+        same(mine.data, torch.from_numpy(t.data.view(np.uint8).reshape(-1).copy()))
+    assert gguf_config(f, h).to_dict() == AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
+
+
+def test_smollm2_q4_1_equals_from_pretrained():
+    f = smollm2_gguf()
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
+    m = load_model(f)
+    a, b = m.state_dict(), ref.state_dict()
+    assert set(a) == set(b) and len(a) > 200
+    for k in a: same(a[k], b[k])
+    same(logits(m), logits(ref))
+    h = read_gguf(f)
+    assert gguf_config(f, h).to_dict() == AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
+    assert {t.qtype.name for t in h.tensors.values()} == {'Q4_1', 'Q8_0', 'F32'}
+
+
+def test_refusals_name_the_file(tiny, tmp_path):
+    f = tiny['q8_0']
+    bad = tmp_path/'cut.gguf'
+    bad.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"cut\.gguf: tensor '.*' ends at byte \d+, past the end of the file"): read_gguf(bad)
+    (tmp_path/'x.gguf').write_bytes(b'GGML' + b'\0' * 20)
+    with pytest.raises(ValueError, match=r"x\.gguf: not a GGUF file"): read_gguf(tmp_path/'x.gguf')
+    two = tmp_path/'two'
+    two.mkdir()
+    for n in ('a.gguf', 'b.gguf'): shutil.copy(f, two/n)
+    with pytest.raises(ValueError, match=r'holds 2 GGUF files \(a\.gguf, b\.gguf\); give the file to load'): load_model(two)
+    assert gguf_file(tmp_path/'nothing') is None
