@@ -20,10 +20,13 @@ from .kv import *
 from .generation import *
 from .speech import *
 from .report import *
+from .explore import *
 from . import (checkpoints as _checkpoints, sources as _sources, loading as _loading, model as _model, convert as _convert,
                          mla as _mla, quantized as _quantized, tensor_parallel as _tensor_parallel, detokenize as _detokenize, kv as _kv, generation as _generation, speech as _speech, report as _report)
+from importlib import import_module
+_explore = import_module('mstar_utils.explore')   # the module: `from .explore import *` put its function `explore` under that name
 
-_MODULES = [_checkpoints, _sources, _loading, _model, _convert, _mla, _quantized, _tensor_parallel, _detokenize, _kv, _generation, _speech, _report]
+_MODULES = [_checkpoints, _sources, _loading, _model, _convert, _mla, _quantized, _tensor_parallel, _detokenize, _kv, _generation, _speech, _report, _explore]
 __all__ = [n for m in _MODULES for n in m.__all__]
 
 # %% ../nbs/99_api.ipynb #52e4f1cb

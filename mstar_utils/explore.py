@@ -401,7 +401,12 @@ def load_findings(ckpt: Path, # a checkpoint folder
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         out.append(Finding('load', 'error', _quoted(msg) or ckpt.name, f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
         return out, None
-    _key_findings(model, src, out)
+    try: _key_findings(model, src, out)
+    except (ValueError, KeyError, OSError) as e:   # a shard whose header is read only now
+        src.close()
+        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        out.append(Finding('load', 'error', _quoted(msg) or ckpt.name, f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
+        return out, None
     return out, src
 
 # %% ../nbs/12b_explore.ipynb #65fb0d0b
@@ -562,14 +567,16 @@ class _OneThread:
 def _each(src, keys: list, fn, failed=None):
     "`fn(key, tensor)` for each of `keys` in order, the next tensor read on a thread meanwhile: at most two tensors held; `failed(key, error)` for a read that fails."
     with ThreadPoolExecutor(1, thread_name_prefix='explore-read') as ex:
-        fut = ex.submit(src.get, keys[0]) if keys else None
+        def read(k):   # the destination allocated on this thread: memory a reader thread frees stays in its own malloc arena
+            return ex.submit(src.get, k, torch.empty(tuple(src.shape(k)), dtype=src.dtype(k)))
+        fut = read(keys[0]) if keys else None
         for i, k in enumerate(keys):
             try: t = fut.result()
             except (ValueError, OSError, KeyError) as e:
                 t = None
                 if failed is None: raise
                 failed(k, e)
-            fut = ex.submit(src.get, keys[i + 1]) if i + 1 < len(keys) else None
+            fut = read(keys[i + 1]) if i + 1 < len(keys) else None
             if t is not None: fn(k, t)
             del t
 
@@ -767,8 +774,9 @@ def _layer_diffs(diffs: list) -> list[LayerDiff]:
         out.append(LayerDiff(name, len(ds), sum(not d.identical for d in ds), math.sqrt(dd / aa) if aa else 0.0, max(d.max_abs for d in ds)))
     return sorted(out, key=lambda l: (-l.rel_l2, -l.max_abs, l.layer))
 
-def _read_hashed(src, k: str) -> tuple:
-    t = src.get(k)
+def _read_hashed(src, k: str, out: torch.Tensor) -> tuple:
+    "(tensor `k` of `src` read into `out`, its hash): run on a reader thread, into memory the caller's thread allocated."
+    t = src.get(k, out=out)
     return t, _hash(t)
 
 # %% ../nbs/12b_explore.ipynb #6d05c2e1
@@ -793,7 +801,7 @@ def diff_checkpoints(a, # the base checkpoint folder
                      b, # the checkpoint compared with it (a fine-tune, a requantization, ...)
                     ) -> CheckpointDiff:
     "Compare two checkpoints a tensor at a time, each dequantized as load_model does: structure, then hashes and numbers per tensor."
-    A, B, findings = Path(a), Path(b), []
+    A, B, findings = checkpoint_dir_(a), checkpoint_dir_(b), []   # FileNotFoundError saying what a path is instead
     side = []
     for p in (A, B):
         config = _parse_json(p/'config.json')[0] or {}
@@ -807,10 +815,12 @@ def diff_checkpoints(a, # the base checkpoint folder
     try:
         with _OneThread(), ThreadPoolExecutor(2, thread_name_prefix='explore-diff') as ex:
             for k in same:
-                fa, fb = ex.submit(_read_hashed, sa, k), ex.submit(_read_hashed, sb, k)
+                # allocated here: memory freed by the reader threads would stay in their own malloc arenas, above the bound
+                oa, ob = torch.empty(sa.shape(k), dtype=sa.dtype(k)), torch.empty(sb.shape(k), dtype=sb.dtype(k))
+                fa, fb = ex.submit(_read_hashed, sa, k, oa), ex.submit(_read_hashed, sb, k, ob)
                 (x, hx), (y, hy) = fa.result(), fb.result()
                 diffs.append(compare_tensors(k, x, y, hx, hy))
-                del x, y
+                del x, y, oa, ob
     finally: sa.close(); sb.close()
     diffs.sort(key=_rank)
     return CheckpointDiff(A.name, B.name, sorted(kb - ka), sorted(ka - kb), reshaped, diffs, _layer_diffs(diffs), findings)
