@@ -508,6 +508,24 @@ class _Moments:
         self.m2 += m2 + d * d * na * n / N
         self.mean += d * n / N; self.n = N
 
+def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor, lo: torch.Tensor) -> tuple:
+    "(`_Moments`, NaN count, Inf count) of rows [r0, r1) of the 2-d `x2`, chunk by chunk; each row's max and min go into `hi`, `lo`."
+    cols, mom, nan, inf = x2.shape[1], _Moments(), 0, 0
+    buf, sq, tmp = (torch.empty(min(r1 - r0, step) * cols) for _ in range(3))
+    for r in range(r0, r1 if cols else r0, step):
+        c = x2[r:min(r + step, r1)]
+        k, e = c.numel(), min(r + step, r1)
+        x = buf[:k].view(c.shape)
+        x.copy_(c)   # to float32, into memory reused chunk after chunk
+        m = float(x.sum()) / k
+        torch.amax(x, 1, out=hi[r:e]); torch.amin(x, 1, out=lo[r:e])
+        d, d2, p = x.sub_(m).view(-1), sq[:k], tmp[:k]
+        torch.mul(d, d, out=d2)
+        m3 = float(torch.mul(d2, d, out=p).sum())   # sums, not BLAS dots: torch's cascade sum keeps float32 error near 1e-7
+        mom.add(k, m, float(d2.sum()), m3, float(torch.mul(d2, d2, out=p).sum()))
+        if not math.isfinite(m): nan += int(torch.isnan(c).sum()); inf += int(torch.isinf(c).sum())
+    return mom, nan, inf
+
 # %% ../nbs/12b_explore.ipynb #34f3481f
 @dataclass
 class TensorStats:
@@ -531,25 +549,20 @@ class TensorStats:
 def reduce_tensor(key: str, # names the result
                   t: torch.Tensor, # any float dtype; reduced in float32, `_CHUNK` elements at a time
                   dtype: str | None = None, # the stored dtype to report; None: `t`'s
+                  pool=None, # a `ThreadPoolExecutor` that reduces the first half of a large tensor's rows meanwhile
                  ) -> TensorStats:
     "`TensorStats` of `t` in one pass over cache-sized chunks: moments merged exactly, the absmax of every row kept."
     x2 = t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, -1)
     rows, cols = x2.shape
-    hi, lo, mom, nan, inf = torch.zeros(rows), torch.zeros(rows), _Moments(), 0, 0
+    hi, lo = torch.zeros(rows), torch.zeros(rows)
     step = max(1, _CHUNK // max(cols, 1))
-    buf, sq, tmp = (torch.empty(min(rows, step) * cols) for _ in range(3))
-    for r in range(0, rows if cols else 0, step):
-        c = x2[r:r + step]
-        k = c.numel()
-        x = buf[:k].view(c.shape)
-        x.copy_(c)   # to float32, into memory reused chunk after chunk
-        m = float(x.sum()) / k
-        torch.amax(x, 1, out=hi[r:r + step]); torch.amin(x, 1, out=lo[r:r + step])
-        d, d2, p = x.sub_(m).view(-1), sq[:k], tmp[:k]
-        torch.mul(d, d, out=d2)
-        m3 = float(torch.mul(d2, d, out=p).sum())   # sums, not BLAS dots: torch's cascade sum keeps float32 error near 1e-7
-        mom.add(k, m, float(d2.sum()), m3, float(torch.mul(d2, d2, out=p).sum()))
-        if not math.isfinite(m): nan += int(torch.isnan(c).sum()); inf += int(torch.isinf(c).sum())
+    mid = (rows // 2 // step) * step if pool is not None and t.numel() >= 4 * _CHUNK else 0
+    first = pool.submit(_reduce_rows, x2, 0, mid, step, hi, lo) if mid else None
+    mom, nan, inf = _reduce_rows(x2, mid, rows, step, hi, lo)
+    if first is not None:
+        m0, n0, i0 = first.result()
+        m0.add(mom.n, mom.mean, mom.m2, mom.m3, mom.m4)
+        mom, nan, inf = m0, nan + n0, inf + i0
     row_max = torch.maximum(hi, lo.neg_())
     n, absmax = mom.n, float(row_max.max()) if rows and cols else float('nan')
     med = float(row_max.median()) if rows and cols else float('nan')
@@ -559,6 +572,17 @@ def reduce_tensor(key: str, # names the result
                        float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None)
 
 # %% ../nbs/12b_explore.ipynb #e0069529
+class _Buffers:
+    "Byte buffers reused from tensor to tensor, each grown (never shrunk) to the largest tensor read into it."
+    def __init__(self, n: int): self.bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(n)]
+    def view(self, j: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        "Buffer `j` as a contiguous tensor of `shape` and `dtype`."
+        n = math.prod(shape) * dtype.itemsize
+        if self.bufs[j].numel() < n:
+            self.bufs[j] = None   # freed before the larger one is allocated
+            self.bufs[j] = torch.empty(n, dtype=torch.uint8)
+        return self.bufs[j][:n].view(dtype).view(shape)
+
 class _OneThread:
     "torch's intra-op threads set to one for the block: reductions of cache-sized chunks run on this thread, reads on another core."
     def __enter__(self): self.n = torch.get_num_threads(); torch.set_num_threads(1)
@@ -566,17 +590,18 @@ class _OneThread:
 
 def _each(src, keys: list, fn, failed=None):
     "`fn(key, tensor)` for each of `keys` in order, the next tensor read on a thread meanwhile: at most two tensors held; `failed(key, error)` for a read that fails."
+    bufs = _Buffers(2)
     with ThreadPoolExecutor(1, thread_name_prefix='explore-read') as ex:
-        def read(k):   # the destination allocated on this thread: memory a reader thread frees stays in its own malloc arena
-            return ex.submit(src.get, k, torch.empty(tuple(src.shape(k)), dtype=src.dtype(k)))
-        fut = read(keys[0]) if keys else None
+        def read(i):   # into buffer i % 2, faulted in once and reused: fresh memory costs more to fault in than the read
+            return ex.submit(src.get, keys[i], bufs.view(i % 2, tuple(src.shape(keys[i])), src.dtype(keys[i])))
+        fut = read(0) if keys else None
         for i, k in enumerate(keys):
             try: t = fut.result()
             except (ValueError, OSError, KeyError) as e:
                 t = None
                 if failed is None: raise
                 failed(k, e)
-            fut = read(keys[i + 1]) if i + 1 < len(keys) else None
+            fut = read(i + 1) if i + 1 < len(keys) else None
             if t is not None: fn(k, t)
             del t
 
@@ -696,8 +721,9 @@ def weight_stats(checkpoint_dir, # a checkpoint folder
     by_target = {u.target: u for u in units}
     keys = sorted((k for k in src.keys() if src.dtype(k).is_floating_point), key=lambda k: _order_key(tensors, by_target, k))
     out = []
+    pool = ThreadPoolExecutor(1, thread_name_prefix='explore-reduce')   # half of each large tensor, on the second core
     def one(k, t):
-        st = reduce_tensor(k, t, str(by_target[k].dtypes[0] if k in by_target else tensors[k].dtype).removeprefix('torch.'))
+        st = reduce_tensor(k, t, str(by_target[k].dtypes[0] if k in by_target else tensors[k].dtype).removeprefix('torch.'), pool)
         if k in by_target: _scale_stats(raw, by_target[k], st)
         out.append(st)
     def failed(k, e): findings.append(Finding('stats', 'error', k, f'cannot be read: {e}', 'fetch the shard again'))
@@ -708,7 +734,7 @@ def weight_stats(checkpoint_dir, # a checkpoint folder
             for l in ws.worst(worst):
                 s = ws.by_key()[l.kurtosis_key]
                 if math.isfinite(s.std) and s.std > 0: ws.histograms[l.layer] = (s.key, *_histogram(src.get(s.key), s.mean, s.std))
-    finally: src.close()
+    finally: src.close(); pool.shutdown()
     return ws
 
 # %% ../nbs/12b_explore.ipynb #dfc1e50e
@@ -813,10 +839,12 @@ def diff_checkpoints(a, # the base checkpoint folder
     reshaped = [(k, tuple(sa.shape(k)), tuple(sb.shape(k))) for k in common if tuple(sa.shape(k)) != tuple(sb.shape(k))]
     same, diffs = [k for k in common if tuple(sa.shape(k)) == tuple(sb.shape(k))], []
     try:
+        bufs = _Buffers(2)
         with _OneThread(), ThreadPoolExecutor(2, thread_name_prefix='explore-diff') as ex:
             for k in same:
-                # allocated here: memory freed by the reader threads would stay in their own malloc arenas, above the bound
-                oa, ob = torch.empty(sa.shape(k), dtype=sa.dtype(k)), torch.empty(sb.shape(k), dtype=sb.dtype(k))
+                # buffers allocated here and reused: fresh memory costs more to fault in than the read, and memory freed by
+                # the reader threads would stay in their own malloc arenas
+                oa, ob = bufs.view(0, tuple(sa.shape(k)), sa.dtype(k)), bufs.view(1, tuple(sb.shape(k)), sb.dtype(k))
                 fa, fb = ex.submit(_read_hashed, sa, k, oa), ex.submit(_read_hashed, sb, k, ob)
                 (x, hx), (y, hy) = fa.result(), fb.result()
                 diffs.append(compare_tensors(k, x, y, hx, hy))
