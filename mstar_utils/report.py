@@ -113,11 +113,12 @@ def checkpoint_report(checkpoint_dir, # an HF checkpoint folder
     counts = _count_tensors(wm, problems)
     if (ckpt/'tokenizer.json').is_file(): tok = _part(problems, 'tokenizer.json', lambda: _tokenizer_summary(ckpt/'tokenizer.json'))
     stop = _part(problems, 'tokenizer.json', lambda: _report_stop_ids(ckpt), [])
+    gen = _part(problems, gc.name, lambda: _read_json(gc)) if gc.is_file() else None
     return {'checkpoint': str(ckpt), 'architectures': config.get('architectures', []), 'model_type': config.get('model_type'),
             'shards': [{'file': s.name, 'bytes': s.stat().st_size} for s in sorted(set(wm.values()))], 'tensors': len(wm),
             **counts, 'tie_word_embeddings': config.get('tie_word_embeddings'), 'tokenizer': tok, 'stop_token_ids': stop,
-            'generation_config': _part(problems, gc.name, lambda: _read_json(gc)) if gc.is_file() else None,
-            'sampling_defaults': _part(problems, gc.name, lambda: load_generation_defaults(ckpt)), 'problems': problems}
+            'generation_config': gen, 'problems': problems,
+            'sampling_defaults': None if gc.is_file() and gen is None else _part(problems, gc.name, lambda: load_generation_defaults(ckpt))}
 
 # %% ../nbs/12_report.ipynb #55a0c544
 def check_can_answer(ckpt: Path, # a checkpoint folder
