@@ -946,7 +946,7 @@ def _tree_row(n: TreeNode) -> str:
 
 def tree_html(n: TreeNode, depth: int = 0) -> str:
     "The module tree as nested `<details>`: the first level open, the rest collapsed."
-    label = f'<code>{_E(n.path or "(checkpoint)")}</code> <span style="color:#666">{_E(_tree_row(n))}</span>'
+    label = f'<code>{_E(n.path or "(checkpoint)")}</code> <span style="color:gray">{_E(_tree_row(n))}</span>'
     if not n.children: return f'<div style="margin-left:1.2em">{label}</div>'
     kids = ''.join(tree_html(c, depth + 1) for c in n.children)
     return f'<details{" open" if depth == 0 else ""} style="margin-left:{0 if depth == 0 else 1.2}em"><summary>{label}</summary>{kids}</details>'
