@@ -13,7 +13,7 @@ from .report import NotACheckpoint, checkpoint_report, generate_reply, check_can
 from .speech import whisper_report, transcribe_stream
 
 # %% auto #0
-__all__ = ['COMMANDS', 'format_report', 'inspect', 'main']
+__all__ = ['COMMANDS', 'format_report', 'inspect', 'diff', 'main']
 
 # %% ../nbs/14_cli.ipynb #9ae84cb4
 def _human(n: float, unit='B') -> str:
@@ -61,6 +61,7 @@ def format_report(rep: dict, # from `checkpoint_report`, with optional `kv_lines
     skip = lambda k: k.startswith('_') or k == 'transformers_version'
     L.append('generation    ' + (', '.join(f'{k}={_long(v)}' for k, v in g.items() if not skip(k)) if g else 'no generation_config.json'))
     L.append(f"sampling      {rep['sampling_defaults'] or 'none declared (the server defaults apply)'}")
+    L += [f"problem       {p['message']}" for p in rep.get('problems', [])]
     return '\n'.join(L + _whisper_lines(rep.get('whisper')) + list(rep.get('kv_lines', [])))
 
 # %% ../nbs/14_cli.ipynb #92e1c36b
@@ -144,6 +145,7 @@ def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-I
             max_concurrent_requests: int = None,  # Admission cap to check against --kv-pages
             plot: str = None,  # Write the KV pages / concurrency figure to this PNG path
             audio: str = None,  # Transcribe this audio file (WAV, FLAC, ...; at most 30 s) with a Whisper checkpoint, streamed
+            stats: bool = False,  # Also explore the checkpoint (mstar_utils.explore): formats, load lint, bytes per rank, weight statistics
            ) -> int:
     "Report what a HuggingFace checkpoint folder holds; --prompt answers (text models), --audio transcribes (Whisper). Exit 0; 1 when --kv-pages refuses the cap; 2 for bad input."
     _check_kv_options(page_size, kv_pages, max_concurrent_requests, plot)
@@ -153,8 +155,10 @@ def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-I
     _check_task(rep, prompt, audio)
     if rep['model_type'] == 'whisper': rep['whisper'] = whisper_report(ckpt)
     rep['kv'], rep['kv_lines'] = _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot)
+    ex = _explored(ckpt) if stats else None
+    if ex is not None: rep['explore'] = ex.to_dict()
     head = '\n\nreply         ' if prompt is not None else '\n\ntranscription ' if audio is not None else '\n'
-    if not json: print(format_report(rep) + ('' if prompt is not None or audio is not None else head), end='', flush=True)
+    if not json: print(format_report(rep) + ('' if ex is None else '\n\n' + str(ex)) + ('' if prompt is not None or audio is not None else head), end='', flush=True)
     if audio is not None: _transcribe(ckpt, audio, rep, json, head)
     if prompt is not None:
         out = io.BytesIO() if json else _StdoutBytes(head)
@@ -164,8 +168,25 @@ def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-I
     if json: print(_json.dumps({k: v for k, v in rep.items() if k != 'kv_lines'}, indent=2, default=str))
     return 1 if (rep.get('kv') or {}).get('verdict') == 'refused' else 0
 
+# %% ../nbs/14_cli.ipynb #a08a19a1
+def _explored(ckpt):
+    "`explore(ckpt)`, weight statistics included, saying so on stderr: it reads every weight."
+    from mstar_utils.explore import explore
+    print(f'exploring {Path(ckpt).name}: reading every weight for the statistics ...', file=sys.stderr, flush=True)
+    return explore(ckpt, stats=True)
+
+def diff(a: Param('the base checkpoint folder', str, opt=False),
+         b: Param('the checkpoint compared with it (a fine-tune, a requantization, ...)', str, opt=False),
+         json: bool = False,  # Print one JSON document: the changed tensors most changed first, each with its key
+        ) -> int:
+    "Compare two checkpoints tensor by tensor, dequantized: keys added, removed and reshaped, then the changed tensors and layers, most changed first. Exit 0; 2 for bad input."
+    from mstar_utils.explore import diff_checkpoints
+    d = diff_checkpoints(a, b)
+    print(d.to_json() if json else str(d))
+    return 0
+
 # %% ../nbs/14_cli.ipynb #c779f8c8
-COMMANDS = {'inspect': inspect}
+COMMANDS = {'inspect': inspect, 'diff': diff}
 
 def _dashes_to_underscores(argv):
     out = []

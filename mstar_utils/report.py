@@ -4,7 +4,7 @@
 
 # %% ../nbs/12_report.ipynb #1ba84434
 from __future__ import annotations
-import json, sys
+import json, re, sys
 from collections import Counter
 from pathlib import Path
 
@@ -49,11 +49,14 @@ def _param_group(key: str) -> str:
 _BUFFER_DTYPES = {'torch.int64', 'torch.bool'}
 
 # %% ../nbs/12_report.ipynb #edabfdf8
-def _count_tensors(wm: dict) -> dict:
-    "Parameter and buffer counts, by prefix and dtype, from the headers of the shards `wm` names (the index is the truth)."
+def _count_tensors(wm: dict, # checkpoint key -> shard, from `read_weight_map`
+                   problems: list, # receives a problem for each shard whose header cannot be read
+                  ) -> dict:
+    "Parameter and buffer counts, by prefix and dtype, from the headers of the shards `wm` names (the index is the truth); unreadable shards are skipped."
     by_prefix, dtypes, n_params, buffers = Counter(), Counter(), 0, Counter()
     for shard in sorted(set(wm.values())):
-        for k, info in read_header(shard)[1].items():
+        header = _part(problems, shard.name, lambda: read_header(shard)[1], {})
+        for k, info in header.items():
             if wm.get(k) != shard: continue
             n = 1
             for d in info.shape: n *= d
@@ -82,25 +85,40 @@ def _read_json(path: Path) -> dict:
     if not isinstance(d, dict): raise ValueError(f'{path}: holds a JSON {type(d).__name__}, expected an object')
     return d
 
+# %% ../nbs/12_report.ipynb #d98ef192
+def _part(problems: list, # receives {'file', 'message'} when `fn` fails, once per file
+          name: str, # the file `fn` parses, named in the message
+          fn, # what parses it
+          default=None, # the part's value when it cannot be parsed
+         ):
+    "`fn()`, or `default` and a problem naming the file and the parser's message: one unparseable file leaves the rest of the report."
+    try: return fn()
+    except Exception as e:   # tokenizers raises a bare Exception for a file it cannot read
+        msg = re.sub(r'\S*' + re.escape(name) + r':\s*', '', str(e))
+        if not any(p['file'] == name for p in problems): problems.append({'file': name, 'message': f'{name}: {type(e).__name__}: {msg}'})
+        return default
+
+def _tokenizer_summary(path: Path) -> dict:
+    "The tokenizer's kind and vocabulary size, as tokenizers reads the file."
+    from tokenizers import Tokenizer
+    return {'kind': tokenizer_kind(_read_json(path)), 'vocab_size': Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)}
+
 # %% ../nbs/12_report.ipynb #d6e6bc1f
 def checkpoint_report(checkpoint_dir, # an HF checkpoint folder
                      ) -> dict:
-    "A JSON-ready summary of a checkpoint from its files only: architecture, shards (bytes), parameters, dtypes, tokenizer, stop ids, generation config."
+    "A JSON-ready summary of a checkpoint from its files only: architecture, shards (bytes), parameters, dtypes, tokenizer, stop ids, generation config; `problems` names each file that cannot be parsed."
     ckpt = _require_checkpoint(checkpoint_dir)
     config = _read_json(ckpt/'config.json')
-    wm = read_weight_map(ckpt)
-    tok = None
-    if (ckpt/'tokenizer.json').is_file():
-        from tokenizers import Tokenizer
-        tok_json = _read_json(ckpt/'tokenizer.json')
-        tok = {'kind': tokenizer_kind(tok_json), 'vocab_size': Tokenizer.from_file(str(ckpt/'tokenizer.json')).get_vocab_size(with_added_tokens=True)}
-    gc = ckpt/'generation_config.json'
+    wm, problems, tok, gc = read_weight_map(ckpt), [], None, ckpt/'generation_config.json'
+    counts = _count_tensors(wm, problems)
+    if (ckpt/'tokenizer.json').is_file(): tok = _part(problems, 'tokenizer.json', lambda: _tokenizer_summary(ckpt/'tokenizer.json'))
+    stop = _part(problems, 'tokenizer.json', lambda: _report_stop_ids(ckpt), [])
+    gen = _part(problems, gc.name, lambda: _read_json(gc)) if gc.is_file() else None
     return {'checkpoint': str(ckpt), 'architectures': config.get('architectures', []), 'model_type': config.get('model_type'),
             'shards': [{'file': s.name, 'bytes': s.stat().st_size} for s in sorted(set(wm.values()))], 'tensors': len(wm),
-            **_count_tensors(wm), 'tie_word_embeddings': config.get('tie_word_embeddings'), 'tokenizer': tok,
-            'stop_token_ids': _report_stop_ids(ckpt),
-            'generation_config': _read_json(gc) if gc.is_file() else None,
-            'sampling_defaults': load_generation_defaults(ckpt)}
+            **counts, 'tie_word_embeddings': config.get('tie_word_embeddings'), 'tokenizer': tok, 'stop_token_ids': stop,
+            'generation_config': gen, 'problems': problems,
+            'sampling_defaults': None if gc.is_file() and gen is None else _part(problems, gc.name, lambda: load_generation_defaults(ckpt))}
 
 # %% ../nbs/12_report.ipynb #55a0c544
 def check_can_answer(ckpt: Path, # a checkpoint folder

@@ -25,6 +25,7 @@ FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-ne
          '--disable-quic', '--disable-component-update', '--disable-sync']
 SITE_URL = yaml.safe_load((ROOT/'_quarto.yml').read_text())['website']['site-url'].rstrip('/') + '/'
 LOADING_NB = '02_loading.ipynb'  # the page the screenshot shows
+EXPLORE_NB = '12b_explore.ipynb'  # explore's HTML: screenshot, and its tree collapses
 
 
 def notebooks() -> list[Path]:
@@ -164,10 +165,36 @@ def crawl(site):
                         entry.evaluate('e => window.scrollTo(0, e.getBoundingClientRect().top + window.scrollY - 140)')
                         page.wait_for_timeout(200)
                     page.screenshot(path=str(SHOTS/'docs_loading.png'))
+                if name == page_of(NBS/EXPLORE_NB): current['explore'] = _explore_check(page)
                 out[name] = current
                 page.close()
         finally: browser.close()
     return site, out
+
+
+def _explore_check(page) -> dict:
+    "Screenshot explore's first output at its module tree; click the tree's root row and say whether it closed, and opened again."
+    root = page.locator('.mstar-explore details details').first   # inside section 1, the tree's first level (open)
+    out = {'outputs': page.locator('.mstar-explore').count(), 'rows': page.locator('.mstar-explore details').count()}
+    if not root.count(): return out
+    root.scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS/'docs_explore.png'))
+    summary = root.locator('summary').first
+    out['open'] = [root.evaluate('e => e.open')]
+    summary.click(); out['open'].append(root.evaluate('e => e.open'))
+    out['hidden_after_close'] = not root.locator('details').first.is_visible()
+    summary.click(); out['open'].append(root.evaluate('e => e.open'))
+    return out
+
+
+def test_explore_page_tree_collapses(crawl):
+    "explore's HTML renders on its page (SmolLM2, Whisper, the fp8 MoE), and a click on a tree row closes it and opens it again."
+    _, pages = crawl
+    ex = pages[page_of(NBS/EXPLORE_NB)].get('explore') or {}
+    assert ex.get('outputs', 0) >= 3 and ex.get('rows', 0) > 20, ex
+    assert ex.get('open') == [True, False, True] and ex.get('hidden_after_close'), ex
+    shot = SHOTS/'docs_explore.png'
+    assert shot.is_file() and shot.stat().st_size > 20_000, f'{shot} missing or blank'
 
 
 def test_every_notebook_has_a_page_in_the_sidebar(crawl):
