@@ -393,10 +393,10 @@ def load_findings(ckpt: Path, # a checkpoint folder
                   model, # built on meta by `build_on_meta`
                  ) -> tuple:
     "(findings, the loader source keyed by the model's names or None): what `load_model` would raise or warn, found without reading weights; the caller closes the source."
-    from mstar_utils.model import model_source, transformers_conversions_skipped
+    from mstar_utils.model import _model_source, transformers_conversions_skipped
     out = [Finding('load', 'warning', r.partition(' ->')[0], f"transformers fuses {r}, a rule load_model cannot apply",
                    'give load_model conv= recipes for it, or expect the keys it fuses to be missing') for r in transformers_conversions_skipped(config)]
-    try: src = model_source(ckpt, config, model)
+    try: src = _model_source(ckpt, config, model)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         out.append(Finding('load', 'error', _quoted(msg) or ckpt.name, f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
@@ -412,12 +412,17 @@ def load_findings(ckpt: Path, # a checkpoint folder
 # %% ../nbs/12b_explore.ipynb #65fb0d0b
 def _stored_bytes(src, k: str) -> int:
     "Bytes the checkpoint stores for source key `k`: through renames, and the sum of the keys a conversion (dequantizing, fusing) builds it from."
-    from mstar_utils.convert import ConvertedSource, _leaves
-    from mstar_utils.sources import RenamedSource
-    if isinstance(src, RenamedSource): return _stored_bytes(src.src, src.old.get(k, k))
-    if isinstance(src, ConvertedSource):
-        tree = src._trees.get(k)
-        return _stored_bytes(src.src, k) if tree is None else sum(_stored_bytes(src.src, leaf.key) for leaf in _leaves(tree))
+    if not isinstance(src, FileSource):
+        inner = src.resolve(k)   # (the source below, its key or a conversion tree), or None
+        if inner is None: return math.prod(src.shape(k)) * src.dtype(k).itemsize
+        below, what = inner
+        if isinstance(what, str): return _stored_bytes(below, what)
+        leaves, todo = [], [what]
+        while todo:
+            node = todo.pop()
+            if hasattr(node, 'key'): leaves.append(node.key)
+            else: todo.extend(node.kids)
+        return sum(_stored_bytes(below, leaf) for leaf in leaves)
     if isinstance(src, FileSource):
         ti = src.info(k)[2]
         return ti.end - ti.begin

@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest, torch
 from safetensors.torch import load_file, save_file
 
-from mstar_utils import explore, diff_checkpoints, weight_stats, checkpoint_report
+from importlib import import_module
+from mstar_utils import explore, checkpoint_report
+
+_explore = import_module('mstar_utils.explore')   # the module, whose function `explore` the top level exports
+diff_checkpoints, weight_stats = _explore.diff_checkpoints, _explore.weight_stats
 from mstar_utils.checkpoints import smollm2_checkpoint
 from mstar_utils.cli import main
 
