@@ -511,8 +511,8 @@ def piper_speech(text: str, # what the voice says
     return resample_poly(audio, sampling_rate // g, voice.config.sample_rate // g).astype(np.float32)
 
 # %% ../nbs/00_checkpoints.ipynb #b6c863d8
-LONG_CLIPS = {'jfk': 'the JFK clip five times, about 63 s',
-              'meeting': 'the Piper voice reading MEETING_TEXT, the JFK clip after its second and fourth passage, about 90 s'}
+LONG_CLIPS = {'jfk': 'the JFK clip five times, about 67 s',
+              'meeting': 'the Piper voice reading MEETING_TEXT, the JFK clip after its second and fourth passage, about 74 s'}
 
 def _build_clip(name: str, out: Path):
     "Write clip `name` of `LONG_CLIPS` to `out/f'{name}.wav'`: speech, seeded pauses of 0.5-3 s, seeded noise."
