@@ -323,8 +323,8 @@ def load_gguf_model(path: str | Path, # a .gguf file, or a folder holding one
                    ) -> torch.nn.Module:
     "The model in GGUF file `path`, as transformers' `from_pretrained(folder, gguf_file=...)` builds it, loaded by our loader."
     from transformers import GenerationConfig
-    from .loading import ModuleAndPrefix, check_loaded, load_from_source, process_weights_after_loading
-    from .model import (build_on_meta, _untie_stored, _built_buffers_kept, _retie_equal, _initialize_unloaded, _report_kept_buffers,
+    from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_from_source, process_weights_after_loading
+    from mstar_utils.model import (build_on_meta, _untie_stored, _built_buffers_kept, _retie_equal, _initialize_unloaded, _report_kept_buffers,
                         _report_unexpected)
     f = gguf_file(path)
     if f is None: raise FileNotFoundError(f'{path}: no .gguf file there')

@@ -430,7 +430,7 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
                mmap: bool = False, # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
               ) -> torch.nn.Module:
     "The model in `checkpoint_dir` (or rank `rank`'s part of it), built on meta, loaded, checked, finalized, in eval mode."
-    from .gguf import gguf_file, load_gguf_model   # a .gguf file (or a folder of one) loads through the GGUF reader
+    from mstar_utils.gguf import gguf_file, load_gguf_model   # a .gguf file (or a folder of one) loads through the GGUF reader
     if gguf_file(checkpoint_dir) is not None:
         if rank is not None or world_size is not None or group is not None:
             raise ValueError(f'{checkpoint_dir}: a GGUF checkpoint loads on one device; pass no rank, world_size or group')
