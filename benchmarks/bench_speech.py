@@ -3,7 +3,7 @@
 `generate` in the same run, and peak RSS growth of a 10-minute input against a 60 s one (fresh processes).
 
     python benchmarks/bench_speech.py                      # tiny.en and base on long_speech_clip('jfk'), then memory
-    python benchmarks/bench_speech.py --models tiny.en --rounds 3 --no-memory
+    python benchmarks/bench_speech.py --models tiny.en --rounds 3 --no_memory
     python benchmarks/bench_speech.py --strict             # also exit 1 when a target is missed
 
 Speed: both sides start from the audio file and the same loaded float32 model. transformers' side is what its docs
