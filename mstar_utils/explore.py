@@ -393,10 +393,10 @@ def load_findings(ckpt: Path, # a checkpoint folder
                   model, # built on meta by `build_on_meta`
                  ) -> tuple:
     "(findings, the loader source keyed by the model's names or None): what `load_model` would raise or warn, found without reading weights; the caller closes the source."
-    from mstar_utils.model import _model_source, transformers_conversions_skipped
+    from mstar_utils.model import model_source, transformers_conversions_skipped
     out = [Finding('load', 'warning', r.partition(' ->')[0], f"transformers fuses {r}, a rule load_model cannot apply",
                    'give load_model conv= recipes for it, or expect the keys it fuses to be missing') for r in transformers_conversions_skipped(config)]
-    try: src = _model_source(ckpt, config, model)
+    try: src = model_source(ckpt, config, model)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         out.append(Finding('load', 'error', _quoted(msg) or ckpt.name, f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))

@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUFTensor', 'gguf_names', 'Skipped', 'GGUFHeader',
-           'read_gguf', 'gguf_config', 'GGUFSource', 'load_gguf_model']
+           'read_gguf', 'gguf_config', 'GGUFSource', 'gguf_model_class']
 
 # %% ../nbs/06b_gguf.ipynb #fmtg005
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -308,41 +308,8 @@ def get(self: GGUFSource, k: str) -> torch.Tensor:
     return w
 
 # %% ../nbs/06b_gguf.ipynb #fmtg029
-def _causal_lm(config) -> type:
+def gguf_model_class(config) -> type:
     "The class `AutoModelForCausalLM` picks for `config`: a GGUF config names no architectures."
     from transformers import AutoModelForCausalLM
     try: return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError: raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
-
-def load_gguf_model(path: str | Path, # a .gguf file, or a folder holding one
-                    model_class: type | None = None, # None: transformers' class for the converted config
-                    *,
-                    device: str = 'cpu', # where the weights land
-                    dtype: torch.dtype | None = None, # parameters' dtype; None: float32, as `from_pretrained(gguf_file=...)`
-                    strict: bool = False, # raise instead of warning when the file's tensors go unused
-                   ) -> torch.nn.Module:
-    "The model in GGUF file `path`, as transformers' `from_pretrained(folder, gguf_file=...)` builds it, loaded by our loader."
-    from transformers import GenerationConfig
-    from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_from_source, process_weights_after_loading
-    from mstar_utils.model import (build_on_meta, _untie_stored, _built_buffers_kept, _retie_equal, _initialize_unloaded, _report_kept_buffers,
-                        _report_unexpected)
-    f = gguf_file(path)
-    if f is None: raise FileNotFoundError(f'{path}: no .gguf file there')
-    header = read_gguf(f)
-    config = gguf_config(f, header)
-    model = build_on_meta(config, model_class or _causal_lm(config), dtype or torch.float32)
-    src = GGUFSource(f, model, config, header)
-    try:
-        untied = _untie_stored(model, src)
-        with _built_buffers_kept(model, src) as kept:
-            res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(f))
-            check_loaded(model, res[0], f'{f.name} ({type(model).__name__})')
-    finally: src.close()
-    _retie_equal(model, untied, f.name)
-    _initialize_unloaded(model, res[0])
-    _report_kept_buffers(model, kept, f.name)
-    model.to(device)
-    process_weights_after_loading(model, device)
-    _report_unexpected(model, res.unexpected_keys, f.name, strict)
-    if hasattr(model, 'can_generate') and model.can_generate(): model.generation_config = GenerationConfig.from_model_config(config)
-    return model.eval()

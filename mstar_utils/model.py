@@ -26,8 +26,8 @@ from .tensor_parallel import Slice, Sharding, ShardedSource, shard_module, tp_pl
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
-           'model_dtype', 'start_reads', 'load_model', 'load_model_sharded', 'PlannedTensor', 'FileReads', 'LoadPlan',
-           'load_plan']
+           'model_dtype', 'start_reads', 'model_source', 'load_model', 'load_model_sharded', 'load_gguf_model',
+           'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -333,7 +333,7 @@ def start_reads(ckpt: Path, # a checkpoint folder
     return src
 
 # %% ../nbs/03_load_model.ipynb #6d9905b2
-def _model_source(ckpt: Path, # a checkpoint folder
+def model_source(ckpt: Path, # a checkpoint folder
                  config, # its transformers config
                  model: torch.nn.Module, # the model it fills (meta-built, cut for tensor parallelism, ...)
                  conv: list | str | None = 'auto', # WeightConverter recipes; 'auto': ours by model_type, then transformers' (`transformers_conversions`); None: none
@@ -391,7 +391,7 @@ def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantize
         model = build_on_meta(config, model_class, dtype)
         sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)   # the model: where its towers are
     except BaseException: raw.close(); raise
-    src = _model_source(ckpt, config, model, conv, renames, quantized, raw)
+    src = model_source(ckpt, config, model, conv, renames, quantized, raw)
     whole = src
     try:
         untied = _untie_stored(model, src)
@@ -430,7 +430,7 @@ def load_model(checkpoint_dir: str | Path, # an HF checkpoint folder: config.jso
                mmap: bool = False, # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
               ) -> torch.nn.Module:
     "The model in `checkpoint_dir` (or rank `rank`'s part of it), built on meta, loaded, checked, finalized, in eval mode."
-    from mstar_utils.gguf import gguf_file, load_gguf_model   # a .gguf file (or a folder of one) loads through the GGUF reader
+    from mstar_utils.gguf import gguf_file   # a .gguf file (or a folder of one) loads through the GGUF reader
     if gguf_file(checkpoint_dir) is not None:
         if rank is not None or world_size is not None or group is not None:
             raise ValueError(f'{checkpoint_dir}: a GGUF checkpoint loads on one device; pass no rank, world_size or group')
@@ -466,6 +466,39 @@ def load_model_sharded(checkpoint_dir: str | Path, # an HF checkpoint folder
         if not dist.is_initialized(): raise ValueError('pass rank and world_size, or call torch.distributed.init_process_group first')
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     return load_model(checkpoint_dir, rank=rank, world_size=world_size, plan=plan, group=group, **kw)
+
+# %% ../nbs/03_load_model.ipynb #9a7b3c01
+def load_gguf_model(path: str | Path, # a .gguf file, or a folder holding one
+                    model_class: type | None = None, # None: transformers' class for the converted config
+                    *,
+                    device: str = 'cpu', # where the weights land
+                    dtype: torch.dtype | None = None, # parameters' dtype; None: float32, as `from_pretrained(gguf_file=...)`
+                    strict: bool = False, # raise instead of warning when the file's tensors go unused
+                   ) -> torch.nn.Module:
+    "The model in GGUF file `path`, as transformers' `from_pretrained(folder, gguf_file=...)` builds it, loaded by our loader."
+    from transformers import GenerationConfig
+    from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_from_source, process_weights_after_loading
+    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_file, gguf_model_class, read_gguf
+    f = gguf_file(path)
+    if f is None: raise FileNotFoundError(f'{path}: no .gguf file there')
+    header = read_gguf(f)
+    config = gguf_config(f, header)
+    model = build_on_meta(config, model_class or gguf_model_class(config), dtype or torch.float32)
+    src = GGUFSource(f, model, config, header)
+    try:
+        untied = _untie_stored(model, src)
+        with _built_buffers_kept(model, src) as kept:
+            res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(f))
+            check_loaded(model, res[0], f'{f.name} ({type(model).__name__})')
+    finally: src.close()
+    _retie_equal(model, untied, f.name)
+    _initialize_unloaded(model, res[0])
+    _report_kept_buffers(model, kept, f.name)
+    model.to(device)
+    process_weights_after_loading(model, device)
+    _report_unexpected(model, res.unexpected_keys, f.name, strict)
+    if hasattr(model, 'can_generate') and model.can_generate(): model.generation_config = GenerationConfig.from_model_config(config)
+    return model.eval()
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c11
 class PlannedTensor(NamedTuple):

@@ -199,9 +199,11 @@ def tp_plan(config, # a transformers config; a multimodal one's text plan applie
     if expert_parallel and not getattr(cfg, 'base_model_ep_plan', None):
         raise ValueError(f'{type(cfg).__name__} declares no base_model_ep_plan, so its experts cannot be split by expert')
     if cfg is config: return plan
-    if model is None:
-        from mstar_utils.model import build_on_meta
-        model = build_on_meta(config)
+    if model is None:   # only its module names are needed: the class config.json names, built on meta
+        import transformers
+        cls = getattr(transformers, (getattr(config, 'architectures', None) or [''])[0], None)
+        if cls is None: raise ValueError(f'{type(config).__name__}: config names no transformers class in `architectures`; pass model=')
+        with torch.device('meta'): model = cls(config)
     out = {_tower(model, cfg) + k: v for k, v in plan.items()}
     for name in getattr(config, 'sub_configs', {}):   # a tower is whole unless its own config gives a plan
         sub = getattr(config, name, None)
@@ -553,7 +555,7 @@ def load_weights_sharded(repo_dir: str | Path, # a checkpoint folder: index + sh
                          device: str = 'cpu', # where new tensors land
                          conv: list | None = None, # WeightConverter recipes for fused layouts (sliced through)
                          progress: bool | None = None, # a tqdm bar; None: only when stderr is a terminal
-                         source=None, # a source over the checkpoint keyed by the modules' names (`_model_source`); None: `repo_dir`'s shards through `conv`
+                         source=None, # a source over the checkpoint keyed by the modules' names (`model_source`); None: `repo_dir`'s shards through `conv`
                         ) -> LoadResult:
     "Fill `modules` with this rank's slices of `repo_dir`, reading only their bytes; the result's `bytes_read` counts them. Raises as `load_weights_from_hf_shards`."
     entries = module_entries(modules)

@@ -1,4 +1,4 @@
-"The sweep of issue 26: every causal-LM config class transformers declares, its cache filled by transformers, against our figures."
+"The KV sweep: every causal-LM config class transformers declares, its cache filled by transformers, against our figures."
 import math, warnings
 from dataclasses import dataclass
 

@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from mstar_utils.checkpoints import smollm2_gguf
-from mstar_utils.gguf import GGUF_TYPES, dequantize_gguf, gguf_config, gguf_file, load_gguf_model, read_gguf, unpermute_rows
+from mstar_utils.gguf import GGUF_TYPES, dequantize_gguf, gguf_config, gguf_file, read_gguf, unpermute_rows
+from mstar_utils.model import load_gguf_model
 from mstar_utils.model import load_model
 from mstar_utils.testing import tiny_llama_gguf_config, write_gguf_checkpoint
 

@@ -1,4 +1,4 @@
-"Hybrid KV planning (issue 26): recurrent states in both conventions, the shared pool, vLLM's logged figures, the curve, inspect."
+"Hybrid KV planning: recurrent states in both conventions, the shared pool, vLLM's logged figures, the curve, inspect."
 import json, math, os, random
 
 import pytest

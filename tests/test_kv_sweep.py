@@ -1,4 +1,4 @@
-"""Issue 26's sweep: transformers' own caches, filled on the meta device at the released shapes, against our figures
+"""The KV sweep: transformers' own caches, filled on the meta device at the released shapes, against our figures
 (convention='transformers'). The fast suite runs a cut of the hybrids and of each layer kind; MSTAR_UTILS_SLOW=1 runs every
 causal-LM config class transformers declares and prints the counts."""
 import collections, os
