@@ -379,10 +379,15 @@ def _state_shape(t, kind: str) -> StateShape:
                      'Gated DeltaNet, Kimi Delta Attention, short convolutions and lightning attention are)')
 
 # %% ../nbs/09_kv.ipynb #7879b3ad
+# Indexers whose key leaves transformers' modeling in float32: dots3's RoPE tables for indexed layers are built from
+# `inputs_embeds.float()`, so the rotated key is promoted and its cache holds float32 whatever the model's dtype.
+_FP32_INDEXER_KEYS = {'dots3_note', 'dots3_note_text'}
+
 def _indexer_token_bytes(t, nbytes: int, convention: str) -> int:
-    "Bytes per token of DeepSeek-V3.2's indexer key: vLLM stores it in fp8 with a float32 scale per 128; transformers in `nbytes`."
+    "Bytes per token of an indexer key: vLLM's fp8 with a float32 scale per 128; transformers' `nbytes` (or its float32)."
     dim = _need(t, 'index_head_dim')
-    return dim + dim // 128 * 4 if convention == 'vllm' else dim * nbytes
+    if convention == 'vllm': return dim + dim // 128 * 4
+    return dim * (4 if t.model_type in _FP32_INDEXER_KEYS else nbytes)
 
 # %% ../nbs/09_kv.ipynb #2e3f4a5b
 @dataclass(frozen=True)
