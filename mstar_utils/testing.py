@@ -11,13 +11,13 @@ import torch
 
 # %% auto #0
 __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler',
-           'ListHandler', 'tiny_configs', 'tiny_model', 'save_tiny', 'save_mla_checkpoint', 'released_kv_config',
-           'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
-           'metaspace_tokenizer', 'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer',
-           'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint',
-           'write_compressed_tensors_checkpoint', 'quantized_configs', 'write_quantized_checkpoint',
-           'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells', 'jfk_resampled',
-           'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference',
+           'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal', 'tiny_configs', 'tiny_model', 'save_tiny',
+           'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
+           'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder',
+           'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'fp8_block_quantize', 'mxfp4_quantize',
+           'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
+           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
+           'jfk_resampled', 'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference',
            'tiny_llama_gguf_config', 'write_gguf_checkpoint']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
@@ -30,6 +30,38 @@ class ListHandler(logging.Handler):
     "Collects the records it handles in `records`, for tests that check what was logged."
     def __init__(self, level=logging.NOTSET): super().__init__(level); self.records = []
     def emit(self, record): self.records.append(record)
+
+# %% ../nbs/98_testing.ipynb #b4737272
+def assert_tensors_equal(got: torch.Tensor, # the tensor under test
+                         want: torch.Tensor, # the reference's
+                         name: str = '', # what it is (a state_dict key), for the message
+                         atol: float = 0.0, # largest absolute difference allowed; 0 means bit-identical
+                        ):
+    "Raise `AssertionError` naming `name` unless `got` has `want`'s dtype, shape and values."
+    where = f'{name}: ' if name else ''
+    if (got.dtype, tuple(got.shape)) != (want.dtype, tuple(want.shape)):
+        raise AssertionError(f'{where}got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}')
+    if torch.equal(got, want): return
+    diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    if atol == 0 or not diff <= atol: raise AssertionError(f'{where}max |difference| {diff:.6g} > {atol}')
+
+# %% ../nbs/98_testing.ipynb #05b9e565
+def assert_state_dict_equal(got, # a module or a state_dict: what was loaded
+                            want, # a module or a state_dict: the reference
+                            prefix: str = '', # prepended to `got`'s keys to find `want`'s (`want` may then hold more keys)
+                            atol: float = 0.0, # as in `assert_tensors_equal`
+                            cast: bool = False, # compare `want`'s tensors cast to `got`'s dtype
+                           ):
+    "Raise `AssertionError` naming the keys or the first tensor that differs between two state_dicts."
+    got, want = (x.state_dict() if isinstance(x, torch.nn.Module) else x for x in (got, want))
+    missing = sorted({prefix + k for k in got} - set(want))
+    left = [] if prefix else sorted(set(want) - set(got))
+    if missing or left:
+        raise AssertionError(f'keys differ: {len(missing)} not in the reference {missing[:3]}, '
+                             f'{len(left)} only in the reference {left[:3]}')
+    for k, v in got.items():
+        w = want[prefix + k]
+        assert_tensors_equal(v, w.to(v.dtype) if cast else w, prefix + k, atol)
 
 # %% ../nbs/98_testing.ipynb #861b5945
 _TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)

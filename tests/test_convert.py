@@ -17,7 +17,7 @@ from mstar_utils.convert import (Operation, WeightConverter, KeysAndConverter, g
 from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded
 from mstar_utils.sources import read_weight_map, FileSource
 from mstar_utils.model import build_on_meta
-from mstar_utils.testing import tiny_configs, save_tiny
+from mstar_utils.testing import assert_state_dict_equal, save_tiny, tiny_configs
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -102,7 +102,7 @@ def test_parity_materialized_model(folders, refs, dtype):
     load_weights_from_hf_shards(folders['qwen2_moe'], [ModuleAndPrefix(model)], conv=QWEN2_MOE_CONVERSIONS)
     assert model.model.layers[1].mlp.experts.gate_up_proj.data_ptr() == ptr
     theirs = refs['qwen2_moe'].state_dict()
-    for k, v in model.state_dict().items(): assert torch.equal(v, theirs[k].to(dtype)), k
+    assert_state_dict_equal(model, theirs, cast=True)
 
 
 def test_parity_with_prefix(folders, refs):

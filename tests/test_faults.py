@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from mstar_utils.model import meta_module
 from mstar_utils import sources
+from mstar_utils.testing import assert_state_dict_equal
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
@@ -254,7 +255,7 @@ def test_undamaged_control(ckpt, kind, request):
     [names] = load_weights_from_hf_shards(d, [ModuleAndPrefix(m, prefix)])
     ref = _real(d, read_weight_map(d))
     assert {prefix + n for n in names} == set(ref)
-    for n, t in m.state_dict().items(): assert torch.equal(t, ref[prefix + n]), n
+    assert_state_dict_equal(m, ref, prefix)
 
 def test_index_is_truth_when_a_tensor_sits_in_two_shards(smol_src, tmp_path):
     "A merged shard that also holds a (different) copy of a tensor is never read for it: the index names one shard per key."

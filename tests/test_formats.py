@@ -16,16 +16,11 @@ from compressed_tensors.quantization import preset_name_to_scheme
 from mstar_utils.model import load_model
 from mstar_utils.quantized import FloatQuantizedDequantize, NVFP4Dequantize, DenseQuantized, quantized_tensors
 from mstar_utils.sources import checkpoint_source, read_header
-from mstar_utils.testing import _rewrite, ct_nvfp4_reference, ct_preset_reference, formats_config, write_ct_preset_checkpoint
+from mstar_utils.testing import _rewrite, assert_tensors_equal, ct_nvfp4_reference, ct_preset_reference, formats_config, write_ct_preset_checkpoint
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
-
-
-def same(a, b):
-    assert (a.dtype, a.shape) == (b.dtype, b.shape), ((a.dtype, a.shape), (b.dtype, b.shape))
-    assert torch.equal(a, b), f'max |difference| {(a.float() - b.float()).abs().max().item()}'
 
 
 def logits(m):
@@ -82,9 +77,9 @@ def test_nvfp4_op_equals_compressed_tensors(R, C):
     p = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8)
     s = torch.randint(0, 127, (R, C // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
     gs = torch.rand(1) * 1000
-    same(NVFP4Dequantize(16, torch.float32).apply([p, s, gs]), ct_nvfp4_reference(p, s, gs))
-    same(NVFP4Dequantize(16).apply([p, s, gs]), ct_nvfp4_reference(p, s, gs, torch.bfloat16))
-    same(NVFP4Dequantize(16, torch.float32).apply([p.view(torch.float4_e2m1fn_x2), s, gs]), ct_nvfp4_reference(p, s, gs))
+    assert_tensors_equal(NVFP4Dequantize(16, torch.float32).apply([p, s, gs]), ct_nvfp4_reference(p, s, gs))
+    assert_tensors_equal(NVFP4Dequantize(16).apply([p, s, gs]), ct_nvfp4_reference(p, s, gs, torch.bfloat16))
+    assert_tensors_equal(NVFP4Dequantize(16, torch.float32).apply([p.view(torch.float4_e2m1fn_x2), s, gs]), ct_nvfp4_reference(p, s, gs))
 
 
 @pytest.mark.parametrize('R,C', [(3, 32), (17, 96), (64, 320)])
@@ -94,7 +89,7 @@ def test_mxfp8_op_equals_compressed_tensors(R, C):
     w = torch.where((w & 0x7F) == 0x7F, 0, w).view(torch.float8_e4m3fn)   # no NaN codes
     e = torch.randint(100, 150, (R, C // 32), dtype=torch.uint8)
     ref = MXFP8QuantizationCompressor.decompress({'weight': w, 'weight_scale': e}, preset_name_to_scheme('MXFP8A16', ['Linear']))['weight']
-    same(FloatQuantizedDequantize((1, 32)).apply([w, e]), ref)
+    assert_tensors_equal(FloatQuantizedDequantize((1, 32)).apply([w, e]), ref)
 
 
 # ---- loaded models against from_pretrained of the reference-dequantized checkpoint
@@ -106,9 +101,9 @@ def test_logits_equal_the_dequantized_reference(name, dtype, ckpts, tmp_path):
     ref_dir = modelopt_reference(d, tmp_path/'ref', dtype) if name == 'modelopt' else ct_preset_reference(d, tmp_path/'ref', dtype)
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).eval()
     m = load_model(d, dtype=dtype)
-    same(m.model.layers[1].mlp.down_proj.weight, ref.model.layers[1].mlp.down_proj.weight)
-    same(logits(m), logits(ref))
-    same(logits(load_model(d, dtype=dtype, quantized='keep')), logits(ref))
+    assert_tensors_equal(m.model.layers[1].mlp.down_proj.weight, ref.model.layers[1].mlp.down_proj.weight)
+    assert_tensors_equal(logits(m), logits(ref))
+    assert_tensors_equal(logits(load_model(d, dtype=dtype, quantized='keep')), logits(ref))
 
 
 @pytest.mark.parametrize('name', ['w4a16_dense', 'nvfp4_dense'])
@@ -118,9 +113,9 @@ def test_dense_loads_as_from_pretrained(name, ckpts):
     hf = AutoModelForCausalLM.from_pretrained(d).eval()
     m = load_model(d)
     sd = load_file(str(d/'model.safetensors'))
-    same(m.model.layers[0].mlp.down_proj.weight, sd['model.layers.0.mlp.down_proj.weight'])
-    same(logits(m), logits(hf))
-    same(logits(load_model(d, quantized='keep')), logits(hf))
+    assert_tensors_equal(m.model.layers[0].mlp.down_proj.weight, sd['model.layers.0.mlp.down_proj.weight'])
+    assert_tensors_equal(logits(m), logits(hf))
+    assert_tensors_equal(logits(load_model(d, quantized='keep')), logits(hf))
     units = quantized_tensors(checkpoint_source(d), config_of(d))
     assert units and all(isinstance(u.op, DenseQuantized) for u in units)
 
@@ -132,7 +127,7 @@ def test_plain_weights_under_a_packed_label_load_as_dense(ckpts, tmp_path):
     cfg['quantization_config']['format'] = 'pack-quantized'
     cfg['quantization_config']['config_groups']['group_0']['format'] = 'pack-quantized'
     (d/'config.json').write_text(json.dumps(cfg))
-    same(logits(load_model(d)), logits(AutoModelForCausalLM.from_pretrained(ckpts['w4a16_dense']).eval()))
+    assert_tensors_equal(logits(load_model(d)), logits(AutoModelForCausalLM.from_pretrained(ckpts['w4a16_dense']).eval()))
 
 
 def test_f4_dtype_is_read(ckpts, tmp_path):
@@ -142,9 +137,9 @@ def test_f4_dtype_is_read(ckpts, tmp_path):
     info = read_header(d/'model.safetensors')[1][k]
     assert (info.dtype, info.shape) == (want.dtype, tuple(want.shape)) == (torch.float4_e2m1fn_x2, (128, 128))
     src = checkpoint_source(d)
-    same(src.get(k).view(torch.uint8), want.view(torch.uint8))
+    assert_tensors_equal(src.get(k).view(torch.uint8), want.view(torch.uint8))
     ref = AutoModelForCausalLM.from_pretrained(modelopt_reference(d, tmp_path/'ref', torch.float32), dtype=torch.float32).eval()
-    same(logits(load_model(d, dtype=torch.float32)), logits(ref))
+    assert_tensors_equal(logits(load_model(d, dtype=torch.float32)), logits(ref))
 
 
 def test_f4_odd_last_dimension_is_refused(tmp_path):
@@ -189,4 +184,4 @@ def test_kept_nvfp4_holds_the_checkpoint_bytes(ckpts):
     d = ckpts['nvfp4']
     m = load_model(d, quantized='keep')
     file, params = load_file(str(d/'model.safetensors')), dict(m.named_parameters())
-    for k in [k for k in file if '.weight_' in k]: same(params[k].view(torch.uint8), file[k].view(torch.uint8))
+    for k in [k for k in file if '.weight_' in k]: assert_tensors_equal(params[k].view(torch.uint8), file[k].view(torch.uint8))

@@ -10,7 +10,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
 from transformers.utils import logging as hf_logging
 
 from mstar_utils import load_model, smollm2_checkpoint, minilm_checkpoint
-from mstar_utils.testing import save_tiny, tiny_configs, ListHandler
+from mstar_utils.testing import ListHandler, assert_state_dict_equal, save_tiny, tiny_configs
 
 hf_logging.set_verbosity_error()
 
@@ -160,7 +160,7 @@ def test_concurrent_load_model_calls():
     with ThreadPoolExecutor(3) as ex: models = list(ex.map(lambda _: load_model(minilm_checkpoint()), range(3)))
     ref = models[0].state_dict()
     for m in models[1:]:
-        for k, v in m.state_dict().items(): assert torch.equal(v, ref[k]), k
+        assert_state_dict_equal(m, ref)
 
 
 def rewrite(folder, change):

@@ -16,6 +16,7 @@ from mstar_utils.loading import (ModuleAndPrefix, load_weights, load_weights_fro
                                  load_from_source, qualifying_keys)
 from mstar_utils.sources import INDEX_FILE, SINGLE_FILE, DictSource, read_weight_map, checkpoint_dir
 from mstar_utils.convert import WeightConverter, Operation
+from mstar_utils.testing import assert_state_dict_equal
 from mstar_utils.model import build_on_meta, load_model
 from mstar_utils.checkpoints import smollm2_checkpoint
 
@@ -228,7 +229,7 @@ def test_hub_cache_snapshot_of_smollm2_loads(tmp_path):
     assert all((snap/n).is_symlink() for n in files)
     model = load_model(snap)
     ref = load_model(SMOL)
-    for k, v in ref.state_dict().items(): assert torch.equal(model.state_dict()[k], v), k
+    assert_state_dict_equal(model, ref)
 
 
 def test_hub_repo_root_points_to_its_snapshot(tmp_path):

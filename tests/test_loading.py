@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 from mstar_utils.model import build_on_meta, meta_module
+from mstar_utils.testing import assert_state_dict_equal
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -141,7 +142,7 @@ def test_single_file_path_minilm_embeddings_match():
     [loaded] = load_weights_from_hf_shards(mini, [ModuleAndPrefix(bert)])
     check_loaded(bert, loaded, 'minilm')
     ref = AutoModel.from_pretrained(mini)
-    for k, v in ref.state_dict().items(): assert torch.equal(bert.state_dict()[k], v), k
+    assert_state_dict_equal(bert, ref)
 
 
 def test_load_weights_from_file_reads_one_shard():
@@ -233,7 +234,7 @@ def test_mmap_mode_equal_tied_and_copy_on_write(tmp_path, ref):
     [loaded] = load_weights_from_hf_shards(d, [ModuleAndPrefix(m)], mmap=True)
     check_loaded(m, loaded, 'smol mmap')
     assert m.lm_head.weight is m.model.embed_tokens.weight
-    for k, v in ref.state_dict().items(): assert torch.equal(m.state_dict()[k], v), k
+    assert_state_dict_equal(m, ref)
     with torch.no_grad(): m.model.norm.weight.fill_(3)  # a private mapping: the shard on disk must not change
     assert {f.name: f.read_bytes() for f in d.glob('*.safetensors')} == before
     # a cast still copies: a float32 module gets its own memory

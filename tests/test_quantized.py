@@ -25,18 +25,13 @@ from mstar_utils.model import CONVERSIONS_BY_MODEL_TYPE, build_on_meta, load_mod
 from mstar_utils.quantized import *
 from mstar_utils.quantized import _fragments, _ct_scheme
 from mstar_utils.sources import DictSource, checkpoint_source
-from mstar_utils.testing import (dequantized_reference, fp8_block_quantize, quantized_configs, write_compressed_tensors_checkpoint,
-                                 write_quantized_checkpoint)
+from mstar_utils.testing import (assert_state_dict_equal, assert_tensors_equal, dequantized_reference, fp8_block_quantize,
+                                 quantized_configs, write_compressed_tensors_checkpoint, write_quantized_checkpoint)
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 FORMATS = list(quantized_configs())
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
-
-
-def same(a, b):
-    assert (a.dtype, a.shape) == (b.dtype, b.shape), ((a.dtype, a.shape), (b.dtype, b.shape))
-    assert torch.equal(a, b), f'max |difference| {(a.float() - b.float()).abs().max().item()}'
 
 
 def logits(m):
@@ -68,16 +63,16 @@ def test_fp8_block_matches_transformers(R, C, block, experts):
     s = torch.rand(scale_grid(shape, block)) + 1e-3
     op = FP8BlockDequantize(block, torch.float32)
     assert op.mismatch([w.shape, s.shape]) is None
-    same(op.apply([w, s]), _dequantize_fp8_weight(w, s, list(block), torch.float32))
+    assert_tensors_equal(op.apply([w, s]), _dequantize_fp8_weight(w, s, list(block), torch.float32))
     if not experts:   # compressed-tensors' converter, bf16 out: the float32 product rounded once
-        same(FP8BlockDequantize(block).apply([w, s]), FP8BlockDequantizer(weight_block_size=block, dtype=torch.bfloat16)._create_dequantized_weight(w, s))
+        assert_tensors_equal(FP8BlockDequantize(block).apply([w, s]), FP8BlockDequantizer(weight_block_size=block, dtype=torch.bfloat16)._create_dequantized_weight(w, s))
 
 
 def test_fp8_per_tensor_and_e8m0_scales():
     w = (torch.randn(5, 7) * 10).to(torch.float8_e4m3fn)
-    same(FP8BlockDequantize((None, None), torch.float32).apply([w, torch.tensor([0.5])]), w.float() * 0.5)
+    assert_tensors_equal(FP8BlockDequantize((None, None), torch.float32).apply([w, torch.tensor([0.5])]), w.float() * 0.5)
     e = torch.randint(100, 140, (2, 1), dtype=torch.uint8)   # ue8m0 scales stored as bytes
-    same(FP8BlockDequantize((4, 7), torch.float32).apply([w, e]), _dequantize_fp8_weight(w, e.view(torch.float8_e8m0fnu).float(), [4, 7], torch.float32))
+    assert_tensors_equal(FP8BlockDequantize((4, 7), torch.float32).apply([w, e]), _dequantize_fp8_weight(w, e.view(torch.float8_e8m0fnu).float(), [4, 7], torch.float32))
 
 
 @settings(max_examples=30, deadline=None)
@@ -87,7 +82,7 @@ def test_mxfp4_matches_transformers(E, R, G):
     blocks, scales = torch.randint(0, 256, (*shape, 16), dtype=torch.uint8), torch.randint(100, 150, shape, dtype=torch.uint8)
     if not E: blocks, scales = blocks[None], scales[None]   # transformers' converter wants an expert axis
     for dt in (torch.float32, torch.bfloat16):
-        same(MXFP4Dequantize(dt).apply([blocks, scales]), convert_moe_packed_tensors(blocks, scales, dtype=dt))
+        assert_tensors_equal(MXFP4Dequantize(dt).apply([blocks, scales]), convert_moe_packed_tensors(blocks, scales, dtype=dt))
 
 
 def test_e8m0_nan_and_fp4_table():
@@ -114,7 +109,7 @@ def test_pack_quantized_matches_compressed_tensors(bits, strategy, g, sym, R, C)
     op = PackQuantizedDequantize(bits, BLOCKS[strategy](g), (R, C), sym)
     ins = [packed['weight' + s] for s in op.suffixes]
     assert op.mismatch([t.shape for t in ins]) is None
-    same(op.apply(ins), PackedQuantizationCompressor.decompress(packed, sc)['weight'])
+    assert_tensors_equal(op.apply(ins), PackedQuantizationCompressor.decompress(packed, sc)['weight'])
 
 
 @pytest.mark.parametrize('kind,strategy,arg,sym', [('float', 'channel', None, True), ('float', 'tensor', None, True), ('float', 'block', [64, 32], True),
@@ -129,7 +124,7 @@ def test_float_quantized_matches_compressed_tensors(kind, strategy, arg, sym):
     if not sym: sd['weight_zero_point'] = torch.randint(-5, 5, grid, dtype=torch.int8)
     q = NaiveQuantizationCompressor.compress(sd, sc)
     op = FloatQuantizedDequantize(block, torch.bfloat16, sym)
-    same(op.apply([q['weight' + s] for s in op.suffixes]), NaiveQuantizationCompressor.decompress(q, sc)['weight'])
+    assert_tensors_equal(op.apply([q['weight' + s] for s in op.suffixes]), NaiveQuantizationCompressor.decompress(q, sc)['weight'])
 
 
 def test_unpack_int32_refuses_straddling_widths():
@@ -255,11 +250,10 @@ def test_lm_head_group_beside_linear_loads(tmp_path, head_first):
     with pytest.warns(UserWarning, match='loading attributes'):   # transformers: only `dequantize` is taken from the config passed
         ref_model = AutoModelForCausalLM.from_pretrained(d, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
     deq = load_model(d)
-    assert deq.state_dict().keys() == ref_model.state_dict().keys()
-    for k, v in ref_model.state_dict().items(): same(deq.state_dict()[k], v)
+    assert_state_dict_equal(deq, ref_model)
     ref = logits(ref_model)
-    same(logits(deq), ref)
-    same(logits(load_model(d, quantized='keep')), ref)
+    assert_tensors_equal(logits(deq), ref)
+    assert_tensors_equal(logits(load_model(d, quantized='keep')), ref)
 
 
 # ---- fp8 without weight_block_size, and per-tensor weight_scale
@@ -274,7 +268,7 @@ def test_fp8_block_size_defaults_as_transformers(ckpts, refs, tmp_path):
     (d/'config.json').write_text(json.dumps(cfg))
     block = FineGrainedFP8Config.from_dict(cfg['quantization_config']).weight_block_size
     assert {u.op.block for u in quantized_tensors(checkpoint_source(d), cfg)} == {tuple(block)}
-    same(logits(load_model(d)), logits(AutoModelForCausalLM.from_pretrained(refs['fp8']).eval()))
+    assert_tensors_equal(logits(load_model(d)), logits(AutoModelForCausalLM.from_pretrained(refs['fp8']).eval()))
     cfg['quantization_config']['weight_block_size'] = None   # explicit null: one scale per tensor, which these grids are not
     with pytest.raises(ValueError, match='_scale_inv.* has shape .*FP8BlockDequantize needs one value per block'):
         quantized_tensors(checkpoint_source(d), cfg)
@@ -289,7 +283,7 @@ def test_one_scale_is_per_tensor(scale_shape, suffix, qc):
     src = DictSource({'m.weight': w, 'm.weight' + suffix: s, 'm.input_scale': torch.tensor(0.25)})
     u, = quantized_tensors(src, {'quantization_config': {'quant_method': 'fp8', 'activation_scheme': 'static', **qc}})
     assert u.sources == ['m.weight', 'm.weight' + suffix] and u.op.block == (None, None)
-    same(u.op.apply([w, s]), _dequantize_fp8_weight(w, s, None, torch.float32).bfloat16())
+    assert_tensors_equal(u.op.apply([w, s]), _dequantize_fp8_weight(w, s, None, torch.float32).bfloat16())
 
 
 def test_fp8_scale_refusals_name_the_scale_keys():
@@ -337,8 +331,8 @@ def test_per_tensor_weight_scale_checkpoint_loads(ckpts, tmp_path, caplog):
     assert units and all(u.op.block == (None, None) and u.sources[1].endswith('.weight_scale') for u in units)
     ref = logits(AutoModelForCausalLM.from_pretrained(ref_dir).eval())
     with caplog.at_level(logging.WARNING, logger='mstar_utils.model'):
-        same(logits(load_model(d)), ref)
-        same(logits(load_model(d, quantized='keep')), ref)
+        assert_tensors_equal(logits(load_model(d)), ref)
+        assert_tensors_equal(logits(load_model(d, quantized='keep')), ref)
     warned = [r.getMessage() for r in caplog.records if r.name == 'mstar_utils.model']
     assert len(warned) == 2 and all(f'{len(units)} checkpoint key(s) were not used' in w and '.input_scale' in w for w in warned), warned
     with pytest.raises(ValueError, match=r'input_scale.*pass strict=False'): load_model(d, strict=True)
@@ -349,15 +343,15 @@ def test_per_tensor_weight_scale_checkpoint_loads(ckpts, tmp_path, caplog):
 @pytest.mark.parametrize('fmt', FORMATS)
 def test_load_model_logits_equal_the_dequantized_reference(fmt, ckpts, refs):
     ref = logits(AutoModelForCausalLM.from_pretrained(refs[fmt]).eval())
-    same(logits(load_model(ckpts[fmt])), ref)
-    same(logits(load_model(ckpts[fmt], quantized='keep')), ref)
+    assert_tensors_equal(logits(load_model(ckpts[fmt])), ref)
+    assert_tensors_equal(logits(load_model(ckpts[fmt], quantized='keep')), ref)
 
 
 def test_float32_dequantization_equals_a_float32_reference(ckpts, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(dequantized_reference(ckpts['fp8'], tmp_path/'ref', torch.float32), dtype=torch.float32).eval()
     m = load_model(ckpts['fp8'], dtype=torch.float32)
-    same(m.model.layers[1].self_attn.q_b_proj.weight, ref.model.layers[1].self_attn.q_b_proj.weight)
-    same(logits(m), logits(ref))
+    assert_tensors_equal(m.model.layers[1].self_attn.q_b_proj.weight, ref.model.layers[1].self_attn.q_b_proj.weight)
+    assert_tensors_equal(logits(m), logits(ref))
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
@@ -367,7 +361,7 @@ def test_kept_model_holds_the_checkpoint_bytes(fmt, ckpts):
     m = load_model(d, quantized='keep')
     params, file = dict(m.named_parameters()), load_file(str(d/'model.safetensors'))
     for k in (k for u in units for k in u.sources):
-        same(params[k].view(torch.uint8), file[k].view(torch.uint8))
+        assert_tensors_equal(params[k].view(torch.uint8), file[k].view(torch.uint8))
     dense = {u.target for u in units} & {n for n, p in params.items() if p.dtype == torch.bfloat16}
     assert not dense   # no dequantized copy is held
     kept = sum(p.nbytes for n, p in params.items() if any(n in u.sources for u in units))
@@ -384,8 +378,8 @@ def test_scale_and_weight_in_different_shards(ckpts, refs, tmp_path):
     (out/'model.safetensors.index.json').write_text(json.dumps({'metadata': {}, 'weight_map': {k: n for n, p in shards.items() for k in p}}))
     for f in ('config.json', 'generation_config.json'): (out/f).write_text((d/f).read_text())
     ref = logits(AutoModelForCausalLM.from_pretrained(refs['fp8']).eval())
-    same(logits(load_model(out)), ref)
-    same(logits(load_model(out, quantized='keep')), ref)
+    assert_tensors_equal(logits(load_model(out)), ref)
+    assert_tensors_equal(logits(load_model(out, quantized='keep')), ref)
 
 
 def test_quantized_conversions_group_each_weight_with_its_scale(ckpts):
@@ -418,10 +412,10 @@ def test_mla_absorbs_from_fp8(mode, ckpts, refs):
     process_weights_after_loading(mla, 'cpu')
     ref_w = load_file(str(refs['fp8']/'model.safetensors'))[prefix + 'kv_b_proj.weight']
     N, P, V, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    same(mla.w_kc, ref_w.view(N, P + V, L)[:, :P].contiguous())
-    same(mla.w_vc, ref_w.view(N, P + V, L)[:, P:].transpose(1, 2).contiguous())
+    assert_tensors_equal(mla.w_kc, ref_w.view(N, P + V, L)[:, :P].contiguous())
+    assert_tensors_equal(mla.w_vc, ref_w.view(N, P + V, L)[:, P:].transpose(1, 2).contiguous())
     process_weights_after_loading(mla, 'cpu')   # again, as after a weight update: the same
-    same(mla.w_kc, ref_w.view(N, P + V, L)[:, :P].contiguous())
+    assert_tensors_equal(mla.w_kc, ref_w.view(N, P + V, L)[:, :P].contiguous())
     h = torch.randn(1, 3, cfg.hidden_size, dtype=torch.bfloat16)
     assert mla(h, rope_freqs(torch.arange(3)[None], cfg.qk_rope_head_dim))[0].isfinite().all()
 
@@ -450,4 +444,4 @@ def test_compressed_tensors_targets_name_the_models_modules_not_the_checkpoints(
     # the reference for the router: compressed-tensors' own decompression of what it stored, under the group that quantized it
     sc = scheme(**CT_PACK_GROUPS['mlp']['weights'])
     want = PackedQuantizationCompressor.decompress({k[len(router):]: v for k, v in sd.items() if k.startswith(router)}, sc)['weight']
-    same(ours.model.layers[0].mlp.router.weight.detach(), want.to(ours.dtype))
+    assert_tensors_equal(ours.model.layers[0].mlp.router.weight.detach(), want.to(ours.dtype))
