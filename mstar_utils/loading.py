@@ -233,12 +233,21 @@ def _check_qualifiers(source, consumed: set, what: str):
 
 # %% ../nbs/02_loading.ipynb #15b46ccb
 class LoadResult(list):
-    "One set of loaded module-relative names per entry, in order; `unexpected_keys`: sorted checkpoint keys no module took."
-    unexpected_keys: list = []
+    "One set of loaded module-relative names per entry, in order, with the checkpoint keys no module took and the bytes read."
+    def __init__(self, names=(), # one set of names per entry
+                 unexpected_keys=(), # checkpoint keys no module took
+                 bytes_read: int | None = None, # bytes the source read from files, where it counts them
+                ):
+        super().__init__(names)
+        self.unexpected_keys, self.bytes_read = sorted(unexpected_keys), bytes_read
 
 class LoadedNames(set):
-    "The module-relative names `load_weights` loaded; `unexpected_keys`: sorted state_dict keys no parameter took."
-    unexpected_keys: list = []
+    "The module-relative names `load_weights` loaded, with the state_dict keys no parameter took."
+    def __init__(self, names=(), # the names loaded
+                 unexpected_keys=(), # state_dict keys no parameter took
+                ):
+        super().__init__(names)
+        self.unexpected_keys = sorted(unexpected_keys)
 
 # %% ../nbs/02_loading.ipynb #ba1ec94a
 def _swap_storage(p: torch.Tensor, t: torch.Tensor):
@@ -358,8 +367,7 @@ def load_weights(state_dict: dict[str, Any], # checkpoint key -> Tensor; copied,
     "Fill `module` from `state_dict`, cast to its dtypes, ties kept; `KeyError` for missing keys, `ValueError` for a wrong shape or dtype."
     dev = next((t.device for t in module.state_dict().values() if not t.is_meta), torch.device('cpu'))
     res = _fill(DictSource(state_dict), [ModuleAndPrefix(module, prefix, enforce_missing_keys)], dev, 'state_dict', progress=False)
-    out = LoadedNames(res[0]); out.unexpected_keys = res.unexpected_keys
-    return out
+    return LoadedNames(res[0], res.unexpected_keys)
 
 # %% ../nbs/02_loading.ipynb #2b8e1ea3
 def module_entries(modules) -> list:

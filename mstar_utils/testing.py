@@ -31,7 +31,7 @@ class ListHandler(logging.Handler):
     def __init__(self, level=logging.NOTSET): super().__init__(level); self.records = []
     def emit(self, record): self.records.append(record)
 
-# %% ../nbs/98_testing.ipynb #b4737272
+# %% ../nbs/98_testing.ipynb #16309d80
 def assert_tensors_equal(got: torch.Tensor, # the tensor under test
                          want: torch.Tensor, # the reference's
                          name: str = '', # what it is (a state_dict key), for the message
@@ -45,7 +45,7 @@ def assert_tensors_equal(got: torch.Tensor, # the tensor under test
     diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
     if atol == 0 or not diff <= atol: raise AssertionError(f'{where}max |difference| {diff:.6g} > {atol}')
 
-# %% ../nbs/98_testing.ipynb #05b9e565
+# %% ../nbs/98_testing.ipynb #0df6a565
 def assert_state_dict_equal(got, # a module or a state_dict: what was loaded
                             want, # a module or a state_dict: the reference
                             prefix: str = '', # prepended to `got`'s keys to find `want`'s (`want` may then hold more keys)
