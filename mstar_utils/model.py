@@ -342,24 +342,29 @@ def model_source(ckpt: Path, # a checkpoint folder
                  raw: FileSource | None = None, # the checkpoint's files, reads perhaps started (`start_reads`); None: `checkpoint_source(ckpt)`
                 ):
     "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it; the caller closes it. Raises as the steps it chains."
-    recipes = auto_conversions(config, ckpt) if conv == 'auto' else (conv or None)
+    recipes = auto_conversions(config, ckpt) if conv == 'auto' else list(conv or [])
+    later = transformers_conversions(config) if conv == 'auto' else []  # written for the renamed keys
     src = raw = raw if raw is not None else checkpoint_source(ckpt)
     try:
         names = checkpoint_renames(model, raw.keys()) if renames and getattr(config, 'quantization_config', None) else {}   # quantization targets name the model's modules
-        src, recipes = quantized_source(raw, config, model, recipes, keep=quantized == 'keep', names=names)
+        src, left = quantized_source(raw, config, model, recipes + later, keep=quantized == 'keep', names=names)   # kept experts are fused by either
+        recipes, later = [c for c in recipes if c in left], [c for c in later if c in left]
         if recipes: src = converted_source(src, recipes)
         if renames: src = RenamedSource(src, checkpoint_renames(model, src.keys()))
-        later = transformers_conversions(config) if conv == 'auto' else []  # written for the renamed keys
         if later: src = converted_source(src, later)
     except BaseException: src.close(); raise
     return src
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c02
-def _sharding(config, model, rank, world_size, plan, expert_parallel, rules):
-    "This rank's `Sharding` of the model, or None for one device (`rank` and `world_size` None, or a world of 1)."
-    if rank is None and world_size is None: return None
+def _one_device(rank, world_size) -> bool:
+    "Whether `rank` and `world_size` ask for the whole model: both None, or rank 0 of 1; `ValueError` when one is None."
+    if rank is None and world_size is None: return True
     if rank is None or world_size is None: raise ValueError(f'rank={rank!r}, world_size={world_size!r}: pass both (or neither, for the whole model)')
-    if world_size == 1 and rank == 0: return None
+    return world_size == 1 and rank == 0
+
+def _sharding(config, model, rank, world_size, plan, expert_parallel, rules):
+    "This rank's `Sharding` of the model, or None for one device (`_one_device`)."
+    if _one_device(rank, world_size): return None
     return Sharding(tp_plan(config, world_size, expert_parallel, model) if plan is None else plan, rank, world_size, rules)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c03
@@ -384,8 +389,7 @@ def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantize
     config = AutoConfig.from_pretrained(ckpt)
     if group is not None and (rank is None or world_size is None): rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     dtype = model_dtype(config, ckpt, dtype)
-    whole_model = (rank is None and world_size is None) or (rank, world_size) == (0, 1)
-    if dry or not whole_model: raw = checkpoint_source(ckpt, mmap=mmap, dry=dry)   # a rank reads its slices, not whole shards
+    if dry or not _one_device(rank, world_size): raw = checkpoint_source(ckpt, mmap=mmap, dry=dry)   # a rank reads its slices, not whole shards
     else: raw = start_reads(ckpt, config, dtype, conv, device, mmap)   # reading while the model class is imported and built
     try:
         model = build_on_meta(config, model_class, dtype)

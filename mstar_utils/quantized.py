@@ -483,18 +483,21 @@ def extra_repr(self: QuantizedLinear) -> str: return f'in_features={self.in_feat
 class QuantizedExperts(nn.Module):
     """Stands in for experts module `inner`, holding its quantized weights under the checkpoint's names; `forward` runs `inner` with them dequantized.
 
-    `whole`: {parameter: QuantizedTensor} stored whole (gpt-oss); `per_expert`: {relative path: QuantizedTensor} stored per expert, fused by the rules `conv` over keys under `prefix`."""
-    def __init__(self, inner: nn.Module, whole: dict | None = None, per_expert: dict | None = None, conv: list | None = None, prefix: str = ''):
+    `whole`: {parameter: QuantizedTensor} stored whole (gpt-oss); `per_expert`: {relative path: QuantizedTensor} stored per expert, fused by the rules `conv` over keys under `prefix` (the model's names) or `stored` (the checkpoint's, where a rule renames as it fuses)."""
+    def __init__(self, inner: nn.Module, whole: dict | None = None, per_expert: dict | None = None, conv: list | None = None, prefix: str = '',
+                 stored: str | None = None):
         super().__init__()
         self.__dict__['inner'] = inner   # not a submodule: its parameters are stand-ins
         self.ops, self.conv, self.prefix = {p: u.op for p, u in (whole or {}).items()}, conv, prefix
+        self.stored = stored or prefix
         self.trims = {}   # a tensor-parallel cut's {parameter: trim}
         self.expert_offset = 0   # the first expert an expert-parallel rank holds
         if per_expert and not conv: raise ValueError(f'QuantizedExperts: {prefix}: per-expert weights need conv, the rules that fuse them for {type(inner).__name__}')
         dev = next(inner.parameters()).device
         for p, u in (whole or {}).items(): _stored(self, u, p, dev)
         for path, u in (per_expert or {}).items(): _add_linear(self, path, u, dev)
-        built = set(self.ops) | {h[2][len(prefix):] for c in conv or [] for p in per_expert or {} if (h := c.match(prefix + p + '.weight'))}
+        built = set(self.ops) | {h[2][len(prefix):] for c in conv or [] for p in per_expert or {} for pre in {prefix, self.stored}
+                                 if (h := c.match(pre + p + '.weight')) and h[2].startswith(prefix)}
         for n, p in inner.named_parameters(recurse=False):
             if n not in built: self.register_parameter(n, p)   # biases and the like: loaded as they are
 
@@ -519,9 +522,12 @@ def dequantized(self: QuantizedExperts) -> dict:
     "`inner`'s parameters by name: the quantized ones dequantized (and fused by `conv`), the others as held."
     out = {p: _trimmed(op.apply([getattr(self, p + s) for s in op.suffixes]), self.trims.get(p))
            for p, op in self.ops.items()}
-    lin = {self.prefix + _renumbered(n, self.expert_offset) + '.weight': m.dequantized_weight()
+    lin = {_renumbered(n, self.expert_offset) + '.weight': m.dequantized_weight()
            for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
-    if lin: out.update({k[len(self.prefix):]: v for k, v in convert_state_dict(lin, self.conv).items()})
+    for pre in dict.fromkeys([self.prefix, self.stored]) if lin else []:   # rules for the model's names, then for the checkpoint's
+        named = {pre + k: v for k, v in lin.items()}
+        rules = [c for c in self.conv if any(c.match(k) for k in named)]
+        if rules: out.update({k[len(self.prefix):]: v for k, v in convert_state_dict(named, rules).items() if k not in named and k.startswith(self.prefix)})
     mine = dict(self.named_parameters(recurse=False))
     out.update({n: mine[n] for n, _ in self.inner.named_parameters(recurse=False) if n not in out and n in mine})
     return out
@@ -565,8 +571,9 @@ def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped i
         q.bias = m.bias
         model.set_submodule(path, q)
     for path in {**whole, **per}:
-        model.set_submodule(path, QuantizedExperts(model.get_submodule(path), whole.get(path), per.get(path), conv, prefix + path + '.'))
-    kept = [k for u in units for k in u.sources]
+        stored = next((u.target[:-len(p + '.weight')] for p, u in per.get(path, {}).items() if u.target.endswith(f'.{p}.weight')), None)
+        model.set_submodule(path, QuantizedExperts(model.get_submodule(path), whole.get(path), per.get(path), conv, prefix + path + '.', stored))
+    kept = [n for u in units for k in u.sources for n in {k, (names or {}).get(k, k)}]   # rules match checkpoint or model names
     return [c for c in conv or [] if not any(c.match(k) for k in kept)]
 
 # %% ../nbs/06_quantized.ipynb #28decb80

@@ -101,6 +101,7 @@ class Sharding:
         self.plan, self.rank, self.world_size, self.rules = dict(plan), rank, world_size, list(rules)
         self._compiled = _compile_plan(self.plan)
         self.pinned = {}   # {key: Slice} fixed by `shard_module` for kept codes and scales, asked before the rules
+        self.elsewhere = []   # module paths ('...experts.5.') whose keys other ranks load: kept experts `shard_module` dropped
     def __repr__(self): return f'Sharding(rank {self.rank} of {self.world_size}, {len(self.plan)} plan entries, {len(self.rules)} rules)'
 
 # %% ../nbs/07_tensor_parallel.ipynb #dceaf634
@@ -320,6 +321,9 @@ class ShardedSource(WrappedSource):
     def shape(self, k) -> tuple: return slice_shape(self.full_shape(k), self.slice(k))
     def borrowed(self, k): return self.slice(k).dim is None and self.src.borrowed(k)
     def resolve(self, k): return None   # its tensors are slices: it reads them itself
+    def _mine(self, k) -> bool: return not k.startswith(tuple(self.sharding.elsewhere))
+    def keys(self): return [k for k in self.src.keys() if self._mine(k)] if self.sharding.elsewhere else self.src.keys()
+    def __contains__(self, k): return k in self.src and self._mine(k)
 
 # %% ../nbs/07_tensor_parallel.ipynb #d237693b
 @patch
@@ -390,7 +394,9 @@ def _pin_per_expert(m, path: str, sharding: Sharding):
         raise NotImplementedError(f'{path}: experts kept quantized one expert at a time are cut by expert only '
                                   f'(expert_parallel=True); the plan splits {dims}: load them with quantized="dequantize"')
     (lo, hi), = next(iter(cuts))[1]
-    for k in [k for k in m._modules if k.isdigit() and not lo <= int(k) < hi]: del m._modules[k]
+    gone = [k for k in m._modules if k.isdigit() and not lo <= int(k) < hi]
+    for k in gone: del m._modules[k]
+    sharding.elsewhere += [f'{path}.{k}.' for k in gone]   # their keys are other ranks': not unused here
     m.expert_offset, m.tp_slice = lo, next(iter(split.values()))
 
 def _pin_kept(m, path: str, sharding: Sharding):

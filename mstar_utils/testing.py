@@ -4,7 +4,7 @@
 
 # %% ../nbs/98_testing.ipynb #fbb6d332
 from __future__ import annotations
-import logging
+import logging, re
 from pathlib import Path
 
 import torch
@@ -333,12 +333,13 @@ def write_fp8_checkpoint(model, # a transformers model
                          dest, # the checkpoint folder to write
                          block: tuple = (128, 128), # `weight_block_size`
                          dtype=torch.bfloat16, # the dtype of the tensors left unquantized
+                         quantize: str = '_proj', # a regular expression: the 2-d `.weight`s whose stored keys it finds are quantized
                         ) -> Path:
     "`model` saved as DeepSeek-V3's `quant_method: \"fp8\"` releases are: each 2-d `*_proj*.weight` as F8_E4M3 codes plus F32 `weight_scale_inv`, the rest in `dtype`."
     dest, sd = _saved(model, dest)
     out = {}
     for k, v in sd.items():
-        if '_proj' in k and k.endswith('.weight') and v.dim() == 2: out[k], out[k + '_scale_inv'] = fp8_block_quantize(v, block)
+        if re.search(quantize, k) and k.endswith('.weight') and v.dim() == 2: out[k], out[k + '_scale_inv'] = fp8_block_quantize(v, block)
         else: out[k] = v.to(dtype)
     qc = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': list(block)}
     return _rewrite(dest, out, qc, dtype)
@@ -527,20 +528,23 @@ def tp_cells(rank: int, world_size: int, # as `run_ranks` passes them
              cells: list, # [(folder, inputs {name: tensor}, expert_parallel, quantized), ...]
             ) -> list:
     "Per cell, one rank's `load_model_sharded` in float32 and forward: a dict of results, `torch.save`d (fp8 pickles so)."
-    from mstar_utils.model import load_model_sharded
+    from mstar_utils.model import load_model_sharded, load_plan
     from mstar_utils.quantized import QuantizedLinear
     out = []
     for folder, inputs, ep, quantized in cells:
-        model = load_model_sharded(folder, rank, world_size, dtype=torch.float32, expert_parallel=ep,
-                                   quantized=quantized)
+        kw = dict(dtype=torch.float32, expert_parallel=ep, quantized=quantized)
+        model = load_model_sharded(folder, rank, world_size, **kw)
+        sharding = getattr(model, 'tp_sharding', None)   # None for a world of one: the whole model
+        planned = load_plan(folder, rank, world_size, **kw).total_bytes
         with torch.no_grad():
             logits = model(**inputs).logits
             deq = {f'{n}.weight': m.dequantized_weight().float()
                    for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
         buf = io.BytesIO()
         tensors = {k: v.detach() for k, v in model.state_dict().items()}
-        torch.save({'logits': logits, 'bytes_read': model.tp_bytes_read, 'tensors': tensors, 'dequantized': deq,
-                    'plan': model.tp_sharding.plan, 'pinned': dict(model.tp_sharding.pinned)}, buf)
+        torch.save({'logits': logits, 'bytes_read': model.bytes_read, 'planned_bytes': planned, 'tensors': tensors,
+                    'dequantized': deq, 'plan': sharding.plan if sharding else {},
+                    'pinned': dict(sharding.pinned) if sharding else {}}, buf)
         out.append(buf.getvalue())
     return out
 

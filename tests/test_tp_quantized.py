@@ -6,7 +6,7 @@ float and pack, MXFP4. Modes dequantize and keep; TP 1, 2 and 4, with expert par
 For each cell the logits equal `from_pretrained` of the checkpoint dequantized by the format's own reference
 (float32, <= 1e-4), each rank's tensors equal the full tensor's slice, and the bytes summed over ranks stay within
 1.01 x (checkpoint + (world_size - 1) x replicated) plus whole blocks at cuts.
-A representative cut runs by default; the full matrix with MSTAR_SLOW=1.
+A representative cut runs by default; the full matrix with MSTAR_UTILS_SLOW=1 (or MSTAR_SLOW=1).
 """
 
 import contextlib, io, json, os, re
@@ -29,7 +29,7 @@ from mstar_utils.testing import (
     CT_PACK_GROUPS,
 )
 
-SLOW = bool(os.environ.get('MSTAR_SLOW'))
+SLOW = bool(os.environ.get('MSTAR_UTILS_SLOW') or os.environ.get('MSTAR_SLOW'))
 FP8_BLOCK = (32, 32)
 UNIT = {
     'bf16': 0,
@@ -40,19 +40,19 @@ UNIT = {
 }  # stored indices a cut may widen to, per format
 
 
+def dims(hidden: int, inter: int, layers: int, heads: int, **kw) -> dict:
+    "A tiny config's sizes under transformers' common names; `kw` adds the rest."
+    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads, **kw)
+
+
+VISION = dict(image_size=28, patch_size=14)  # 4 patches of a 28 x 28 image
+
+
 def configs() -> dict:
     "Tiny configs by model name: dims that divide by 4 where the plan cuts them, but most not multiples of the blocks."
     import transformers as tf
 
-    llama = dict(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-    )
+    llama = dims(128, 160, 2, 4, vocab_size=256, num_key_value_heads=2, head_dim=32)
     moe = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2)
     return {
         'llama': tf.LlamaConfig(**llama),
@@ -61,19 +61,14 @@ def configs() -> dict:
         ),
         'olmoe': tf.OlmoeConfig(**moe, intermediate_size=48, num_experts=6, num_key_value_heads=4),
         'deepseek_v3': tf.DeepseekV3Config(
-            vocab_size=256,
-            hidden_size=160,
-            intermediate_size=200,
+            **dims(160, 200, 2, 2, vocab_size=256, num_key_value_heads=2),
             moe_intermediate_size=72,
-            num_hidden_layers=2,
             first_k_dense_replace=1,
             n_routed_experts=6,
             num_experts_per_tok=2,
             n_shared_experts=1,
             n_group=1,
             topk_group=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
             q_lora_rank=136,
             kv_lora_rank=144,
             qk_nope_head_dim=32,
@@ -82,13 +77,7 @@ def configs() -> dict:
             max_position_embeddings=64,
         ),
         'gpt_oss': tf.GptOssConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
+            **dims(64, 96, 2, 2, vocab_size=256, num_key_value_heads=1, head_dim=32),
             num_local_experts=6,
             num_experts_per_tok=2,
             sliding_window=8,
@@ -98,14 +87,7 @@ def configs() -> dict:
             text_config=tf.LlamaConfig(
                 **{**llama, 'vocab_size': 320, 'hidden_size': 64, 'intermediate_size': 96, 'head_dim': 16}
             ),
-            vision_config=tf.CLIPVisionConfig(
-                hidden_size=32,
-                intermediate_size=48,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                image_size=28,
-                patch_size=14,
-            ),
+            vision_config=tf.CLIPVisionConfig(**dims(32, 48, 2, 2, **VISION)),
             image_token_index=319,
         ),
     }
@@ -132,6 +114,8 @@ FAST = [
     ('llama', 'fp8', 'keep', 2),
     ('llama', 'ct_pack', 'keep', 2),
     ('qwen3_moe', 'fp8', 'dequantize', 2),
+    ('olmoe', 'fp8', 'keep', 1),
+    ('olmoe', 'fp8', 'keep', 2),
     ('deepseek_v3', 'fp8', 'keep', 2),
     ('gpt_oss', 'mxfp4', 'keep', 2),
     ('llava', 'bf16', 'dequantize', 2),
@@ -304,15 +288,7 @@ def matrix(tmp_path_factory):
     return folders, refs, results
 
 
-_KNOWN = pytest.mark.xfail(
-    strict=True,
-    reason="load_model's keep mode finds no fusing rules for OLMoE's per-expert fp8 layers: transformers' "
-    "rules are applied after the quantized step (model_source), so QuantizedExperts gets none",
-)
-PARAMS = [pytest.param(c, marks=_KNOWN) if c[0] == 'olmoe' and c[2] == 'keep' else c for c in CELLS]
-
-
-@pytest.mark.parametrize('cell', PARAMS, ids=lambda c: '-'.join(map(str, c)))
+@pytest.mark.parametrize('cell', CELLS, ids=lambda c: '-'.join(map(str, c)))
 def test_cell(matrix, cell):
     name, fmt, quantized, ws = cell
     folders, refs, results = matrix
@@ -349,14 +325,50 @@ def test_cell(matrix, cell):
                 'keep held no scales'
             )
     total, repl, blocks = byte_bound(ckpt, fmt, Sharding(got[0]['plan'], 0, ws))
+    for r, res in enumerate(got):
+        assert res['planned_bytes'] == res['bytes_read'], (
+            f"rank {r}: load_plan's total_bytes {res['planned_bytes']} != {res['bytes_read']} bytes the load read"
+        )
     read = sum(res['bytes_read'] for res in got)
     bound = 1.01 * (total + (ws - 1) * repl) + blocks
     assert read <= bound, (
         f'{ws} ranks read {read} bytes; bound {bound:.0f} '
         f'(checkpoint {total}, replicated {repl}, blocks at cuts {blocks})'
     )
-    if ws == 1:
-        assert read == total
+    if ws == 1:  # every byte once, but pack-quantized `weight_shape`s twice: read to build the op, then loaded
+        again = sum(_BYTES[dt] * int(torch.Size(sh).numel()) for k, (sh, dt) in stored(ckpt).items() if k.endswith('_shape'))
+        assert read == total + again, f'one device read {read} bytes of a {total}-byte checkpoint ({again} read twice)'
+
+
+def test_kept_experts_renamed_then_fused(tmp_path):
+    """fp8 experts stored as `block_sparse_moe.experts.N.w1`, renamed to `mlp.experts` and fused: by our recipe (Mixtral)
+    or by transformers' rules after its renames (PhiMoE). Kept at 2 ranks with expert parallelism, each rank holds its
+    experts' codes and scales as stored, its logits equal the dequantized reference's and load_plan plans its bytes."""
+    from mstar_utils.testing import tiny_model
+
+    ids = {'input_ids': torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(1))}
+    names, jobs, refs = ('mixtral', 'phimoe'), [], []
+    for name in names:
+        folder = write_fp8_checkpoint(tiny_model(name), tmp_path / name, (16, 16), quantize=r'_proj|\.experts\.\d+\.w\d\.')
+        refs.append(reference(name, folder, 'fp8', tmp_path))
+        jobs.append((folder, ids, True, 'keep'))
+    per_rank = run_ranks(tp_cells, 2, jobs, timeout=600)
+    for i, (name, (folder, _, _, _), ref) in enumerate(zip(names, jobs, refs)):
+        with torch.no_grad():
+            want = ref(**ids).logits
+        raw = load_file(str(folder / 'model.safetensors'))
+        n = ref.config.num_local_experts
+        for r in range(2):
+            res = _load(per_rank[r][i])
+            err = (res['logits'] - want).abs().max().item()
+            assert err <= 1e-4, f'{name} rank {r}: max |logits - reference| = {err:.2e}'
+            assert res['planned_bytes'] == res['bytes_read'] > 0, name
+            held = {int(m.group(1)) for k in res['tensors'] if (m := re.search(r'layers\.0\.mlp\.experts\.(\d+)\.w1\.weight$', k))}
+            assert held == set(range(r * n // 2, (r + 1) * n // 2)), f'{name} rank {r} holds experts {sorted(held)}'
+            for k, t in res['tensors'].items():
+                if '.experts.' in k and k.endswith(('.weight', '_scale_inv')):
+                    stored = raw[k.replace('.mlp.experts.', '.block_sparse_moe.experts.')]
+                    assert stored.dtype in (torch.float8_e4m3fn, torch.float32) and torch.equal(t, stored), k
 
 
 def _fp32_model(name: str):
@@ -379,17 +391,8 @@ def _fp32_model(name: str):
         return tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4)
         )
-    vision = dict(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    )
-    qformer = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=48,
-        encoder_hidden_size=32,
-    )
+    vision = dims(32, 48, 1, 2, **VISION)
+    qformer = dims(32, 48, 1, 2, vocab_size=64, encoder_hidden_size=32)
     text = tf.OPTConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=48, word_embed_proj_dim=32
     )
