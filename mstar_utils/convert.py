@@ -373,8 +373,8 @@ class ConvertedSource(WrappedSource):
         clash = [t for t in self.groups if t in src and t not in consumed]
         if clash:
             raise ValueError(
-                f'{what}: target key {clash[0]!r} is also a checkpoint key; the converted checkpoint would hold it '
-                'twice'
+                f'{what}: target key {clash[0]!r} is also a checkpoint key; '
+                'the converted checkpoint would hold it twice'
             )
         self._keys = [k for k in src.keys() if k not in consumed] + list(self.groups)
         self._set = set(self._keys)

@@ -149,8 +149,8 @@ def _byte_level_problem(tokenizer, cleanup: bool = True) -> str | None:
         if kind != 'ByteLevel': return f'its decoder is {kind}, not ByteLevel'
         suffix = getattr(backend.model, 'end_of_word_suffix', None)
         if suffix:
-            return (f'its BPE vocabulary ends words with {suffix!r} (end_of_word_suffix), which the ByteLevel decoder '
-                    'leaves in')
+            return (f'its BPE vocabulary ends words with {suffix!r} (end_of_word_suffix), '
+                    'which the ByteLevel decoder leaves in')
     elif getattr(tokenizer, 'byte_decoder', None) != _BYTE_DECODER:
         return "it is a slow tokenizer without GPT-2's byte map (byte_decoder)"
     if cleanup and _cleans_up(tokenizer):
@@ -240,8 +240,8 @@ def _byte_piece(piece: str | bytes) -> int | None:
 def _sentencepiece_pieces(model) -> dict[int, str]:
     "id -> piece of a tokenizer.json `model` that is BPE or Unigram; `ValueError` naming what is missing or wrong."
     if not isinstance(model, dict):
-        raise ValueError("tokenizer.json has no 'model' object: SentencePieceDetokenizer needs its BPE or Unigram "
-                         "vocabulary")
+        raise ValueError("tokenizer.json has no 'model' object: "
+                         "SentencePieceDetokenizer needs its BPE or Unigram vocabulary")
     kind, vocab = model.get('type'), model.get('vocab')
     if kind == 'BPE':
         if not isinstance(vocab, dict):
@@ -369,8 +369,8 @@ def _per_token(plan: _Plan, kind: str):
     "Refuse a step that works token by token once the tokens are joined"
     # there it would see the whole reply as one token.
     if plan.joined:
-        raise _Unstreamable(f'its {kind} step comes after the tokens are joined, where it sees the whole reply as one '
-                            'token')
+        raise _Unstreamable(f'its {kind} step comes after the tokens are joined, '
+                            'where it sees the whole reply as one token')
 
 def _unsplit(plan: _Plan, kind: str, s: str):
     "Refuse a step that matches `s`, two or more bytes, after a step that can leave part of a character in a token"
@@ -414,8 +414,8 @@ def _strip_step(plan: _Plan, s: dict):
         return
     if plan.splits:
         raise _Unstreamable(
-            f'its Strip step strips each token after its {plan.splits} step, where decode sees a run of byte pieces '
-            'as one token'
+            f'its Strip step strips each token after its {plan.splits} step, '
+            'where decode sees a run of byte pieces as one token'
         )
     cb = c.encode()
     def strip(t):
@@ -468,8 +468,8 @@ def _suffix_step(plan: _Plan, suffix: str):
 def _byte_level_step(plan: _Plan, s: dict):
     _per_token(plan, 'ByteLevel')
     if 'ByteFallback' in plan.kinds:
-        raise _Unstreamable('its ByteLevel step comes after byte fallback, which leaves raw bytes, not byte-map '
-                            'characters')
+        raise _Unstreamable('its ByteLevel step comes after byte fallback, '
+                            'which leaves raw bytes, not byte-map characters')
     # an added token is text (see Byte-level BPE)
     plan.add('ByteLevel', lambda t: _byte_level_bytes(t.decode()), text=False)
     plan.joined, plan.splits = True, 'ByteLevel'
@@ -518,8 +518,8 @@ def _plan_decoder(tokenizer_json: dict) -> _Plan:
     if decoder is None:  # decode joins the pieces with spaces: nothing of the vocabulary's rules can apply
         edge = "decode gives the reply's first token no leading space (tokens are joined by spaces)"
         plan.add('none', lambda t: b' ' + t, edge)
-        plan.mode, plan.why = 'joined', ('it has no decoder: decode joins the tokens with spaces, and the chunks '
-                                         'follow it')
+        plan.mode = 'joined'
+        plan.why = 'it has no decoder: decode joins the tokens with spaces, and the chunks follow it'
         if model.get('byte_fallback') or model.get('end_of_word_suffix'):
             plan.notes.append('byte pieces (<0xNN>) and end-of-word suffixes stay as written, as decode writes them')
         return plan
@@ -540,8 +540,8 @@ def _plan_decoder(tokenizer_json: dict) -> _Plan:
     suffix = model.get('end_of_word_suffix')
     if suffix and 'BPEDecoder' not in kinds:
         _suffix_step(plan, suffix)
-        plan.notes.append(f'the vocabulary ends words with {suffix!r}, which the decoder leaves in: it stands for a '
-                          'space')
+        plan.notes.append(f'the vocabulary ends words with {suffix!r}, '
+                          'which the decoder leaves in: it stands for a space')
     plan.mode = next((m for k, m in _MODES if k in plan.kinds), 'decoder')
     return plan
 

@@ -594,8 +594,8 @@ def _kv_dtype(config, text, dtype) -> tuple[str, int]:
     if dtype is None: dtype = _model_dtype(config, text)
     if dtype is None:
         raise ValueError(
-            f'{config.model_type} config has no dtype (at the top level or in its text config); pass dtype, the KV '
-            'cache dtype'
+            f'{config.model_type} config has no dtype (at the top level or in its text config); '
+            'pass dtype, the KV cache dtype'
         )
     return str(dtype).removeprefix('torch.'), dtype_bytes(dtype)
 
@@ -891,8 +891,8 @@ def plot_kv_curve(curve: KVCurve, # from `kv_curve`
         color='C3',
         drawstyle='steps-post',
         lw=2,
-        label=f'page rounding: what fits ({p.page_size}-token pages, {p.fixed_pages_per_request} fixed per request, 1 '
-              'sink)',
+        label=f'page rounding: what fits ({p.page_size}-token pages, '
+              f'{p.fixed_pages_per_request} fixed per request, 1 sink)',
     )
     if c.cap is not None:
         ax.axhline(c.cap, color='0.4', ls=':', lw=1)

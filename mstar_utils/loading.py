@@ -14,17 +14,8 @@ import torch
 from fastcore.basics import patch
 from tqdm.auto import tqdm
 
-from mstar_utils.sources import (
-    gc_paused,
-    DictSource,
-    FileSource,
-    checkpoint_source,
-    file_source,
-    read_header,
-    INDEX_FILE,
-    SINGLE_FILE,
-    read_weight_map,
-)
+from .sources import gc_paused, DictSource, FileSource, checkpoint_source, file_source, read_header
+from .sources import INDEX_FILE, SINGLE_FILE, read_weight_map
 from .convert import converted_source
 
 # %% auto #0
@@ -106,8 +97,8 @@ def _check_dtype(source, key, slot, what):
     if ck == mod: return
     if ck.is_complex and not mod.is_complex:
         raise ValueError(
-            f'{what}: {key!r} in {source.where(key)} is {ck}, which {mod} {name!r} cannot hold without dropping the '
-            'imaginary part'
+            f'{what}: {key!r} in {source.where(key)} is {ck}, '
+            f'which {mod} {name!r} cannot hold without dropping the imaginary part'
         )
     if mod.is_floating_point and ck in _QUANTIZED:
         raise ValueError(
@@ -256,10 +247,10 @@ def _check_ties(source, entries: list, plan: list, what: str):
             if not torch.equal(first, other.to(s.tensor.dtype)):
                 names = ', '.join(repr(prefixes[i] + n) for i, n in s.refs)
                 raise ValueError(
-                    f'{what}: {keys[0]!r} and {k!r} hold different values, but the modules tie them into one tensor '
-                    f'({names}): '
-                    'untie them in the module to load both (load_model does, as from_pretrained does), or leave one '
-                    'key out'
+                    f'{what}: {keys[0]!r} and {k!r} hold different values, '
+                    f'but the modules tie them into one tensor ({names}): '
+                    'untie them in the module to load both (load_model does, as from_pretrained does), '
+                    'or leave one key out'
                 )
 
 # %% ../nbs/02_loading.ipynb #1f120b5a
@@ -281,8 +272,8 @@ def _check_qualifiers(source, consumed: set, what: str):
         for q in qualifying_keys(key):
             if q in source and q not in consumed:
                 raise ValueError(
-                    f'{what}: {key!r} ({source.dtype(key)}) is quantized: {q!r} qualifies it, and no parameter takes '
-                    f'{q!r}; '
+                    f'{what}: {key!r} ({source.dtype(key)}) is quantized: '
+                    f'{q!r} qualifies it, and no parameter takes {q!r}; '
                     'load it through a dequantizing WeightConverter recipe (conv=..., see mstar_utils.quantized) '
                     'or into a module that keeps the scales'
                 )
