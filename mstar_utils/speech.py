@@ -290,7 +290,7 @@ def _greedy(model, encoded: torch.Tensor, prompt: list[int], procs, max_length: 
 class _Frames:
     "Whisper's log10 mel frames of an audio file, computed a range at a time from `audio_blocks` (ranges in order)."
     def __init__(self, fe, path, samples: int):
-        self.fe, self.n, self.blocks = fe, samples, audio_blocks(path, fe.sampling_rate)
+        self.fe, self.n, self.blocks = fe, samples, audio_blocks(path, fe.sampling_rate, seconds=5.0)
         self.buf, self.start = np.zeros(0, np.float32), 0  # buf holds the samples from `start` on
         self.frames = samples // fe.hop_length  # as the feature extractor: the STFT's last frame is dropped
         self.mel, self.window = torch.from_numpy(fe.mel_filters).to(torch.float32).T, torch.hann_window(fe.n_fft)
