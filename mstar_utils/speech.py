@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from fastcore.meta import delegates
 
 # %% auto #0
 __all__ = ['whisper_config_json', 'whisper_report', 'read_audio', 'audio_blocks', 'log_mel', 'generate_stream', 'timestamp_ids',
@@ -289,7 +290,7 @@ def _greedy(model, encoded: torch.Tensor, prompt: list[int], procs, max_length: 
 class _Frames:
     "Whisper's log10 mel frames of an audio file, computed a range at a time from `audio_blocks` (ranges in order)."
     def __init__(self, fe, path, samples: int):
-        self.fe, self.n, self.blocks = fe, samples, audio_blocks(path, fe.sampling_rate)
+        self.fe, self.n, self.blocks = fe, samples, audio_blocks(path, fe.sampling_rate, seconds=5.0)
         self.buf, self.start = np.zeros(0, np.float32), 0  # buf holds the samples from `start` on
         self.frames = samples // fe.hop_length  # as the feature extractor: the STFT's last frame is dropped
         self.mel, self.window = torch.from_numpy(fe.mel_filters).to(torch.float32).T, torch.hann_window(fe.n_fft)
@@ -330,12 +331,21 @@ def _features(audio_path, fe):
         return torch.nn.functional.pad(spec, (0, size - n))[None]
     return frames.frames, window, samples
 
-# %% ../nbs/11_speech.ipynb #5a66aa8a
+# %% ../nbs/11_speech.ipynb #31737c75
 class _Window(NamedTuple):
     "What the long-form loop reports: ids now known to stay, then the segment they close, if one did."
     ids: list # token ids released to the client
     segment: tuple | None # (start, end) in seconds when a segment ended
 
+def _detect_language(model, gc, encoded: torch.Tensor, start: int) -> Language:
+    "The language the model hears in `encoded`: the likeliest of its language tokens after `start`, as `detect_language`."
+    logits = model(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor([[start]], device=encoded.device),
+                   use_cache=False).logits[0, -1].float()
+    codes, ids = list(gc.lang_to_id), torch.tensor(list(gc.lang_to_id.values()))
+    probs = logits[ids].softmax(-1)
+    return Language(codes[int(probs.argmax())][2:-2], float(probs.max()))
+
+# %% ../nbs/11_speech.ipynb #5a66aa8a
 def _longform(model, gc, name, frames: int, window, language, task, timestamps: bool, max_new_tokens):
     "Long-form decoding as transformers' `generate`: the detected `Language`, then `_Window`s; the final eos last."
     enc = model.model.encoder
@@ -351,12 +361,9 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
         offset, n = seek * tp / stride, min(frames - seek, size)
         encoded = enc(window(seek, n).to(model.device, model.dtype)).last_hidden_state
         if detect:
-            first = torch.tensor([prompt[:1]], device=encoded.device)
-            logits = model(encoder_outputs=(encoded,), decoder_input_ids=first, use_cache=False).logits[0, -1].float()
-            langs = torch.tensor(list(gc.lang_to_id.values()))
-            probs = logits[langs].softmax(-1)
-            prompt[1], detect = int(langs[int(probs.argmax())]), False
-            yield Language({v: k for k, v in gc.lang_to_id.items()}[prompt[1]][2:-2], float(probs.max()))
+            lang, detect = _detect_language(model, gc, encoded, prompt[0]), False
+            prompt[1] = gc.lang_to_id[f'<|{lang.code}|>']
+            yield lang
         toks, out, cut, pairs = [], 0, 0, False  # the window's ids, how many went out, where the open segment starts
         for t in _greedy(model, encoded, prompt, procs, max_length, eos):
             last = t
@@ -377,25 +384,30 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
             yield _Window(toks[out:], (offset, offset + end * tp)); seek += n
     if last == eos: yield _Window([eos], None)
 
-# %% ../nbs/11_speech.ipynb #1ab68f37
+# %% ../nbs/11_speech.ipynb #ce9ff421
 _OPTIONS = ('language', 'task', 'return_timestamps', 'max_new_tokens', 'condition_on_prev_tokens', 'temperature')
 
+def _check_options(options: dict):
+    "Refuse, by name, the `generate` options greedy long-form decoding without conditioning does not take."
+    if unknown := sorted(set(options) - set(_OPTIONS)):
+        raise ValueError(f"{', '.join(unknown)}: transcription is greedy long-form decoding; it takes {', '.join(_OPTIONS)}")
+    if options.get('condition_on_prev_tokens'): raise ValueError('condition_on_prev_tokens=True: not supported, each window is decoded alone')
+    if options.get('temperature'): raise ValueError(f"temperature={options['temperature']}: transcription is greedy (temperature 0)")
+
+# %% ../nbs/11_speech.ipynb #1ab68f37
 class _Token(NamedTuple):
     "One released token: its id and its bytes for the client."
     id: int
     chunk: bytes
 
-def _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, options) -> Iterator:
+def _events(checkpoint_dir, audio_path, model=None, device='cpu', dtype=torch.float32, keep_special=False, **options) -> Iterator:
     "`Language`, `_Token` and `Segment` records of the transcription of `audio_path`, in order."
     from transformers import AutoTokenizer, WhisperFeatureExtractor
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.model import load_model
     whisper_config_json(checkpoint_dir)
     name = Path(checkpoint_dir).name
-    if unknown := sorted(set(options) - set(_OPTIONS)):
-        raise ValueError(f"{', '.join(unknown)}: transcription is greedy long-form decoding; it takes {', '.join(_OPTIONS)}")
-    if options.get('condition_on_prev_tokens'): raise ValueError('condition_on_prev_tokens=True: not supported, each window is decoded alone')
-    if options.get('temperature'): raise ValueError(f"temperature={options['temperature']}: transcription is greedy (temperature 0)")
+    _check_options(options)
     tok = AutoTokenizer.from_pretrained(checkpoint_dir)
     gc, fe = whisper_decoding_config(checkpoint_dir, tokenizer=tok), WhisperFeatureExtractor.from_pretrained(checkpoint_dir)
     frames, window, samples = _features(audio_path, fe)
@@ -434,22 +446,18 @@ def transcribe_events(checkpoint_dir, # a Whisper checkpoint folder (config.json
                       **options, # as `generate` takes them: language='de', task='translate', return_timestamps=, max_new_tokens=
                      ) -> Iterator[bytes | Segment | Language]:
     "The transcription as it decodes: bytes per token, a `Segment` as each ends, first the `Language` when detected."
-    for ev in _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, options):
+    for ev in _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, **options):
         yield ev.chunk if isinstance(ev, _Token) else ev
 
 # %% ../nbs/11_speech.ipynb #ac210ffb
+@delegates(transcribe_events, keep=True)
 def transcribe_stream(checkpoint_dir, # a Whisper checkpoint folder (config.json, model.safetensors, tokenizer, preprocessor_config.json)
                       audio_path, # an audio file soundfile reads, of any length
-                      *,
-                      model=None, # the loaded model; None: `load_model(checkpoint_dir, device=device, dtype=dtype)`
-                      device: str = 'cpu', # where a model loaded here runs
-                      dtype: torch.dtype = torch.float32, # the dtype of a model loaded here (CPU matmuls in float16 are slow)
-                      keep_special: bool = False, # True: special and timestamp tokens' text is streamed too
-                      **options, # as `generate` takes them: language='de', task='translate', return_timestamps=, max_new_tokens=
+                      **kwargs, # as for `transcribe_events`: model=, device=, dtype=, keep_special=, language=, task=, ...
                      ) -> Iterator[bytes]:
     "The transcription of `audio_path` as it decodes, one bytes chunk per token (the final stop token: b''). `ValueError` for bad input."
-    for ev in _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, options):
-        if isinstance(ev, _Token): yield ev.chunk
+    for ev in transcribe_events(checkpoint_dir, audio_path, **kwargs):
+        if isinstance(ev, bytes): yield ev
 
 # %% ../nbs/11_speech.ipynb #f1c104e8
 class Transcript(NamedTuple):
@@ -459,13 +467,13 @@ class Transcript(NamedTuple):
     ids: list # the token ids, as transformers' long-form `generate` returns them (plus the final stop token)
     language: Language | None # what was detected, or None when given or English-only
 
+@delegates(transcribe_events, keep=True, but='keep_special')
 def transcribe(checkpoint_dir, # a Whisper checkpoint folder
                audio_path, # an audio file soundfile reads, of any length
                **kwargs, # as for `transcribe_events`: model=, device=, dtype=, language=, task=, return_timestamps=, ...
               ) -> Transcript:
     "The whole `Transcript` of `audio_path`, collected from `transcribe_events`."
-    model, device, dtype = kwargs.pop('model', None), kwargs.pop('device', 'cpu'), kwargs.pop('dtype', torch.float32)
-    evs = list(_events(checkpoint_dir, audio_path, model, device, dtype, False, kwargs))
+    evs = list(_events(checkpoint_dir, audio_path, keep_special=False, **kwargs))
     tokens = [e for e in evs if isinstance(e, _Token)]
     return Transcript(b''.join(t.chunk for t in tokens).decode('utf-8', 'replace'), [e for e in evs if isinstance(e, Segment)],
                       [t.id for t in tokens], next((e for e in evs if isinstance(e, Language)), None))

@@ -103,6 +103,42 @@ def test_resampled_long_file_equals_transformers_on_its_samples(tmp_path):
     assert got.ids[:-1] == ids and [(s.start, s.end) for s in got.segments] == times
 
 
+# ---------------------------------------------------------------- edges of the input
+
+def _edge_audio(case):
+    "The samples of an edge case, from the real clips: a cut of speech, or digital silence."
+    kind, seconds = case.rsplit('-', 1)
+    n = round(float(seconds[:-1]) * 16000)
+    if kind == 'silence': return np.zeros(n, np.float32)
+    return read_audio(ck.jfk_audio() if n < 16000 else ck.long_speech_clip('jfk'))[:n]
+
+
+@pytest.mark.parametrize('case', ['speech-0.5s', 'silence-5s', pytest.param('speech-60.0s', marks=SLOW),
+                                  pytest.param('silence-60.0s', marks=SLOW), pytest.param('speech-45.7s', marks=SLOW)])
+def test_edge_audio_equals_transformers(tmp_path, case):
+    """Under 1 s, all silence, exactly two windows (60.0 s), cut inside the segment spoken from 39.0 s to 47.6 s: ids and
+    segment times equal generate's. A window or less goes to generate's short form (the features padded to 30 s)."""
+    from transformers import WhisperFeatureExtractor
+    audio, model = _edge_audio(case), _model('tiny.en')
+    path, eos = tmp_path/f'{case}.wav', model.generation_config.eos_token_id
+    sf.write(path, audio, 16000, subtype='FLOAT')
+    got = transcribe(ck.whisper_checkpoint('tiny.en'), path, model=model, return_timestamps=True)
+    if len(audio) > 480000: ids, times, _ = _reference('tiny.en', path)
+    else:
+        fe = WhisperFeatureExtractor.from_pretrained(ck.whisper_checkpoint('tiny.en'))
+        with torch.inference_mode():
+            out = model.generate(fe(audio, sampling_rate=16000, return_tensors='pt').input_features, return_timestamps=True,
+                                 return_segments=True)
+        ids, times = out['sequences'][0].tolist(), [(float(s['start']), float(s['end'])) for s in out['segments'][0]]
+        # without timestamps the ids are generate's; the one segment ends at the audio's end, where generate's ends
+        # at the window's (30 s): we know the audio's length, and a client wants no segment past it
+        plain = transcribe(ck.whisper_checkpoint('tiny.en'), path, model=model)
+        with torch.inference_mode():
+            assert plain.ids == model.generate(fe(audio, sampling_rate=16000, return_tensors='pt').input_features)[0].tolist() + [eos]
+        assert [(s.start, s.end) for s in plain.segments] == [(0.0, len(audio) / 16000)]
+    assert got.ids == ids + [eos] and [(s.start, s.end) for s in got.segments] == times
+
+
 # ---------------------------------------------------------------- fine-tunes without the timestamp config
 
 def _fine_tune(tmp_path, name, drop):
