@@ -3,6 +3,7 @@
 
     python benchmarks/bench_explore.py            # the 2.2 GB synthetic Llama of bench_load.py (built once), warm
     python benchmarks/bench_explore.py --smol     # SmolLM2 instead (a minute)
+    python benchmarks/bench_explore.py --ranks    # section 4 (bytes per rank) on SmolLM2, against every rank's full load_plan
 
 Each measurement is a fresh process forked after the imports, with the checkpoint's files in the page cache (read once
 before). Measured: (a) the loader, `build_on_meta` + `load_weights_from_hf_shards` (GB/s over the checkpoint's bytes);
@@ -10,9 +11,15 @@ before). Measured: (a) the loader, `build_on_meta` + `load_weights_from_hf_shard
 perturbed, so that every tensor is compared numerically (GB/s over the bytes of both checkpoints). Peak RSS above the
 process's baseline is sampled every millisecond (psutil) and set against the bound of the targets: the two largest tensors
 of the checkpoint plus 64 MiB. Prints the table and the targets, writes benchmarks/results/explore.json.
+
+--ranks times explore's section 4 (`rank_table`: for TP 1, 2, 4 and 8, `load_plan(detail=False)` at every rank, each over a
+copy of one model built on meta), against the same totals with the model built afresh for each plan (`built=None`) and
+against every rank's full `load_plan` (the per-tensor breakdown too); and, for the copy, building a full-size DeepSeek-V3
+(61 layers, 256 experts) on meta against copying it. Medians of 3, in this process after a warm-up; writes
+benchmarks/results/explore_ranks.json.
 """
 from __future__ import annotations
-import json, multiprocessing as mp, os, sys, time
+import argparse, copy, json, multiprocessing as mp, os, statistics, sys, time
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -92,9 +99,49 @@ def run(kind, a, b=None) -> dict:
     return r
 
 
+def _median_s(fn, n: int = 3) -> float:
+    "Median wall seconds of `n` calls of `fn`."
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def ranks_bench():
+    "Seconds of explore's section 4 on SmolLM2, against the plans without a shared meta model and the full plans; meta build against copy."
+    import torch
+    from transformers import AutoConfig, DeepseekV3Config
+    from mstar_utils.checkpoints import smollm2_checkpoint
+    from mstar_utils.model import build_on_meta, load_plan
+    from mstar_utils.explore import _build, rank_table
+    ckpt = smollm2_checkpoint()
+    config, model = _build(ckpt, [])
+    every = lambda **kw: [load_plan(ckpt, r, ws, **kw) for ws in (1, 2, 4, 8) for r in range(ws)]
+    rank_table(ckpt, config, model)   # warm: imports, headers in the page cache
+    rows = {'section 4 (rank_table)': _median_s(lambda: rank_table(ckpt, config, model)),
+            'totals, meta model built per plan': _median_s(lambda: every(detail=False)),
+            'full load_plan per rank': _median_s(lambda: every())}
+    ds = DeepseekV3Config(num_hidden_layers=61, n_routed_experts=256, architectures=['DeepseekV3ForCausalLM'])   # the full-size shapes
+    big = build_on_meta(ds, None, torch.bfloat16)
+    meta = {'build DeepSeek-V3 on meta': _median_s(lambda: build_on_meta(ds, None, torch.bfloat16)),
+            'copy it (built=)': _median_s(lambda: copy.deepcopy(big))}
+    print(f'{ckpt.name}: TP 1, 2, 4, 8 = 15 plans; medians of 3 (wall seconds)')
+    for k, v in {**rows, **meta}.items(): print(f'{k:36} {v:7.2f}')
+    sec = rows['section 4 (rank_table)']
+    print(f"{'full plans / section 4':36} {rows['full load_plan per rank'] / sec:7.1f}x")
+    print(f"{'meta build / copy (per plan)':36} {meta['build DeepSeek-V3 on meta'] / meta['copy it (built=)']:7.1f}x")
+    (HERE/'results').mkdir(exist_ok=True)
+    (HERE/'results'/'explore_ranks.json').write_text(json.dumps({'checkpoint': ckpt.name, 'seconds': rows, 'meta': meta}, indent=1))
+
+
 def main():
-    smol = '--smol' in sys.argv
-    repeats = 1 if '--quick' in sys.argv else 3
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--smol', action='store_true', help='SmolLM2 instead of the 2.2 GB synthetic Llama')
+    ap.add_argument('--quick', action='store_true', help='one run of each instead of three')
+    ap.add_argument('--ranks', action='store_true', help="time explore's bytes-per-rank section instead")
+    args = ap.parse_args()
+    if args.ranks: return ranks_bench()
+    smol, repeats = args.smol, 1 if args.quick else 3
     if smol:
         from mstar_utils.checkpoints import smollm2_checkpoint
         ckpt = smollm2_checkpoint()

@@ -17,7 +17,7 @@ import xxhash
 
 from .sources import read_header, read_weight_map, FileSource, INDEX_FILE, checkpoint_dir as checkpoint_dir_
 from .quantized import quantized_tensors, quantized_source
-from .tensor_parallel import Sharding, tp_plan, slice_shape
+from .tensor_parallel import tp_plan
 from .loading import named_tensors
 
 # %% auto #0
@@ -409,74 +409,48 @@ def load_findings(ckpt: Path, # a checkpoint folder
         return out, None
     return out, src
 
-# %% ../nbs/12b_explore.ipynb #65fb0d0b
-def _stored_bytes(src, k: str) -> int:
-    "Bytes the checkpoint stores for source key `k`: through renames, and the sum of the keys a conversion (dequantizing, fusing) builds it from."
-    if not isinstance(src, FileSource):
-        inner = src.resolve(k)   # (the source below, its key or a conversion tree), or None
-        if inner is None: return math.prod(src.shape(k)) * src.dtype(k).itemsize
-        below, what = inner
-        if isinstance(what, str): return _stored_bytes(below, what)
-        leaves, todo = [], [what]
-        while todo:
-            node = todo.pop()
-            if hasattr(node, 'key'): leaves.append(node.key)
-            else: todo.extend(node.kids)
-        return sum(_stored_bytes(below, leaf) for leaf in leaves)
-    if isinstance(src, FileSource):
-        ti = src.info(k)[2]
-        return ti.end - ti.begin
-    return math.prod(src.shape(k)) * src.dtype(k).itemsize
-
-# %% ../nbs/12b_explore.ipynb #b623412c
+# %% ../nbs/12b_explore.ipynb #de1d70a6
 @dataclass
 class RankBytes:
-    "What each rank of a tensor-parallel (or expert-parallel) group reads from the checkpoint and holds once loaded."
+    "What each rank of a tensor-parallel (or expert-parallel) group reads from the checkpoint and holds once loaded, from `load_plan`."
     world_size: int
     expert_parallel: bool
-    read_bytes: int # checkpoint bytes a rank reads: the stored share of its slices (codes and scales for quantized ones)
-    held_bytes: int # bytes of a rank's parameters and buffers, in the model's dtype
-    undivided: list # 'key: why', for each tensor whose split dim does not divide (load_model_sharded refuses those)
+    read_bytes: list # per rank: `LoadPlan.total_bytes`, the checkpoint bytes its load reads
+    held_bytes: list # per rank: `LoadPlan.held_bytes`, its parameters and persistent buffers once loaded, in the model's dtype
+    refused: str = '' # the loader's ValueError at this size (the key, dim and world size); then no bytes
 
-# %% ../nbs/12b_explore.ipynb #0cb1524a
-def rank_bytes(model, # built on meta (`build_on_meta`)
-               src, # the loader source keyed by its names (`model_source`)
-               config, # its transformers config
-               world_size: int, # the tensor-parallel group's size
+# %% ../nbs/12b_explore.ipynb #3738fc4f
+def rank_bytes(checkpoint_dir, # an HF checkpoint folder
+               world_size: int, # the group's size
                expert_parallel: bool = False, # experts split by expert (`base_model_ep_plan`)
+               built=None, # its model built on meta (`build_on_meta`), which each plan copies instead of building again
               ) -> RankBytes:
-    "Bytes rank 0 reads and holds under `tp_plan`, by `Sharding.slice_for` on the header shapes; the loader splits evenly, so every rank's are equal."
-    # when load_plan(folder, rank, world_size) lands, read_bytes is its `total_bytes`: read = load_plan(ckpt, 0, world_size).total_bytes
-    sh = Sharding(tp_plan(config, world_size, expert_parallel), 0, world_size)
-    read = held = 0
-    bad = []
-    for names, t, _ in _slots(model):
-        try: sl = sh.slice_for(names[0], tuple(t.shape))
-        except ValueError as e: sl = None; bad.append(f'{names[0]}: {str(e).split(";")[0].removeprefix(names[0] + ": ")}')
-        share = 1.0 if sl is None else math.prod(slice_shape(tuple(t.shape), sl)) / max(t.numel(), 1)
-        held += round(share * t.numel() * t.element_size())
-        key = next((n for n in names if n in src), None)
-        if key is not None: read += round(share * _stored_bytes(src, key))
-    return RankBytes(world_size, expert_parallel, read, held, bad)
+    "Bytes each rank of `world_size` reads and holds, by `load_plan(..., detail=False)`; a size the loader refuses, with its message."
+    from mstar_utils.model import load_plan
+    try: plans = [load_plan(checkpoint_dir, r, world_size, detail=False, built=built, expert_parallel=expert_parallel) for r in range(world_size)]
+    except ValueError as e: return RankBytes(world_size, expert_parallel, [], [], str(e))
+    return RankBytes(world_size, expert_parallel, [p.total_bytes for p in plans], [p.held_bytes for p in plans])
 
-# %% ../nbs/12b_explore.ipynb #0519cebb
-def rank_table(model, src, config, sizes=(1, 2, 4, 8)) -> tuple[list, list]:
-    "([`RankBytes`] for TP at each of `sizes`, and EP for a model with an expert plan), findings: no plan, dims that do not divide."
+# %% ../nbs/12b_explore.ipynb #7a94958e
+def rank_table(checkpoint_dir: Path, # a checkpoint folder
+               config, # its transformers config
+               built=None, # its model built on meta (`build_on_meta`)
+               sizes=(1, 2, 4, 8), # the group sizes
+              ) -> tuple[list, list]:
+    "([`RankBytes`] for TP at each of `sizes`, and EP where the config has an expert plan), findings: no plan, sizes the loader refuses."
     cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
+    try: tp_plan(config, 2)
+    except ValueError as e: return [rank_bytes(checkpoint_dir, 1, built=built)], [Finding('ranks', 'note', 'config.json', str(e), 'pass a plan to load_model_sharded')]
     rows, out = [], []
-    for ep in (False, True):
-        if ep and not getattr(cfg, 'base_model_ep_plan', None): continue
-        for ws in sizes:
-            if ep and ws == 1: continue
-            try: r = rank_bytes(model, src, config, ws, ep)
-            except ValueError as e:
-                out.append(Finding('ranks', 'note', 'config.json', str(e), 'pass a plan to load_model_sharded')); return rows, out
-            rows.append(r)
-            if r.undivided:
-                b = r.undivided[0]
-                more = f' (and {len(r.undivided) - 1} more tensors)' if len(r.undivided) > 1 else ''
-                out.append(Finding('ranks', 'warning', b.partition(':')[0], f"{'EP' if ep else 'TP'} {ws}: {b.partition(': ')[2]}{more}, "
-                                   'so load_model_sharded refuses this size', 'use a world size that divides it, or a plan that keeps it whole'))
+    for ep in (False, True) if getattr(cfg, 'base_model_ep_plan', None) else (False,):
+        for ws in [s for s in sizes if not (ep and s == 1)]:
+            rows.append(r := rank_bytes(checkpoint_dir, ws, ep, built))
+            if r.refused:
+                what, _, fix = r.refused.replace(f'{checkpoint_dir}/', '').partition('; ')
+                key, _, why = what.partition(': ')
+                if ' ' in key: key, why = Path(checkpoint_dir).name, what   # a message that does not start with a key
+                out.append(Finding('ranks', 'warning', key, f"{'EP' if ep else 'TP'} {ws}: load_model_sharded refuses it: {why}",
+                                   fix or 'use a world size it divides'))
     return rows, out
 
 # %% ../nbs/12b_explore.ipynb #b0d05171
@@ -1000,12 +974,25 @@ def _formats(self: Exploration) -> tuple:
     kinds = sorted({f.format for f in self.formats})
     return (f'{len(kinds)} format(s), {8 * nbytes / max(params, 1):.2f} bits per weight overall', _html_table(head, rows), _text_table(head, rows))
 
+def _spread(v: list) -> str:
+    "Per-rank bytes: one size when the ranks agree, else the least and most and then every rank's."
+    if not v: return '–'
+    if min(v) == max(v): return _size(v[0])
+    lo, hi = _size(min(v)), _size(max(v))
+    if lo == hi: return f'{lo} (ranks differ by {max(v) - min(v):,} B)'
+    return ', '.join(map(_size, v)) if len(v) == 2 else f'{lo}–{hi}: ' + ', '.join(map(_size, v))
+
+def _par(r: RankBytes) -> str: return f"{'EP' if r.expert_parallel else 'TP'} {r.world_size}"
+
 def _ranks(self: Exploration) -> tuple:
-    head = ['parallel', 'read per rank', 'held per rank', 'tensors that do not divide']
-    rows = [(f"{'EP' if r.expert_parallel else 'TP'} {r.world_size}", _size(r.read_bytes), _size(r.held_bytes), len(r.undivided) or '') for r in self.ranks]
+    head = ['parallel', 'read per rank', 'held per rank', 'read by all ranks', 'loads']
+    rows = [(_par(r), _spread(r.read_bytes), _spread(r.held_bytes), _size(sum(r.read_bytes)) if r.read_bytes else '–',
+             'refused (see above)' if r.refused else 'yes') for r in self.ranks]
     if not rows: return ('not computed', '', [])
-    return (f'TP {", ".join(str(r.world_size) for r in self.ranks if not r.expert_parallel)}' + (' and EP' if any(r.expert_parallel for r in self.ranks) else ''),
-            _html_table(head, rows), _text_table(head, rows))
+    tp, ep = [str(r.world_size) for r in self.ranks if not r.expert_parallel], [str(r.world_size) for r in self.ranks if r.expert_parallel]
+    refused = [_par(r) for r in self.ranks if r.refused]
+    summary = f'TP {", ".join(tp)}' + (f' and EP {", ".join(ep)}' if ep else '') + (f'; refused: {", ".join(refused)}' if refused else '')
+    return summary, _html_table(head, rows), _text_table(head, rows)
 
 def _kv(self: Exploration) -> tuple:
     if self.kv is None: return ('not computed', '', [])
@@ -1144,8 +1131,8 @@ def explore(checkpoint_dir, # an HF checkpoint folder
         lf, src = load_findings(ckpt, tcfg, model)
         findings += lf
         if src is not None:
-            try: ranks, rf = rank_table(model, src, tcfg)
-            finally: src.close()
+            src.close()
+            ranks, rf = rank_table(ckpt, tcfg, model)
             findings += rf
     kv, kv_lines, plots['kv'] = kv_section(ckpt, findings)
     ws = None

@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_load_model.ipynb #4236b782
 from __future__ import annotations
-import bisect, json, logging, re, threading
+import bisect, copy, functools, json, logging, re, threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -381,8 +381,8 @@ class _Prepared(NamedTuple):
     what: str   # names the model in messages
 
 def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantized='dequantize', renames=True, rank=None,
-             world_size=None, group=None, plan=None, expert_parallel=False, rules=(), dry=False, mmap=False, device='cpu') -> _Prepared:
-    "Every step of `load_model` before a weight is read (see `load_model` for the arguments); `dry`: a source that only records reads."
+             world_size=None, group=None, plan=None, expert_parallel=False, rules=(), dry=False, mmap=False, device='cpu', built=None) -> _Prepared:
+    "Every step of `load_model` before a weight is read (see `load_model` for the arguments); `dry`: a source that only records reads; `built`: a meta model to copy."
     from transformers import AutoConfig
     if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     ckpt = _checkpoint_dir(checkpoint_dir)
@@ -392,7 +392,7 @@ def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantize
     if dry or not _one_device(rank, world_size): raw = checkpoint_source(ckpt, mmap=mmap, dry=dry)   # a rank reads its slices, not whole shards
     else: raw = start_reads(ckpt, config, dtype, conv, device, mmap)   # reading while the model class is imported and built
     try:
-        model = build_on_meta(config, model_class, dtype)
+        model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class, dtype)   # a copy: it is cut below
         sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)   # the model: where its towers are
     except BaseException: raw.close(); raise
     src = model_source(ckpt, config, model, conv, renames, quantized, raw)
@@ -534,9 +534,10 @@ class LoadPlan:
     total_bytes: int   # bytes this rank reads, all files
     checkpoint_bytes: int   # bytes of tensor data the checkpoint holds
     options: dict   # the keyword arguments of `load_model` it was made with
+    held_bytes: int = 0   # bytes of the tensors this rank's model holds once loaded (parameters and persistent buffers, ties once)
     def __repr__(self):
         head = (f'LoadPlan({Path(self.checkpoint).name}, rank {self.rank} of {self.world_size}): {len(self.tensors)} tensors, '
-                f'reads {_mb(self.total_bytes)} of {_mb(self.checkpoint_bytes)} in {len(self.files)} file(s)')
+                f'reads {_mb(self.total_bytes)} of {_mb(self.checkpoint_bytes)} in {len(self.files)} file(s), holds {_mb(self.held_bytes)}')
         rows = [f'  {t.name} {list(t.shape)} {t.dtype} <- {_listed(t.keys, 2)}: {" | ".join(t.steps) or "as stored"}, {_mb(t.bytes)}'
                 for t in self.tensors[:6]]
         more = [f'  ... ({len(self.tensors) - 6} more)'] if len(self.tensors) > 6 else []
@@ -553,7 +554,7 @@ def to_json(self: LoadPlan, indent: int | None = 1) -> str:
         d = t._asdict()
         d['slice'] = None if t.slice is None else {'dim': t.slice.dim, 'ranges': [list(r) for r in t.slice.ranges]}
         return d
-    return json.dumps(dict(checkpoint=self.checkpoint, rank=self.rank, world_size=self.world_size, total_bytes=self.total_bytes,
+    return json.dumps(dict(checkpoint=self.checkpoint, rank=self.rank, world_size=self.world_size, total_bytes=self.total_bytes, held_bytes=self.held_bytes,
                            checkpoint_bytes=self.checkpoint_bytes, options={k: str(v) for k, v in self.options.items()},
                            files=[f._asdict() for f in self.files], tensors=[tensor(t) for t in self.tensors]), indent=indent)
 
@@ -586,27 +587,44 @@ def _lineage(src, k: str, steps: list) -> list:
 def _touches(raw, key: str, merged: dict) -> bool:
     "Whether the merged reads {file: [[start, stop], ...]} take any byte of checkpoint key `key` of the FileSource `raw`."
     path, start, ti = raw.info(key)
-    rs = merged.get(Path(path).name, [])
+    rs = merged.get(_name(path), [])
     i = bisect.bisect_right([a for a, _ in rs], start + ti.end - 1) - 1
     return i >= 0 and rs[i][1] > start + ti.begin
 
 def _merged(reads: list) -> dict:
     "{file: [[start, stop], ...]} of reads [(file, offset, bytes)], sorted, merged where they touch or overlap."
+    by_file = {}
+    for path, rs in _by_path(reads).values(): by_file.setdefault(_name(path), []).extend((off, off + n) for off, n in rs)
     out = {}
-    for path, off, n in sorted(reads, key=lambda r: (str(r[0]), r[1])):
-        rs = out.setdefault(Path(path).name, [])
-        if rs and off <= rs[-1][1]: rs[-1][1] = max(rs[-1][1], off + n)
-        else: rs.append([off, off + n])
+    for f in sorted(by_file):
+        rs = out[f] = []
+        for a, b in sorted(by_file[f]):
+            if rs and a <= rs[-1][1]: rs[-1][1] = max(rs[-1][1], b)
+            else: rs.append([a, b])
     return out
+
+def _by_path(reads: list) -> dict:
+    "{id(path): (path, [(offset, bytes)])} of reads [(path, offset, bytes)]: grouped by the path object, as paths compare slowly."
+    out = {}
+    for path, off, n in reads: out.setdefault(id(path), (path, []))[1].append((off, n))
+    return out
+
+@functools.lru_cache(maxsize=256)
+def _name(path) -> str:
+    "The file name of `path`, cached."
+    return Path(path).name
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c16
 def load_plan(checkpoint_dir: str | Path, # an HF checkpoint folder
               rank: int = 0, # the rank planned for
               world_size: int = 1, # the tensor-parallel group's size
+              *,
+              detail: bool = True, # False: the totals alone (`tensors` and `files` empty), to plan many ranks quickly
+              built=None, # this checkpoint's model built on meta (`build_on_meta`, with the same model_class and dtype), copied instead of built again
               **kw, # as `load_model`: model_class, dtype, conv, quantized, renames, plan, expert_parallel, rules
              ) -> LoadPlan:
     "What `load_model(checkpoint_dir, rank=rank, world_size=world_size, **kw)` reads, computed from headers and config alone."
-    prep = _prepare(checkpoint_dir, rank=rank, world_size=world_size, dry=True, **kw)
+    prep = _prepare(checkpoint_dir, rank=rank, world_size=world_size, dry=True, built=built, **kw)
     src, raw = prep.source, prep.raw
     try:
         try: res, _ = _read_weights(prep, 'meta', progress=False)
@@ -614,7 +632,8 @@ def load_plan(checkpoint_dir: str | Path, # an HF checkpoint folder
         total, reads = raw.bytes_read, list(raw.reads)
         quantized = kw.get('quantized') == 'keep' and getattr(prep.config, 'quantization_config', None)
         tensors, unused = [], set(res.unexpected_keys)
-        for k in [k for k in src.keys() if k not in unused]:
+        held = sum(t.numel() * t.element_size() for t in {id(t): t for _, t, _ in named_tensors(prep.model)}.values())
+        for k in [k for k in src.keys() if k not in unused] if detail else []:
             mark = len(raw.reads)
             src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k), device='meta'))])   # the load's reads, one key at a time
             mine, steps = raw.reads[mark:], []
@@ -628,10 +647,11 @@ def load_plan(checkpoint_dir: str | Path, # an HF checkpoint folder
                                          [(f, a, b) for f, rs in merged.items() for a, b in rs]))
         ck = sum(raw.info(k)[2].end - raw.info(k)[2].begin for k in raw.keys())
     finally: src.close()
-    by_file = {}
-    for path, _, n in reads: by_file[Path(path).name] = by_file.get(Path(path).name, 0) + n
-    files = [FileReads(f, [tuple(r) for r in rs], by_file[f]) for f, rs in sorted(_merged(reads).items())]
-    return LoadPlan(str(prep.ckpt), rank, world_size, tensors, files, total, ck, dict(kw))
+    files, by_file = [], {}
+    if detail:
+        for path, rs in _by_path(reads).values(): by_file[_name(path)] = by_file.get(_name(path), 0) + sum(n for _, n in rs)
+        files = [FileReads(f, [tuple(r) for r in rs], by_file[f]) for f, rs in sorted(_merged(reads).items())]
+    return LoadPlan(str(prep.ckpt), rank, world_size, tensors, files, total, ck, dict(kw), held)
 
 _STORED_CODES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.uint8, torch.int8}
 _SCALES = ('_scale_inv', '_scale', '_zero_point', '_scales', '_shape')
