@@ -1,6 +1,6 @@
 """GPTQ, AWQ and bitsandbytes checkpoints: decoders against the packed integers and bitsandbytes' own functional API, loads
 against from_pretrained of the dequantized checkpoint, tensor-parallel ranks against the full load's slices."""
-import json, os, shutil
+import io, json, os, re, shutil
 
 import pytest
 import torch
@@ -212,3 +212,29 @@ def test_cuts_read_whole_words_and_groups(fmt, dim):
             lo, hi = a // unit * unit, min(-(-b // unit) * unit, size)
             packed = fmt == 'gptq' and dim == 1 or fmt == 'awq' and dim == 0
             assert parts[0].shape[1 - dim] == (-(-hi // 8) - lo // 8 if packed else hi - lo), f'[{a}, {b}): codes read {list(parts[0].shape)}'
+
+
+@pytest.mark.skipif(not os.environ.get('MSTAR_UTILS_SLOW'), reason='spawns two ranks (40 s): set MSTAR_UTILS_SLOW=1')
+def test_tp_logits_equal_the_dequantized_reference(ckpts, tmp_path):
+    "Two ranks with their collectives: each rank's logits equal from_pretrained of the dequantized checkpoint."
+    from mstar_utils.testing import run_ranks, tp_cells
+    names = ['gptq', 'awq', 'int8']
+    jobs = [(ckpts[n][0], {'input_ids': IDS}, False, 'dequantize') for n in names]
+    per_rank = run_ranks(tp_cells, 2, jobs, timeout=600)
+    for i, n in enumerate(names):
+        d, weights = weights_of(ckpts, n)
+        ref = AutoModelForCausalLM.from_pretrained(reference_dir(d, weights, tmp_path/n), dtype=torch.float32).eval()
+        for r, res in enumerate(per_rank):
+            got = torch.load(io.BytesIO(res[i]), weights_only=False)['logits']
+            assert_tensors_equal(got, logits(ref), f'{n} rank {r}', atol=1e-4)
+
+
+@pytest.mark.parametrize('name,line', [('gptq_act', 'GPTQ int4 in int32, groups of 32, act-order, gptq zero points'),
+                                       ('gptq8_v2', 'GPTQ int8 in int32, one group, gptq_v2 zero points'),
+                                       ('awq', 'AWQ int4 in int32 (GEMM order), groups of 32'),
+                                       ('nf4_nested', 'bitsandbytes nf4, absmax per 64, nested'), ('int8', 'bitsandbytes int8, SCB per row')])
+def test_explore_names_the_format(name, line, ckpts):
+    from mstar_utils.explore import explore
+    text = str(explore(ckpts[name][0]))
+    assert re.search(r'model\.layers\.\*\.mlp\.down_proj\.weight +' + re.escape(line) + ' ', text), text[text.index('2. Formats'):][:800]
+    assert '3. Will it load: yes' in text
