@@ -238,6 +238,11 @@ def describe_format(op, # a dequantizing operation of the quantized page (`Quant
     if name == 'PackQuantizedDequantize':
         return f"compressed-tensors pack-quantized int{op.num_bits} in int32, {gran}{'' if op.symmetric else ', zero point'}"
     if name == 'MXFP4Dequantize': return 'MXFP4: E2M1 codes two a byte, an E8M0 scale per 32 weights'
+    groups = 'one group' if getattr(op, 'group_size', 0) <= 0 else f'groups of {op.group_size}'
+    if name == 'GPTQDequantize': return f"GPTQ int{op.bits} in int32, {groups}{', act-order' if op.act_order else ''}, {'gptq' if op.v1 else 'gptq_v2'} zero points"
+    if name == 'AWQDequantize': return f'AWQ int4 in int32 (GEMM order), {groups}'
+    if name == 'BnB4bitDequantize': return f"bitsandbytes {op.quant_type}, absmax per {op.blocksize}{', nested' if op.nested_blocksize else ''}"
+    if name == 'BnBInt8Dequantize': return 'bitsandbytes int8, SCB per row'
     return f"{name}{', ' + gran if gran else ''}"
 
 # %% ../nbs/12b_explore.ipynb #9817bd9b

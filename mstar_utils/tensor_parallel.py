@@ -19,6 +19,7 @@ from .sources import Source, WrappedSource, checkpoint_source, default_threads
 from .convert import MergeModulelist, Concatenate, converted_source
 from .loading import ModuleAndPrefix, LoadResult, load_from_source, module_entries, named_tensors, norm_prefix
 from .quantized import (FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize,
+                                   GPTQDequantize, AWQDequantize, BnBInt8Dequantize, BnB4bitDequantize,
                                    QuantizedLinear, QuantizedExperts, dequantize_cut)
 
 # %% auto #0
@@ -244,12 +245,14 @@ def _route_dequantize(node, sl: Slice) -> list | None:
     if sl.dim is None: return None
     d, shapes, pos, out = sl.dim % len(node.shape), [k.shape for k in node.kids], 0, []
     for a, b in sl.ranges:
-        c = node.op.cut(shapes, d, a, b)
+        try: c = node.op.cut(shapes, d, a, b)
+        except ValueError as e: raise ValueError(f'{getattr(node.kids[getattr(node.op, "codes_at", 0)], "key", type(node.op).__name__)!r}: {e}') from None
         if c is None: return None
         out.append((c, d, pos, b - a)); pos += b - a
     return out
 
-DEQUANTIZE_ROUTES = dict.fromkeys((FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize),
+DEQUANTIZE_ROUTES = dict.fromkeys((FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize,
+                                   GPTQDequantize, AWQDequantize, BnBInt8Dequantize, BnB4bitDequantize),
                                   _route_dequantize)
 
 # %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3

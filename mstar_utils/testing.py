@@ -18,7 +18,8 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
            'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
            'jfk_resampled', 'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference',
-           'tiny_llama_gguf_config', 'write_gguf_checkpoint']
+           'tiny_llama_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint',
+           'write_bnb_checkpoint']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -699,3 +700,98 @@ def write_gguf_checkpoint(dest, # the .gguf file to write
         w.add_tensor(g, np.ascontiguousarray(x) if qt == gguf.GGMLQuantizationType.F32 else _gguf_codes(x, qt, rng), raw_dtype=qt)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return dest
+
+# %% ../nbs/98_testing.ipynb #gabt001
+import torch.nn.functional as F
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    "int64 words in [0, 2³²) as the int32 with the same bits."
+    return (x - (x >= 2**31).long() * 2**32).to(torch.int32)
+
+def _pack(q: torch.Tensor, bits: int, dim: int, order: tuple | None = None) -> torch.Tensor:
+    "Codes q (ints in [0, 2^b)) packed 32/b to an int32 word along `dim`, padded with zeros; `order`: the index each position holds."
+    per = 32 // bits
+    q = q.long().movedim(dim, -1)
+    q = F.pad(q, (0, -q.shape[-1] % per)).unflatten(-1, (-1, per))
+    order = order or tuple(range(per))
+    return _int32(sum(q[..., o] << (bits * i) for i, o in enumerate(order))).movedim(-1, dim)
+
+# %% ../nbs/98_testing.ipynb #gabt003
+def gptq_quantize(w: torch.Tensor, # float [N, K]: a Linear's weight
+                  bits: int = 4, group_size: int = 128, # -1: one group
+                  sym: bool = True, act_order: bool = False, # act_order: inputs permuted into the groups at random (`g_idx`)
+                  v1: bool = True, # checkpoint_format 'gptq': zero points stored less one
+                 ) -> tuple:
+    "({qweight, qzeros, scales, g_idx} in GPTQ's layout, the float32 [N, K] weight they dequantize to), round to nearest per group."
+    N, K = w.shape
+    maxq, gs = 2**bits - 1, K if group_size <= 0 else group_size
+    perm = torch.randperm(K) if act_order else torch.arange(K)
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(K) // gs).int()
+    G = int(g_idx.max()) + 1
+    onehot = F.one_hot(g_idx.long(), G).bool().T                      # [G, K]
+    wt = w.float().T                                                  # [K, N]
+    big, small = torch.full((G, K, N), -torch.inf), torch.full((G, K, N), torch.inf)
+    hi = torch.where(onehot[..., None], wt, big).amax(1).clamp(min=0)
+    lo = torch.where(onehot[..., None], wt, small).amin(1).clamp(max=0)
+    if sym: hi = torch.maximum(hi, -lo); lo = -hi
+    scales = ((hi - lo) / maxq).clamp(min=1e-8).half()
+    z = torch.full_like(hi, (maxq + 1) // 2) if sym else torch.round(-lo / scales.float())
+    z = z.clamp(1 if v1 else 0, maxq).long()
+    q = (torch.round(wt / scales.float()[g_idx.long()]) + z[g_idx.long()]).clamp(0, maxq).long()
+    ref = ((q - z[g_idx.long()]).float() * scales.float()[g_idx.long()]).T
+    t = {'qweight': _pack(q, bits, 0), 'qzeros': _pack(z - (1 if v1 else 0), bits, 1), 'scales': scales, 'g_idx': g_idx}
+    return t, ref
+
+# %% ../nbs/98_testing.ipynb #gabt004
+def awq_quantize(w: torch.Tensor, # float [N, K]
+                 group_size: int = 128, # -1: one group
+                ) -> tuple:
+    "({qweight, qzeros, scales} in AutoAWQ's GEMM layout, the float32 [N, K] weight they dequantize to): 4 bits, zero points, per group."
+    N, K = w.shape
+    gs = K if group_size <= 0 else group_size
+    g = torch.arange(K) // gs
+    wg = F.pad(w.float().T, (0, 0, 0, -K % gs)).unflatten(0, (-1, gs))     # [G, gs, N]
+    hi, lo = wg.amax(1).clamp(min=0), wg.amin(1).clamp(max=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).half()
+    z = torch.round(-lo / scales.float()).clamp(0, 15).long()
+    q = (torch.round(w.float().T / scales.float()[g]) + z[g]).clamp(0, 15).long()
+    ref = ((q - z[g]).float() * scales.float()[g]).T
+    from mstar_utils.quantized import AWQ_ORDER
+    return {'qweight': _pack(q, 4, 1, AWQ_ORDER), 'qzeros': _pack(z, 4, 1, AWQ_ORDER), 'scales': scales}, ref
+
+# %% ../nbs/98_testing.ipynb #gabt006
+def write_int4_checkpoint(model, # a transformers model; its decoder layers' Linear weights are quantized
+                          dest, # the checkpoint folder to write
+                          method: str = 'gptq', # 'gptq' or 'awq'
+                          **kw, # to `gptq_quantize` (bits, group_size, sym, act_order, v1) or `awq_quantize` (group_size)
+                         ) -> tuple:
+    "(dest, {weight key: the float32 weight its codes dequantize to}): a GPTQ or AWQ checkpoint in float16, lm_head left whole."
+    torch.manual_seed(0)
+    dest, sd = _saved(model, dest)
+    out, refs = {}, {}
+    for k, v in sd.items():
+        if '.layers.' in k and k.endswith('_proj.weight'):
+            t, refs[k] = (gptq_quantize if method == 'gptq' else awq_quantize)(v, **kw)
+            out.update({f'{k[:-len("weight")]}{n}': x for n, x in t.items()})
+        else: out[k] = v.half()
+    if method == 'gptq':
+        qc = {'quant_method': 'gptq', 'bits': kw.get('bits', 4), 'group_size': kw.get('group_size', 128), 'sym': kw.get('sym', True),
+              'desc_act': kw.get('act_order', False), 'checkpoint_format': 'gptq' if kw.get('v1', True) else 'gptq_v2'}
+    else: qc = {'quant_method': 'awq', 'bits': 4, 'group_size': kw.get('group_size', 128), 'zero_point': True, 'version': 'gemm'}
+    return _rewrite(dest, out, qc, torch.float16), refs
+
+# %% ../nbs/98_testing.ipynb #gabt007
+def write_bnb_checkpoint(model, # a transformers model in float32
+                         dest, # the checkpoint folder to write
+                         kind: str = 'nf4', # 'nf4', 'fp4' or 'int8'
+                         nested: bool = False, # 4-bit: double quant (absmax quantized too)
+                        ) -> Path:
+    "A bitsandbytes checkpoint as transformers writes it: `from_pretrained(quantization_config=BitsAndBytesConfig(...))` on the CPU, then `save_pretrained`."
+    import tempfile, transformers as tf
+    q = (tf.BitsAndBytesConfig(load_in_8bit=True) if kind == 'int8' else
+         tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=nested, bnb_4bit_compute_dtype=torch.float32))
+    with tempfile.TemporaryDirectory() as plain, contextlib.redirect_stderr(io.StringIO()):
+        _saved(model, plain)
+        m = tf.AutoModelForCausalLM.from_pretrained(plain, quantization_config=q, device_map='cpu', dtype=torch.float32)
+    return _saved(m, dest)[0]
