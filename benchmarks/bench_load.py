@@ -23,6 +23,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
 import psutil
+from _harness import byte_compile
 from fastcore.script import call_parse
 
 HERE = Path(__file__).resolve().parent
@@ -667,7 +668,8 @@ def _env(gpu, repeats, cold_repeats, spawn):
     return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                 safetensors=safetensors.__version__, cpus=os.cpu_count(), threads=default_threads(), mem_gb=round(psutil.virtual_memory().total/GB, 1),
                 machine=platform.machine(), kernel=platform.release(), gpu=gpu, gpu_name=torch.cuda.get_device_name() if gpu else None,
-                process='spawn' if spawn else 'fork', repeats=repeats, cold_repeats=cold_repeats, cache_drop='posix_fadvise(POSIX_FADV_DONTNEED) per file')
+                process='spawn' if spawn else 'fork', repeats=repeats, cold_repeats=cold_repeats, cache_drop='posix_fadvise(POSIX_FADV_DONTNEED) per file',
+                bytecode=byte_compile())
 
 @call_parse
 def main(quick: bool = False,       # SmolLM2 and the 20,000-tensor file, one warm repeat
