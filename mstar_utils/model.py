@@ -163,19 +163,20 @@ def _transformers_rules(config) -> tuple[list, list]:
 def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-built one will do)
                        keys, # checkpoint keys
                       ) -> dict:
-    "{checkpoint key: the key transformers loads it under} for the `keys` that are not already `model`'s names and that its rename rules change (per model type and class, and its legacy rules), and with the model's `base_model_prefix` added or dropped where only that makes it one of the model's names; {} for a model that is not a transformers `PreTrainedModel`."
+    "{checkpoint key: the name transformers loads it under} for the `keys` that are not `model`'s names."
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
     except ImportError: return {}  # a transformers without a conversion mapping renames nothing
     if not isinstance(model, PreTrainedModel): return {}
+    names = dict.fromkeys((n for n, _, _ in named_tensors(model)), True)  # the state_dict's names; the prefix rule looks them up
+    todo = [k for k in keys if k not in names]  # a model name is left as it is, with no per-key rule matching
+    if not todo: return {}  # nothing to rename: transformers' mapping of every model type is not even built
     rules = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    names = dict.fromkeys((n for n, _, _ in named_tensors(model)), True)  # the state_dict's names, without building it; transformers' prefix rule looks them up
     prefix = getattr(model, 'base_model_prefix', None) or None
     out = {}
-    for k in keys:
-        if k in names: continue  # already one of the model's names: left as it is (and no per-key rule matching)
+    for k in todo:
         new, _ = rename_source_key(k, rules, [], prefix, names)
         if new != k: out[k] = new
     return out
