@@ -135,12 +135,12 @@ _REGEX = re.compile(r'[\\^$+?()\[\]{}|]')   # regular-expression syntax in a pat
 
 def _transformers_rules(config) -> tuple[list, list]:
     "(our recipes, descriptions of the rules skipped) for transformers' fusing rules of `config`'s model types."
+    types = _model_types(config)
+    if any(t in CONVERSIONS_BY_MODEL_TYPE for t in types): return [], []   # ours, written for these checkpoints, do the fusing
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightConverter as HFConverter
     except ImportError: return [], []
-    types = _model_types(config)
-    if any(t in CONVERSIONS_BY_MODEL_TYPE for t in types): return [], []   # ours, written for these checkpoints, do the fusing
     out, skipped, seen = [], [], set()
     for t in types:
         for c in get_checkpoint_conversion_mapping(t) or []:
