@@ -311,6 +311,17 @@ def _attach_generation_config(model, ckpt: Path):
     if (ckpt/'generation_config.json').is_file(): model.generation_config = GenerationConfig.from_pretrained(ckpt)
     else: model.generation_config = GenerationConfig.from_pretrained(ckpt, config_file_name='config.json', _from_model_config=True)
 
+# %% ../nbs/03_load_model.ipynb #948fe28f
+def _recipes(config, ckpt: Path, conv) -> list:
+    "The recipes whose keys `load_model` fuses: `conv`, or for 'auto' ours by model type, then transformers'."
+    return [*auto_conversions(config, ckpt), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
+
+def _as_stored(src: FileSource, recipes: list, dtype) -> list:
+    "The shards of `src` whose every tensor loads as stored: in `dtype`, and matched by none of `recipes`."
+    fused = {src.k2f[k] for k in src.keys() if any(r.match(k) for r in recipes)}
+    cast = {src.k2f[k] for k in src.keys() if src.dtype(k) != dtype}
+    return [p for p in sorted(set(src.k2f.values()), key=str) if p not in fused and p not in cast]
+
 # %% ../nbs/03_load_model.ipynb #5b7d0a02
 def start_reads(ckpt: Path, # a checkpoint folder
                 config, # its transformers config
@@ -324,14 +335,41 @@ def start_reads(ckpt: Path, # a checkpoint folder
     if torch.device(device).type != 'cpu' or getattr(config, 'quantization_config', None): return src
     try:
         shards = sorted(set(src.k2f.values()), key=str)
-        if not mmap:
-            recipes = [*auto_conversions(config, ckpt), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
-            fused = {src.k2f[k] for k in src.keys() if any(r.match(k) for r in recipes)}
-            cast = {src.k2f[k] for k in src.keys() if src.dtype(k) != dtype}
-            shards = [p for p in shards if p not in fused and p not in cast]
+        if not mmap: shards = _as_stored(src, _recipes(config, ckpt, conv), dtype)
         if shards: ReadAhead(src, shards, mapped=mmap)
     except BaseException: src.close(); raise
     return src
+
+# %% ../nbs/03_load_model.ipynb #197c1a1c
+def _json_dtype(cfg: dict):
+    "The torch dtype config.json's `dtype` (or older `torch_dtype`) names; None for none or an unknown name."
+    name = cfg.get('dtype', cfg.get('torch_dtype'))
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    return dt if isinstance(dt, torch.dtype) else None
+
+def _reads_before_config(ckpt: Path, dtype, conv, device: str, mmap: bool) -> FileSource:
+    "`start_reads` from config.json's JSON alone (our recipes by model type), before transformers is imported."
+    try: cfg = json.loads((ckpt/'config.json').read_text(encoding='utf-8'))
+    except (OSError, ValueError): cfg = None   # transformers' AutoConfig says what is wrong with it
+    src = checkpoint_source(ckpt, mmap=mmap)
+    if not isinstance(cfg, dict) or torch.device(device).type != 'cpu' or cfg.get('quantization_config'): return src
+    try:
+        shards = sorted(set(src.k2f.values()), key=str)
+        if not mmap:
+            types = dict.fromkeys([cfg.get('model_type'), *(v.get('model_type') for v in cfg.values() if isinstance(v, dict))])
+            ours = [c for t in types if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
+            recipes = ours if conv == 'auto' else list(conv or [])
+            shards = _as_stored(src, recipes, dtype or _json_dtype(cfg) or checkpoint_dtype(ckpt))
+        if shards: ReadAhead(src, shards, mapped=mmap)
+    except BaseException: src.close(); raise
+    return src
+
+# %% ../nbs/03_load_model.ipynb #d80dc9e8
+def _keep_reads(src: FileSource, config, ckpt: Path, dtype, conv, mmap: bool):
+    "Cancel the reads `_reads_before_config` started of shards that the built config says do not load as stored."
+    if src.ahead is None or mmap: return
+    keep = set() if getattr(config, 'quantization_config', None) else set(_as_stored(src, _recipes(config, ckpt, conv), dtype))
+    src.ahead.cancel([p for p in src.ahead.paths if p not in keep])
 
 # %% ../nbs/03_load_model.ipynb #6d9905b2
 def model_source(ckpt: Path, # a checkpoint folder
@@ -384,15 +422,16 @@ class _Prepared(NamedTuple):
 def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantized='dequantize', renames=True, rank=None,
              world_size=None, group=None, plan=None, expert_parallel=False, rules=(), dry=False, mmap=False, device='cpu', built=None) -> _Prepared:
     "Every step of `load_model` before a weight is read (see `load_model` for the arguments); `dry`: a source that only records reads; `built`: a meta model to copy."
-    from transformers import AutoConfig
     if quantized not in ('dequantize', 'keep'): raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     ckpt = _checkpoint_dir(checkpoint_dir)
-    config = AutoConfig.from_pretrained(ckpt)
     if group is not None and (rank is None or world_size is None): rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    dtype = model_dtype(config, ckpt, dtype)
-    if dry or not _one_device(rank, world_size): raw = checkpoint_source(ckpt, mmap=mmap, dry=dry)   # a rank reads its slices, not whole shards
-    else: raw = start_reads(ckpt, config, dtype, conv, device, mmap)   # reading while the model class is imported and built
+    early = not dry and _one_device(rank, world_size)   # a rank reads its slices, not whole shards
+    raw = _reads_before_config(ckpt, dtype, conv, device, mmap) if early else checkpoint_source(ckpt, mmap=mmap, dry=dry)
     try:
+        from transformers import AutoConfig   # imported, the config and the model built, while the shards are read
+        config = AutoConfig.from_pretrained(ckpt)
+        dtype = model_dtype(config, ckpt, dtype)
+        if early: _keep_reads(raw, config, ckpt, dtype, conv, mmap)
         model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class, dtype)   # a copy: it is cut below
         sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)   # the model: where its towers are
     except BaseException: raw.close(); raise

@@ -673,6 +673,7 @@ class ReadAhead:
                 ):
         self.src, self.paths, self.mapped, self._stop = src, list(paths), mapped, False
         self._bufs, self._errors, self._done = {}, {}, {p: threading.Event() for p in self.paths}
+        self._lock, self._started, self.cancelled = threading.Lock(), set(), set()  # see `ReadAhead.cancel`
         for p in self.paths:  # opened (and mapped) here, so that no two threads race to open a file
             fd = src._file(p).fileno()
             if mapped: src._mapped(p)
@@ -692,13 +693,18 @@ def _run(self: ReadAhead):
     if self.mapped and advise:
         for p in self.paths: advise(self.src._file(p).fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
     for p in self.paths:
+        with self._lock:
+            skip, b = p in self.cancelled, self._bufs.get(p)   # the buffer is ours to fill even if cancelled from now on
+            if not skip: self._started.add(p)
+        if skip:
+            self._done[p].set()
+            continue
         try:
             if self._stop: raise RuntimeError(f'{p}: the read ahead was stopped before this file')
             if self.mapped:
                 m = self.src._maps[p]
                 if _libc is not None and m.numel(): _libc.madvise(m.data_ptr(), m.numel(), _MADV_POPULATE_READ)
             else:
-                b = self._bufs[p]
                 with _sequential([self.src._file(p).fileno()]): self.src._read_direct([str(p)], [b], [(p, 0, b.numel())])
         except BaseException as e: self._errors[p] = e
         finally: self._done[p].set()
@@ -718,6 +724,16 @@ def close(self: ReadAhead):
     self._stop = True
     self._thread.join()
     self._bufs.clear()
+
+# %% ../nbs/01_safetensors.ipynb #45478539
+@patch
+def cancel(self: ReadAhead, paths):
+    "Give up the files `paths`: reads not begun are skipped, buffers let go; the source reads them from the files."
+    with self._lock:
+        for p in paths:
+            if p in self._done and p not in self.cancelled:
+                self.cancelled.add(p)
+                self._bufs.pop(p, None)   # a read under way finishes into it, then it is freed
 
 # %% ../nbs/01_safetensors.ipynb #7b1e0c02
 def _slice_runs(shape, itemsize: int, dim: int, ranges) -> list:

@@ -59,6 +59,24 @@ def test_read_ahead_takes_only_shards_that_load_as_stored(tmp_path):
     for mmap in (False, True): assert_same(load_model(ckpt, mmap=mmap), AutoModelForCausalLM.from_pretrained(ckpt))
 
 
+@pytest.mark.parametrize('arch', ['olmoe', 'phimoe'])
+def test_reads_begun_before_transformers_rules_give_up_the_fused_shards(tmp_path, arch, monkeypatch):
+    "load_model's reads start before it knows transformers' fusing rules; the shards those rules fuse are given up."
+    import mstar_utils.model as M
+    started = []
+    class Recorded(ReadAhead):
+        def __init__(self, *a, **k): super().__init__(*a, **k); started.append(self)
+    monkeypatch.setattr(M, 'ReadAhead', Recorded)
+    ckpt = save_tiny(arch, tmp_path/arch)
+    assert_same(load_model(ckpt), AutoModelForCausalLM.from_pretrained(ckpt))
+    src = checkpoint_source(ckpt)
+    experts = {src.k2f[k] for k in src.keys() if '.experts.' in k}
+    src.close()
+    (ahead,) = started
+    assert experts and experts <= set(ahead.paths)  # config.json alone: no rule of ours fuses them, so they were read ahead
+    assert set(ahead.cancelled) == experts  # then transformers' rules fuse them: given up, read by the load itself
+
+
 def test_a_cast_reads_nothing_ahead_and_equals_from_pretrained(smol_ref):
     src = start_reads(smollm2_checkpoint(), AutoConfig.from_pretrained(smollm2_checkpoint()), torch.float32)
     assert src.ahead is None
