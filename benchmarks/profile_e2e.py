@@ -10,7 +10,8 @@ clock and its own CPU time (all threads) at each phase boundary. Hooks only wrap
 so the work measured is the work the benchmark's end-to-end rows time (`bench_load.py`'s `e2e-ours` and `e2e-hf`):
 
 - ours: interpreter start, `import torch`, `from mstar_utils import load_model`, then inside `load_model` the reads starting
-  (`start_reads`), the model class imported and built on meta (`build_on_meta`), the weights placed and checked
+  from config.json and the headers, the transformers import and its config, transformers' fusing rules asked, the model
+  class imported and built on meta (`build_on_meta`), the weights placed and checked
   (`_read_weights`, which waits for the shards still being read), the rest of `load_model`, and a 4-token forward;
 - transformers: interpreter start, `import torch`, `from transformers import AutoModelForCausalLM`, then inside
   `from_pretrained` the config, modeling import and construction (up to `_load_pretrained_model`), the weights
@@ -63,7 +64,8 @@ def _worker_ours(path: str, marks: list):
     from mstar_utils import load_model
     _stamp(marks, 'import mstar_utils')
     import mstar_utils.model as M
-    _timed(marks, M, 'start_reads', 'load_model: config', 'load_model: reads started')
+    _timed(marks, M, '_reads_before_config', 'load_model: entry', 'load_model: reads started (config.json, headers)')
+    _timed(marks, M, '_keep_reads', 'load_model: import transformers, AutoConfig', "load_model: transformers' rules asked")
     _timed(marks, M, 'build_on_meta', None, 'load_model: modeling import + build on meta')
     _timed(marks, M, '_read_weights', 'load_model: sources set up', 'load_model: weights placed (waits for reads)')
     model = load_model(path)

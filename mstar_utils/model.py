@@ -624,13 +624,20 @@ def _lineage(src, k: str, steps: list) -> list:
         steps.append(f'{"dequantize" if hasattr(op, "target_dtype") else "fuse"} {op!r}')
     return keys
 
-def _touches(raw, key: str, merged: dict) -> bool:
-    "Whether the merged reads {file: [[start, stop], ...]} take any byte of checkpoint key `key` of the FileSource `raw`."
-    path, start, ti = raw.info(key)
-    rs = merged.get(_name(path), [])
-    i = bisect.bisect_right([a for a, _ in rs], start + ti.end - 1) - 1
-    return i >= 0 and rs[i][1] > start + ti.begin
+# %% ../nbs/03_load_model.ipynb #31e258af
+def _by_path(reads: list) -> dict:
+    "{id(path): (path, [(offset, bytes)])} of reads [(path, offset, bytes)]: grouped by the path object, as paths compare slowly."
+    out = {}
+    for path, off, n in reads: out.setdefault(id(path), (path, []))[1].append((off, n))
+    return out
 
+# %% ../nbs/03_load_model.ipynb #e1d48ece
+@functools.lru_cache(maxsize=256)
+def _name(path) -> str:
+    "The file name of `path`, cached."
+    return Path(path).name
+
+# %% ../nbs/03_load_model.ipynb #98637b3c
 def _merged(reads: list) -> dict:
     "{file: [[start, stop], ...]} of reads [(file, offset, bytes)], sorted, merged where they touch or overlap."
     by_file = {}
@@ -643,16 +650,13 @@ def _merged(reads: list) -> dict:
             else: rs.append([a, b])
     return out
 
-def _by_path(reads: list) -> dict:
-    "{id(path): (path, [(offset, bytes)])} of reads [(path, offset, bytes)]: grouped by the path object, as paths compare slowly."
-    out = {}
-    for path, off, n in reads: out.setdefault(id(path), (path, []))[1].append((off, n))
-    return out
-
-@functools.lru_cache(maxsize=256)
-def _name(path) -> str:
-    "The file name of `path`, cached."
-    return Path(path).name
+# %% ../nbs/03_load_model.ipynb #5e3e6459
+def _touches(raw, key: str, merged: dict) -> bool:
+    "Whether the merged reads {file: [[start, stop], ...]} take any byte of checkpoint key `key` of the FileSource `raw`."
+    path, start, ti = raw.info(key)
+    rs = merged.get(_name(path), [])
+    i = bisect.bisect_right([a for a, _ in rs], start + ti.end - 1) - 1
+    return i >= 0 and rs[i][1] > start + ti.begin
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c16
 def load_plan(checkpoint_dir: str | Path, # an HF checkpoint folder
