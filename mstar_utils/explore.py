@@ -32,27 +32,40 @@ __all__ = ['OUTLIER_FACTOR', 'Finding', 'check_files', 'Stored', 'stored_tensors
 @dataclass
 class Finding:
     "One thing `explore` found: its section, `level` ('error', 'warning' or 'note'), `where` (a file or key), `what`, and the `fix`."
-    section: str # 'files', 'structure', 'formats', 'load', 'ranks', 'kv', 'stats' or 'diff'
-    level: str # 'error': load_model refuses or a file is broken; 'warning': it loads, but not as the checkpoint meant; 'note'
+
+    section: str  # 'files', 'structure', 'formats', 'load', 'ranks', 'kv', 'stats' or 'diff'
+    level: str  # 'error': load_model refuses or a file is broken; 'warning': it loads, but not as the checkpoint meant; 'note'
     where: str # the file or checkpoint key it is about
     what: str # what is wrong, with the parser's or loader's own message
     fix: str = '' # what to do about it
 
 # %% ../nbs/12b_explore.ipynb #b3d09515
-_JSON_FILES = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
-               'preprocessor_config.json', INDEX_FILE)
+_JSON_FILES = (
+    'config.json',
+    'generation_config.json',
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'special_tokens_map.json',
+    'preprocessor_config.json',
+    INDEX_FILE,
+)
 
 def _parse_json(path: Path) -> tuple:
     "(the JSON object in `path`, None), or (None, the parser's message)."
-    try: d = json.loads(path.read_text(encoding='utf-8'))
-    except UnicodeDecodeError as e: return None, f'not UTF-8 text ({e})'
-    except (ValueError, RecursionError) as e: return None, f'not valid JSON ({e})'
+    try:
+        d = json.loads(path.read_text(encoding='utf-8'))
+    except UnicodeDecodeError as e:
+        return None, f'not UTF-8 text ({e})'
+    except (ValueError, RecursionError) as e:
+        return None, f'not valid JSON ({e})'
     return (d, None) if isinstance(d, dict) else (None, f'holds a JSON {type(d).__name__}, expected an object')
 
 def _version(pkg: str) -> str:
     from importlib.metadata import version, PackageNotFoundError
-    try: return version(pkg)
-    except PackageNotFoundError: return '?'
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return '?'
 
 # %% ../nbs/12b_explore.ipynb #22952a03
 def check_files(ckpt: Path, # a checkpoint folder
@@ -61,19 +74,40 @@ def check_files(ckpt: Path, # a checkpoint folder
     out = []
     for name in _JSON_FILES:
         p = Path(ckpt)/name
-        if not p.is_file(): continue
+        if not p.is_file():
+            continue
         d, err = _parse_json(p)
-        if err: out.append(Finding('files', 'error', name, err, f'restore {name} from the release it came with')); continue
+        if err:
+            out.append(Finding('files', 'error', name, err, f'restore {name} from the release it came with'))
+            continue
         if name == 'tokenizer.json':
             from tokenizers import Tokenizer
-            try: Tokenizer.from_file(str(p))
+            try:
+                Tokenizer.from_file(str(p))
             except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
-                out.append(Finding('files', 'error', name, f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
-                                   'upgrade tokenizers to the release that wrote the file, or save the tokenizer again with this one'))
+                out.append(
+                    Finding(
+                        'files',
+                        'error',
+                        name,
+                        f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
+                        'upgrade tokenizers to the release that wrote the file, or save the tokenizer again with this one',
+                    )
+                )
         if name == 'generation_config.json':
             from transformers import GenerationConfig
-            try: GenerationConfig.from_dict(d)
-            except Exception as e: out.append(Finding('files', 'error', name, f'transformers cannot read it: {e}', 'fix or remove the setting it names'))
+            try:
+                GenerationConfig.from_dict(d)
+            except Exception as e:
+                out.append(
+                    Finding(
+                        'files',
+                        'error',
+                        name,
+                        f'transformers cannot read it: {e}',
+                        'fix or remove the setting it names',
+                    )
+                )
     return out
 
 # %% ../nbs/12b_explore.ipynb #a6444383
@@ -87,19 +121,37 @@ class Stored(NamedTuple):
 # %% ../nbs/12b_explore.ipynb #b352026f
 def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
     "({key: shard Path} the index gives (else the one file's, else every shard's), {shard Path: header or None}); what cannot be read is a finding."
-    try: wm = read_weight_map(ckpt)
+    try:
+        wm = read_weight_map(ckpt)
     except (ValueError, FileNotFoundError) as e:
-        findings.append(Finding('files', 'error', INDEX_FILE, str(e).replace(str(ckpt) + '/', ''),
-                                'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)'))
+        findings.append(
+            Finding(
+                'files',
+                'error',
+                INDEX_FILE,
+                str(e).replace(str(ckpt) + '/', ''),
+                'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)',
+            )
+        )
         wm = None
     files = sorted(set(wm.values()) if wm else ckpt.glob('*.safetensors'))
     headers = {}
     for f in files:
-        try: headers[f] = read_header(f)[1]
+        try:
+            headers[f] = read_header(f)[1]
         except (ValueError, OSError) as e:
             headers[f] = None
-            findings.append(Finding('files', 'error', f.name, str(e).replace(str(f), f.name), f'{f.name} is damaged or cut short: fetch it again'))
-    if wm is None: wm = {k: f for f, h in headers.items() for k in (h or {})}
+            findings.append(
+                Finding(
+                    'files',
+                    'error',
+                    f.name,
+                    str(e).replace(str(f), f.name),
+                    f'{f.name} is damaged or cut short: fetch it again',
+                )
+            )
+    if wm is None:
+        wm = {k: f for f, h in headers.items() for k in (h or {})}
     return wm, headers
 
 # %% ../nbs/12b_explore.ipynb #3582e03b
@@ -114,27 +166,53 @@ def stored_tensors(ckpt: Path, # a checkpoint folder
     where = {k: f for f, h in headers.items() for k in (h or {})}
     for k, f in wm.items():
         h = headers.get(f)
-        if h is None: continue   # its shard is a finding already
+        if h is None:
+            continue  # its shard is a finding already
         ti = h.get(k)
         if ti is None:
             held = f' ({where[k].name} holds it)' if k in where else ''
-            findings.append(Finding('files', 'error', k, f'the index assigns it to {f.name}, whose header has no such tensor{held}',
-                                    'regenerate model.safetensors.index.json from the shards (transformers: from_pretrained, then save_pretrained)'))
+            findings.append(
+                Finding(
+                    'files',
+                    'error',
+                    k,
+                    f'the index assigns it to {f.name}, whose header has no such tensor{held}',
+                    'regenerate model.safetensors.index.json from the shards (transformers: from_pretrained, then save_pretrained)',
+                )
+            )
             continue
         out[k] = Stored(f.name, ti.dtype, tuple(ti.shape), ti.end - ti.begin)
     if indexed:
         extra = sorted(k for k, f in where.items() if k not in wm)
-        for k in extra: findings.append(Finding('files', 'warning', k, f'{where[k].name} holds it, but the index does not list it, so no loader reads it',
-                                                'add it to the weight_map of model.safetensors.index.json, or drop it from the shard'))
+        for k in extra:
+            findings.append(
+                Finding(
+                    'files',
+                    'warning',
+                    k,
+                    f'{where[k].name} holds it, but the index does not list it, so no loader reads it',
+                    'add it to the weight_map of model.safetensors.index.json, or drop it from the shard',
+                )
+            )
         named = {f.name for f in headers}
         loose = sorted(p.name for p in ckpt.glob('*.safetensors') if p.name not in named)
-        if loose: findings.append(Finding('files', 'note', ', '.join(loose), 'safetensors files the index names no key in', 'left over from another save: remove them'))
+        if loose:
+            findings.append(
+                Finding(
+                    'files',
+                    'note',
+                    ', '.join(loose),
+                    'safetensors files the index names no key in',
+                    'left over from another save: remove them',
+                )
+            )
     return out
 
 # %% ../nbs/12b_explore.ipynb #8cbdc51b
 @dataclass
 class TreeNode:
     "A row of the module tree: a module, a run of repeated blocks (`layers.0-29`, `experts[256]`) or a tensor, with totals over every repeat."
+
     path: str # the collapsed path, e.g. 'model.layers.3-60.mlp.experts[256]'
     tensors: int = 0 # tensors it stands for, repeats included
     params: int = 0 # elements of those tensors
@@ -152,7 +230,8 @@ def _nest(tensors: dict) -> dict:
         d, *mods, leaf = [root, *k.split('.')]
         for p in mods:
             nxt = d.get(p)
-            if isinstance(nxt, Stored): p += '/'
+            if isinstance(nxt, Stored):
+                p += '/'
             d = d.setdefault(p, {})
         d[leaf if not isinstance(d.get(leaf), dict) else leaf + '/'] = st
     return root
@@ -171,7 +250,8 @@ def _runs(d: dict) -> list:
         v = d[k]
         s = _sig(v) if k.isdigit() and isinstance(v, dict) else None
         if s is not None and out and out[-1][3] == s and int(k) == out[-1][1] + 1:
-            out[-1][1] += 1; out[-1][4] += 1
+            out[-1][1] += 1
+            out[-1][4] += 1
             continue
         out.append([k, int(k) if s is not None else None, v, s, 1])
     whole = len(out) == 1 and out[0][3] is not None and out[0][0] == '0'
@@ -189,9 +269,12 @@ def _node(path: str, d, mult: int) -> TreeNode:
         kid = _node(f'{path}[{n}]' if experts else f'{path}.{label}' if path else str(label), v, mult * n)
         kid.repeat *= n
         node.children.append(kid)
-        node.tensors += kid.tensors; node.params += kid.params
-        for k, b in kid.nbytes.items(): node.nbytes[k] = node.nbytes.get(k, 0) + b
-    if len(node.children) == 1: return node.children[0]   # 'layers' + '0-29': one row 'layers.0-29'; 'norm' + 'weight': 'norm.weight'
+        node.tensors += kid.tensors
+        node.params += kid.params
+        for k, b in kid.nbytes.items():
+            node.nbytes[k] = node.nbytes.get(k, 0) + b
+    if len(node.children) == 1:
+        return node.children[0]  # 'layers' + '0-29': one row 'layers.0-29'; 'norm' + 'weight': 'norm.weight'
     return node
 
 # %% ../nbs/12b_explore.ipynb #9754fcbb
@@ -199,13 +282,15 @@ def module_tree(tensors: dict, # {key: `Stored`}, from `stored_tensors`
                ) -> TreeNode:
     "The checkpoint's module tree, repeated blocks collapsed into runs (`layers.0-29`, `experts[256]`) that say how many tensors they stand for."
     root = _node('', _nest(tensors), 1)
-    if root.path: root = TreeNode('', root.tensors, root.params, dict(root.nbytes), [root])
+    if root.path:
+        root = TreeNode('', root.tensors, root.params, dict(root.nbytes), [root])
     return root
 
 # %% ../nbs/12b_explore.ipynb #4e312912
 @dataclass
 class FormatFamily:
     "The tensors of one family (a key pattern, layer numbers as `*`) stored in one format, and what they cost per weight."
+
     family: str # e.g. 'model.layers.*.mlp.experts.*.down_proj.weight'
     format: str # e.g. 'fp8 float8_e4m3fn, block 128x128, weight_scale_inv float32', or 'bfloat16'
     tensors: int
@@ -219,11 +304,15 @@ def _family(key: str) -> str: return re.sub(r'(?<=\.)\d+(?=\.|$)', '*', key)
 # %% ../nbs/12b_explore.ipynb #58efe83b
 def _granularity(block) -> str:
     "How many weights one scale covers, in words."
-    if block is None: return ''
+    if block is None:
+        return ''
     br, bc = block
-    if br is None and bc is None: return 'per tensor'
-    if br == 1 and bc is None: return 'per channel'
-    if br == 1: return f'groups of {bc}'
+    if br is None and bc is None:
+        return 'per tensor'
+    if br == 1 and bc is None:
+        return 'per channel'
+    if br == 1:
+        return f'groups of {bc}'
     return f'block {br}x{bc}'
 
 def describe_format(op, # a dequantizing operation of the quantized page (`QuantizedTensor.op`)
@@ -232,38 +321,58 @@ def describe_format(op, # a dequantizing operation of the quantized page (`Quant
     "One line for a quantized format: codes, how many weights a scale covers, the scale's key and dtype."
     name, short = type(op).__name__, [str(d).removeprefix('torch.') for d in dtypes]
     gran = _granularity(getattr(op, 'block', None))
-    if name == 'FP8BlockDequantize': return f'fp8 {short[0]}, {gran}, weight{op.scale} {short[1]}'
+    if name == 'FP8BlockDequantize':
+        return f'fp8 {short[0]}, {gran}, weight{op.scale} {short[1]}'
     if name == 'FloatQuantizedDequantize':
         return f"compressed-tensors {short[0]}, {gran}, weight_scale {short[1]}{'' if op.symmetric else ', zero point'}"
     if name == 'PackQuantizedDequantize':
         return f"compressed-tensors pack-quantized int{op.num_bits} in int32, {gran}{'' if op.symmetric else ', zero point'}"
-    if name == 'MXFP4Dequantize': return 'MXFP4: E2M1 codes two a byte, an E8M0 scale per 32 weights'
+    if name == 'MXFP4Dequantize':
+        return 'MXFP4: E2M1 codes two a byte, an E8M0 scale per 32 weights'
     groups = 'one group' if getattr(op, 'group_size', 0) <= 0 else f'groups of {op.group_size}'
-    if name == 'GPTQDequantize': return f"GPTQ int{op.bits} in int32, {groups}{', act-order' if op.act_order else ''}, {'gptq' if op.v1 else 'gptq_v2'} zero points"
-    if name == 'AWQDequantize': return f'AWQ int4 in int32 (GEMM order), {groups}'
-    if name == 'BnB4bitDequantize': return f"bitsandbytes {op.quant_type}, absmax per {op.blocksize}{', nested' if op.nested_blocksize else ''}"
-    if name == 'BnBInt8Dequantize': return 'bitsandbytes int8, SCB per row'
+    if name == 'GPTQDequantize':
+        return f"GPTQ int{op.bits} in int32, {groups}{', act-order' if op.act_order else ''}, {'gptq' if op.v1 else 'gptq_v2'} zero points"
+    if name == 'AWQDequantize':
+        return f'AWQ int4 in int32 (GEMM order), {groups}'
+    if name == 'BnB4bitDequantize':
+        return f"bitsandbytes {op.quant_type}, absmax per {op.blocksize}{', nested' if op.nested_blocksize else ''}"
+    if name == 'BnBInt8Dequantize':
+        return 'bitsandbytes int8, SCB per row'
     return f"{name}{', ' + gran if gran else ''}"
 
 # %% ../nbs/12b_explore.ipynb #9817bd9b
-_FP8 = tuple(getattr(torch, n) for n in ('float8_e4m3fn', 'float8_e5m2', 'float8_e4m3fnuz', 'float8_e5m2fnuz') if hasattr(torch, n))
+_FP8 = tuple(
+    getattr(torch, n)
+    for n in ('float8_e4m3fn', 'float8_e5m2', 'float8_e4m3fnuz', 'float8_e5m2fnuz')
+    if hasattr(torch, n)
+)
 _SCALED = ('_scale_inv', '.weight_scale', '.weight_packed', '_blocks')   # a key ending so marks its module as quantized
 
 def _quantized_modules(tensors: dict) -> dict:
     "{module: the key that shows it is stored quantized}: an fp8 or int8 weight, a scale, packed codes or MXFP4 blocks."
     out = {}
     for k, st in tensors.items():
-        if k.endswith('.weight') and (st.dtype in _FP8 or st.dtype == torch.int8): out[k[:-7]] = k   # the weight's key names it best
-        elif k.endswith(_SCALED): out.setdefault(k.rpartition('.')[0], k)
+        if k.endswith('.weight') and (st.dtype in _FP8 or st.dtype == torch.int8):
+            out[k[:-7]] = k  # the weight's key names it best
+        elif k.endswith(_SCALED):
+            out.setdefault(k.rpartition('.')[0], k)
     return out
 
 def _ignored(module: str, patterns) -> str | None:
     "The entry of an ignore list (names, globs, compressed-tensors' `re:` regexes, class names left out) that names `module` or a module above it."
     for p in patterns:
-        if not isinstance(p, str): continue
+        if not isinstance(p, str):
+            continue
         if p.startswith('re:'):
-            if re.match(p[3:], module): return p
-        elif module == p or module.endswith('.' + p) or fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + '.*'): return p
+            if re.match(p[3:], module):
+                return p
+        elif (
+            module == p
+            or module.endswith('.' + p)
+            or fnmatch.fnmatchcase(module, p)
+            or fnmatch.fnmatchcase(module, p + '.*')
+        ):
+            return p
     return None
 
 # %% ../nbs/12b_explore.ipynb #f6d760cc
@@ -271,20 +380,37 @@ def _fp8_findings(qc: dict, tensors: dict, findings: list):
     "quant_method fp8: scales whose shape does not fit `weight_block_size`, and `weight_scale` where `weight_scale_inv` is expected."
     bs = qc.get('weight_block_size')
     for k, st in tensors.items():
-        if st.dtype not in _FP8: continue
+        if st.dtype not in _FP8:
+            continue
         suffix = '_scale_inv' if k + '_scale_inv' in tensors else '_scale' if k + '_scale' in tensors else None
-        if suffix is None: continue
+        if suffix is None:
+            continue
         s = tensors[k + suffix]
         if bs and len(st.shape) >= 2 and math.prod(s.shape) != 1:
             want = (*st.shape[:-2], *(-(-d // b) for d, b in zip(st.shape[-2:], bs)))
             if tuple(s.shape) != want:
                 fits = [-(-d // n) for d, n in zip(st.shape[-2:], s.shape[-2:])]
-                findings.append(Finding('formats', 'error', k + suffix, f'has shape {list(s.shape)}, but weight_block_size {list(bs)} over the '
-                                        f'{list(st.shape)} weight needs {list(want)} scales', f'the scales fit blocks of {fits}: set weight_block_size to that'))
+                findings.append(
+                    Finding(
+                        'formats',
+                        'error',
+                        k + suffix,
+                        f'has shape {list(s.shape)}, but weight_block_size {list(bs)} over the '
+                        f'{list(st.shape)} weight needs {list(want)} scales',
+                        f'the scales fit blocks of {fits}: set weight_block_size to that',
+                    )
+                )
         if suffix == '_scale' and 'embed' not in k:
-            findings.append(Finding('formats', 'warning', k + suffix, "quant_method fp8 stores a linear layer's scale as weight_scale_inv; load_model multiplies "
-                                    "by this weight_scale all the same, but transformers' FP8Linear reads only weight_scale_inv, so from_pretrained leaves it unset",
-                                    f'rename it to {k}_scale_inv (the values stay: both multiply the codes)'))
+            findings.append(
+                Finding(
+                    'formats',
+                    'warning',
+                    k + suffix,
+                    "quant_method fp8 stores a linear layer's scale as weight_scale_inv; load_model multiplies "
+                    "by this weight_scale all the same, but transformers' FP8Linear reads only weight_scale_inv, so from_pretrained leaves it unset",
+                    f'rename it to {k}_scale_inv (the values stay: both multiply the codes)',
+                )
+            )
 
 # %% ../nbs/12b_explore.ipynb #e2cb32f2
 def format_findings(config: dict, # config.json
@@ -292,15 +418,25 @@ def format_findings(config: dict, # config.json
                    ) -> list[Finding]:
     "Contradictions between `quantization_config` and the stored tensors: ignored modules stored quantized, fp8 scales that do not fit the block."
     qc, out = config.get('quantization_config') or {}, []
-    if not qc: return out
+    if not qc:
+        return out
     ignore = qc.get('ignore') or qc.get('modules_to_not_convert') or []
     which = 'ignore' if qc.get('ignore') else 'modules_to_not_convert'
     for m, k in sorted(_quantized_modules(tensors).items()):
         p = _ignored(m, ignore)
-        if p: out.append(Finding('formats', 'error', k, f'is stored quantized, but quantization_config.{which} names its module {m!r} ({p!r}), '
-                                 'so transformers builds it unquantized and will not take its codes or scales',
-                                 f'drop {p!r} from {which}, or store {m} unquantized'))
-    if qc.get('quant_method') == 'fp8': _fp8_findings(qc, tensors, out)
+        if p:
+            out.append(
+                Finding(
+                    'formats',
+                    'error',
+                    k,
+                    f'is stored quantized, but quantization_config.{which} names its module {m!r} ({p!r}), '
+                    'so transformers builds it unquantized and will not take its codes or scales',
+                    f'drop {p!r} from {which}, or store {m} unquantized',
+                )
+            )
+    if qc.get('quant_method') == 'fp8':
+        _fp8_findings(qc, tensors, out)
     return out
 
 # %% ../nbs/12b_explore.ipynb #c22ac379
@@ -316,14 +452,24 @@ def quantized_units(ckpt: Path, # a checkpoint folder
                     dtype: torch.dtype | None = None, # what dequantized weights become
                    ) -> list:
     "The `QuantizedTensor`s `load_model` would dequantize, from the headers (and pack-quantized `weight_shape`s); [] and a finding when it refuses."
-    if not config.get('quantization_config'): return []
-    src = FileSource({k: Path(ckpt)/st.shard for k, st in tensors.items()}, Path(ckpt).name)
-    try: return quantized_tensors(src, config, dtype)
-    except (ValueError, NotImplementedError, KeyError) as e:
-        findings.append(Finding('formats', 'error', _quoted(str(e)) or 'quantization_config', f'load_model refuses the checkpoint: {e}',
-                                'make the stored tensors and quantization_config agree, as the message says'))
+    if not config.get('quantization_config'):
         return []
-    finally: src.close()
+    src = FileSource({k: Path(ckpt)/st.shard for k, st in tensors.items()}, Path(ckpt).name)
+    try:
+        return quantized_tensors(src, config, dtype)
+    except (ValueError, NotImplementedError, KeyError) as e:
+        findings.append(
+            Finding(
+                'formats',
+                'error',
+                _quoted(str(e)) or 'quantization_config',
+                f'load_model refuses the checkpoint: {e}',
+                'make the stored tensors and quantization_config agree, as the message says',
+            )
+        )
+        return []
+    finally:
+        src.close()
 
 # %% ../nbs/12b_explore.ipynb #4f01f9ad
 def format_families(tensors: dict, # {key: `Stored`}
@@ -332,13 +478,24 @@ def format_families(tensors: dict, # {key: `Stored`}
     "Each family of tensors and its format, quantized ones with their scales counted, largest first."
     fam, consumed = {}, set()
     def add(key, fmt, params, nbytes):
-        f = fam.get((_family(key), fmt)) or fam.setdefault((_family(key), fmt), FormatFamily(_family(key), fmt, 0, 0, 0))
-        f.tensors += 1; f.params += params; f.stored_bytes += nbytes
+        f = fam.get((_family(key), fmt)) or fam.setdefault(
+            (_family(key), fmt), FormatFamily(_family(key), fmt, 0, 0, 0)
+        )
+        f.tensors += 1
+        f.params += params
+        f.stored_bytes += nbytes
+
     for u in units:
-        add(u.target, describe_format(u.op, u.dtypes), math.prod(u.op.out_shape(u.shapes)), sum(tensors[k].nbytes for k in u.sources if k in tensors))
+        add(
+            u.target,
+            describe_format(u.op, u.dtypes),
+            math.prod(u.op.out_shape(u.shapes)),
+            sum(tensors[k].nbytes for k in u.sources if k in tensors),
+        )
         consumed.update(u.sources)
     for k, st in tensors.items():
-        if k not in consumed: add(k, str(st.dtype).removeprefix('torch.'), math.prod(st.shape), st.nbytes)
+        if k not in consumed:
+            add(k, str(st.dtype).removeprefix('torch.'), math.prod(st.shape), st.nbytes)
     return sorted(fam.values(), key=lambda f: (-f.stored_bytes, f.family))
 
 # %% ../nbs/12b_explore.ipynb #2e4f446f
@@ -346,21 +503,40 @@ def _build(ckpt: Path, findings: list):
     "(transformers config, meta-built model) of `ckpt` as `load_model` builds them; (config or None, None) and a finding when it cannot."
     from transformers import AutoConfig
     from mstar_utils.model import build_on_meta, model_dtype
-    try: config = AutoConfig.from_pretrained(ckpt)
+
+    try:
+        config = AutoConfig.from_pretrained(ckpt)
     except Exception as e:
-        findings.append(Finding('load', 'error', 'config.json', f'transformers cannot read it: {e}', 'fix config.json as the message says'))
+        findings.append(
+            Finding(
+                'load',
+                'error',
+                'config.json',
+                f'transformers cannot read it: {e}',
+                'fix config.json as the message says',
+            )
+        )
         return None, None
-    try: return config, build_on_meta(config, None, model_dtype(config, ckpt))
+    try:
+        return config, build_on_meta(config, None, model_dtype(config, ckpt))
     except Exception as e:
-        findings.append(Finding('load', 'error', 'config.json', f'the model cannot be built from it: {type(e).__name__}: {e}',
-                                'pass model_class= to load_model, or install the transformers release the architecture needs'))
+        findings.append(
+            Finding(
+                'load',
+                'error',
+                'config.json',
+                f'the model cannot be built from it: {type(e).__name__}: {e}',
+                'pass model_class= to load_model, or install the transformers release the architecture needs',
+            )
+        )
         return config, None
 
 # %% ../nbs/12b_explore.ipynb #0ca8b04b
 def _slots(model) -> list:
     "[(names, tensor, is_param)]: each tensor of `model` once, with every name it has (ties)."
     slots = {}
-    for n, t, is_param in named_tensors(model): slots.setdefault(id(t), ([], t, is_param))[0].append(n)
+    for n, t, is_param in named_tensors(model):
+        slots.setdefault(id(t), ([], t, is_param))[0].append(n)
     return list(slots.values())
 
 # %% ../nbs/12b_explore.ipynb #8b66dd9c
@@ -372,25 +548,63 @@ def _key_findings(model, src, findings: list):
         have = [n for n in ns if n in src]
         if len(ns) > 1:
             stored = f'the checkpoint stores {", ".join(have)}' if have else 'the checkpoint stores none of them'
-            findings.append(Finding('load', 'note', ns[0], f'tied: {", ".join(ns)} are one tensor; {stored}' +
-                                    ('; load_model loads both and unties them if their values differ' if len(have) > 1 else ''), ''))
+            findings.append(
+                Finding(
+                    'load',
+                    'note',
+                    ns[0],
+                    f'tied: {", ".join(ns)} are one tensor; {stored}'
+                    + ('; load_model loads both and unties them if their values differ' if len(have) > 1 else ''),
+                    '',
+                )
+            )
         if not have:
             if not is_param and not t.is_meta:
-                findings.append(Finding('load', 'note', ns[0], 'buffer the checkpoint lacks: load_model keeps it as the model builds it', ''))
-            else: findings.append(Finding('load', 'error', ns[0], f'missing: {type(model).__name__} has it, the checkpoint has no key for it',
-                                          'use the checkpoint this config belongs to; if it was saved from a base model, load that submodule'))
+                findings.append(
+                    Finding(
+                        'load',
+                        'note',
+                        ns[0],
+                        'buffer the checkpoint lacks: load_model keeps it as the model builds it',
+                        '',
+                    )
+                )
+            else:
+                findings.append(
+                    Finding(
+                        'load',
+                        'error',
+                        ns[0],
+                        f'missing: {type(model).__name__} has it, the checkpoint has no key for it',
+                        'use the checkpoint this config belongs to; if it was saved from a base model, load that submodule',
+                    )
+                )
             continue
         for n in have:
             got = tuple(src.shape(n))
             if got != tuple(t.shape):
-                findings.append(Finding('load', 'error', n, f'shape mismatch: the checkpoint has {list(got)}, {type(model).__name__} expects {list(t.shape)}',
-                                        'the config does not describe this checkpoint: fix its sizes (hidden_size, vocab_size, ...) to the tensors'))
+                findings.append(
+                    Finding(
+                        'load',
+                        'error',
+                        n,
+                        f'shape mismatch: the checkpoint has {list(got)}, {type(model).__name__} expects {list(t.shape)}',
+                        'the config does not describe this checkpoint: fix its sizes (hidden_size, vocab_size, ...) to the tensors',
+                    )
+                )
     pats = [re.compile(p) for p in getattr(model, '_keys_to_ignore_on_load_unexpected', None) or []]
     buffers = {n for n, _ in model.named_buffers()}
     for k in src.keys():
         if k not in names and k not in buffers and not any(p.search(k) for p in pats):
-            findings.append(Finding('load', 'warning', k, f'unexpected: no tensor of {type(model).__name__} takes it, so load_model warns and leaves it',
-                                    'drop it from the checkpoint, or load with the class it was saved from (model_class=)'))
+            findings.append(
+                Finding(
+                    'load',
+                    'warning',
+                    k,
+                    f'unexpected: no tensor of {type(model).__name__} takes it, so load_model warns and leaves it',
+                    'drop it from the checkpoint, or load with the class it was saved from (model_class=)',
+                )
+            )
 
 # %% ../nbs/12b_explore.ipynb #bf21fc4c
 def load_findings(ckpt: Path, # a checkpoint folder
@@ -399,18 +613,44 @@ def load_findings(ckpt: Path, # a checkpoint folder
                  ) -> tuple:
     "(findings, the loader source keyed by the model's names or None): what `load_model` would raise or warn, found without reading weights; the caller closes the source."
     from mstar_utils.model import model_source, transformers_conversions_skipped
-    out = [Finding('load', 'warning', r.partition(' ->')[0], f"transformers fuses {r}, a rule load_model cannot apply",
-                   'give load_model conv= recipes for it, or expect the keys it fuses to be missing') for r in transformers_conversions_skipped(config)]
-    try: src = model_source(ckpt, config, model)
+    out = [
+        Finding(
+            'load',
+            'warning',
+            r.partition(' ->')[0],
+            f"transformers fuses {r}, a rule load_model cannot apply",
+            'give load_model conv= recipes for it, or expect the keys it fuses to be missing',
+        )
+        for r in transformers_conversions_skipped(config)
+    ]
+    try:
+        src = model_source(ckpt, config, model)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        out.append(Finding('load', 'error', _quoted(msg) or ckpt.name, f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
+        out.append(
+            Finding(
+                'load',
+                'error',
+                _quoted(msg) or ckpt.name,
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
+                'as the message says',
+            )
+        )
         return out, None
-    try: _key_findings(model, src, out)
-    except (ValueError, KeyError, OSError) as e:   # a shard whose header is read only now
+    try:
+        _key_findings(model, src, out)
+    except (ValueError, KeyError, OSError) as e:  # a shard whose header is read only now
         src.close()
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        out.append(Finding('load', 'error', _quoted(msg) or ckpt.name, f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
+        out.append(
+            Finding(
+                'load',
+                'error',
+                _quoted(msg) or ckpt.name,
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
+                'as the message says',
+            )
+        )
         return out, None
     return out, src
 
@@ -418,10 +658,13 @@ def load_findings(ckpt: Path, # a checkpoint folder
 @dataclass
 class RankBytes:
     "What each rank of a tensor-parallel (or expert-parallel) group reads from the checkpoint and holds once loaded, from `load_plan`."
+
     world_size: int
     expert_parallel: bool
-    read_bytes: list # per rank: `LoadPlan.total_bytes`, the checkpoint bytes its load reads
-    held_bytes: list # per rank: `LoadPlan.held_bytes`, its parameters and persistent buffers once loaded, in the model's dtype
+    read_bytes: list  # per rank: `LoadPlan.total_bytes`, the checkpoint bytes its load reads
+    held_bytes: (
+        list  # per rank: `LoadPlan.held_bytes`, its parameters and persistent buffers once loaded, in the model's dtype
+    )
     refused: str = '' # the loader's ValueError at this size (the key, dim and world size); then no bytes
 
 # %% ../nbs/12b_explore.ipynb #3738fc4f
@@ -432,8 +675,13 @@ def rank_bytes(checkpoint_dir, # an HF checkpoint folder
               ) -> RankBytes:
     "Bytes each rank of `world_size` reads and holds, by `load_plan(..., detail=False)`; a size the loader refuses, with its message."
     from mstar_utils.model import load_plan
-    try: plans = [load_plan(checkpoint_dir, r, world_size, detail=False, built=built, expert_parallel=expert_parallel) for r in range(world_size)]
-    except ValueError as e: return RankBytes(world_size, expert_parallel, [], [], str(e))
+    try:
+        plans = [
+            load_plan(checkpoint_dir, r, world_size, detail=False, built=built, expert_parallel=expert_parallel)
+            for r in range(world_size)
+        ]
+    except ValueError as e:
+        return RankBytes(world_size, expert_parallel, [], [], str(e))
     return RankBytes(world_size, expert_parallel, [p.total_bytes for p in plans], [p.held_bytes for p in plans])
 
 # %% ../nbs/12b_explore.ipynb #7a94958e
@@ -444,8 +692,12 @@ def rank_table(checkpoint_dir: Path, # a checkpoint folder
               ) -> tuple[list, list]:
     "([`RankBytes`] for TP at each of `sizes`, and EP where the config has an expert plan), findings: no plan, sizes the loader refuses."
     cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
-    try: tp_plan(config, 2)
-    except ValueError as e: return [rank_bytes(checkpoint_dir, 1, built=built)], [Finding('ranks', 'note', 'config.json', str(e), 'pass a plan to load_model_sharded')]
+    try:
+        tp_plan(config, 2)
+    except ValueError as e:
+        return [rank_bytes(checkpoint_dir, 1, built=built)], [
+            Finding('ranks', 'note', 'config.json', str(e), 'pass a plan to load_model_sharded')
+        ]
     rows, out = [], []
     for ep in (False, True) if getattr(cfg, 'base_model_ep_plan', None) else (False,):
         for ws in [s for s in sizes if not (ep and s == 1)]:
@@ -453,9 +705,17 @@ def rank_table(checkpoint_dir: Path, # a checkpoint folder
             if r.refused:
                 what, _, fix = r.refused.replace(f'{checkpoint_dir}/', '').partition('; ')
                 key, _, why = what.partition(': ')
-                if ' ' in key: key, why = Path(checkpoint_dir).name, what   # a message that does not start with a key
-                out.append(Finding('ranks', 'warning', key, f"{'EP' if ep else 'TP'} {ws}: load_model_sharded refuses it: {why}",
-                                   fix or 'use a world size it divides'))
+                if ' ' in key:
+                    key, why = Path(checkpoint_dir).name, what  # a message that does not start with a key
+                out.append(
+                    Finding(
+                        'ranks',
+                        'warning',
+                        key,
+                        f"{'EP' if ep else 'TP'} {ws}: load_model_sharded refuses it: {why}",
+                        fix or 'use a world size it divides',
+                    )
+                )
     return rows, out
 
 # %% ../nbs/12b_explore.ipynb #b0d05171
@@ -463,34 +723,52 @@ def _png(fig) -> str:
     "A matplotlib figure as a base64 PNG, closed."
     import matplotlib.pyplot as plt
     buf = io.BytesIO()
-    try: fig.savefig(buf, format='png', dpi=80)
-    finally: plt.close(fig)
+    try:
+        fig.savefig(buf, format='png', dpi=80)
+    finally:
+        plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode('ascii')
 
 def kv_section(ckpt: Path, findings: list) -> tuple:
     "(`kv_report` dict, its lines, the `plot_kv` figure as a base64 PNG), or (None, [], None) and a note when the model keeps no KV cache."
     from mstar_utils.kv import kv_report, format_kv_report, plot_kv
-    try: rep = kv_report(ckpt)
+
+    try:
+        rep = kv_report(ckpt)
     except (ValueError, KeyError, TypeError) as e:
         findings.append(Finding('kv', 'note', 'config.json', f'KV cache not computed: {e}', ''))
         return None, [], None
     return rep, format_kv_report(rep), _png(plot_kv(ckpt))
 
 # %% ../nbs/12b_explore.ipynb #f60763aa
-OUTLIER_FACTOR = 3.0  # a channel (a row of a weight) is an outlier when its absmax is over this many times the median row's
+OUTLIER_FACTOR = (
+    3.0  # a channel (a row of a weight) is an outlier when its absmax is over this many times the median row's
+)
 _CHUNK = 1 << 18      # elements reduced at a time: 1 MiB of float32, which stays in the CPU's cache
 
 class _Moments:
     "Count, mean and the central moment sums M2, M3, M4 of a stream of chunks, merged exactly (the pairwise update of Chan and Pébay)."
+
     def __init__(self): self.n, self.mean, self.m2, self.m3, self.m4 = 0, 0.0, 0.0, 0.0, 0.0
     def add(self, n: int, mean: float, m2: float, m3: float, m4: float):
         na = self.n
-        if na == 0: self.n, self.mean, self.m2, self.m3, self.m4 = n, mean, m2, m3, m4; return
-        N = na + n; d = mean - self.mean; dn = d / N
-        self.m4 += m4 + d**4 * na * n * (na * na - na * n + n * n) / N**3 + 6 * dn * dn * (na * na * m2 + n * n * self.m2) + 4 * dn * (na * m3 - n * self.m3)
+        if na == 0:
+            self.n, self.mean, self.m2, self.m3, self.m4 = n, mean, m2, m3, m4
+            return
+        N = na + n
+        d = mean - self.mean
+        dn = d / N
+        self.m4 += (
+            m4
+            + d**4 * na * n * (na * na - na * n + n * n) / N**3
+            + 6 * dn * dn * (na * na * m2 + n * n * self.m2)
+            + 4 * dn * (na * m3 - n * self.m3)
+        )
         self.m3 += m3 + d**3 * na * n * (na - n) / N**2 + 3 * dn * (na * m2 - n * self.m2)
         self.m2 += m2 + d * d * na * n / N
-        self.mean += d * n / N; self.n = N
+        self.mean += d * n / N
+        self.n = N
+
 
 def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor, lo: torch.Tensor) -> tuple:
     "(`_Moments`, NaN count, Inf count) of rows [r0, r1) of the 2-d `x2`, chunk by chunk; each row's max and min go into `hi`, `lo`."
@@ -502,12 +780,17 @@ def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor
         x = buf[:k].view(c.shape)
         x.copy_(c)   # to float32, into memory reused chunk after chunk
         m = float(x.sum()) / k
-        torch.amax(x, 1, out=hi[r:e]); torch.amin(x, 1, out=lo[r:e])
+        torch.amax(x, 1, out=hi[r:e])
+        torch.amin(x, 1, out=lo[r:e])
         d, d2, p = x.sub_(m).view(-1), sq[:k], tmp[:k]
         torch.mul(d, d, out=d2)
-        m3 = float(torch.mul(d2, d, out=p).sum())   # sums, not BLAS dots: torch's cascade sum keeps float32 error near 1e-7
+        m3 = float(
+            torch.mul(d2, d, out=p).sum()
+        )  # sums, not BLAS dots: torch's cascade sum keeps float32 error near 1e-7
         mom.add(k, m, float(d2.sum()), m3, float(torch.mul(d2, d2, out=p).sum()))
-        if not math.isfinite(m): nan += int(torch.isnan(c).sum()); inf += int(torch.isinf(c).sum())
+        if not math.isfinite(m):
+            nan += int(torch.isnan(c).sum())
+            inf += int(torch.isinf(c).sum())
     return mom, nan, inf
 
 # %% ../nbs/12b_explore.ipynb #34f3481f
@@ -524,7 +807,9 @@ class TensorStats:
     nan: int
     inf: int
     all_zero: bool
-    outlier_channels: float | None # fraction of rows (output channels) whose absmax > OUTLIER_FACTOR x the median row's; None for 1-d
+    outlier_channels: (
+        float | None
+    )  # fraction of rows (output channels) whose absmax > OUTLIER_FACTOR x the median row's; None for 1-d
     scale_min: float | None = None # quantized tensors: their scales' range
     scale_max: float | None = None
     scale_outliers: float | None = None # fraction of scales > OUTLIER_FACTOR x the median scale
@@ -550,10 +835,19 @@ def reduce_tensor(key: str, # names the result
     row_max = torch.maximum(hi, lo.neg_())
     n, absmax = mom.n, float(row_max.max()) if rows and cols else float('nan')
     med = float(row_max.median()) if rows and cols else float('nan')
-    return TensorStats(key, tuple(t.shape), dtype or str(t.dtype).removeprefix('torch.'), absmax, mom.mean if n else float('nan'),
-                       math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
-                       n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'), nan, inf, absmax == 0,
-                       float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None)
+    return TensorStats(
+        key,
+        tuple(t.shape),
+        dtype or str(t.dtype).removeprefix('torch.'),
+        absmax,
+        mom.mean if n else float('nan'),
+        math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
+        n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'),
+        nan,
+        inf,
+        absmax == 0,
+        float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None,
+    )
 
 # %% ../nbs/12b_explore.ipynb #e0069529
 class _Buffers:
@@ -569,24 +863,32 @@ class _Buffers:
 
 class _OneThread:
     "torch's intra-op threads set to one for the block: reductions of cache-sized chunks run on this thread, reads on another core."
-    def __enter__(self): self.n = torch.get_num_threads(); torch.set_num_threads(1)
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
     def __exit__(self, *exc): torch.set_num_threads(self.n)
 
 def _each(src, keys: list, fn, failed=None):
     "`fn(key, tensor)` for each of `keys` in order, the next tensor read on a thread meanwhile: at most two tensors held; `failed(key, error)` for a read that fails."
     bufs = _Buffers(2)
     with ThreadPoolExecutor(1, thread_name_prefix='explore-read') as ex:
-        def read(i):   # into buffer i % 2, faulted in once and reused: fresh memory costs more to fault in than the read
+
+        def read(i):  # into buffer i % 2, faulted in once and reused: fresh memory costs more to fault in than the read
             return ex.submit(src.get, keys[i], bufs.view(i % 2, tuple(src.shape(keys[i])), src.dtype(keys[i])))
         fut = read(0) if keys else None
         for i, k in enumerate(keys):
-            try: t = fut.result()
+            try:
+                t = fut.result()
             except (ValueError, OSError, KeyError) as e:
                 t = None
-                if failed is None: raise
+                if failed is None:
+                    raise
                 failed(k, e)
             fut = read(i + 1) if i + 1 < len(keys) else None
-            if t is not None: fn(k, t)
+            if t is not None:
+                fn(k, t)
             del t
 
 # %% ../nbs/12b_explore.ipynb #2a2d44f8
@@ -597,7 +899,8 @@ def _scale_key(u) -> str | None:
 def _scale_stats(raw, u, st: TensorStats):
     "Fill `st`'s scale range and outlier fraction from quantized tensor `u`'s scales (E8M0 exponents decoded)."
     k = _scale_key(u)
-    if k is None: return
+    if k is None:
+        return
     s = raw.get(k)
     s = torch.exp2(s.float() - 127) if s.dtype in (torch.uint8, getattr(torch, 'float8_e8m0fnu', None)) else s.float()
     med = float(s.median())
@@ -615,7 +918,9 @@ def value_source(ckpt: Path, # a checkpoint folder
     try:
         units = quantized_tensors(raw, config, dtype) if config.get('quantization_config') else []
         src, _ = quantized_source(raw, config, None, None, keep=False, dtype=dtype) if units else (raw, None)
-    except BaseException: raw.close(); raise
+    except BaseException:
+        raw.close()
+        raise
     return src, raw, units
 
 def _order_key(tensors: dict, units: dict, k: str) -> tuple:
@@ -654,14 +959,28 @@ def layer_stats(stats: list, # [`TensorStats`]
     groups = {}
     for s in stats:
         name, i = layer_of(s.key)
-        if name is not None: groups.setdefault((name.rpartition('.')[0], i, name), []).append(s)
+        if name is not None:
+            groups.setdefault((name.rpartition('.')[0], i, name), []).append(s)
     out = []
     for (_, i, name), ss in sorted(groups.items()):
         big = max(ss, key=lambda s: s.absmax if math.isfinite(s.absmax) else math.inf)
         fin = [s for s in ss if math.isfinite(s.kurtosis) and len(s.shape) >= 2] or ss   # weights, not norm vectors
         heavy = max(fin, key=lambda s: s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
-        out.append(LayerStats(name, i, len(ss), big.absmax, big.key, heavy.kurtosis, heavy.key, sum(s.nan for s in ss), sum(s.inf for s in ss),
-                              sum(s.all_zero for s in ss), max((s.outlier_channels or 0.0) for s in ss)))
+        out.append(
+            LayerStats(
+                name,
+                i,
+                len(ss),
+                big.absmax,
+                big.key,
+                heavy.kurtosis,
+                heavy.key,
+                sum(s.nan for s in ss),
+                sum(s.inf for s in ss),
+                sum(s.all_zero for s in ss),
+                max((s.outlier_channels or 0.0) for s in ss),
+            )
+        )
     return out
 
 # %% ../nbs/12b_explore.ipynb #144cdd93
@@ -669,19 +988,27 @@ def _histogram(t: torch.Tensor, mean: float, std: float, bins: int = 121) -> tup
     "(bin edges, counts) of `t`'s standardized values (x − mean) / std, chunk by chunk."
     flat = t.reshape(-1)
     z_max = 1.0
-    for i in range(0, flat.numel(), _CHUNK): z_max = max(z_max, float(((flat[i:i + _CHUNK].float() - mean).abs().max()) / std))
+    for i in range(0, flat.numel(), _CHUNK):
+        z_max = max(z_max, float(((flat[i : i + _CHUNK].float() - mean).abs().max()) / std))
     counts = torch.zeros(bins, dtype=torch.float64)
-    for i in range(0, flat.numel(), _CHUNK): counts += torch.histc((flat[i:i + _CHUNK].float() - mean) / std, bins, -z_max, z_max).double()
+    for i in range(0, flat.numel(), _CHUNK):
+        counts += torch.histc((flat[i : i + _CHUNK].float() - mean) / std, bins, -z_max, z_max).double()
     return torch.linspace(-z_max, z_max, bins + 1).tolist(), counts.tolist()
 
 # %% ../nbs/12b_explore.ipynb #709f8b9b
 @dataclass
 class WeightStats:
     "`weight_stats`' results: every tensor's `TensorStats`, per layer `LayerStats`, and the value histograms of the worst layers."
+
     tensors: list
     layers: list
-    histograms: dict = field(default_factory=dict) # {layer: (key, bin edges, counts)} of each worst layer's heaviest-tailed tensor
-    def worst(self, n: int = 3) -> list: return sorted(self.layers, key=lambda l: -l.kurtosis if math.isfinite(l.kurtosis) else math.inf)[:n]
+    histograms: dict = field(
+        default_factory=dict
+    )  # {layer: (key, bin edges, counts)} of each worst layer's heaviest-tailed tensor
+
+    def worst(self, n: int = 3) -> list:
+        return sorted(self.layers, key=lambda l: -l.kurtosis if math.isfinite(l.kurtosis) else math.inf)[:n]
+
     def by_key(self) -> dict: return {s.key: s for s in self.tensors}
 
 # %% ../nbs/12b_explore.ipynb #1961d4c6
@@ -689,7 +1016,8 @@ def values_dtype(ckpt: Path, config: dict) -> torch.dtype:
     "The dtype load_model gives the weights: config.json's `dtype` (or `torch_dtype`), else the checkpoint's (`checkpoint_dtype`)."
     from mstar_utils.model import checkpoint_dtype
     d = config.get('dtype') or config.get('torch_dtype') or (config.get('text_config') or {}).get('dtype')
-    if isinstance(d, str) and isinstance(getattr(torch, d, None), torch.dtype): return getattr(torch, d)
+    if isinstance(d, str) and isinstance(getattr(torch, d, None), torch.dtype):
+        return getattr(torch, d)
     return checkpoint_dtype(ckpt) or torch.float32
 
 # %% ../nbs/12b_explore.ipynb #58785493
@@ -703,12 +1031,17 @@ def weight_stats(checkpoint_dir, # a checkpoint folder
     tensors = stored_tensors(ckpt, findings)
     src, raw, units = value_source(ckpt, config, tensors, values_dtype(ckpt, config))
     by_target = {u.target: u for u in units}
-    keys = sorted((k for k in src.keys() if src.dtype(k).is_floating_point), key=lambda k: _order_key(tensors, by_target, k))
+    keys = sorted(
+        (k for k in src.keys() if src.dtype(k).is_floating_point), key=lambda k: _order_key(tensors, by_target, k)
+    )
     out = []
     pool = ThreadPoolExecutor(1, thread_name_prefix='explore-reduce')   # half of each large tensor, on the second core
     def one(k, t):
-        st = reduce_tensor(k, t, str(by_target[k].dtypes[0] if k in by_target else tensors[k].dtype).removeprefix('torch.'), pool)
-        if k in by_target: _scale_stats(raw, by_target[k], st)
+        st = reduce_tensor(
+            k, t, str(by_target[k].dtypes[0] if k in by_target else tensors[k].dtype).removeprefix('torch.'), pool
+        )
+        if k in by_target:
+            _scale_stats(raw, by_target[k], st)
         out.append(st)
     def failed(k, e): findings.append(Finding('stats', 'error', k, f'cannot be read: {e}', 'fetch the shard again'))
     try:
@@ -717,8 +1050,11 @@ def weight_stats(checkpoint_dir, # a checkpoint folder
             ws = WeightStats(out, layer_stats(out))
             for l in ws.worst(worst):
                 s = ws.by_key()[l.kurtosis_key]
-                if math.isfinite(s.std) and s.std > 0: ws.histograms[l.layer] = (s.key, *_histogram(src.get(s.key), s.mean, s.std))
-    finally: src.close(); pool.shutdown()
+                if math.isfinite(s.std) and s.std > 0:
+                    ws.histograms[l.layer] = (s.key, *_histogram(src.get(s.key), s.mean, s.std))
+    finally:
+        src.close()
+        pool.shutdown()
     return ws
 
 # %% ../nbs/12b_explore.ipynb #dfc1e50e
@@ -754,12 +1090,16 @@ def compare_tensors(key: str, # names the result
         x, y, d, p = bx[:k], by[:k], bd[:k], bp[:k]
         x.copy_(fa[i:i + k])
         aa += float(torch.mul(x, x, out=p).sum())
-        if same: continue
+        if same:
+            continue
         y.copy_(fb[i:i + k])
         torch.sub(x, y, out=d)
         mx = max(mx, float(d.abs_().max()))
-        dd += float(torch.mul(d, d, out=p).sum()); bb += float(torch.mul(y, y, out=p).sum()); ab += float(torch.mul(x, y, out=p).sum())
-    if same: return TensorDiff(key, True, 0.0, 0.0, 1.0, math.sqrt(aa), ha, hb)
+        dd += float(torch.mul(d, d, out=p).sum())
+        bb += float(torch.mul(y, y, out=p).sum())
+        ab += float(torch.mul(x, y, out=p).sum())
+    if same:
+        return TensorDiff(key, True, 0.0, 0.0, 1.0, math.sqrt(aa), ha, hb)
     rel = math.sqrt(dd / aa) if aa else (0.0 if dd == 0 else math.inf)
     cos = ab / math.sqrt(aa * bb) if aa and bb else float('nan')
     return TensorDiff(key, False, mx, rel, cos, math.sqrt(aa), ha, hb)
@@ -777,11 +1117,20 @@ class LayerDiff:
 def _layer_diffs(diffs: list) -> list[LayerDiff]:
     "Per layer (tensors outside the numbered blocks under their own key), most changed first."
     groups = {}
-    for d in diffs: groups.setdefault(layer_of(d.key)[0] or d.key, []).append(d)
+    for d in diffs:
+        groups.setdefault(layer_of(d.key)[0] or d.key, []).append(d)
     out = []
     for name, ds in groups.items():
         dd, aa = sum((d.rel_l2 * d.norm_a) ** 2 for d in ds if math.isfinite(d.rel_l2)), sum(d.norm_a ** 2 for d in ds)
-        out.append(LayerDiff(name, len(ds), sum(not d.identical for d in ds), math.sqrt(dd / aa) if aa else 0.0, max(d.max_abs for d in ds)))
+        out.append(
+            LayerDiff(
+                name,
+                len(ds),
+                sum(not d.identical for d in ds),
+                math.sqrt(dd / aa) if aa else 0.0,
+                max(d.max_abs for d in ds),
+            )
+        )
     return sorted(out, key=lambda l: (-l.rel_l2, -l.max_abs, l.layer))
 
 def _read_hashed(src, k: str, out: torch.Tensor) -> tuple:
@@ -793,6 +1142,7 @@ def _read_hashed(src, k: str, out: torch.Tensor) -> tuple:
 @dataclass
 class CheckpointDiff:
     "Two checkpoints compared: keys added, removed and reshaped, then every shared tensor (`TensorDiff`) most changed first, and per layer."
+
     a: str # the base checkpoint's folder name
     b: str
     added: list # keys only `b` has
@@ -804,7 +1154,8 @@ class CheckpointDiff:
     @property
     def changed(self) -> list: return [d for d in self.tensors if not d.identical]
 
-def _rank(d: TensorDiff) -> tuple: return (d.identical, -(d.rel_l2 if math.isfinite(d.rel_l2) else math.inf), -d.max_abs, d.key)
+def _rank(d: TensorDiff) -> tuple:
+    return (d.identical, -(d.rel_l2 if math.isfinite(d.rel_l2) else math.inf), -d.max_abs, d.key)
 
 # %% ../nbs/12b_explore.ipynb #34446645
 def diff_checkpoints(a, # the base checkpoint folder
@@ -817,7 +1168,9 @@ def diff_checkpoints(a, # the base checkpoint folder
         config = _parse_json(p/'config.json')[0] or {}
         tensors = stored_tensors(p, findings)
         src, _, units = value_source(p, config, tensors, values_dtype(p, config))
-        side.append((src, {k for k in src.keys() if src.dtype(k).is_floating_point}, tensors, {u.target: u for u in units}))
+        side.append(
+            (src, {k for k in src.keys() if src.dtype(k).is_floating_point}, tensors, {u.target: u for u in units})
+        )
     (sa, ka, ta, ua), (sb, kb, _, _) = side
     common = sorted(ka & kb, key=lambda k: _order_key(ta, ua, k))
     reshaped = [(k, tuple(sa.shape(k)), tuple(sb.shape(k))) for k in common if tuple(sa.shape(k)) != tuple(sb.shape(k))]
@@ -833,9 +1186,13 @@ def diff_checkpoints(a, # the base checkpoint folder
                 (x, hx), (y, hy) = fa.result(), fb.result()
                 diffs.append(compare_tensors(k, x, y, hx, hy))
                 del x, y, oa, ob
-    finally: sa.close(); sb.close()
+    finally:
+        sa.close()
+        sb.close()
     diffs.sort(key=_rank)
-    return CheckpointDiff(A.name, B.name, sorted(kb - ka), sorted(ka - kb), reshaped, diffs, _layer_diffs(diffs), findings)
+    return CheckpointDiff(
+        A.name, B.name, sorted(kb - ka), sorted(ka - kb), reshaped, diffs, _layer_diffs(diffs), findings
+    )
 
 # %% ../nbs/12b_explore.ipynb #48f1601d
 def _depth_label(key: str, layer: str, stacks: int) -> str:
@@ -852,15 +1209,26 @@ def plot_depth(ws: WeightStats, # from `weight_stats`
     fams = {}
     for s in ws.tensors:
         layer, i = layer_of(s.key)
-        if layer is not None and len(s.shape) >= 2: fams.setdefault(_depth_label(s.key, layer, stacks), []).append((i, s.absmax, s.std))
-    if not fams: return None
+        if layer is not None and len(s.shape) >= 2:
+            fams.setdefault(_depth_label(s.key, layer, stacks), []).append((i, s.absmax, s.std))
+    if not fams:
+        return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout='constrained')
     for j, (fam, pts) in enumerate(sorted(fams.items())):
         pts.sort()
-        for ax, col in zip(axes, (1, 2)): ax.plot([p[0] for p in pts], [p[col] for p in pts], marker='.', color=f'C{j % 10}', ls='-' if j < 10 else '--', label=fam)
+        for ax, col in zip(axes, (1, 2)):
+            ax.plot(
+                [p[0] for p in pts],
+                [p[col] for p in pts],
+                marker='.',
+                color=f'C{j % 10}',
+                ls='-' if j < 10 else '--',
+                label=fam,
+            )
     axes[0].set(xlabel='layer', ylabel='absmax', yscale='log', title='largest |weight| by layer')
     axes[1].set(xlabel='layer', ylabel='std', yscale='log', title='standard deviation by layer')
-    for ax in axes: ax.grid(alpha=0.3)
+    for ax in axes:
+        ax.grid(alpha=0.3)
     fig.legend(*axes[0].get_legend_handles_labels(), loc='outside right center', fontsize='x-small')
     return fig
 
@@ -869,36 +1237,54 @@ def plot_worst(ws: WeightStats, # from `weight_stats`
               ):
     "A matplotlib `Figure`: the value distribution of each worst layer's heaviest-tailed weight, standardized, log counts; None without histograms."
     import matplotlib.pyplot as plt
-    if not ws.histograms: return None
+
+    if not ws.histograms:
+        return None
     fig, ax = plt.subplots(figsize=(11, 3.6), layout='constrained')
     for layer, (key, edges, counts) in ws.histograms.items():
         ax.stairs([max(c, 0.5) for c in counts], edges, label=f'{key} (kurtosis {ws.by_key()[key].kurtosis:.1f})')
-    ax.set(yscale='log', xlabel='(w − mean) / std', ylabel='weights', title='worst layers: value distribution of their heaviest-tailed weight')
-    ax.legend(fontsize='x-small'); ax.grid(alpha=0.3)
+    ax.set(
+        yscale='log',
+        xlabel='(w − mean) / std',
+        ylabel='weights',
+        title='worst layers: value distribution of their heaviest-tailed weight',
+    )
+    ax.legend(fontsize='x-small')
+    ax.grid(alpha=0.3)
     return fig
 
 # %% ../nbs/12b_explore.ipynb #1b4e560f
 def _size(n: float) -> str:
     "Bytes with a k/M/G/T prefix (powers of 1000), as the report prints them."
     for p in ('B', 'kB', 'MB', 'GB', 'TB'):
-        if abs(n) < 1000 or p == 'TB': return f'{n:.0f} {p}' if p == 'B' else f'{n:.1f} {p}'
+        if abs(n) < 1000 or p == 'TB':
+            return f'{n:.0f} {p}' if p == 'B' else f'{n:.1f} {p}'
         n /= 1000
 
 def _num(x) -> str:
     "A statistic for a table: 4 significant digits, '–' for None."
-    if x is None: return '–'
-    if isinstance(x, bool): return 'yes' if x else ''
-    if isinstance(x, int): return f'{x:,}'
+    if x is None:
+        return '–'
+    if isinstance(x, bool):
+        return 'yes' if x else ''
+    if isinstance(x, int):
+        return f'{x:,}'
     return f'{x:.4g}'
 
-def _bytes_line(nbytes: dict) -> str: return ', '.join(f'{_size(v)} {k}' for k, v in sorted(nbytes.items(), key=lambda kv: -kv[1]))
+def _bytes_line(nbytes: dict) -> str:
+    return ', '.join(f'{_size(v)} {k}' for k, v in sorted(nbytes.items(), key=lambda kv: -kv[1]))
+
 
 def _clean(o):
     "`o` for JSON: non-finite floats as strings, tuples as lists, dataclasses as dicts."
-    if isinstance(o, float) and not math.isfinite(o): return str(o)
-    if isinstance(o, dict): return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)): return [_clean(v) for v in o]
-    if hasattr(o, '__dataclass_fields__'): return _clean(asdict(o))
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if hasattr(o, '__dataclass_fields__'):
+        return _clean(asdict(o))
     return o
 
 # %% ../nbs/12b_explore.ipynb #8805e521
@@ -925,26 +1311,31 @@ def _img(b64: str | None) -> str:
 def _tree_row(n: TreeNode) -> str:
     "A tree row's figures: tensors it stands for, parameters, bytes by dtype, a tensor's shape."
     rep = f' ×{n.repeat}' if n.repeat > 1 else ''
-    if n.shape is not None: return f'{list(n.shape)} {n.dtype}{rep}' + (f' ({n.tensors} tensors)' if n.tensors > 1 else '')
+    if n.shape is not None:
+        return f'{list(n.shape)} {n.dtype}{rep}' + (f' ({n.tensors} tensors)' if n.tensors > 1 else '')
     return f'{n.tensors:,} tensors, {n.params:,} params, {_bytes_line(n.nbytes)}{rep}'
 
 def tree_html(n: TreeNode, depth: int = 0) -> str:
     "The module tree as nested `<details>`: the first level open, the rest collapsed."
     label = f'<code>{_E(n.path or "(checkpoint)")}</code> <span style="color:gray">{_E(_tree_row(n))}</span>'
-    if not n.children: return f'<div style="margin-left:1.2em">{label}</div>'
+    if not n.children:
+        return f'<div style="margin-left:1.2em">{label}</div>'
     kids = ''.join(tree_html(c, depth + 1) for c in n.children)
     return f'<details{" open" if depth == 0 else ""} style="margin-left:{0 if depth == 0 else 1.2}em"><summary>{label}</summary>{kids}</details>'
+
 
 def tree_lines(n: TreeNode, depth: int = 0) -> list[str]:
     "The module tree as indented text lines."
     out = [f'{"  " * depth}{n.path or "(checkpoint)"}  {_tree_row(n)}']
-    for c in n.children: out += tree_lines(c, depth + 1)
+    for c in n.children:
+        out += tree_lines(c, depth + 1)
     return out
 
 # %% ../nbs/12b_explore.ipynb #4e5aa6e9
 @dataclass
 class Exploration:
     "What `explore` found in a checkpoint folder, section by section: HTML in Jupyter, text in a terminal, JSON from `to_json`."
+
     checkpoint: str # the folder's name
     findings: list # `Finding`s of every section
     tree: TreeNode # 1. structure
@@ -960,12 +1351,17 @@ class Exploration:
 # %% ../nbs/12b_explore.ipynb #c004f5e5
 _LEVELS = {'error': 0, 'warning': 1, 'note': 2}
 
-def _finding_rows(fs: list) -> list: return [(f.level, f.where, f.what, f.fix) for f in sorted(fs, key=lambda f: _LEVELS.get(f.level, 3))]
+def _finding_rows(fs: list) -> list:
+    return [(f.level, f.where, f.what, f.fix) for f in sorted(fs, key=lambda f: _LEVELS.get(f.level, 3))]
+
 
 def _findings_part(fs: list) -> tuple:
     "(html, lines) of a section's findings."
-    if not fs: return '', []
-    return _html_table(['', 'where', 'what', 'fix'], _finding_rows(fs)), [f'  {l.upper()}: {w}: {what}' + (f' (fix: {fix})' if fix else '') for l, w, what, fix in _finding_rows(fs)]
+    if not fs:
+        return '', []
+    return _html_table(['', 'where', 'what', 'fix'], _finding_rows(fs)), [
+        f'  {l.upper()}: {w}: {what}' + (f' (fix: {fix})' if fix else '') for l, w, what, fix in _finding_rows(fs)
+    ]
 
 # %% ../nbs/12b_explore.ipynb #9566fd41
 def _structure(self: Exploration) -> tuple:
@@ -973,18 +1369,29 @@ def _structure(self: Exploration) -> tuple:
     return (f'{t.tensors:,} tensors, {t.params:,} parameters, {_bytes_line(t.nbytes)}', tree_html(t), tree_lines(t)[1:])
 
 def _formats(self: Exploration) -> tuple:
-    rows = [(f.family, f.format, f.tensors, f'{f.params:,}', _size(f.stored_bytes), f'{f.bits_per_weight:.2f}') for f in self.formats]
+    rows = [
+        (f.family, f.format, f.tensors, f'{f.params:,}', _size(f.stored_bytes), f'{f.bits_per_weight:.2f}')
+        for f in self.formats
+    ]
     params, nbytes = sum(f.params for f in self.formats), sum(f.stored_bytes for f in self.formats)
     head = ['family', 'format', 'tensors', 'weights', 'stored', 'bits/weight']
     kinds = sorted({f.format for f in self.formats})
-    return (f'{len(kinds)} format(s), {8 * nbytes / max(params, 1):.2f} bits per weight overall', _html_table(head, rows), _text_table(head, rows))
+    return (
+        f'{len(kinds)} format(s), {8 * nbytes / max(params, 1):.2f} bits per weight overall',
+        _html_table(head, rows),
+        _text_table(head, rows),
+    )
+
 
 def _spread(v: list) -> str:
     "Per-rank bytes: one size when the ranks agree, else the least and most and then every rank's."
-    if not v: return '–'
-    if min(v) == max(v): return _size(v[0])
+    if not v:
+        return '–'
+    if min(v) == max(v):
+        return _size(v[0])
     lo, hi = _size(min(v)), _size(max(v))
-    if lo == hi: return f'{lo} (ranks differ by {max(v) - min(v):,} B)'
+    if lo == hi:
+        return f'{lo} (ranks differ by {max(v) - min(v):,} B)'
     return ', '.join(map(_size, v)) if len(v) == 2 else f'{lo}–{hi}: ' + ', '.join(map(_size, v))
 
 def _par(r: RankBytes) -> str: return f"{'EP' if r.expert_parallel else 'TP'} {r.world_size}"
@@ -993,37 +1400,103 @@ def _ranks(self: Exploration) -> tuple:
     head = ['parallel', 'read per rank', 'held per rank', 'read by all ranks', 'loads']
     rows = [(_par(r), _spread(r.read_bytes), _spread(r.held_bytes), _size(sum(r.read_bytes)) if r.read_bytes else '–',
              'refused (see above)' if r.refused else 'yes') for r in self.ranks]
-    if not rows: return ('not computed', '', [])
-    tp, ep = [str(r.world_size) for r in self.ranks if not r.expert_parallel], [str(r.world_size) for r in self.ranks if r.expert_parallel]
+    if not rows:
+        return ('not computed', '', [])
+    tp, ep = (
+        [str(r.world_size) for r in self.ranks if not r.expert_parallel],
+        [str(r.world_size) for r in self.ranks if r.expert_parallel],
+    )
     refused = [_par(r) for r in self.ranks if r.refused]
-    summary = f'TP {", ".join(tp)}' + (f' and EP {", ".join(ep)}' if ep else '') + (f'; refused: {", ".join(refused)}' if refused else '')
+    summary = (
+        f'TP {", ".join(tp)}'
+        + (f' and EP {", ".join(ep)}' if ep else '')
+        + (f'; refused: {", ".join(refused)}' if refused else '')
+    )
     return summary, _html_table(head, rows), _text_table(head, rows)
 
 def _kv(self: Exploration) -> tuple:
-    if self.kv is None: return ('not computed', '', [])
+    if self.kv is None:
+        return ('not computed', '', [])
     k = self.kv
-    return (f"{k['kv_bytes_per_token']:,} bytes per token, {k['kv_fixed_bytes_per_request']:,} fixed per request",
-            ''.join(f'<div>{_E(l)}</div>' for l in self.kv_lines) + _img(self.plots.get('kv')), ['  ' + l for l in self.kv_lines])
+    return (
+        f"{k['kv_bytes_per_token']:,} bytes per token, {k['kv_fixed_bytes_per_request']:,} fixed per request",
+        ''.join(f'<div>{_E(l)}</div>' for l in self.kv_lines) + _img(self.plots.get('kv')),
+        ['  ' + l for l in self.kv_lines],
+    )
 
 # %% ../nbs/12b_explore.ipynb #bba0a152
-_T_HEAD = ['tensor', 'shape', 'dtype', 'absmax', 'mean', 'std', 'kurtosis', 'NaN', 'Inf', 'zero', 'outlier rows', 'scales min', 'max', 'outliers']
+_T_HEAD = [
+    'tensor',
+    'shape',
+    'dtype',
+    'absmax',
+    'mean',
+    'std',
+    'kurtosis',
+    'NaN',
+    'Inf',
+    'zero',
+    'outlier rows',
+    'scales min',
+    'max',
+    'outliers',
+]
+
 
 def _t_row(s: TensorStats) -> list:
-    return [s.key, list(s.shape), s.dtype, *map(_num, (s.absmax, s.mean, s.std, s.kurtosis, s.nan or None, s.inf or None, s.all_zero,
-                                                       s.outlier_channels, s.scale_min, s.scale_max, s.scale_outliers))]
+    return [
+        s.key,
+        list(s.shape),
+        s.dtype,
+        *map(
+            _num,
+            (
+                s.absmax,
+                s.mean,
+                s.std,
+                s.kurtosis,
+                s.nan or None,
+                s.inf or None,
+                s.all_zero,
+                s.outlier_channels,
+                s.scale_min,
+                s.scale_max,
+                s.scale_outliers,
+            ),
+        ),
+    ]
 
 def _stats(self: Exploration) -> tuple:
     ws = self.stats
-    if ws is None: return ('not computed (explore(folder, stats=True), or mstar-utils inspect --stats)', '', [])
+    if ws is None:
+        return ('not computed (explore(folder, stats=True), or mstar-utils inspect --stats)', '', [])
     bad = sum(1 for s in ws.tensors if s.nan or s.inf or s.all_zero)
     worst = ', '.join(l.layer for l in ws.worst())
     lhead = ['layer', 'tensors', 'absmax', 'of', 'max weight kurtosis', 'of', 'NaN', 'Inf', 'zero', 'outlier rows']
-    lrows = [(l.layer, l.tensors, _num(l.absmax), l.absmax_key[len(l.layer) + 1:], _num(l.kurtosis), l.kurtosis_key[len(l.layer) + 1:],
-              l.nan or '', l.inf or '', l.all_zero or '', _num(l.outlier_channels)) for l in ws.layers]
+    lrows = [
+        (
+            l.layer,
+            l.tensors,
+            _num(l.absmax),
+            l.absmax_key[len(l.layer) + 1 :],
+            _num(l.kurtosis),
+            l.kurtosis_key[len(l.layer) + 1 :],
+            l.nan or '',
+            l.inf or '',
+            l.all_zero or '',
+            _num(l.outlier_channels),
+        )
+        for l in ws.layers
+    ]
     top = sorted(ws.tensors, key=lambda s: -s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
     summary = f'{len(ws.tensors)} tensors, {bad} with NaN, Inf or all zeros; worst layers (weight kurtosis): {worst or "none"}'
-    body = (''.join(_img(self.plots.get(p)) for p in ('depth', 'worst')) + _html_table(lhead, lrows) +
-            '<details><summary>every tensor, heaviest tails first</summary>' + _html_table(_T_HEAD, [_t_row(s) for s in top]) + '</details>')
+    body = (
+        ''.join(_img(self.plots.get(p)) for p in ('depth', 'worst'))
+        + _html_table(lhead, lrows)
+        + '<details><summary>every tensor, heaviest tails first</summary>'
+        + _html_table(_T_HEAD, [_t_row(s) for s in top])
+        + '</details>'
+    )
     return summary, body, _text_table(lhead, lrows) + [''] + _text_table(_T_HEAD, [_t_row(s) for s in top[:10]])
 
 # %% ../nbs/12b_explore.ipynb #b77122ac
@@ -1033,8 +1506,15 @@ def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
                f'{len(d.added)} added, {len(d.removed)} removed, {len(d.reshaped)} reshaped')
     head = ['tensor', 'identical', 'max |a−b|', 'rel L2', 'cosine']
     rows = [(t.key, _num(t.identical), _num(t.max_abs), _num(t.rel_l2), _num(t.cosine)) for t in d.changed[:n]]
-    lh, lr = ['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'], [(l.layer, l.tensors, l.changed, _num(l.rel_l2), _num(l.max_abs)) for l in d.layers[:n]]
-    keys = [('added', d.added), ('removed', d.removed), ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped])]
+    lh, lr = (
+        ['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'],
+        [(l.layer, l.tensors, l.changed, _num(l.rel_l2), _num(l.max_abs)) for l in d.layers[:n]],
+    )
+    keys = [
+        ('added', d.added),
+        ('removed', d.removed),
+        ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped]),
+    ]
     lines = [f'  {w}: {", ".join(v[:8])}' + (f' ... ({len(v) - 8} more)' if len(v) > 8 else '') for w, v in keys if v]
     body = ''.join(f'<div>{_E(l.strip())}</div>' for l in lines) + _html_table(head, rows) + _html_table(lh, lr)
     return summary, body, lines + _text_table(head, rows) + [''] + _text_table(lh, lr)
@@ -1044,20 +1524,38 @@ def _files(self: Exploration) -> tuple:
     return (f'{n} file(s) that cannot be parsed' if n else 'every file parses', '', [])
 
 # %% ../nbs/12b_explore.ipynb #933d0b63
-_SECTIONS = [('files', '0. Files', _files), ('structure', '1. Structure', _structure), ('formats', '2. Formats', _formats),
-             ('load', '3. Will it load', None), ('ranks', '4. Bytes per rank', _ranks), ('kv', '5. KV cache', _kv),
-             ('stats', '6. Weight statistics', _stats), ('diff', '7. Diff', None)]
+_SECTIONS = [
+    ('files', '0. Files', _files),
+    ('structure', '1. Structure', _structure),
+    ('formats', '2. Formats', _formats),
+    ('load', '3. Will it load', None),
+    ('ranks', '4. Bytes per rank', _ranks),
+    ('kv', '5. KV cache', _kv),
+    ('stats', '6. Weight statistics', _stats),
+    ('diff', '7. Diff', None),
+]
 
 def _parts(self: Exploration) -> list:
     "[(title, summary, html, lines)] for every section, its findings first."
     out = []
     for sec, title, fn in _SECTIONS:
-        if sec == 'diff' and self.diff is None: continue
+        if sec == 'diff' and self.diff is None:
+            continue
         if sec == 'load':
             errs = [f for f in self.of('load') if f.level == 'error']
-            summary, body, lines = (f'no: {len(errs)} error(s)' if errs else 'yes' + (f' ({len(self.of("load"))} notes and warnings)' if self.of('load') else '')), '', []
-        elif sec == 'diff': summary, body, lines = _diff_parts(self.diff)
-        else: summary, body, lines = fn(self)
+            summary, body, lines = (
+                (
+                    f'no: {len(errs)} error(s)'
+                    if errs
+                    else 'yes' + (f' ({len(self.of("load"))} notes and warnings)' if self.of('load') else '')
+                ),
+                '',
+                [],
+            )
+        elif sec == 'diff':
+            summary, body, lines = _diff_parts(self.diff)
+        else:
+            summary, body, lines = fn(self)
         fh, fl = _findings_part(self.of(sec))
         out.append((title, summary, fh + body, fl + lines))
     return out
@@ -1066,14 +1564,17 @@ def _parts(self: Exploration) -> list:
 @patch
 def _repr_html_(self: Exploration) -> str:
     "Collapsible sections, each with its findings, tables and plots; the module tree as nested `<details>`."
-    secs = ''.join(f'<details open style="margin:6px 0"><summary><b>{_E(t)}</b>: {_E(s)}</summary><div style="margin-left:1em">{b}</div></details>'
-                   for t, s, b, _ in _parts(self))
+    secs = ''.join(
+        f'<details open style="margin:6px 0"><summary><b>{_E(t)}</b>: {_E(s)}</summary><div style="margin-left:1em">{b}</div></details>'
+        for t, s, b, _ in _parts(self)
+    )
     return f'<div class="mstar-explore" style="font-size:13px"><div><b>{_E(self.checkpoint)}</b></div>{secs}</div>'
 
 @patch
 def __str__(self: Exploration) -> str:
     out = [self.checkpoint]
-    for t, s, _, lines in _parts(self): out += ['', f'{t}: {s}', *lines]
+    for t, s, _, lines in _parts(self):
+        out += ['', f'{t}: {s}', *lines]
     return '\n'.join(out)
 
 @patch
@@ -1083,9 +1584,16 @@ def __repr__(self: Exploration) -> str: return str(self)
 @patch
 def to_dict(self: Exploration) -> dict:
     "Every section as JSON-ready data (plots left out)."
-    d = {'checkpoint': self.checkpoint, 'findings': self.findings, 'structure': self.tree, 'formats': [{**asdict(f), 'bits_per_weight': f.bits_per_weight} for f in self.formats],
-         'ranks': self.ranks, 'kv': self.kv, 'stats': None if self.stats is None else {'tensors': self.stats.tensors, 'layers': self.stats.layers},
-         'diff': None if self.diff is None else diff_dict(self.diff)}
+    d = {
+        'checkpoint': self.checkpoint,
+        'findings': self.findings,
+        'structure': self.tree,
+        'formats': [{**asdict(f), 'bits_per_weight': f.bits_per_weight} for f in self.formats],
+        'ranks': self.ranks,
+        'kv': self.kv,
+        'stats': None if self.stats is None else {'tensors': self.stats.tensors, 'layers': self.stats.layers},
+        'diff': None if self.diff is None else diff_dict(self.diff),
+    }
     return _clean(d)
 
 @patch
@@ -1095,8 +1603,19 @@ def to_json(self: Exploration, indent: int | None = 1) -> str:
 
 def diff_dict(d: CheckpointDiff) -> dict:
     "A `CheckpointDiff` as JSON-ready data: `changed` lists the changed tensors most changed first, each with its key."
-    return _clean({'a': d.a, 'b': d.b, 'added': d.added, 'removed': d.removed, 'reshaped': d.reshaped, 'changed': d.changed,
-                   'identical': [t.key for t in d.tensors if t.identical], 'layers': d.layers, 'findings': d.findings})
+    return _clean(
+        {
+            'a': d.a,
+            'b': d.b,
+            'added': d.added,
+            'removed': d.removed,
+            'reshaped': d.reshaped,
+            'changed': d.changed,
+            'identical': [t.key for t in d.tensors if t.identical],
+            'layers': d.layers,
+            'findings': d.findings,
+        }
+    )
 
 # %% ../nbs/12b_explore.ipynb #a078a65a
 @patch
@@ -1104,6 +1623,7 @@ def _repr_html_(self: CheckpointDiff) -> str:
     s, body, _ = _diff_parts(self)
     fh, _ = _findings_part(self.findings)
     return f'<div class="mstar-explore" style="font-size:13px"><details open><summary><b>Diff</b>: {_E(s)}</summary>{fh}{body}</details></div>'
+
 
 @patch
 def __str__(self: CheckpointDiff) -> str:
@@ -1143,10 +1663,13 @@ def explore(checkpoint_dir, # an HF checkpoint folder
     ws = None
     if stats:
         wf = []
-        try: ws = weight_stats(ckpt, wf)
-        except (ValueError, NotImplementedError, KeyError) as e: wf.append(Finding('stats', 'error', _quoted(str(e)) or ckpt.name, f'not computed: {e}', ''))
+        try:
+            ws = weight_stats(ckpt, wf)
+        except (ValueError, NotImplementedError, KeyError) as e:
+            wf.append(Finding('stats', 'error', _quoted(str(e)) or ckpt.name, f'not computed: {e}', ''))
         findings += [f for f in wf if f.section == 'stats']
-        if ws is not None: plots.update(depth=_fig_png(plot_depth(ws)), worst=_fig_png(plot_worst(ws)))
+        if ws is not None:
+            plots.update(depth=_fig_png(plot_depth(ws)), worst=_fig_png(plot_worst(ws)))
     diff = diff_checkpoints(base, ckpt) if base is not None else None
     return Exploration(ckpt.name, findings, module_tree(tensors), formats, ranks, kv, kv_lines, ws, diff, plots)
 
