@@ -29,7 +29,11 @@ class PrintHandler(logging.Handler):
 # %% ../nbs/98_testing.ipynb #e61855c5
 class ListHandler(logging.Handler):
     "Collects the records it handles in `records`, for tests that check what was logged."
-    def __init__(self, level=logging.NOTSET): super().__init__(level); self.records = []
+
+    def __init__(self, level=logging.NOTSET):
+        super().__init__(level)
+        self.records = []
+
     def emit(self, record): self.records.append(record)
 
 # %% ../nbs/98_testing.ipynb #16309d80
@@ -42,17 +46,20 @@ def assert_tensors_equal(got: torch.Tensor, # the tensor under test
     where = f'{name}: ' if name else ''
     if (got.dtype, tuple(got.shape)) != (want.dtype, tuple(want.shape)):
         raise AssertionError(f'{where}got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}')
-    if torch.equal(got, want): return
+    if torch.equal(got, want):
+        return
     diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-    if atol == 0 or not diff <= atol: raise AssertionError(f'{where}max |difference| {diff:.6g} > {atol}')
+    if atol == 0 or not diff <= atol:
+        raise AssertionError(f'{where}max |difference| {diff:.6g} > {atol}')
 
 # %% ../nbs/98_testing.ipynb #0df6a565
-def assert_state_dict_equal(got, # a module or a state_dict: what was loaded
-                            want, # a module or a state_dict: the reference
-                            prefix: str = '', # prepended to `got`'s keys to find `want`'s (`want` may then hold more keys)
-                            atol: float = 0.0, # as in `assert_tensors_equal`
-                            cast: bool = False, # compare `want`'s tensors cast to `got`'s dtype
-                           ):
+def assert_state_dict_equal(
+    got,  # a module or a state_dict: what was loaded
+    want,  # a module or a state_dict: the reference
+    prefix: str = '',  # prepended to `got`'s keys to find `want`'s (`want` may then hold more keys)
+    atol: float = 0.0,  # as in `assert_tensors_equal`
+    cast: bool = False,  # compare `want`'s tensors cast to `got`'s dtype
+):
     "Raise `AssertionError` naming the keys or the first tensor that differs between two state_dicts."
     got, want = (x.state_dict() if isinstance(x, torch.nn.Module) else x for x in (got, want))
     missing = sorted({prefix + k for k in got} - set(want))
@@ -74,23 +81,65 @@ def tiny_configs() -> dict:
     moe = dict(num_experts_per_tok=2, num_key_value_heads=2)
     return {
         'qwen2': tf.Qwen2Config(**_TINY, intermediate_size=48, num_key_value_heads=2),
-        'gpt_neox': tf.GPTNeoXConfig(**_TINY, intermediate_size=48),  # its checkpoints name the head embed_out, which transformers renames
+        'gpt_neox': tf.GPTNeoXConfig(
+            **_TINY, intermediate_size=48
+        ),  # its checkpoints name the head embed_out, which transformers renames
         'gemma2': tf.Gemma2Config(**_TINY, intermediate_size=48, num_key_value_heads=2, head_dim=8),
         't5': tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4),
-        'whisper': tf.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                                    decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_mel_bins=16,
-                                    max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                    decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[]),
+        'whisper': tf.WhisperConfig(
+            vocab_size=96,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=48,
+            decoder_ffn_dim=48,
+            num_mel_bins=16,
+            max_source_positions=16,
+            max_target_positions=32,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            suppress_tokens=[],
+            begin_suppress_tokens=[],
+        ),
         'mixtral': tf.MixtralConfig(**_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe),
-        'qwen2_moe': tf.Qwen2MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                                       num_experts=_EXPERTS, **moe),
-        'qwen3_moe': tf.Qwen3MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8, num_experts=_EXPERTS, **moe),
-        'olmoe': tf.OlmoeConfig(**_TINY, intermediate_size=16, num_experts=_EXPERTS, **moe),  # fused by transformers' own rules
-        'phimoe': tf.PhimoeConfig(**_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe),  # renamed, then fused
-        'deepseek_v2': tf.DeepseekV2Config(**_TINY, intermediate_size=48, moe_intermediate_size=16,
-                                           num_key_value_heads=4, n_routed_experts=_EXPERTS, n_shared_experts=1, num_experts_per_tok=2,
-                                           first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=12, kv_lora_rank=16,
-                                           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+        'qwen2_moe': tf.Qwen2MoeConfig(
+            **_TINY,
+            intermediate_size=24,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=_EXPERTS,
+            **moe,
+        ),
+        'qwen3_moe': tf.Qwen3MoeConfig(
+            **_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8, num_experts=_EXPERTS, **moe
+        ),
+        'olmoe': tf.OlmoeConfig(
+            **_TINY, intermediate_size=16, num_experts=_EXPERTS, **moe
+        ),  # fused by transformers' own rules
+        'phimoe': tf.PhimoeConfig(
+            **_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe
+        ),  # renamed, then fused
+        'deepseek_v2': tf.DeepseekV2Config(
+            **_TINY,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_key_value_heads=4,
+            n_routed_experts=_EXPERTS,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=12,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        ),
     }
 
 # %% ../nbs/98_testing.ipynb #bdee0cd5
@@ -115,16 +164,34 @@ def save_tiny(name: str, # a key of `tiny_configs()`
     "Write `tiny_model(name)` with transformers' `save_pretrained` into `folder`; returns it."
     import contextlib, io
     from transformers.utils import logging as hf_logging
-    level = hf_logging.get_verbosity(); hf_logging.set_verbosity_error()
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # no shard-writing bar in the outputs of the pages that call it (as `_saved` below)
+        with contextlib.redirect_stderr(
+            io.StringIO()
+        ):  # no shard-writing bar in the outputs of the pages that call it (as `_saved` below)
             tiny_model(name, dtype, seed).save_pretrained(folder, max_shard_size=max_shard_size)
-    finally: hf_logging.set_verbosity(level)
+    finally:
+        hf_logging.set_verbosity(level)
     return Path(folder)
 
 # %% ../nbs/98_testing.ipynb #3e8902e5
-MLA_CONFIG = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                  first_k_dense_replace=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=64)
+MLA_CONFIG = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    first_k_dense_replace=2,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_position_embeddings=64,
+)
+
 
 def save_mla_checkpoint(folder, # where save_pretrained writes it
                         q_lora_rank: int | None = 24, # None: a full-rank q_proj
@@ -135,14 +202,23 @@ def save_mla_checkpoint(folder, # where save_pretrained writes it
     model = AutoModelForCausalLM.from_config(DeepseekV2Config(**MLA_CONFIG, q_lora_rank=q_lora_rank), dtype=dtype)
     with torch.no_grad():
         for _, p in model.named_parameters():
-            if p.dim() == 2: p.normal_(0, p.shape[-1] ** -0.5)
-            else: p.copy_(1 + 0.1 * torch.randn_like(p))
+            if p.dim() == 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+            else:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return Path(folder)
 
 # %% ../nbs/98_testing.ipynb #51a53685
-KV_ARCHITECTURES = {'Llama': 'LlamaConfig', 'Gemma-3': 'Gemma3Config', 'gpt-oss': 'GptOssConfig', 'Qwen3-Next': 'Qwen3NextConfig',
-                    'DeepSeek-V3': 'DeepseekV3Config', 'Whisper': 'WhisperConfig', 'Qwen2-VL': 'Qwen2VLConfig'}
+KV_ARCHITECTURES = {
+    'Llama': 'LlamaConfig',
+    'Gemma-3': 'Gemma3Config',
+    'gpt-oss': 'GptOssConfig',
+    'Qwen3-Next': 'Qwen3NextConfig',
+    'DeepSeek-V3': 'DeepseekV3Config',
+    'Whisper': 'WhisperConfig',
+    'Qwen2-VL': 'Qwen2VLConfig',
+}
 
 def released_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
                        dtype='bfloat16'): # set at the config's top level
@@ -153,14 +229,36 @@ def released_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
 # %% ../nbs/98_testing.ipynb #f46e406f
 def gemma3_4b_it_config() -> dict:
     "The `config.json` of google/gemma-3-4b-it: its `text_config` leaves the head counts to the class defaults, and `torch_dtype` sits at the top level only."
-    return {'architectures': ['Gemma3ForConditionalGeneration'], 'boi_token_index': 255999, 'eoi_token_index': 256000,
-            'eos_token_id': [1, 106], 'image_token_index': 262144, 'initializer_range': 0.02, 'mm_tokens_per_image': 256,
-            'model_type': 'gemma3',
-            'text_config': {'hidden_size': 2560, 'intermediate_size': 10240, 'model_type': 'gemma3_text', 'num_hidden_layers': 34,
-                            'rope_scaling': {'factor': 8.0, 'rope_type': 'linear'}, 'sliding_window': 1024},
-            'torch_dtype': 'bfloat16', 'transformers_version': '4.50.0.dev0',
-            'vision_config': {'hidden_size': 1152, 'image_size': 896, 'intermediate_size': 4304, 'model_type': 'siglip_vision_model',
-                              'num_attention_heads': 16, 'num_hidden_layers': 27, 'patch_size': 14, 'vision_use_head': False}}
+    return {
+        'architectures': ['Gemma3ForConditionalGeneration'],
+        'boi_token_index': 255999,
+        'eoi_token_index': 256000,
+        'eos_token_id': [1, 106],
+        'image_token_index': 262144,
+        'initializer_range': 0.02,
+        'mm_tokens_per_image': 256,
+        'model_type': 'gemma3',
+        'text_config': {
+            'hidden_size': 2560,
+            'intermediate_size': 10240,
+            'model_type': 'gemma3_text',
+            'num_hidden_layers': 34,
+            'rope_scaling': {'factor': 8.0, 'rope_type': 'linear'},
+            'sliding_window': 1024,
+        },
+        'torch_dtype': 'bfloat16',
+        'transformers_version': '4.50.0.dev0',
+        'vision_config': {
+            'hidden_size': 1152,
+            'image_size': 896,
+            'intermediate_size': 4304,
+            'model_type': 'siglip_vision_model',
+            'num_attention_heads': 16,
+            'num_hidden_layers': 27,
+            'patch_size': 14,
+            'vision_use_head': False,
+        },
+    }
 
 # %% ../nbs/98_testing.ipynb #e4debd5d
 _KV_TINY = dict(hidden_size=64, intermediate_size=64, vocab_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -168,15 +266,56 @@ _KV_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 _KV_SHAPES = {  # per architecture: small shapes, the class's own mix of layer kinds
     'Llama': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=2),
     'Gemma-3': lambda: dict(text_config=dict(**_KV_TINY, head_dim=16, num_hidden_layers=7, sliding_window=4)),
-    'gpt-oss': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
-    'Qwen3-Next': lambda: dict(**_KV_TINY, **_KV_MOE, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
-                               linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, shared_expert_intermediate_size=32),
-    'DeepSeek-V3': lambda: dict(_KV_TINY, **_KV_MOE, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                                qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1),
-    'Whisper': lambda: dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, d_model=32,
-                            encoder_layers=2, decoder_layers=3, encoder_attention_heads=2, decoder_attention_heads=4, encoder_ffn_dim=32,
-                            decoder_ffn_dim=32, max_source_positions=8, max_target_positions=32, num_mel_bins=8),
-    'Qwen2-VL': lambda: dict(text_config=dict(**_KV_TINY, num_hidden_layers=2, rope_scaling=dict(type='mrope', mrope_section=[2, 3, 3]))),
+    'gpt-oss': lambda: dict(
+        **_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4, num_experts_per_tok=2
+    ),
+    'Qwen3-Next': lambda: dict(
+        **_KV_TINY,
+        **_KV_MOE,
+        head_dim=16,
+        num_hidden_layers=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+    ),
+    'DeepSeek-V3': lambda: dict(
+        _KV_TINY,
+        **_KV_MOE,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
+    'Whisper': lambda: dict(
+        vocab_size=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=2,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_source_positions=8,
+        max_target_positions=32,
+        num_mel_bins=8,
+    ),
+    'Qwen2-VL': lambda: dict(
+        text_config=dict(**_KV_TINY, num_hidden_layers=2, rope_scaling=dict(type='mrope', mrope_section=[2, 3, 3]))
+    ),
 }
 
 def tiny_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
@@ -187,7 +326,7 @@ def tiny_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
 
 # %% ../nbs/98_testing.ipynb #a12b527e
 def transformers_kv_cache(config, # a decoder-only config, or Whisper's
-                          tokens: int = 9): # decoder tokens to run
+                          tokens: int = 9):  # decoder tokens to run
     "The cache transformers fills for one request of `tokens` tokens through a random model of `config` (its decoder text model; Whisper: the whole model)."
     import torch, transformers
     torch.manual_seed(0)
@@ -198,7 +337,8 @@ def transformers_kv_cache(config, # a decoder-only config, or Whisper's
     else:
         model = transformers.AutoModel.from_config(config.get_text_config(decoder=True), dtype=config.dtype).eval()
         inputs = dict(input_ids=torch.arange(tokens)[None])
-    with torch.no_grad(): out = model(**inputs, use_cache=True)
+    with torch.no_grad():
+        out = model(**inputs, use_cache=True)
     return out.cache if 'cache' in out else out.past_key_values
 
 # %% ../nbs/98_testing.ipynb #e0aa82ca
@@ -218,28 +358,37 @@ import json, tempfile
 from pathlib import Path
 
 # %% ../nbs/98_testing.ipynb #5f9ae6b9
-def redecorated(tokenizer, # a fast transformers tokenizer
-                **parts, # tokenizer.json parts to replace (`decoder`, `pre_tokenizer`, `normalizer`, `model`): a tokenizers object, a dict, or None
-               ):
+def redecorated(
+    tokenizer,  # a fast transformers tokenizer
+    **parts,  # tokenizer.json parts to replace (`decoder`, `pre_tokenizer`, `normalizer`, `model`): a tokenizers object, a dict, or None
+):
     "A copy of `tokenizer` with other tokenizer.json parts, as a `PreTrainedTokenizerFast` with the same special tokens and no cleanup rewrite."
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
     tj = json.loads(tokenizer.backend_tokenizer.to_str())
-    for k, v in parts.items(): tj[k] = v if v is None or isinstance(v, dict) else json.loads(v.__getstate__())
+    for k, v in parts.items():
+        tj[k] = v if v is None or isinstance(v, dict) else json.loads(v.__getstate__())
     special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(tj)), clean_up_tokenization_spaces=False, **special)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(tj)), clean_up_tokenization_spaces=False, **special
+    )
 
 # %% ../nbs/98_testing.ipynb #e68b4218
-def metaspace_tokenizer(prepend_scheme: str = 'first', # 'first', 'always' or 'never', for both the pre-tokenizer and the decoder
-                        name: str = 'mistral-v3', # a SentencePiece vocabulary of `mstar_utils.checkpoints.TOKENIZERS`
-                       ):
+def metaspace_tokenizer(
+    prepend_scheme: str = 'first',  # 'first', 'always' or 'never', for both the pre-tokenizer and the decoder
+    name: str = 'mistral-v3',  # a SentencePiece vocabulary of `mstar_utils.checkpoints.TOKENIZERS`
+):
     "Mistral's real vocabulary as newer conversions write it: a `Metaspace` pre-tokenizer and decoder, no normalizer, byte fallback in the model."
     from tokenizers import decoders, pre_tokenizers
     from transformers import AutoTokenizer
     from mstar_utils.checkpoints import tokenizer_folder
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(name))
-    return redecorated(tok, normalizer=None, pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme, split=False),
-                       decoder=decoders.Metaspace(prepend_scheme=prepend_scheme, split=False))
+    return redecorated(
+        tok,
+        normalizer=None,
+        pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme, split=False),
+        decoder=decoders.Metaspace(prepend_scheme=prepend_scheme, split=False),
+    )
 
 # %% ../nbs/98_testing.ipynb #e74e7831
 CLIP_MERGES = 'open_clip/bpe_simple_vocab_16e6.txt.gz'
@@ -249,7 +398,12 @@ def _build_clip(out: Path):
     from transformers import CLIPTokenizer
     from mstar_utils.checkpoints import extract_member
     with tempfile.TemporaryDirectory() as tmp:
-        lines = gzip.open(extract_member('open-clip-torch', CLIP_MERGES, Path(tmp)/'merges.txt.gz')).read().decode().split('\n')
+        lines = (
+            gzip.open(extract_member('open-clip-torch', CLIP_MERGES, Path(tmp) / 'merges.txt.gz'))
+            .read()
+            .decode()
+            .split('\n')
+        )
     merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's bytes_to_unicode order
     chars = [chr(b) for b in printable] + [chr(0x100 + k) for k in range(256 - len(printable))]
@@ -268,7 +422,10 @@ def ctc_tokenizer():
     "A `Wav2Vec2CTCTokenizer` over wav2vec2-base-960h's 32 characters (`WAV2VEC2_CHARS`), its vocab.json in the cache."
     from transformers import Wav2Vec2CTCTokenizer
     from mstar_utils.checkpoints import cached_folder
-    def build(out: Path): (out/'vocab.json').write_text(json.dumps({c: i for i, c in enumerate(WAV2VEC2_CHARS)}), encoding='utf-8')
+
+    def build(out: Path):
+        (out / 'vocab.json').write_text(json.dumps({c: i for i, c in enumerate(WAV2VEC2_CHARS)}), encoding='utf-8')
+
     return Wav2Vec2CTCTokenizer(str(cached_folder('tokenizers', 'wav2vec2-960h-chars', build)/'vocab.json'))
 
 # %% ../nbs/98_testing.ipynb #rt000005
@@ -295,7 +452,8 @@ def fp8_block_quantize(w: torch.Tensor, # float [R, C]
                        block: tuple = (128, 128), # rows, cols one scale covers
                       ) -> tuple:
     "(codes float8_e4m3fn [R, C], `weight_scale_inv` float32 [⌈R/br⌉, ⌈C/bc⌉]): edge blocks zero-padded, each block scaled so its largest |value| is 448."
-    br, bc = block; R, C = w.shape
+    br, bc = block
+    R, C = w.shape
     p = torch.nn.functional.pad(w.float(), (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
     s = p.abs().amax((1, 3)) / torch.finfo(torch.float8_e4m3fn).max
     s = torch.where(s > 0, s, torch.ones_like(s))
@@ -318,7 +476,8 @@ def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
     "Replace `dest`'s model.safetensors by `tensors` and set config.json's `quantization_config` (None: drop it) and `dtype`."
     cfg = json.loads((dest/'config.json').read_text(encoding='utf-8'))
     cfg.pop('quantization_config', None)
-    if qc: cfg['quantization_config'] = qc
+    if qc:
+        cfg['quantization_config'] = qc
     cfg['dtype'] = str(dtype).removeprefix('torch.')
     (dest/'config.json').write_text(json.dumps(cfg, indent=2), encoding='utf-8')
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest/'model.safetensors'), metadata={'format': 'pt'})
@@ -326,22 +485,26 @@ def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
 
 def _saved(model, dest) -> tuple:
     "(dest, its tensors) after `save_pretrained`, its progress bars and warnings silenced."
-    with contextlib.redirect_stderr(io.StringIO()): model.save_pretrained(dest)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.save_pretrained(dest)
     return Path(dest), load_file(str(Path(dest)/'model.safetensors'))
 
 # %% ../nbs/98_testing.ipynb #acc5a930
-def write_fp8_checkpoint(model, # a transformers model
-                         dest, # the checkpoint folder to write
-                         block: tuple = (128, 128), # `weight_block_size`
-                         dtype=torch.bfloat16, # the dtype of the tensors left unquantized
-                         quantize: str = '_proj', # a regular expression: the 2-d `.weight`s whose stored keys it finds are quantized
-                        ) -> Path:
+def write_fp8_checkpoint(
+    model,  # a transformers model
+    dest,  # the checkpoint folder to write
+    block: tuple = (128, 128),  # `weight_block_size`
+    dtype=torch.bfloat16,  # the dtype of the tensors left unquantized
+    quantize: str = '_proj',  # a regular expression: the 2-d `.weight`s whose stored keys it finds are quantized
+) -> Path:
     "`model` saved as DeepSeek-V3's `quant_method: \"fp8\"` releases are: each 2-d `*_proj*.weight` as F8_E4M3 codes plus F32 `weight_scale_inv`, the rest in `dtype`."
     dest, sd = _saved(model, dest)
     out = {}
     for k, v in sd.items():
-        if re.search(quantize, k) and k.endswith('.weight') and v.dim() == 2: out[k], out[k + '_scale_inv'] = fp8_block_quantize(v, block)
-        else: out[k] = v.to(dtype)
+        if re.search(quantize, k) and k.endswith('.weight') and v.dim() == 2:
+            out[k], out[k + '_scale_inv'] = fp8_block_quantize(v, block)
+        else:
+            out[k] = v.to(dtype)
     qc = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', 'weight_block_size': list(block)}
     return _rewrite(dest, out, qc, dtype)
 
@@ -354,18 +517,32 @@ def write_mxfp4_checkpoint(model, # a transformers gpt-oss model
     dest, sd = _saved(model, dest)
     out = {}
     for k, v in sd.items():
-        if k.endswith(('experts.gate_up_proj', 'experts.down_proj')): out[k + '_blocks'], out[k + '_scales'] = mxfp4_quantize(v.transpose(-1, -2))
-        else: out[k] = v.to(dtype)
-    qc = {'quant_method': 'mxfp4', 'modules_to_not_convert': ['model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}
+        if k.endswith(('experts.gate_up_proj', 'experts.down_proj')):
+            out[k + '_blocks'], out[k + '_scales'] = mxfp4_quantize(v.transpose(-1, -2))
+        else:
+            out[k] = v.to(dtype)
+    qc = {
+        'quant_method': 'mxfp4',
+        'modules_to_not_convert': [
+            'model.layers.*.self_attn',
+            'model.layers.*.mlp.router',
+            'model.embed_tokens',
+            'lm_head',
+        ],
+    }
     return _rewrite(dest, out, qc, dtype)
 
 # %% ../nbs/98_testing.ipynb #ac4b2068
 def _minmax(w: torch.Tensor, args) -> tuple:
     "(min, max) of `w` [R, C] per scale of compressed-tensors quantization `args`, as its min-max observer reduces."
     R, C = w.shape
-    if args.strategy == 'tensor': return w.min().reshape(1), w.max().reshape(1)
-    if args.strategy == 'channel': return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    if args.strategy == 'group': g = w.unflatten(1, (-1, args.group_size)); return g.amin(-1), g.amax(-1)
+    if args.strategy == 'tensor':
+        return w.min().reshape(1), w.max().reshape(1)
+    if args.strategy == 'channel':
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if args.strategy == 'group':
+        g = w.unflatten(1, (-1, args.group_size))
+        return g.amin(-1), g.amax(-1)
     br, bc = args.block_structure
     b = torch.nn.functional.pad(w, (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
     return b.amin((1, 3)), b.amax((1, 3))
@@ -385,13 +562,16 @@ def write_compressed_tensors_checkpoint(model, # a transformers model, quantized
     qcfg = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), quantization_status='frozen')
     apply_quantization_config(model, qcfg, show_progress=False)
     for m in model.modules():
-        if not hasattr(m, 'weight_scale'): continue
+        if not hasattr(m, 'weight_scale'):
+            continue
         args = m.quantization_scheme.weights
         s, z = calculate_qparams(*_minmax(m.weight.data.float(), args), args)
         m.weight_scale.data = s.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
-        if hasattr(m, 'weight_zero_point'): m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+        if hasattr(m, 'weight_zero_point'):
+            m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
     comp = ModelCompressor.from_pretrained_model(model)
-    with contextlib.redirect_stderr(io.StringIO()): comp.compress_model(model)
+    with contextlib.redirect_stderr(io.StringIO()):
+        comp.compress_model(model)
     dest, _ = _saved(model, dest)
     comp.update_config(str(dest))
     return dest
@@ -399,30 +579,88 @@ def write_compressed_tensors_checkpoint(model, # a transformers model, quantized
 # %% ../nbs/98_testing.ipynb #a7451897
 _DYNAMIC_FP8 = {'num_bits': 8, 'type': 'float', 'strategy': 'token', 'dynamic': True, 'symmetric': True}
 CT_FLOAT_GROUPS = {  # fp8 weights (FP8_DYNAMIC style): one scale per channel, per tensor, per 64x64 block
-    'mlp': {'targets': ['re:.*mlp\\..*'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'channel'}, 'input_activations': _DYNAMIC_FP8},
-    'qk': {'targets': ['re:.*\\.(q|k)_proj$'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'tensor'}, 'input_activations': _DYNAMIC_FP8},
-    'vo': {'targets': ['re:.*\\.(v|o)_proj$'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'block', 'block_structure': [64, 64]},
-           'input_activations': _DYNAMIC_FP8}}
+    'mlp': {
+        'targets': ['re:.*mlp\\..*'],
+        'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'channel'},
+        'input_activations': _DYNAMIC_FP8,
+    },
+    'qk': {
+        'targets': ['re:.*\\.(q|k)_proj$'],
+        'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'tensor'},
+        'input_activations': _DYNAMIC_FP8,
+    },
+    'vo': {
+        'targets': ['re:.*\\.(v|o)_proj$'],
+        'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'block', 'block_structure': [64, 64]},
+        'input_activations': _DYNAMIC_FP8,
+    },
+}
 CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 per channel: all packed into int32
-    'mlp': {'targets': ['re:.*mlp\\..*'], 'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'channel', 'symmetric': True}},
-    'qk': {'targets': ['re:.*\\.(q|k)_proj$'], 'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': 32, 'symmetric': False}},
-    'vo': {'targets': ['re:.*\\.(v|o)_proj$'], 'weights': {'num_bits': 8, 'type': 'int', 'strategy': 'channel', 'symmetric': True}}}
+    'mlp': {
+        'targets': ['re:.*mlp\\..*'],
+        'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'channel', 'symmetric': True},
+    },
+    'qk': {
+        'targets': ['re:.*\\.(q|k)_proj$'],
+        'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': 32, 'symmetric': False},
+    },
+    'vo': {
+        'targets': ['re:.*\\.(v|o)_proj$'],
+        'weights': {'num_bits': 8, 'type': 'int', 'strategy': 'channel', 'symmetric': True},
+    },
+}
 
 # %% ../nbs/98_testing.ipynb #a9ad5d25
 def quantized_configs() -> dict:
     "Tiny configs of the architectures each format ships for, by format: most dimensions are not multiples of the blocks."
     import transformers as tf
-    qwen3 = tf.Qwen3Config(vocab_size=256, hidden_size=96, intermediate_size=100, num_hidden_layers=2, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=48)
+
+    qwen3 = tf.Qwen3Config(
+        vocab_size=256,
+        hidden_size=96,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=48,
+    )
     return {
-        'fp8': tf.DeepseekV3Config(vocab_size=256, hidden_size=160, intermediate_size=200, moe_intermediate_size=72, num_hidden_layers=2,
-                                   first_k_dense_replace=1, n_routed_experts=3, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-                                   topk_group=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=136, kv_lora_rank=144,
-                                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, max_position_embeddings=64),
-        'ct_float': qwen3, 'ct_pack': qwen3,
-        'mxfp4': tf.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-                                 num_key_value_heads=1, head_dim=32, num_local_experts=3, num_experts_per_tok=2, sliding_window=8,
-                                 layer_types=['sliding_attention', 'full_attention']),
+        'fp8': tf.DeepseekV3Config(
+            vocab_size=256,
+            hidden_size=160,
+            intermediate_size=200,
+            moe_intermediate_size=72,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            n_routed_experts=3,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=136,
+            kv_lora_rank=144,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=24,
+            max_position_embeddings=64,
+        ),
+        'ct_float': qwen3,
+        'ct_pack': qwen3,
+        'mxfp4': tf.GptOssConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            num_local_experts=3,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=['sliding_attention', 'full_attention'],
+        ),
     }
 
 # %% ../nbs/98_testing.ipynb #8a331775
@@ -434,8 +672,10 @@ def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(quantized_configs()[fmt], dtype=torch.float32)
-    if fmt == 'fp8': return write_fp8_checkpoint(model, dest)
-    if fmt == 'mxfp4': return write_mxfp4_checkpoint(model, dest)
+    if fmt == 'fp8':
+        return write_fp8_checkpoint(model, dest)
+    if fmt == 'mxfp4':
+        return write_mxfp4_checkpoint(model, dest)
     groups = {'ct_float': CT_FLOAT_GROUPS, 'ct_pack': CT_PACK_GROUPS}[fmt]
     return write_compressed_tensors_checkpoint(model.to(torch.bfloat16), dest, groups)
 
@@ -449,19 +689,32 @@ def dequantized_reference(folder, # a quantized checkpoint folder
     qc = json.loads((folder/'config.json').read_text(encoding='utf-8'))['quantization_config']
     sd = load_file(str(folder/'model.safetensors'))
     if qc['quant_method'] == 'fp8':
-        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight   # float32 math, then one rounding
-        out = {k: _dequantize_fp8_weight(v, sd[k + '_scale_inv'], qc['weight_block_size'], torch.float32).to(dtype) if k + '_scale_inv' in sd else v
-               for k, v in sd.items() if not k.endswith('_scale_inv')}
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight  # float32 math, then one rounding
+
+        out = {
+            k: _dequantize_fp8_weight(v, sd[k + '_scale_inv'], qc['weight_block_size'], torch.float32).to(dtype)
+            if k + '_scale_inv' in sd
+            else v
+            for k, v in sd.items()
+            if not k.endswith('_scale_inv')
+        }
     elif qc['quant_method'] == 'mxfp4':
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
         out = {k: v for k, v in sd.items() if not k.endswith(('_blocks', '_scales'))}
-        out.update({k[:-7]: convert_moe_packed_tensors(v, sd[k[:-7] + '_scales'], dtype=dtype) for k, v in sd.items() if k.endswith('_blocks')})
+        out.update(
+            {
+                k[:-7]: convert_moe_packed_tensors(v, sd[k[:-7] + '_scales'], dtype=dtype)
+                for k, v in sd.items()
+                if k.endswith('_blocks')
+            }
+        )
     else:
         from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
         out = CompressedTensorsDequantizer(folder, dtype=dtype).process(sd)
     dest.mkdir(parents=True, exist_ok=True)
     for f in ('config.json', 'generation_config.json'):
-        if (folder/f).exists(): shutil.copy(folder/f, dest/f)
+        if (folder / f).exists():
+            shutil.copy(folder / f, dest / f)
     return _rewrite(dest, out, None, dtype)
 
 # %% ../nbs/98_testing.ipynb #4f5f95d0
@@ -473,9 +726,12 @@ def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
     try:
         dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
-        try: out = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
-        finally: dist.destroy_process_group()
-    except BaseException: out = (rank, False, traceback.format_exc())
+        try:
+            out = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        out = (rank, False, traceback.format_exc())
     queue.put(out)
 
 # %% ../nbs/98_testing.ipynb #4bfa0397
@@ -489,19 +745,27 @@ def run_ranks(fn, # called as fn(rank, world_size, *args) in each process; must 
     ctx = multiprocessing.get_context('forkserver')   # ranks fork from one clean process that has done the imports once
     ctx.set_forkserver_preload(['mstar_utils.testing', 'mstar_utils.tensor_parallel', 'transformers.modeling_utils'])
     q, store = ctx.Queue(), os.path.join(tempfile.mkdtemp(prefix='ranks-'), 'store')
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, q), daemon=True) for r in range(world_size)]
-    for p in procs: p.start()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, store, args, q), daemon=True) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
     got = {}
     try:
         for _ in procs:
             rank, ok, payload = q.get(timeout=timeout)
-            if not ok: raise RuntimeError(f'rank {rank} of {world_size} failed:\n{payload}')
+            if not ok:
+                raise RuntimeError(f'rank {rank} of {world_size} failed:\n{payload}')
             got[rank] = pickle.loads(payload)
-    except queues.Empty: raise RuntimeError(f'ranks {sorted(set(range(world_size)) - set(got))} of {world_size} gave no result in {timeout} s') from None
+    except queues.Empty:
+        raise RuntimeError(
+            f'ranks {sorted(set(range(world_size)) - set(got))} of {world_size} gave no result in {timeout} s'
+        ) from None
     finally:
         for p in procs:
             p.join(timeout=10)
-            if p.is_alive(): p.kill()
+            if p.is_alive():
+                p.kill()
     return [got[r] for r in range(world_size)]
 
 # %% ../nbs/98_testing.ipynb #f7a15f5c
@@ -514,8 +778,13 @@ def tp_logits(rank: int, world_size: int, # this rank, the group size (as `run_r
     "One rank's work: `load_model_sharded` in float32, a forward pass on `ids`; {'logits', 'bytes_read', 'shapes': {name: shape}}."
     from mstar_utils.model import load_model_sharded
     model = load_model_sharded(folder, rank, world_size, plan, dtype=torch.float32, expert_parallel=expert_parallel)
-    with torch.no_grad(): logits = model(ids).logits
-    return {'logits': logits, 'bytes_read': model.tp_bytes_read, 'shapes': {k: list(v.shape) for k, v in model.state_dict().items()}}
+    with torch.no_grad():
+        logits = model(ids).logits
+    return {
+        'logits': logits,
+        'bytes_read': model.tp_bytes_read,
+        'shapes': {k: list(v.shape) for k, v in model.state_dict().items()},
+    }
 
 # %% ../nbs/98_testing.ipynb #8784c5b5
 def tp_jobs(rank: int, world_size: int, # as `run_ranks` passes them
@@ -569,12 +838,13 @@ def jfk_resampled(folder, # where to write the file
     return path
 
 # %% ../nbs/98_testing.ipynb #fmtt001
-def write_ct_preset_checkpoint(model, # a transformers model, quantized in place
-                               dest, # the checkpoint folder to write
-                               preset: str, # a compressed-tensors preset scheme: 'NVFP4A16', 'MXFP8A16', 'W4A16', ...
-                               ignore: list = ('lm_head',), # modules left unquantized
-                               compress: bool = True, # False: saved as llm-compressor's `save_compressed=False` does (format dense)
-                              ) -> Path:
+def write_ct_preset_checkpoint(
+    model,  # a transformers model, quantized in place
+    dest,  # the checkpoint folder to write
+    preset: str,  # a compressed-tensors preset scheme: 'NVFP4A16', 'MXFP8A16', 'W4A16', ...
+    ignore: list = ('lm_head',),  # modules left unquantized
+    compress: bool = True,  # False: saved as llm-compressor's `save_compressed=False` does (format dense)
+) -> Path:
     "`model` quantized by compressed-tensors preset `preset` on every Linear (min-max scales, a global scale where it has one), saved by it."
     import loguru
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
@@ -583,21 +853,37 @@ def write_ct_preset_checkpoint(model, # a transformers model, quantized in place
     from compressed_tensors.compressors import ModelCompressor
     loguru.logger.disable('compressed_tensors')
     groups = {'group_0': preset_name_to_scheme(preset, ['Linear'])}
-    qcfg = QuantizationConfig(config_groups=groups, ignore=list(ignore), quantization_status='frozen', **({} if compress else {'format': 'dense'}))
+    qcfg = QuantizationConfig(
+        config_groups=groups,
+        ignore=list(ignore),
+        quantization_status='frozen',
+        **({} if compress else {'format': 'dense'}),
+    )
     apply_quantization_config(model, qcfg, show_progress=False)
     for m in model.modules():
-        if not hasattr(m, 'weight_scale'): continue
+        if not hasattr(m, 'weight_scale'):
+            continue
         args, w = m.quantization_scheme.weights, m.weight.data.float()
         gs = generate_gparam(w.min(), w.max()) if hasattr(m, 'weight_global_scale') else None
-        if gs is not None: m.weight_global_scale.data = gs.to(m.weight_global_scale.dtype)
-        mm = _minmax(w, args) if args.strategy != 'tensor_group' else _minmax(w, args.model_copy(update={'strategy': 'group'}))
+        if gs is not None:
+            m.weight_global_scale.data = gs.to(m.weight_global_scale.dtype)
+        mm = (
+            _minmax(w, args)
+            if args.strategy != 'tensor_group'
+            else _minmax(w, args.model_copy(update={'strategy': 'group'}))
+        )
         s, z = calculate_qparams(*mm, args, global_scale=gs)
         m.weight_scale.data = s.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
-        if hasattr(m, 'weight_zero_point'): m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
-        if not compress: m.weight.data = fake_quantize(m.weight.data, m.weight_scale, getattr(m, 'weight_zero_point', None), args, gs)
+        if hasattr(m, 'weight_zero_point'):
+            m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+        if not compress:
+            m.weight.data = fake_quantize(
+                m.weight.data, m.weight_scale, getattr(m, 'weight_zero_point', None), args, gs
+            )
     comp = ModelCompressor.from_pretrained_model(model, quantization_format=None if compress else 'dense')
     if compress:
-        with contextlib.redirect_stderr(io.StringIO()): comp.compress_model(model)
+        with contextlib.redirect_stderr(io.StringIO()):
+            comp.compress_model(model)
     dest, _ = _saved(model, dest)
     comp.update_config(str(dest))
     return dest
@@ -607,8 +893,15 @@ def formats_config():
     "A tiny Qwen3 whose Linear dimensions are multiples of 128, which compressed-tensors' group quantizers need."
     import transformers as tf
     torch.manual_seed(0)
-    return tf.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=64)
+    return tf.Qwen3Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
 
 # %% ../nbs/98_testing.ipynb #fmtt003
 def ct_nvfp4_reference(packed: torch.Tensor, # uint8 [R, C/2]
@@ -636,10 +929,14 @@ def ct_preset_reference(folder, # a checkpoint of `write_ct_preset_checkpoint`: 
     mx = preset_name_to_scheme('MXFP8A16', ['Linear'])
     for k, v in sd.items():
         m = k.rpartition('.')[0]
-        if k.endswith('.weight_packed'): out[m + '.weight'] = ct_nvfp4_reference(v, sd[m + '.weight_scale'], sd[m + '.weight_global_scale'], dtype)
+        if k.endswith('.weight_packed'):
+            out[m + '.weight'] = ct_nvfp4_reference(v, sd[m + '.weight_scale'], sd[m + '.weight_global_scale'], dtype)
         elif k.endswith('.weight') and m + '.weight_scale' in sd:
-            out[k] = MXFP8QuantizationCompressor.decompress({'weight': v, 'weight_scale': sd[m + '.weight_scale']}, mx)['weight'].to(dtype)
-        elif not k.endswith(('.weight_scale', '.weight_global_scale')): out[k] = v
+            out[k] = MXFP8QuantizationCompressor.decompress({'weight': v, 'weight_scale': sd[m + '.weight_scale']}, mx)[
+                'weight'
+            ].to(dtype)
+        elif not k.endswith(('.weight_scale', '.weight_global_scale')):
+            out[k] = v
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(folder/'config.json', dest/'config.json')
     return _rewrite(dest, out, None, dtype)
@@ -653,21 +950,40 @@ def _gguf_codes(x, qtype, rng):
     "`x` float32 [rows, cols] as gguf-py stores `qtype`: quantized by gguf-py, or (K-quants) random codes of finite scales."
     import gguf
     from gguf import GGML_QUANT_SIZES
-    try: return gguf.quants.quantize(x, qtype)
-    except NotImplementedError: pass
+    try:
+        return gguf.quants.quantize(x, qtype)
+    except NotImplementedError:
+        pass
     block, size = GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, (x.shape[0], x.shape[1] // block, size), dtype='uint8')
     at = {'Q2_K': [80, 82], 'Q3_K': [108], 'Q4_K': [0, 2], 'Q5_K': [0, 2], 'Q6_K': [208]}[qtype.name]
-    for a in at: b[..., a + 1] &= 0x3B   # float16 scales of small magnitude: exponent bits 0b01110 at most
+    for a in at:
+        b[..., a + 1] &= 0x3B  # float16 scales of small magnitude: exponent bits 0b01110 at most
     return b.reshape(x.shape[0], -1)
 
 # %% ../nbs/98_testing.ipynb #fmtu002
 def tiny_llama_gguf_config(**kw):
     "A tiny Llama whose rows are whole K-quant blocks (256): hidden 256, intermediate 512, 4 heads, 2 key-value heads, vocab 333."
     import transformers as tf
-    return tf.LlamaConfig(**{**dict(vocab_size=333, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-5,
-                                     rope_theta=10000.0, tie_word_embeddings=False), **kw})
+
+    return tf.LlamaConfig(
+        **{
+            **dict(
+                vocab_size=333,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                max_position_embeddings=128,
+                rms_norm_eps=1e-5,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+            ),
+            **kw,
+        }
+    )
 
 def write_gguf_checkpoint(dest, # the .gguf file to write
                           qtypes, # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
@@ -685,20 +1001,38 @@ def write_gguf_checkpoint(dest, # the .gguf file to write
     model = LlamaForCausalLM(config)
     names = {v: k for k, v in gguf_names(model, config).items()}
     w = gguf.GGUFWriter(str(dest), 'llama')
-    w.add_name('tiny-llama'); w.add_context_length(config.max_position_embeddings); w.add_embedding_length(config.hidden_size)
-    w.add_block_count(config.num_hidden_layers); w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads); w.add_head_count_kv(config.num_key_value_heads)
-    w.add_rope_dimension_count(config.head_dim); w.add_rope_freq_base(config.rope_parameters['rope_theta'])
-    w.add_layer_norm_rms_eps(config.rms_norm_eps); w.add_vocab_size(config.vocab_size)
+    w.add_name('tiny-llama')
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_freq_base(config.rope_parameters['rope_theta'])
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
     for k, t in model.state_dict().items():
         g = names.get(k)
-        if g is None or (g == 'output.weight' and config.tie_word_embeddings): continue
+        if g is None or (g == 'output.weight' and config.tie_word_embeddings):
+            continue
         x = t.float().numpy()
-        if '.attn_q.' in g: x = _llamacpp_permute(x, config.num_attention_heads)
-        if '.attn_k.' in g: x = _llamacpp_permute(x, config.num_key_value_heads)
-        qt = gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)] if x.ndim == 2 else gguf.GGMLQuantizationType.F32
-        w.add_tensor(g, np.ascontiguousarray(x) if qt == gguf.GGMLQuantizationType.F32 else _gguf_codes(x, qt, rng), raw_dtype=qt)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+        if '.attn_q.' in g:
+            x = _llamacpp_permute(x, config.num_attention_heads)
+        if '.attn_k.' in g:
+            x = _llamacpp_permute(x, config.num_key_value_heads)
+        qt = (
+            gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)]
+            if x.ndim == 2
+            else gguf.GGMLQuantizationType.F32
+        )
+        w.add_tensor(
+            g, np.ascontiguousarray(x) if qt == gguf.GGMLQuantizationType.F32 else _gguf_codes(x, qt, rng), raw_dtype=qt
+        )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return dest
 
 # %% ../nbs/98_testing.ipynb #gabt001
@@ -717,11 +1051,14 @@ def _pack(q: torch.Tensor, bits: int, dim: int, order: tuple | None = None) -> t
     return _int32(sum(q[..., o] << (bits * i) for i, o in enumerate(order))).movedim(-1, dim)
 
 # %% ../nbs/98_testing.ipynb #gabt003
-def gptq_quantize(w: torch.Tensor, # float [N, K]: a Linear's weight
-                  bits: int = 4, group_size: int = 128, # -1: one group
-                  sym: bool = True, act_order: bool = False, # act_order: inputs permuted into the groups at random (`g_idx`)
-                  v1: bool = True, # checkpoint_format 'gptq': zero points stored less one
-                 ) -> tuple:
+def gptq_quantize(
+    w: torch.Tensor,  # float [N, K]: a Linear's weight
+    bits: int = 4,
+    group_size: int = 128,  # -1: one group
+    sym: bool = True,
+    act_order: bool = False,  # act_order: inputs permuted into the groups at random (`g_idx`)
+    v1: bool = True,  # checkpoint_format 'gptq': zero points stored less one
+) -> tuple:
     "({qweight, qzeros, scales, g_idx} in GPTQ's layout, the float32 [N, K] weight they dequantize to), round to nearest per group."
     N, K = w.shape
     maxq, gs = 2**bits - 1, K if group_size <= 0 else group_size
@@ -734,7 +1071,9 @@ def gptq_quantize(w: torch.Tensor, # float [N, K]: a Linear's weight
     big, small = torch.full((G, K, N), -torch.inf), torch.full((G, K, N), torch.inf)
     hi = torch.where(onehot[..., None], wt, big).amax(1).clamp(min=0)
     lo = torch.where(onehot[..., None], wt, small).amin(1).clamp(max=0)
-    if sym: hi = torch.maximum(hi, -lo); lo = -hi
+    if sym:
+        hi = torch.maximum(hi, -lo)
+        lo = -hi
     scales = ((hi - lo) / maxq).clamp(min=1e-8).half()
     z = torch.full_like(hi, (maxq + 1) // 2) if sym else torch.round(-lo / scales.float())
     z = z.clamp(1 if v1 else 0, maxq).long()
@@ -761,11 +1100,12 @@ def awq_quantize(w: torch.Tensor, # float [N, K]
     return {'qweight': _pack(q, 4, 1, AWQ_ORDER), 'qzeros': _pack(z, 4, 1, AWQ_ORDER), 'scales': scales}, ref
 
 # %% ../nbs/98_testing.ipynb #gabt006
-def write_int4_checkpoint(model, # a transformers model; its decoder layers' Linear weights are quantized
-                          dest, # the checkpoint folder to write
-                          method: str = 'gptq', # 'gptq' or 'awq'
-                          **kw, # to `gptq_quantize` (bits, group_size, sym, act_order, v1) or `awq_quantize` (group_size)
-                         ) -> tuple:
+def write_int4_checkpoint(
+    model,  # a transformers model; its decoder layers' Linear weights are quantized
+    dest,  # the checkpoint folder to write
+    method: str = 'gptq',  # 'gptq' or 'awq'
+    **kw,  # to `gptq_quantize` (bits, group_size, sym, act_order, v1) or `awq_quantize` (group_size)
+) -> tuple:
     "(dest, {weight key: the float32 weight its codes dequantize to}): a GPTQ or AWQ checkpoint in float16, lm_head left whole."
     torch.manual_seed(0)
     dest, sd = _saved(model, dest)
@@ -774,11 +1114,25 @@ def write_int4_checkpoint(model, # a transformers model; its decoder layers' Lin
         if '.layers.' in k and k.endswith('_proj.weight'):
             t, refs[k] = (gptq_quantize if method == 'gptq' else awq_quantize)(v, **kw)
             out.update({f'{k[:-len("weight")]}{n}': x for n, x in t.items()})
-        else: out[k] = v.half()
+        else:
+            out[k] = v.half()
     if method == 'gptq':
-        qc = {'quant_method': 'gptq', 'bits': kw.get('bits', 4), 'group_size': kw.get('group_size', 128), 'sym': kw.get('sym', True),
-              'desc_act': kw.get('act_order', False), 'checkpoint_format': 'gptq' if kw.get('v1', True) else 'gptq_v2'}
-    else: qc = {'quant_method': 'awq', 'bits': 4, 'group_size': kw.get('group_size', 128), 'zero_point': True, 'version': 'gemm'}
+        qc = {
+            'quant_method': 'gptq',
+            'bits': kw.get('bits', 4),
+            'group_size': kw.get('group_size', 128),
+            'sym': kw.get('sym', True),
+            'desc_act': kw.get('act_order', False),
+            'checkpoint_format': 'gptq' if kw.get('v1', True) else 'gptq_v2',
+        }
+    else:
+        qc = {
+            'quant_method': 'awq',
+            'bits': 4,
+            'group_size': kw.get('group_size', 128),
+            'zero_point': True,
+            'version': 'gemm',
+        }
     return _rewrite(dest, out, qc, torch.float16), refs
 
 # %% ../nbs/98_testing.ipynb #gabt007
@@ -789,8 +1143,16 @@ def write_bnb_checkpoint(model, # a transformers model in float32
                         ) -> Path:
     "A bitsandbytes checkpoint as transformers writes it: `from_pretrained(quantization_config=BitsAndBytesConfig(...))` on the CPU, then `save_pretrained`."
     import tempfile, transformers as tf
-    q = (tf.BitsAndBytesConfig(load_in_8bit=True) if kind == 'int8' else
-         tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=nested, bnb_4bit_compute_dtype=torch.float32))
+    q = (
+        tf.BitsAndBytesConfig(load_in_8bit=True)
+        if kind == 'int8'
+        else tf.BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=kind,
+            bnb_4bit_use_double_quant=nested,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+    )
     with tempfile.TemporaryDirectory() as plain, contextlib.redirect_stderr(io.StringIO()):
         _saved(model, plain)
         m = tf.AutoModelForCausalLM.from_pretrained(plain, quantization_config=q, device_map='cpu', dtype=torch.float32)
