@@ -30,6 +30,7 @@ __all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'DEQUANTIZE_ROUTES', 'FORWARDS'
 # %% ../nbs/07_tensor_parallel.ipynb #f4c3d661
 class Slice(NamedTuple):
     "Which part of a tensor a rank holds: indices `ranges` [(start, stop), ...] along `dim`, joined in order; `dim=None`: all of it."
+
     dim: int | None = None
     ranges: tuple = ()
 
@@ -40,7 +41,8 @@ def slice_shape(shape, # the whole tensor's shape
                 sl: Slice, # the part taken
                ) -> tuple:
     "The shape of slice `sl` of a tensor of `shape`."
-    if sl.dim is None: return tuple(shape)
+    if sl.dim is None:
+        return tuple(shape)
     d = sl.dim % len(shape)
     return (*shape[:d], sum(b - a for a, b in sl.ranges), *shape[d + 1:])
 
@@ -48,7 +50,8 @@ def take(t: torch.Tensor, # the whole tensor
          sl: Slice, # the part taken
         ) -> torch.Tensor:
     "Slice `sl` of `t`: a view when it is one range (or `WHOLE`), else a new tensor."
-    if sl.dim is None: return t
+    if sl.dim is None:
+        return t
     parts = [t.narrow(sl.dim, a, b - a) for a, b in sl.ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, sl.dim)
 
@@ -56,6 +59,7 @@ def take(t: torch.Tensor, # the whole tensor
 @dataclass(frozen=True)
 class TPStyle:
     "A plan style: weights split along `weight_dim`, biases along `bias_dim` (None: whole), each in `parts` packed parts; `forward` names its collective."
+
     weight_dim: int | None = None
     bias_dim: int | None = None
     parts: int = 1
@@ -63,14 +67,26 @@ class TPStyle:
     uneven: bool = False   # experts: the first n % world_size ranks take one more, as vLLM splits them
 
 _COL, _ROW = TPStyle(-2, -1), TPStyle(-1, None, forward='reduce_output')
-TP_STYLES = {'colwise': _COL, 'colwise_gather_output': TPStyle(-2, -1, forward='gather_output'),
-             'colwise_rep': TPStyle(-2, -1, forward='gather_output'), 'rowwise': _ROW,
-             'rowwise_split_input': TPStyle(-1, None, forward='split_input'), 'rowwise_rep': TPStyle(-1, None, forward='split_input'),
-             'packed_colwise': TPStyle(-2, -1, parts=2), 'packed_rowwise': TPStyle(-1, None, parts=2),
-             'embedding_rowwise': TPStyle(0, None, forward='vocab_parallel'), 'embedding_colwise': TPStyle(-1, None, forward='gather_output'),
-             'grouped_gemm': TPStyle(0, 0, uneven=True), 'moe_tp_experts': TPStyle(forward='all_reduce'), 'all_reduce': TPStyle(forward='all_reduce'),
-             'ep_dispatch_experts': TPStyle(forward='expert_dispatch'), 'replicate': TPStyle(),
-             'replicated_with_grad_allreduce': TPStyle(), 'local_params': TPStyle(), 'mla_kv_a_proj': TPStyle()}
+TP_STYLES = {
+    'colwise': _COL,
+    'colwise_gather_output': TPStyle(-2, -1, forward='gather_output'),
+    'colwise_rep': TPStyle(-2, -1, forward='gather_output'),
+    'rowwise': _ROW,
+    'rowwise_split_input': TPStyle(-1, None, forward='split_input'),
+    'rowwise_rep': TPStyle(-1, None, forward='split_input'),
+    'packed_colwise': TPStyle(-2, -1, parts=2),
+    'packed_rowwise': TPStyle(-1, None, parts=2),
+    'embedding_rowwise': TPStyle(0, None, forward='vocab_parallel'),
+    'embedding_colwise': TPStyle(-1, None, forward='gather_output'),
+    'grouped_gemm': TPStyle(0, 0, uneven=True),
+    'moe_tp_experts': TPStyle(forward='all_reduce'),
+    'all_reduce': TPStyle(forward='all_reduce'),
+    'ep_dispatch_experts': TPStyle(forward='expert_dispatch'),
+    'replicate': TPStyle(),
+    'replicated_with_grad_allreduce': TPStyle(),
+    'local_params': TPStyle(),
+    'mla_kv_a_proj': TPStyle(),
+}
 
 # %% ../nbs/07_tensor_parallel.ipynb #543be121
 def _compile_plan(plan: dict) -> list:
@@ -78,7 +94,9 @@ def _compile_plan(plan: dict) -> list:
     out = []
     for pat, style in plan.items():
         if style not in TP_STYLES:
-            raise ValueError(f'tp_plan[{pat!r}] is {style!r}, a style this loader does not know; known: {", ".join(TP_STYLES)}')
+            raise ValueError(
+                f'tp_plan[{pat!r}] is {style!r}, a style this loader does not know; known: {", ".join(TP_STYLES)}'
+            )
         body = r'\d+'.join(re.escape(s) for s in pat.split('*'))
         out.append((re.compile(r'(?:^|(?<=\.))' + body + '$'), pat, style))
     return sorted(out, key=lambda e: -len(e[1]))
@@ -86,24 +104,32 @@ def _compile_plan(plan: dict) -> list:
 def _dim_for(style: TPStyle, leaf: str, ndim: int) -> int | None:
     "The dim `style` splits for parameter `leaf` of `ndim` dims; None: whole."
     d = style.bias_dim if leaf == 'bias' or leaf.endswith('_bias') else style.weight_dim
-    if d is None or ndim == 0: return None
+    if d is None or ndim == 0:
+        return None
     return max(d, -ndim) if d < 0 else d
 
 # %% ../nbs/07_tensor_parallel.ipynb #454fbd07
 class Sharding:
     "Which slice of each tensor rank `rank` of `world_size` holds under `plan` ({name pattern: style}, transformers' tp_plan vocabulary); `rules` decide first."
+
     def __init__(self, plan: dict, # {module or parameter pattern: style}, e.g. a config's `base_model_tp_plan`
                  rank: int, # this process's rank in the tensor-parallel group
                  world_size: int, # the group's size
                  rules=(), # callables `rule(sharding, key, shape) -> Slice | None`, asked first
                 ):
         if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
-            raise ValueError(f'rank {rank!r} of world_size {world_size!r}: need an int world_size >= 1 and 0 <= rank < world_size')
+            raise ValueError(
+                f'rank {rank!r} of world_size {world_size!r}: need an int world_size >= 1 and 0 <= rank < world_size'
+            )
         self.plan, self.rank, self.world_size, self.rules = dict(plan), rank, world_size, list(rules)
         self._compiled = _compile_plan(self.plan)
-        self.pinned = {}   # {key: Slice} fixed by `shard_module` for kept codes and scales, asked before the rules
-        self.elsewhere = []   # module paths ('...experts.5.') whose keys other ranks load: kept experts `shard_module` dropped
-    def __repr__(self): return f'Sharding(rank {self.rank} of {self.world_size}, {len(self.plan)} plan entries, {len(self.rules)} rules)'
+        self.pinned = {}  # {key: Slice} fixed by `shard_module` for kept codes and scales, asked before the rules
+        self.elsewhere = []  # module paths ('...experts.5.') whose keys other ranks load: kept experts `shard_module` dropped
+
+    def __repr__(self):
+        return (
+            f'Sharding(rank {self.rank} of {self.world_size}, {len(self.plan)} plan entries, {len(self.rules)} rules)'
+        )
 
 # %% ../nbs/07_tensor_parallel.ipynb #dceaf634
 @patch
@@ -130,7 +156,8 @@ def even(self: Sharding, key: str, # names the tensor in the error
         by = f'{parts} packed parts x world_size {ws}' if parts > 1 else f'world_size {ws}'
         raise ValueError(f'{key}: dim {d} of shape {list(shape)} has size {n}, which does not divide by {by}; '
                          f'use a world_size that divides it, or a plan that leaves {key!r} whole')
-    part = n // parts; local = part // ws
+    part = n // parts
+    local = part // ws
     return Slice(d, tuple((j * part + self.rank * local, j * part + (self.rank + 1) * local) for j in range(parts)))
 
 # %% ../nbs/07_tensor_parallel.ipynb #4a898994
@@ -140,14 +167,17 @@ def slice_for(self: Sharding, key: str, # a parameter's or checkpoint key's name
              ) -> Slice:
     "The slice of tensor `key` this rank holds: the first rule's answer, else its plan style's, else `WHOLE`."
     shape = tuple(shape)
-    if key in self.pinned: return self.pinned[key]
+    if key in self.pinned:
+        return self.pinned[key]
     for rule in self.rules:
         sl = rule(self, key, shape)
-        if sl is not None: return sl
+        if sl is not None:
+            return sl
     hit = self.style_of(key)
     style = TP_STYLES[hit[1]] if hit else TPStyle()
     d = _dim_for(style, key.rpartition('.')[2], len(shape))
-    if d is None: return WHOLE
+    if d is None:
+        return WHOLE
     return self.spread(key, shape, d) if style.uneven else self.even(key, shape, d, style.parts)
 
 # %% ../nbs/07_tensor_parallel.ipynb #86bd3cce
@@ -160,12 +190,13 @@ def spread(self: Sharding, key: str, # names the tensor in the error
     d, ws, r = dim % len(shape), self.world_size, self.rank
     n = shape[d]
     if n < ws:
-        raise ValueError(f'{key}: dim {d} of shape {list(shape)} has {n} experts for world_size {ws}; every rank needs one: '
-                         f'use a world_size of at most {n}, or split the experts by rows (expert_parallel=False)')
+        raise ValueError(
+            f'{key}: dim {d} of shape {list(shape)} has {n} experts for world_size {ws}; every rank needs one: '
+            f'use a world_size of at most {n}, or split the experts by rows (expert_parallel=False)'
+        )
     q, extra = divmod(n, ws)
     lo = r * q + min(r, extra)
     return Slice(d, ((lo, lo + q + (r < extra)),))
-
 
 # %% ../nbs/07_tensor_parallel.ipynb #0ba81c5e
 _ATTENTION = re.compile(r'(^|\.)(self_attn|attention|attn)\.')
@@ -174,7 +205,8 @@ _HEADS = {'colwise': 'colwise_gather_output', 'rowwise': 'rowwise_split_input'}
 def _own_plan(cfg, world_size: int, expert_parallel: bool) -> dict:
     "`cfg`'s `base_model_tp_plan` (`base_model_ep_plan` over it), attention gathering where heads do not divide; or {}."
     plan = dict(getattr(cfg, 'base_model_tp_plan', None) or {})
-    if plan and expert_parallel and getattr(cfg, 'base_model_ep_plan', None): plan.update(cfg.base_model_ep_plan)
+    if plan and expert_parallel and getattr(cfg, 'base_model_ep_plan', None):
+        plan.update(cfg.base_model_ep_plan)
     heads = [getattr(cfg, 'num_attention_heads', None), getattr(cfg, 'num_key_value_heads', None)]
     if any(isinstance(h, int) and h % world_size for h in heads):
         plan = {k: _HEADS.get(v, v) if _ATTENTION.search(k) else v for k, v in plan.items()}
@@ -187,7 +219,6 @@ def _tower(model, sub) -> str:
         raise ValueError(f'{type(model).__name__} has no submodule built from its {type(sub).__name__}; pass a plan')
     return min(names, key=len) + '.'
 
-
 # %% ../nbs/07_tensor_parallel.ipynb #57b92bd7
 def tp_plan(config, # a transformers config; a multimodal one's text plan applies to its language model
             world_size: int = 1, # the tensor-parallel group's size
@@ -197,37 +228,50 @@ def tp_plan(config, # a transformers config; a multimodal one's text plan applie
     "The config's `base_model_tp_plan` (and `base_model_ep_plan` over it); attention whose heads do not divide by `world_size` gathers instead."
     cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
     plan = _own_plan(cfg, world_size, expert_parallel)
-    if not plan: raise ValueError(f'{type(cfg).__name__} declares no base_model_tp_plan; pass a plan')
+    if not plan:
+        raise ValueError(f'{type(cfg).__name__} declares no base_model_tp_plan; pass a plan')
     if expert_parallel and not getattr(cfg, 'base_model_ep_plan', None):
-        raise ValueError(f'{type(cfg).__name__} declares no base_model_ep_plan, so its experts cannot be split by expert')
-    if cfg is config: return plan
+        raise ValueError(
+            f'{type(cfg).__name__} declares no base_model_ep_plan, so its experts cannot be split by expert'
+        )
+    if cfg is config:
+        return plan
     if model is None:   # only its module names are needed: the class config.json names, built on meta
         import transformers
         cls = getattr(transformers, (getattr(config, 'architectures', None) or [''])[0], None)
-        if cls is None: raise ValueError(f'{type(config).__name__}: config names no transformers class in `architectures`; pass model=')
-        with torch.device('meta'): model = cls(config)
+        if cls is None:
+            raise ValueError(
+                f'{type(config).__name__}: config names no transformers class in `architectures`; pass model='
+            )
+        with torch.device('meta'):
+            model = cls(config)
     out = {_tower(model, cfg) + k: v for k, v in plan.items()}
     for name in getattr(config, 'sub_configs', {}):   # a tower is whole unless its own config gives a plan
         sub = getattr(config, name, None)
         own = _own_plan(sub, world_size, expert_parallel) if sub is not None and sub is not cfg else {}
-        if own: out.update({_tower(model, sub) + k: v for k, v in own.items()})
+        if own:
+            out.update({_tower(model, sub) + k: v for k, v in own.items()})
     return out
-
 
 # %% ../nbs/07_tensor_parallel.ipynb #af9877d1
 def _route_merge(node, sl: Slice, out) -> list:
     "[(kid, kid's slice, where it lands in out)] for a MergeModulelist node."
     md = node.op._d([k.shape for k in node.kids])
-    if sl.dim is None: return [(k, WHOLE, out.select(md, i)) for i, k in enumerate(node.kids)]
+    if sl.dim is None:
+        return [(k, WHOLE, out.select(md, i)) for i, k in enumerate(node.kids)]
     d = sl.dim % len(node.shape)
-    if d == md: return [(node.kids[i], WHOLE, out.select(md, j)) for j, i in enumerate(i for a, b in sl.ranges for i in range(a, b))]
+    if d == md:
+        return [
+            (node.kids[i], WHOLE, out.select(md, j)) for j, i in enumerate(i for a, b in sl.ranges for i in range(a, b))
+        ]
     return [(k, Slice(d - (d > md), sl.ranges), out.select(md, i)) for i, k in enumerate(node.kids)]
 
 def _route_concat(node, sl: Slice, out) -> list:
     "[(kid, kid's slice, where it lands in out)] for a Concatenate node."
     shapes = [k.shape for k in node.kids]
     cd, starts = node.op._d(shapes), [0]
-    for s in shapes: starts.append(starts[-1] + s[cd])
+    for s in shapes:
+        starts.append(starts[-1] + s[cd])
     if sl.dim is None or sl.dim % len(node.shape) != cd:
         ksl = sl if sl.dim is None else Slice(sl.dim % len(node.shape), sl.ranges)
         return [(k, ksl, out.narrow(cd, starts[i], shapes[i][cd])) for i, k in enumerate(node.kids)]
@@ -235,49 +279,74 @@ def _route_concat(node, sl: Slice, out) -> list:
     for a, b in sl.ranges:
         for i, k in enumerate(node.kids):
             lo, hi = max(a, starts[i]), min(b, starts[i + 1])
-            if lo < hi: parts.append((k, Slice(cd, ((lo - starts[i], hi - starts[i]),)), out.narrow(cd, pos, hi - lo))); pos += hi - lo
+            if lo < hi:
+                parts.append((k, Slice(cd, ((lo - starts[i], hi - starts[i]),)), out.narrow(cd, pos, hi - lo)))
+                pos += hi - lo
     return parts
 
 SLICE_ROUTES = {MergeModulelist: _route_merge, Concatenate: _route_concat}
 
 def _route_dequantize(node, sl: Slice) -> list | None:
     "[(StoredCut, where its range lands along the dim)] for a dequantize node, one a range; None: the op cannot cut it."
-    if sl.dim is None: return None
+    if sl.dim is None:
+        return None
     d, shapes, pos, out = sl.dim % len(node.shape), [k.shape for k in node.kids], 0, []
     for a, b in sl.ranges:
-        try: c = node.op.cut(shapes, d, a, b)
-        except ValueError as e: raise ValueError(f'{getattr(node.kids[getattr(node.op, "codes_at", 0)], "key", type(node.op).__name__)!r}: {e}') from None
-        if c is None: return None
-        out.append((c, d, pos, b - a)); pos += b - a
+        try:
+            c = node.op.cut(shapes, d, a, b)
+        except ValueError as e:
+            raise ValueError(
+                f'{getattr(node.kids[getattr(node.op, "codes_at", 0)], "key", type(node.op).__name__)!r}: {e}'
+            ) from None
+        if c is None:
+            return None
+        out.append((c, d, pos, b - a))
+        pos += b - a
     return out
 
-DEQUANTIZE_ROUTES = dict.fromkeys((FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize,
-                                   GPTQDequantize, AWQDequantize, BnBInt8Dequantize, BnB4bitDequantize),
-                                  _route_dequantize)
+DEQUANTIZE_ROUTES = dict.fromkeys(
+    (
+        FP8BlockDequantize,
+        FloatQuantizedDequantize,
+        PackQuantizedDequantize,
+        MXFP4Dequantize,
+        GPTQDequantize,
+        AWQDequantize,
+        BnBInt8Dequantize,
+        BnB4bitDequantize,
+    ),
+    _route_dequantize,
+)
 
 # %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3
 def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
     "Fill `out` with slice `sl` of tree `node`'s value, reading from `src` only the parts of its leaves that land in it."
     if hasattr(node, 'key'):   # a leaf of the conversion tree: one checkpoint key
-        if out.is_contiguous(): read_slice(src, node.key, sl, out, count)
-        else: out.copy_(read_slice(src, node.key, sl, None, count))
+        if out.is_contiguous():
+            read_slice(src, node.key, sl, out, count)
+        else:
+            out.copy_(read_slice(src, node.key, sl, None, count))
         return
     route = SLICE_ROUTES.get(type(node.op))
     if route is not None:
-        for kid, ksl, view in route(node, sl, out): _fill_node(src, kid, ksl, view, count)
+        for kid, ksl, view in route(node, sl, out):
+            _fill_node(src, kid, ksl, view, count)
         return
     cuts = DEQUANTIZE_ROUTES[type(node.op)](node, sl) if type(node.op) in DEQUANTIZE_ROUTES else None
     if cuts is not None:
         for c, d, pos, n in cuts:
             parts = [_read_part(src, k, p, count, out.is_meta) for k, p in zip(node.kids, c.parts)]
-            if not out.is_meta: out.narrow(d, pos, n).copy_(dequantize_cut(c, parts))   # a dry read (meta) computes nothing
+            if not out.is_meta:
+                out.narrow(d, pos, n).copy_(dequantize_cut(c, parts))  # a dry read (meta) computes nothing
         return
     values = []
     for kid in node.kids:
         v = torch.empty(kid.shape, dtype=kid.dtype, device='meta' if out.is_meta else 'cpu')
         _fill_node(src, kid, WHOLE, v, count)
         values.append(v)
-    if not out.is_meta: out.copy_(take(node.op.apply(values), sl))   # a dry read (meta) computes nothing
+    if not out.is_meta:
+        out.copy_(take(node.op.apply(values), sl))  # a dry read (meta) computes nothing
+
 
 def _read_part(src, kid, part, count, dry: bool = False) -> torch.Tensor:
     "Part `part` ((dim, start, stop), None: all) of tree `kid`'s value, read from `src`."
@@ -298,15 +367,25 @@ def read_slice(src, # a loader source (see `Source`)
     step = src.resolve(key) if hasattr(src, 'resolve') else None
     if step is not None:
         inner, node = step
-        if isinstance(node, str): return read_slice(inner, node, sl, out, count)
-        if out is None: out = torch.empty(slice_shape(node.shape, sl), dtype=node.dtype)
+        if isinstance(node, str):
+            return read_slice(inner, node, sl, out, count)
+        if out is None:
+            out = torch.empty(slice_shape(node.shape, sl), dtype=node.dtype)
         _fill_node(inner, node, sl, out, count)
         return out
-    if sl.dim is None: t = src.get(key, out=out)
-    else: t = (src.get_slice if hasattr(src, 'get_slice') else Source.get_slice.__get__(src))(key, sl.dim, sl.ranges, out=out)
-    whole = sl.dim is not None and not getattr(src, 'reads_slices', False)   # this source read all of it to cut the slice
+    if sl.dim is None:
+        t = src.get(key, out=out)
+    else:
+        t = (src.get_slice if hasattr(src, 'get_slice') else Source.get_slice.__get__(src))(
+            key, sl.dim, sl.ranges, out=out
+        )
+    whole = sl.dim is not None and not getattr(
+        src, 'reads_slices', False
+    )  # this source read all of it to cut the slice
     count(_numel(src.shape(key)) * src.dtype(key).itemsize if whole else t.numel() * t.element_size())
-    if out is not None and t is not out: out.copy_(t); t = out   # a source that ignores `out`
+    if out is not None and t is not out:
+        out.copy_(t)
+        t = out  # a source that ignores `out`
     return t
 
 def _numel(shape) -> int: return int(torch.Size(shape).numel())
@@ -314,6 +393,7 @@ def _numel(shape) -> int: return int(torch.Size(shape).numel())
 # %% ../nbs/07_tensor_parallel.ipynb #8c1d301d
 class ShardedSource(WrappedSource):
     "A loader source over `src` that presents rank `sharding.rank`'s slice of each key: `shape` is the slice's, `get` reads only its bytes."
+
     def __init__(self, src, # a source keyed by the modules' names: FileSource, ConvertedSource, DictSource, ...
                  sharding: Sharding, # which slice of each key this rank holds
                  what: str | None = None, # names the checkpoint in messages; default: the source's
@@ -333,14 +413,20 @@ class ShardedSource(WrappedSource):
 def slice(self: ShardedSource, k) -> Slice:
     "This rank's `Slice` of key `k` (computed once)."
     sl = self._slices.get(k)
-    if sl is None: sl = self._slices[k] = self.sharding.slice_for(k, self.full_shape(k))
+    if sl is None:
+        sl = self._slices[k] = self.sharding.slice_for(k, self.full_shape(k))
     return sl
 
 @patch
 def where(self: ShardedSource, k) -> str:
     "Where key `k` comes from, and which slice of it this rank reads."
     sl, s = self.slice(k), self.src.where(k)
-    return s if sl.dim is None else f'{s} (rank {self.sharding.rank} of {self.sharding.world_size}: dim {sl.dim}, ranges {list(sl.ranges)})'
+    return (
+        s
+        if sl.dim is None
+        else f'{s} (rank {self.sharding.rank} of {self.sharding.world_size}: dim {sl.dim}, ranges {list(sl.ranges)})'
+    )
+
 
 @patch
 def get(self: ShardedSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -348,29 +434,45 @@ def get(self: ShardedSource, k, out: torch.Tensor | None = None) -> torch.Tensor
     return read_slice(self.src, k, self.slice(k), out)
 
 @patch
-def read_many(self: ShardedSource, pairs: list, # (key, dest): dest a contiguous tensor of the slice's shape, any dtype and device
-              progress=None, # called as progress(bytes, tensors)
-              **kw): # passed to the source's `read_many`
+def read_many(
+    self: ShardedSource,
+    pairs: list,  # (key, dest): dest a contiguous tensor of the slice's shape, any dtype and device
+    progress=None,  # called as progress(bytes, tensors)
+    **kw,
+):  # passed to the source's `read_many`
     "Fill each `dest` with this rank's slice of its key: whole keys by the source's own `read_many`, cut ones on reader threads."
     whole = [(k, d) for k, d in pairs if self.slice(k).dim is None]
     cut = [(k, d) for k, d in pairs if self.slice(k).dim is not None]
-    if whole: WrappedSource.read_many(self, whole, progress, **kw)
+    if whole:
+        WrappedSource.read_many(self, whole, progress, **kw)
+
     def job(kd):
         k, d = kd
         direct = (d.is_meta or d.device.type == 'cpu') and d.dtype == self.dtype(k)
         t = read_slice(self.src, k, self.slice(k), d if direct else None)
-        if t is not d: d.copy_(t)
+        if t is not d:
+            d.copy_(t)
         return d.numel() * d.element_size()
-    if not cut: return
-    with ThreadPoolExecutor(min(len(cut), getattr(self.src, 'threads', None) or default_threads()), thread_name_prefix='slice') as ex:
+
+    if not cut:
+        return
+    with ThreadPoolExecutor(
+        min(len(cut), getattr(self.src, 'threads', None) or default_threads()), thread_name_prefix='slice'
+    ) as ex:
         for n in ex.map(job, cut):
-            if progress: progress(n, 1)
+            if progress:
+                progress(n, 1)
 
 # %% ../nbs/07_tensor_parallel.ipynb #d1a0800f
 def _cut(t: torch.Tensor, sl: Slice) -> torch.Tensor:
     "`t` cut to slice `sl`: a new meta tensor of the slice's shape, or a copy of the slice; a Parameter keeps its class and attributes."
-    new = torch.empty(slice_shape(t.shape, sl), dtype=t.dtype, device='meta') if t.is_meta else take(t.detach(), sl).clone()
-    if not isinstance(t, torch.nn.Parameter): return new
+    new = (
+        torch.empty(slice_shape(t.shape, sl), dtype=t.dtype, device='meta')
+        if t.is_meta
+        else take(t.detach(), sl).clone()
+    )
+    if not isinstance(t, torch.nn.Parameter):
+        return new
     p = torch.Tensor._make_subclass(type(t), new, t.requires_grad)
     p.__dict__.update(t.__dict__)
     return p
@@ -382,29 +484,36 @@ def _put(module, name: str, t: torch.Tensor, is_param: bool):
 
 def _fix_sizes(m):
     "A Linear's or Embedding's size attributes, in step with its weight."
-    if isinstance(m, torch.nn.Linear): m.out_features, m.in_features = m.weight.shape
-    elif isinstance(m, torch.nn.Embedding): m.num_embeddings, m.embedding_dim = m.weight.shape
+    if isinstance(m, torch.nn.Linear):
+        m.out_features, m.in_features = m.weight.shape
+    elif isinstance(m, torch.nn.Embedding):
+        m.num_embeddings, m.embedding_dim = m.weight.shape
 
 # %% ../nbs/07_tensor_parallel.ipynb #96ada0b3
 def _pin_per_expert(m, path: str, sharding: Sharding):
     "Experts kept one at a time: under expert parallelism a rank keeps its experts' layers whole, drops the others."
     split = {n: sharding.slice_for(f'{path}.{n}', p.shape) for n, p in m.inner.named_parameters(recurse=False)}
     split = {n: sl for n, sl in split.items() if sl.dim is not None}
-    if not split: return
+    if not split:
+        return
     cuts = {(sl.dim, sl.ranges) for sl in split.values()}
     if len(cuts) != 1 or next(iter(cuts))[0] != 0:
         dims = ', '.join(f'{n} along dim {sl.dim}' for n, sl in split.items())
-        raise NotImplementedError(f'{path}: experts kept quantized one expert at a time are cut by expert only '
-                                  f'(expert_parallel=True); the plan splits {dims}: load them with quantized="dequantize"')
+        raise NotImplementedError(
+            f'{path}: experts kept quantized one expert at a time are cut by expert only '
+            f'(expert_parallel=True); the plan splits {dims}: load them with quantized="dequantize"'
+        )
     (lo, hi), = next(iter(cuts))[1]
     gone = [k for k in m._modules if k.isdigit() and not lo <= int(k) < hi]
-    for k in gone: del m._modules[k]
+    for k in gone:
+        del m._modules[k]
     sharding.elsewhere += [f'{path}.{k}.' for k in gone]   # their keys are other ranks': not unused here
     m.expert_offset, m.tp_slice = lo, next(iter(split.values()))
 
 def _pin_kept(m, path: str, sharding: Sharding):
     "Pin the slices of kept module `m`'s codes and scales to what its weight's slice is made from; its op cut to match."
-    if sharding.world_size == 1: return
+    if sharding.world_size == 1:
+        return
     if isinstance(m, QuantizedExperts) and any(isinstance(x, QuantizedLinear) for x in m.modules()):
         return _pin_per_expert(m, path, sharding)
     ops = {'weight': m.op} if isinstance(m, QuantizedLinear) else dict(m.ops)
@@ -413,7 +522,8 @@ def _pin_kept(m, path: str, sharding: Sharding):
         shape = tuple(op.out_shape(stored))
         sl = sharding.slice_for(f'{path}.{p}', shape)
         if sl.dim is None:
-            for s in op.suffixes: sharding.pinned[f'{path}.{p}{s}'] = WHOLE
+            for s in op.suffixes:
+                sharding.pinned[f'{path}.{p}{s}'] = WHOLE
             continue
         if len(sl.ranges) != 1:
             raise NotImplementedError(f'{path}.{p}: a packed plan style cuts it in {len(sl.ranges)} ranges; '
@@ -429,8 +539,9 @@ def _pin_kept(m, path: str, sharding: Sharding):
         if isinstance(m, QuantizedLinear):
             m.op, m.trim = c.op, c.trim
             m.out_features, m.in_features = slice_shape(shape, sl)
-        else: m.ops[p] = c.op; m.trims[p] = c.trim
-
+        else:
+            m.ops[p] = c.op
+            m.trims[p] = c.trim
 
 # %% ../nbs/07_tensor_parallel.ipynb #08cc4cca
 def shard_module(module: torch.nn.Module, # built on meta (or materialized: then its tensors are sliced)
@@ -441,25 +552,37 @@ def shard_module(module: torch.nn.Module, # built on meta (or materialized: then
     "Cut `module`'s parameters and persistent buffers to this rank's slices, in place, and install the collectives its styles need; {name: Slice} cut."
     prefix, tensors, cut = norm_prefix(prefix), {}, {}
     for name, m in module.named_modules():
-        if isinstance(m, (QuantizedLinear, QuantizedExperts)): _pin_kept(m, prefix + name, sharding)
-    for name, t, is_param in named_tensors(module): tensors.setdefault(id(t), (t, is_param, []))[2].append(name)
+        if isinstance(m, (QuantizedLinear, QuantizedExperts)):
+            _pin_kept(m, prefix + name, sharding)
+    for name, t, is_param in named_tensors(module):
+        tensors.setdefault(id(t), (t, is_param, []))[2].append(name)
     for t, is_param, names in tensors.values():
         slices = {n: sharding.slice_for(prefix + n, t.shape) for n in names}
         if len(set(slices.values())) > 1:
-            raise ValueError(f'{prefix}{names[0]!r} and {prefix}{names[1]!r} are one tied tensor, but the plan gives them different slices '
-                             f'({slices[names[0]]} and {slices[names[1]]}): give both names one style, or untie them')
+            raise ValueError(
+                f'{prefix}{names[0]!r} and {prefix}{names[1]!r} are one tied tensor, but the plan gives them different slices '
+                f'({slices[names[0]]} and {slices[names[1]]}): give both names one style, or untie them'
+            )
         sl = slices[names[0]]
-        if sl.dim is None: continue
+        if sl.dim is None:
+            continue
         new = _cut(t, sl)
-        for n in names: _put(module, n, new, is_param); cut[n] = sl
-    for m in module.modules(): _fix_sizes(m)
-    if sharding.world_size > 1: install_collectives(module, sharding, cut, group, prefix)
+        for n in names:
+            _put(module, n, new, is_param)
+            cut[n] = sl
+    for m in module.modules():
+        _fix_sizes(m)
+    if sharding.world_size > 1:
+        install_collectives(module, sharding, cut, group, prefix)
     return cut
 
 # %% ../nbs/07_tensor_parallel.ipynb #583f09fe
 def _split(sl: Slice, m, kind: str) -> Slice:
     "`sl`, after checking that the module's parameters were split, as the `kind` forward needs."
-    if sl.dim is None: raise ValueError(f'{type(m).__name__}: the {kind!r} forward needs its parameters split by the plan, but they are whole')
+    if sl.dim is None:
+        raise ValueError(
+            f'{type(m).__name__}: the {kind!r} forward needs its parameters split by the plan, but they are whole'
+        )
     return sl
 
 def _all_reduce_output(m, sharding, sl, group):
@@ -497,16 +620,23 @@ def _gather_output(m, sharding, sl, group):
 def _vocab_parallel(m, sharding, sl, group):
     "embedding_rowwise: each rank looks up the ids in its rows of the vocabulary, zeros for the rest; the sum over ranks is the lookup."
     (lo, hi), state = _split(sl, m, 'vocab_parallel').ranges[0], {}
-    pad = getattr(m, 'padding_idx', None)   # a global id: this rank's row of it, or none (it only keeps the row's gradient at zero)
-    if pad is not None: m.padding_idx = pad - lo if lo <= pad < hi else None
+    pad = getattr(
+        m, 'padding_idx', None
+    )  # a global id: this rank's row of it, or none (it only keeps the row's gradient at zero)
+    if pad is not None:
+        m.padding_idx = pad - lo if lo <= pad < hi else None
+
     def pre(mod, args):
-        ids = args[0]; state['mine'] = mine = (ids >= lo) & (ids < hi)
+        ids = args[0]
+        state['mine'] = mine = (ids >= lo) & (ids < hi)
         return (torch.where(mine, ids - lo, 0), *args[1:])
     def hook(mod, args, out):
         out = out * state.pop('mine').unsqueeze(-1).to(out.dtype)
         dist.all_reduce(out, group=group)
         return out
-    m.register_forward_pre_hook(pre); m.register_forward_hook(hook)
+
+    m.register_forward_pre_hook(pre)
+    m.register_forward_hook(hook)
 
 # %% ../nbs/07_tensor_parallel.ipynb #a0985d80
 def _expert_dispatch(m, sharding, sl, group):
@@ -515,7 +645,10 @@ def _expert_dispatch(m, sharding, sl, group):
     for e in {m, m.inner} if isinstance(m, QuantizedExperts) else (m,):   # a kept one runs its inner module
         e.num_experts, e._is_expert_parallel = hi - lo, True   # transformers' kernels then mask the skip index
     def pre(mod, args):
-        if len(args) < 3: raise ValueError(f'{type(mod).__name__}: expert parallelism needs (hidden_states, top_k_index, top_k_weights) as positional arguments')
+        if len(args) < 3:
+            raise ValueError(
+                f'{type(mod).__name__}: expert parallelism needs (hidden_states, top_k_index, top_k_weights) as positional arguments'
+            )
         x, idx, w = args[:3]
         mine = (idx >= lo) & (idx < hi)
         return (x, torch.where(mine, idx - lo, hi - lo), w * mine.to(w.dtype), *args[3:])
@@ -537,9 +670,11 @@ def install_collectives(module: torch.nn.Module, # the rank's cut model
     for name, m in module.named_modules():
         hit = sharding.entry(prefix + name) if prefix + name else None
         kind = TP_STYLES[hit[1]].forward if hit else None
-        if kind is None: continue
+        if kind is None:
+            continue
         own = [sl for n, sl in cut.items() if n.rpartition('.')[0] == name]
-        if getattr(m, 'tp_slice', None) is not None: own = [m.tp_slice]   # a kept module: its weight's slice
+        if getattr(m, 'tp_slice', None) is not None:
+            own = [m.tp_slice]  # a kept module: its weight's slice
         FORWARDS[kind](m, sharding, own[0] if own else WHOLE, group)
         done.append(name)
     return done
@@ -551,21 +686,25 @@ def _check_cut(source: ShardedSource, entries: list):
         prefix = norm_prefix(mp.prefix)
         for name, t, _ in named_tensors(mp.module):
             key = prefix + name
-            if key not in source: continue
+            if key not in source:
+                continue
             full, mine = source.full_shape(key), source.shape(key)
             if tuple(t.shape) == full != mine:
-                raise ValueError(f'{source.what}: {type(mp.module).__name__} holds all of {key!r} {list(full)}, but rank {source.sharding.rank} '
-                                 f'of {source.sharding.world_size} holds {list(mine)}: call shard_module(module, sharding) before loading')
+                raise ValueError(
+                    f'{source.what}: {type(mp.module).__name__} holds all of {key!r} {list(full)}, but rank {source.sharding.rank} '
+                    f'of {source.sharding.world_size} holds {list(mine)}: call shard_module(module, sharding) before loading'
+                )
 
 # %% ../nbs/07_tensor_parallel.ipynb #ab7edc41
-def load_weights_sharded(repo_dir: str | Path, # a checkpoint folder: index + shards, or one model.safetensors
-                         modules: list[ModuleAndPrefix], # the modules to fill, cut by `shard_module`
-                         sharding: Sharding, # which slice this rank holds
-                         device: str = 'cpu', # where new tensors land
-                         conv: list | None = None, # WeightConverter recipes for fused layouts (sliced through)
-                         progress: bool | None = None, # a tqdm bar; None: only when stderr is a terminal
-                         source=None, # a source over the checkpoint keyed by the modules' names (`model_source`); None: `repo_dir`'s shards through `conv`
-                        ) -> LoadResult:
+def load_weights_sharded(
+    repo_dir: str | Path,  # a checkpoint folder: index + shards, or one model.safetensors
+    modules: list[ModuleAndPrefix],  # the modules to fill, cut by `shard_module`
+    sharding: Sharding,  # which slice this rank holds
+    device: str = 'cpu',  # where new tensors land
+    conv: list | None = None,  # WeightConverter recipes for fused layouts (sliced through)
+    progress: bool | None = None,  # a tqdm bar; None: only when stderr is a terminal
+    source=None,  # a source over the checkpoint keyed by the modules' names (`model_source`); None: `repo_dir`'s shards through `conv`
+) -> LoadResult:
     "Fill `modules` with this rank's slices of `repo_dir`, reading only their bytes; the result's `bytes_read` counts them. Raises as `load_weights_from_hf_shards`."
     entries = module_entries(modules)
     if source is None:
@@ -575,6 +714,7 @@ def load_weights_sharded(repo_dir: str | Path, # a checkpoint folder: index + sh
     try:
         _check_cut(source, entries)
         res = load_from_source(source, entries, device, progress)
-    finally: source.close()
+    finally:
+        source.close()
     res.bytes_read = source.bytes_read
     return res
