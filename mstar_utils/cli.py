@@ -37,7 +37,8 @@ def _whisper_lines(w: dict | None) -> list[str]:
     if not w:
         return []
     side = lambda d: (
-        f"{d['layers']} layers, {d['heads']} heads, d_model {d['d_model']}, ffn {d['ffn_dim']}, {d['max_positions']} positions"
+        f"{d['layers']} layers, {d['heads']} heads, d_model {d['d_model']}, ffn {d['ffn_dim']}, "
+        f"{d['max_positions']} positions"
     )
     a = w['audio']
     return [f"encoder       {side(w['encoder'])}, {w['encoder']['num_mel_bins']} mel bins",
@@ -117,7 +118,9 @@ def _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot) -> tup
 
 # %% ../nbs/14_cli.ipynb #45eae062
 class _StdoutBytes:
-    "Bytes to stdout as they stream: its binary buffer, or (a notebook's or a test's text stream) through an incremental UTF-8 decoder; `head` goes first, with the first bytes, so that progress on stderr does not come between a label and its text."
+    "Bytes to stdout as they stream: its binary buffer, or a text stream through a UTF-8 decoder."
+    # A notebook's or a test's stdout is a text stream. `head` goes first, with the first bytes, so that progress on
+    # stderr does not come between a label and its text.
 
     def __init__(self, head: str = ''):
         import codecs
@@ -142,7 +145,8 @@ class _StdoutBytes:
 
 # %% ../nbs/14_cli.ipynb #5651b0cc
 def _check_task(rep: dict, prompt, audio):
-    "`_Usage` for a prompt to a speech model, audio for a text model, or both at once; `NotACheckpoint` for a model that cannot answer."
+    "`_Usage` for a prompt to a speech model, audio for a text model, or both at once."
+    # `NotACheckpoint` for a model that cannot answer.
     whisper, name = rep['model_type'] == 'whisper', Path(rep['checkpoint']).name
     if prompt is not None and audio is not None:
         raise _Usage('give --prompt (a text model) or --audio (a Whisper model), not both')
@@ -209,10 +213,10 @@ def inspect(
     kv_pages: int = None,  # Pages in the KV pool: with it, check --max-concurrent-requests against the pool
     max_concurrent_requests: int = None,  # Admission cap to check against --kv-pages
     plot: str = None,  # Write the KV pages / concurrency figure to this PNG path
-    audio: str = None,  # Transcribe this audio file (WAV, FLAC, ...; any length) with a Whisper checkpoint: segments with times
-    stats: bool = False,  # Also explore the checkpoint (mstar_utils.explore): formats, load lint, bytes per rank, weight statistics
+    audio: str = None,  # Transcribe this audio file (WAV, FLAC, ...) with a Whisper checkpoint: timed segments
+    stats: bool = False,  # Also explore it (mstar_utils.explore): formats, load lint, bytes per rank, weight statistics
 ) -> int:
-    "Report what a HuggingFace checkpoint folder holds; --prompt answers (text models), --audio transcribes (Whisper). Exit 0; 1 when --kv-pages refuses the cap; 2 for bad input."
+    "Report what a HuggingFace checkpoint folder holds; --prompt answers it, --audio transcribes."
     _check_kv_options(page_size, kv_pages, max_concurrent_requests, plot)
     if max_new_tokens < 1:
         raise _Usage(f'--max-new-tokens must be at least 1, got {max_new_tokens}')
@@ -258,7 +262,7 @@ def diff(a: Param('the base checkpoint folder', str, opt=False),
          b: Param('the checkpoint compared with it (a fine-tune, a requantization, ...)', str, opt=False),
          json: bool = False,  # Print one JSON document: the changed tensors most changed first, each with its key
         ) -> int:
-    "Compare two checkpoints tensor by tensor, dequantized: keys added, removed and reshaped, then the changed tensors and layers, most changed first. Exit 0; 2 for bad input."
+    "Compare two checkpoints tensor by tensor, dequantized; exit 0, or 2 for bad input."
     from mstar_utils.explore import diff_checkpoints
     d = diff_checkpoints(a, b)
     print(d.to_json() if json else str(d))
@@ -282,12 +286,14 @@ def _usage() -> str:
     cmds = '\n'.join(f'  {n:<10} {(f.__doc__ or "").splitlines()[0]}' for n, f in COMMANDS.items())
     return (
         f'usage: mstar-utils COMMAND [options]   (mstar_utils {__version__})\n\ncommands:\n{cmds}\n\n'
-        'mstar-utils COMMAND --help lists its options. Exit status: 0 done, 1 the KV check refused the cap, 2 bad input.'
+        'mstar-utils COMMAND --help lists its options. '
+        'Exit status: 0 done, 1 the KV check refused the cap, 2 bad input.'
     )
 
 # %% ../nbs/14_cli.ipynb #bb475b0c
 def _parser(fn, name: str):
-    "fastcore's parser for command `fn`, its options shown with dashes (`--kv-pages`) as the messages spell them; `_dashes_to_underscores` maps what is typed back to the names it parses."
+    "fastcore's parser for command `fn`, its options shown with dashes (`--kv-pages`)."
+    # The messages spell options so; `_dashes_to_underscores` maps what is typed back to the names it parses.
     p = anno_parser(fn, prog=f'mstar-utils {name}')
     for a in p._actions:
         a.option_strings = [o.replace('_', '-') if o.startswith('--') else o for o in a.option_strings]
@@ -311,7 +317,7 @@ def _run(fn, name: str, argv: list) -> int:
 
 # %% ../nbs/14_cli.ipynb #222a89cd
 def main(argv: list[str] | None = None) -> int:
-    "Entry point of the `mstar-utils` console script: `mstar-utils COMMAND [options]`, `--help`, `--version`."
+    "The `mstar-utils` console script: `mstar-utils COMMAND [options]`, `--help`, `--version`."
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ('-h', '--help'):
         print(_usage(), file=sys.stdout if argv else sys.stderr)
