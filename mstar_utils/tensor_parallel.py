@@ -267,6 +267,7 @@ def _route_merge(node, sl: Slice, out) -> list:
         ]
     return [(k, Slice(d - (d > md), sl.ranges), out.select(md, i)) for i, k in enumerate(node.kids)]
 
+# %% ../nbs/07_tensor_parallel.ipynb #019c1b00
 def _route_concat(node, sl: Slice, out) -> list:
     "[(kid, kid's slice, where it lands in out)] for a Concatenate node."
     shapes = [k.shape for k in node.kids]
@@ -287,6 +288,7 @@ def _route_concat(node, sl: Slice, out) -> list:
 
 SLICE_ROUTES = {MergeModulelist: _route_merge, Concatenate: _route_concat}
 
+# %% ../nbs/07_tensor_parallel.ipynb #a6c219a5
 def _route_dequantize(node, sl: Slice) -> list | None:
     "[(StoredCut, where its range lands along the dim)] for a dequantize node, one a range; None: the op cannot cut it."
     if sl.dim is None:
@@ -418,6 +420,7 @@ def slice(self: ShardedSource, k) -> Slice:
         sl = self._slices[k] = self.sharding.slice_for(k, self.full_shape(k))
     return sl
 
+# %% ../nbs/07_tensor_parallel.ipynb #f9ae08d5
 @patch
 def where(self: ShardedSource, k) -> str:
     "Where key `k` comes from, and which slice of it this rank reads."
@@ -428,12 +431,13 @@ def where(self: ShardedSource, k) -> str:
         else f'{s} (rank {self.sharding.rank} of {self.sharding.world_size}: dim {sl.dim}, ranges {list(sl.ranges)})'
     )
 
-
+# %% ../nbs/07_tensor_parallel.ipynb #968ee468
 @patch
 def get(self: ShardedSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     "This rank's slice of key `k`, read into `out` when given."
     return read_slice(self.src, k, self.slice(k), out)
 
+# %% ../nbs/07_tensor_parallel.ipynb #30eb1d44
 @patch
 def read_many(
     self: ShardedSource,
@@ -512,6 +516,7 @@ def _pin_per_expert(m, path: str, sharding: Sharding):
     sharding.elsewhere += [f'{path}.{k}.' for k in gone]   # their keys are other ranks': not unused here
     m.expert_offset, m.tp_slice = lo, next(iter(split.values()))
 
+# %% ../nbs/07_tensor_parallel.ipynb #418cbe0f
 def _pin_kept(m, path: str, sharding: Sharding):
     "Pin the slices of kept module `m`'s codes and scales to what its weight's slice is made from; its op cut to match."
     if sharding.world_size == 1:
