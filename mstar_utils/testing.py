@@ -394,12 +394,9 @@ def _build_clip(out: Path):
     from transformers import CLIPTokenizer
     from mstar_utils.checkpoints import extract_member
     with tempfile.TemporaryDirectory() as tmp:
-        lines = (
-            gzip.open(extract_member('open-clip-torch', CLIP_MERGES, Path(tmp) / 'merges.txt.gz'))
-            .read()
-            .decode()
-            .split('\n')
-        )
+        gz = extract_member('open-clip-torch', CLIP_MERGES, Path(tmp) / 'merges.txt.gz')
+        with gzip.open(gz) as f:
+            lines = f.read().decode().split('\n')
     merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's bytes_to_unicode order
     chars = [chr(b) for b in printable] + [chr(0x100 + k) for k in range(256 - len(printable))]
