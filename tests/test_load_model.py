@@ -31,9 +31,7 @@ def inputs(name, model):
 
 def assert_same(ours, ref, kwargs):
     assert type(ours) is type(ref)
-    a, b = ours.state_dict(), ref.state_dict()
-    assert sorted(a) == sorted(b)
-    for k in b: assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert_state_dict_equal(ours, ref)
     assert ours.training is False and ref.training is False
     with torch.no_grad(): assert torch.equal(ours(**kwargs).logits, ref(**kwargs).logits)
 

@@ -89,7 +89,7 @@ def test_direct_reads_match_safetensors(smol_ckpt, ref, threads):
     seen = []
     src.read_many(list(zip(keys, dests)), progress=lambda b, n: seen.append((b, n)))
     src.close()
-    for k, d in zip(keys, dests): assert torch.equal(d, ref[k]), k
+    assert_state_dict_equal(dict(zip(keys, dests)), ref)
     assert sum(n for _, n in seen) == len(keys)
     assert sum(b for b, _ in seen) == sum(t.numel() * t.element_size() for t in ref.values())
 
@@ -115,7 +115,7 @@ def test_large_parts_are_populated_before_their_read_and_small_ones_are_not(smol
     keys = sorted(src.keys())
     dests = {k: torch.empty(src.shape(k), dtype=src.dtype(k)) for k in keys}
     src.read_many(list(dests.items())); src.close()
-    for k in keys: assert torch.equal(dests[k], ref[k]), k
+    assert_state_dict_equal(dests, ref)
     spans = {(d.data_ptr(), d.data_ptr() + d.numel() * d.element_size()) for d in dests.values()}
     pops = [e for e in log if e[0] == 'pop']
     assert pops and all(e[3] >= sources._POPULATE_MIN for e in pops)
@@ -189,7 +189,7 @@ def test_one_read_per_contiguous_run(tmp_path):
     try: src.read_many(list(zip(keys, dests)))
     finally: sources._preadv = saved; src.close()
     assert len(calls) == 1 and calls[0] == 2000  # one segment, one call of _preadv (two preadv of <= 1024 buffers inside)
-    for k, d in zip(keys, dests): assert torch.equal(d, tensors[k]), k
+    assert_state_dict_equal(dict(zip(keys, dests)), tensors)
 
 
 @pytest.mark.skipif(not getattr(os, 'RWF_NOWAIT', 0), reason='needs RWF_NOWAIT (Linux >= 4.14)')
@@ -251,7 +251,7 @@ def test_staged_reads_cast_like_torch_and_bound_the_ring(smol_ckpt, ref, dtype, 
     cop, chunk = RecordingCopier(), 64 << 10
     src._read_staged(keys, dests, _spans(src, keys), [src.dtype(k) for k in keys], cop, chunk_bytes=chunk)
     src.close()
-    for k, d in zip(keys, dests): assert torch.equal(d, ref[k].to(dtype)), k
+    assert_state_dict_equal(dict(zip(keys, dests)), {k: ref[k].to(dtype) for k in keys})
     assert len(cop.buffers) == threads + 1 and all(b.numel() == chunk for b in cop.buffers)  # host memory: the ring only
     assert max(n for _, n in cop.copies) <= chunk  # no tensor whole in host staging memory
     assert cop.finished == 1
