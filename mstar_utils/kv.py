@@ -419,6 +419,7 @@ def _mamba2(t) -> StateShape:
     inner = d['heads'] * d['head_dim']
     return StateShape('mamba2', inner + 2 * d['groups'] * d['state'], d['kernel'], inner * d['state'])
 
+# %% ../nbs/09_kv.ipynb #ac20d3a4
 def _mamba1(t) -> StateShape:
     "Mamba-1: window over the `intermediate` channels, state `intermediate × state`"
     # intermediate = expand × hidden (Jamba, Zamba).
@@ -432,6 +433,7 @@ def _mamba1(t) -> StateShape:
         raise ValueError(f'{t.model_type} config has Mamba-1 layers but no mamba_expand or intermediate_size')
     return StateShape('mamba1', inner, d['kernel'], inner * d['state'])
 
+# %% ../nbs/09_kv.ipynb #7e614543
 def _gated_deltanet(t) -> StateShape:
     "Gated DeltaNet (Qwen3-Next): window over q, k and v, one `key_head_dim × value_head_dim` state per value head."
     d = _needs(
@@ -447,6 +449,7 @@ def _gated_deltanet(t) -> StateShape:
         'gated_deltanet', 2 * d['nk'] * d['dk'] + d['nv'] * d['dv'], d['kernel'], d['nv'] * d['dk'] * d['dv']
     )
 
+# %% ../nbs/09_kv.ipynb #932eb018
 def _kda(t) -> StateShape:
     "Kimi Delta Attention (Kimi Linear)"
     # window over q, k and v of `heads × head_dim` each, a `head_dim²` state per head.
@@ -454,12 +457,14 @@ def _kda(t) -> StateShape:
                kernel=('linear_conv_kernel_dim', 'short_conv_kernel_size'))
     return StateShape('kda', 3 * d['heads'] * d['dim'], d['kernel'], d['heads'] * d['dim'] ** 2, vllm_ssm_float32=True)
 
+# %% ../nbs/09_kv.ipynb #39100c75
 def _short_conv(t) -> StateShape:
     "LFM2's gated short convolution"
     # a window of `conv_L_cache` positions over `hidden_size` channels, no recurrent state.
     d = _needs(t, 'short convolution', channels=('conv_dim', 'hidden_size'), kernel=('conv_L_cache',))
     return StateShape('short_conv', d['channels'], d['kernel'])
 
+# %% ../nbs/09_kv.ipynb #e5c47164
 def _lightning(t) -> StateShape:
     "MiniMax's lightning attention: one `head_dim × head_dim` state per head, no convolution, kept in the model dtype."
     heads = _need(t, 'num_attention_heads')
@@ -874,6 +879,29 @@ def kv_curve(config, # a transformers config, a config.json dict, or a checkpoin
         reach,
     )
 
+# %% ../nbs/09_kv.ipynb #53ff1ce2
+def _mark_cap(ax, c: KVCurve):
+    "The cap as a dotted line on `ax`, and a point at the longest context it fits at."
+    p = c.pool
+    ax.axhline(c.cap, color='0.4', ls=':', lw=1)
+    if c.cap_fits_to < p.max_seq_len:
+        ax.axvline(c.cap_fits_to, color='0.4', ls=':', lw=1)
+        ax.plot([max(c.cap_fits_to, 1)], [c.cap], 'o', color='k',
+                label=f'max_concurrent_requests {c.cap} fits up to {c.cap_fits_to:,} tokens')
+    else:
+        ax.plot(
+            [p.max_seq_len], [c.cap], 'o', color='k', label=f'max_concurrent_requests {c.cap} fits at max_seq_len'
+        )
+
+# %% ../nbs/09_kv.ipynb #00fd2b29
+def _kv_curve_title(c: KVCurve) -> str:
+    "The plot's default title: the model, the pool's pages and GiB, the bytes per token."
+    p = c.pool
+    return (
+        f'{c.model_type}: pool of {p.max_num_pages:,} pages ({p.max_num_pages * c.page_bytes / 2**30:.2f} GiB), '
+        f'{c.page_bytes // p.page_size:,} B per token'
+    )
+
 # %% ../nbs/09_kv.ipynb #c98ce99f
 def plot_kv_curve(curve: KVCurve, # from `kv_curve`
                   title: str | None = None): # None: the model, the pool and its figures
@@ -895,15 +923,7 @@ def plot_kv_curve(curve: KVCurve, # from `kv_curve`
               f'{p.fixed_pages_per_request} fixed per request, 1 sink)',
     )
     if c.cap is not None:
-        ax.axhline(c.cap, color='0.4', ls=':', lw=1)
-        if c.cap_fits_to < p.max_seq_len:
-            ax.axvline(c.cap_fits_to, color='0.4', ls=':', lw=1)
-            ax.plot([max(c.cap_fits_to, 1)], [c.cap], 'o', color='k',
-                    label=f'max_concurrent_requests {c.cap} fits up to {c.cap_fits_to:,} tokens')
-        else:
-            ax.plot(
-                [p.max_seq_len], [c.cap], 'o', color='k', label=f'max_concurrent_requests {c.cap} fits at max_seq_len'
-            )
+        _mark_cap(ax, c)
     ax.set(
         xscale='log',
         yscale='log',
@@ -913,11 +933,7 @@ def plot_kv_curve(curve: KVCurve, # from `kv_curve`
     )
     ax.grid(alpha=0.3, which='both')
     ax.legend(fontsize='small', loc='upper right')
-    ax.set_title(
-        title
-        or f'{c.model_type}: pool of {p.max_num_pages:,} pages ({p.max_num_pages * c.page_bytes / 2**30:.2f} GiB), '
-        f'{c.page_bytes // p.page_size:,} B per token'
-    )
+    ax.set_title(title or _kv_curve_title(c))
     return fig
 
 # %% ../nbs/09_kv.ipynb #8768efae

@@ -18,9 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from mstar_utils.checkpoints import smollm2_checkpoint, tokenizer_folder
 from mstar_utils.detokenize import ByteLevelDetokenizer, SentencePieceDetokenizer
 from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_weights_from_hf_shards
-
-SMOL = smollm2_checkpoint()
-CFG = AutoConfig.from_pretrained(SMOL)
+from mstar_utils.testing import assert_state_dict_equal
 
 
 def run_together(fns: list):
@@ -35,14 +33,16 @@ def run_together(fns: list):
 # ---------------------------------------------------------------- loaders
 
 def layers(lo=0, hi=None):
-    hi = CFG.num_hidden_layers if hi is None else hi
-    return meta_module(lambda: nn.ModuleList(LlamaDecoderLayer(CFG, i) for i in range(lo, hi)), torch.bfloat16)
+    cfg = AutoConfig.from_pretrained(smollm2_checkpoint())
+    hi = cfg.num_hidden_layers if hi is None else hi
+    return meta_module(lambda: nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(lo, hi)), torch.bfloat16)
 
 def embeddings():
-    return meta_module(lambda: nn.Embedding(CFG.vocab_size, CFG.hidden_size, dtype=torch.bfloat16))
+    cfg = AutoConfig.from_pretrained(smollm2_checkpoint())
+    return meta_module(lambda: nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16))
 
 def load(module, prefix):
-    [names] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(module, prefix)], progress=False)
+    [names] = load_weights_from_hf_shards(smollm2_checkpoint(), [ModuleAndPrefix(module, prefix)], progress=False)
     check_loaded(module, names, prefix)
     return module
 
@@ -51,17 +51,13 @@ def serial():
     "The decoder layers and the embeddings of SmolLM2, loaded one after the other."
     return {'layers': load(layers(), 'model.layers.').state_dict(), 'embed': load(embeddings(), 'model.embed_tokens.').state_dict()}
 
-def assert_same(sd: dict, ref: dict):
-    assert sd.keys() == ref.keys()
-    for k in ref: assert torch.equal(sd[k], ref[k]), k
-
 def test_decoder_layers_and_embeddings_at_once(serial):
     "Two threads load different modules (three shards' decoder layers; the embedding in shard 1) from one checkpoint at once."
     for _ in range(2):
         ls, emb = layers(), embeddings()
         got_layers, got_embed = run_together([lambda: load(ls, 'model.layers.'), lambda: load(emb, 'model.embed_tokens.')])
-        assert_same(got_layers.state_dict(), serial['layers'])
-        assert_same(got_embed.state_dict(), serial['embed'])
+        assert_state_dict_equal(got_layers, serial['layers'])
+        assert_state_dict_equal(got_embed, serial['embed'])
 
 class _Slice(nn.Module):
     "Decoder layers lo..hi-1 under their own numbers, so that the prefix 'model.layers.' fills them and their names match the full stack's."
@@ -69,13 +65,13 @@ class _Slice(nn.Module):
         super().__init__()
         for i, layer in zip(range(lo, hi), layers(lo, hi)): self.add_module(str(i), layer)
 
-def test_four_threads_split_the_decoder_layers(serial):
+def test_four_threads_split_the_decoder_layers(smol_config, serial):
     "Four threads fill quarters of the layer stack, from the same shards at once."
-    n = CFG.num_hidden_layers; cuts = [0, n // 4, n // 2, 3 * n // 4, n]
+    n = smol_config.num_hidden_layers; cuts = [0, n // 4, n // 2, 3 * n // 4, n]
     slices = [_Slice(lo, hi) for lo, hi in zip(cuts, cuts[1:])]
     parts = run_together([lambda m=m: load(m, 'model.layers.') for m in slices])
     got = {k: v for m in parts for k, v in m.state_dict().items()}
-    assert_same(got, serial['layers'])
+    assert_state_dict_equal(got, serial['layers'])
 
 
 # ---------------------------------------------------------------- one detokenizer, 8 streams
@@ -89,8 +85,8 @@ def _streams(detok, ids_per_text, order):
     return {i: b''.join(detok.token_bytes(t) for t in ids_per_text[i]) for i in order}
 
 @pytest.mark.parametrize('name', ['smollm2', 'qwen'])
-def test_eight_streams_byte_level(name):
-    tok = AutoTokenizer.from_pretrained(SMOL if name == 'smollm2' else tokenizer_folder(name))
+def test_eight_streams_byte_level(smol_ckpt, name):
+    tok = AutoTokenizer.from_pretrained(smol_ckpt if name == 'smollm2' else tokenizer_folder(name))
     ids = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
     assert [tok.decode(i) for i in ids] == TEXTS  # the reference: these texts round-trip through the tokenizer
     d = ByteLevelDetokenizer(tok)  # fresh: empty memo

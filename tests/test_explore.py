@@ -21,13 +21,9 @@ PERTURBED = {'model.layers.2.mlp.up_proj.weight': 2e-2, 'model.layers.11.self_at
 
 
 @pytest.fixture(scope='module')
-def smol(): return smollm2_checkpoint()
-
-
-@pytest.fixture(scope='module')
-def tuned(smol, tmp_path_factory):
+def tuned(smol_ckpt, tmp_path_factory):
     "SmolLM2 with the three tensors of PERTURBED changed by noise of those sizes."
-    out = Path(shutil.copytree(smol, tmp_path_factory.mktemp('tuned')/'smol-tuned'))
+    out = Path(shutil.copytree(smol_ckpt, tmp_path_factory.mktemp('tuned')/'smol-tuned'))
     wm = json.loads((out/'model.safetensors.index.json').read_text())['weight_map']
     g = torch.Generator().manual_seed(0)
     for shard in {wm[k] for k in PERTURBED}:
@@ -44,23 +40,23 @@ def run_cli(*argv) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-def test_diff_ranks_the_perturbed_tensors_first(smol, tuned):
-    d = diff_checkpoints(smol, tuned)
-    want = sorted(PERTURBED, key=lambda k: -PERTURBED[k] / load_file(str(smol/json.loads((smol/'model.safetensors.index.json').read_text())['weight_map'][k]))[k].float().std())
+def test_diff_ranks_the_perturbed_tensors_first(smol_ckpt, tuned):
+    d = diff_checkpoints(smol_ckpt, tuned)
+    want = sorted(PERTURBED, key=lambda k: -PERTURBED[k] / load_file(str(smol_ckpt/json.loads((smol_ckpt/'model.safetensors.index.json').read_text())['weight_map'][k]))[k].float().std())
     assert [t.key for t in d.changed] == want   # most changed first: the noise relative to each tensor's spread
     assert all(t.identical for t in d.tensors[3:]) and not (d.added or d.removed or d.reshaped)
 
 
-def test_cli_diff_json_lists_changed_tensors_most_changed_first(smol, tuned):
-    rc, out, _ = run_cli('diff', smol, tuned, '--json')
+def test_cli_diff_json_lists_changed_tensors_most_changed_first(smol_ckpt, tuned):
+    rc, out, _ = run_cli('diff', smol_ckpt, tuned, '--json')
     assert rc == 0
     d = json.loads(out)
     assert {t['key'] for t in d['changed']} == set(PERTURBED)
     rel = [t['rel_l2'] for t in d['changed']]
-    assert rel == sorted(rel, reverse=True) and len(d['identical']) == len(load_file_keys(smol)) - 3
-    rc, out, _ = run_cli('diff', smol, tuned)
+    assert rel == sorted(rel, reverse=True) and len(d['identical']) == len(load_file_keys(smol_ckpt)) - 3
+    rc, out, _ = run_cli('diff', smol_ckpt, tuned)
     assert rc == 0 and '3 tensors changed' in out
-    rc, _, err = run_cli('diff', smol, smol.parent/'no-such-checkpoint')
+    rc, _, err = run_cli('diff', smol_ckpt, smol_ckpt.parent/'no-such-checkpoint')
     assert rc == 2 and 'no-such-checkpoint' in err
 
 
@@ -68,22 +64,22 @@ def load_file_keys(ckpt) -> list:
     return [k for f in sorted(Path(ckpt).glob('*.safetensors')) for k in load_file(str(f))]
 
 
-def test_cli_inspect_stats_json(smol):
-    rc, out, err = run_cli('inspect', smol, '--stats', '--json')
+def test_cli_inspect_stats_json(smol_ckpt):
+    rc, out, err = run_cli('inspect', smol_ckpt, '--stats', '--json')
     assert rc == 0, err
     rep = json.loads(out)
     stats = {t['key']: t for t in rep['explore']['stats']['tensors']}
-    assert set(stats) == set(load_file_keys(smol))
-    ref = load_file(str(sorted(smol.glob('*.safetensors'))[0]))
+    assert set(stats) == set(load_file_keys(smol_ckpt))
+    ref = load_file(str(sorted(smol_ckpt.glob('*.safetensors'))[0]))
     k, t = next(iter(ref.items()))
     assert math.isclose(stats[k]['absmax'], float(t.float().abs().max()))
-    rc, out, _ = run_cli('inspect', smol, '--stats')
+    rc, out, _ = run_cli('inspect', smol_ckpt, '--stats')
     assert rc == 0 and '6. Weight statistics' in out and '3. Will it load: yes' in out
 
 
-def test_unparseable_files_become_findings(smol, tmp_path):
+def test_unparseable_files_become_findings(smol_ckpt, tmp_path):
     "A broken tokenizer.json, generation_config.json and shard header each become a finding naming the file; the rest still renders."
-    bad = Path(shutil.copytree(smol, tmp_path/'bad'))
+    bad = Path(shutil.copytree(smol_ckpt, tmp_path/'bad'))
     tok = json.loads((bad/'tokenizer.json').read_text())
     tok['model']['type'] = 'BPE2'
     (bad/'tokenizer.json').write_text(json.dumps(tok))
@@ -93,7 +89,7 @@ def test_unparseable_files_become_findings(smol, tmp_path):
     e = explore(bad)
     assert {f.where for f in e.of('files')} == {'tokenizer.json', 'generation_config.json', shard.name}
     assert any(f.level == 'error' for f in e.of('load'))   # load_model refuses the cut shard
-    readable = [k for f in sorted(smol.glob('*.safetensors'))[:-1] for k in load_file(str(f))]
+    readable = [k for f in sorted(smol_ckpt.glob('*.safetensors'))[:-1] for k in load_file(str(f))]
     assert e.stats is not None and sorted(s.key for s in e.stats.tensors) == sorted(readable)
     html = e._repr_html_()
     assert 'tokenizer.json' in html and '<details' in html and json.loads(e.to_json())['checkpoint'] == 'bad'
@@ -103,7 +99,7 @@ def test_unparseable_files_become_findings(smol, tmp_path):
     assert rc == 0 and 'problem       tokenizer.json' in out, err
 
 
-def test_weight_stats_hold_at_most_two_tensors(smol, monkeypatch):
+def test_weight_stats_hold_at_most_two_tensors(smol_ckpt, monkeypatch):
     "The streaming reads one tensor ahead: never more than two of the source's tensors alive at once."
     import importlib, weakref
     ex = importlib.import_module('mstar_utils.explore')   # the module; the package's name `explore` is the function
@@ -113,7 +109,7 @@ def test_weight_stats_hold_at_most_two_tensors(smol, monkeypatch):
         alive.add(id(t)); weakref.finalize(t, alive.discard, id(t)); peak[0] = max(peak[0], len(alive))
         return t
     monkeypatch.setattr(ex.FileSource, 'get', get)
-    weight_stats(smol)
+    weight_stats(smol_ckpt)
     assert 1 <= peak[0] <= 2, peak[0]
 
 
@@ -137,14 +133,14 @@ def _header_bytes(ckpt) -> dict:
     return out
 
 
-def test_rank_bytes_are_load_plan_totals_on_smollm2(smol):
+def test_rank_bytes_are_load_plan_totals_on_smollm2(smol_ckpt):
     from mstar_utils.model import load_plan
-    rows = _ranks(smol)
+    rows = _ranks(smol_ckpt)
     assert [(r.world_size, r.expert_parallel, r.refused) for r in rows] == [(1, False, ''), (2, False, ''), (4, False, ''), (8, False, '')]
     for r in rows:   # the full plan at 1 and 2 ranks; at 4 and 8 its totals alone (03_load_model checks they agree), each built afresh
-        plans = [load_plan(smol, k, r.world_size, detail=r.world_size <= 2) for k in range(r.world_size)]
+        plans = [load_plan(smol_ckpt, k, r.world_size, detail=r.world_size <= 2) for k in range(r.world_size)]
         assert r.read_bytes == [p.total_bytes for p in plans] and r.held_bytes == [p.held_bytes for p in plans], r.world_size
-    assert rows[0].read_bytes == [sum(n for _, _, n in _header_bytes(smol).values())]
+    assert rows[0].read_bytes == [sum(n for _, _, n in _header_bytes(smol_ckpt).values())]
 
 
 @pytest.fixture(scope='module')

@@ -205,9 +205,7 @@ class Allocator:
                 if not self.take(): return False
                 room = self.page_bytes
             room -= need
-        for _ in range(0, tokens, page_size):   # a token that starts a page takes one
-            if not self.take(): return False
-        return True
+        return all(self.take() for _ in range(0, tokens, page_size))   # a token that starts a page takes one
 
 
 class Model:

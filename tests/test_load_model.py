@@ -31,9 +31,7 @@ def inputs(name, model):
 
 def assert_same(ours, ref, kwargs):
     assert type(ours) is type(ref)
-    a, b = ours.state_dict(), ref.state_dict()
-    assert sorted(a) == sorted(b)
-    for k in b: assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert_state_dict_equal(ours, ref)
     assert ours.training is False and ref.training is False
     with torch.no_grad(): assert torch.equal(ours(**kwargs).logits, ref(**kwargs).logits)
 
@@ -60,8 +58,7 @@ def test_minilm_equals_from_pretrained_and_is_in_eval_mode():
     ckpt = minilm_checkpoint()
     ours, ref = load_model(ckpt), AutoModel.from_pretrained(ckpt)
     ids = torch.tensor([[101, 1996, 4937, 7719, 2006, 1996, 13523, 1012, 102]])
-    a, b = ours.state_dict(), ref.state_dict()
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+    assert_state_dict_equal(ours, ref)
     with torch.no_grad(): assert torch.equal(ours(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
     assert not ours.training
 
@@ -83,8 +80,7 @@ def test_renamed_keys_load_as_from_pretrained_loads_them(tmp_path):
     assert sum('gamma' in k for k in legacy) == 13
     save_file(legacy, str(old/'model.safetensors'), metadata={'format': 'pt'})
     ours, ref = load_model(old, strict=True), AutoModel.from_pretrained(minilm_checkpoint())
-    a, b = ours.state_dict(), ref.state_dict()
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+    assert_state_dict_equal(ours, ref)
 
 
 def test_vision_language_checkpoint_in_the_legacy_layout(tmp_path):
@@ -98,8 +94,8 @@ def test_vision_language_checkpoint_in_the_legacy_layout(tmp_path):
     keys = read_weight_map(tmp_path/'llava')
     assert 'language_model.lm_head.weight' in keys and not any(k.startswith('model.') for k in keys)
     ours, ref = load_model(tmp_path/'llava', strict=True), tf.AutoModelForImageTextToText.from_pretrained(tmp_path/'llava')
-    a, b = ours.state_dict(), ref.state_dict()
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+    assert_state_dict_equal(ours, ref)
+    a = ours.state_dict()
     assert any(k.startswith('model.vision_tower.') for k in a) and any(k.startswith('model.multi_modal_projector.') for k in a)
     with pytest.raises(KeyError): load_model(tmp_path/'llava', renames=False)
 
@@ -125,8 +121,8 @@ def test_dtype_and_model_class_overrides(tmp_path):
     from transformers import Qwen2ForCausalLM, Qwen2Model
     assert type(load_model(folder, Qwen2ForCausalLM)) is Qwen2ForCausalLM
     base, ref = load_model(folder, Qwen2Model), Qwen2Model.from_pretrained(folder)  # the base model from a causal LM checkpoint, as from_pretrained reads it
-    a, b = base.state_dict(), ref.state_dict()
-    assert type(base) is Qwen2Model and sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+    assert type(base) is Qwen2Model
+    assert_state_dict_equal(base, ref)
     with pytest.raises(ValueError, match='lm_head.weight'): load_model(folder, Qwen2Model, strict=True)  # the head it leaves unused
     with pytest.raises(KeyError, match=r"the module's names occur under \['model.'\]"): load_model(folder, Qwen2Model, renames=False)
 

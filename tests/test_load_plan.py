@@ -13,7 +13,7 @@ from mstar_utils.convert import ConvertedSource
 from mstar_utils.model import load_model, load_model_sharded, load_plan
 from mstar_utils.sources import FileSource, Source, checkpoint_source, read_weight_map
 from mstar_utils.tensor_parallel import ShardedSource, take
-from mstar_utils.testing import save_tiny, tiny_model, write_fp8_checkpoint
+from mstar_utils.testing import assert_state_dict_equal, assert_tensors_equal, save_tiny, tiny_model, write_fp8_checkpoint
 
 
 @pytest.fixture(scope='module')
@@ -100,13 +100,13 @@ def test_fp8_moe_at_two_ranks_with_experts_split_loads_as_one_device(fp8_moe):
         assert plan.total_bytes == model.tp_bytes_read
         for k, v in model.state_dict().items():
             sl = model.tp_sharding.slice_for(k, whole[k].shape)
-            assert torch.equal(v, take(whole[k], sl)), k
+            assert_tensors_equal(v, take(whole[k], sl), k)
 
 
 def test_load_model_sharded_is_load_model_at_a_rank(tiny):
     a = load_model_sharded(tiny['qwen3_moe'], 1, 2, expert_parallel=True)
     b = load_model(tiny['qwen3_moe'], rank=1, world_size=2, expert_parallel=True)
-    assert a.state_dict().keys() == b.state_dict().keys() and all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    assert_state_dict_equal(a, b)
     with pytest.raises(ValueError, match='pass both'): load_model(tiny['qwen2'], rank=1)
 
 

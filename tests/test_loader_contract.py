@@ -20,8 +20,6 @@ from mstar_utils.testing import assert_state_dict_equal
 from mstar_utils.model import build_on_meta, load_model
 from mstar_utils.checkpoints import smollm2_checkpoint
 
-SMOL = smollm2_checkpoint()
-
 
 class TaggedParameter(nn.Parameter):
     "A parameter subclass with attributes, as vLLM's layers hang `weight_loader`, `output_dim` and quantization metadata."
@@ -86,11 +84,11 @@ def test_parameter_object_class_attributes_and_requires_grad_survive(tmp_path, k
     assert not p.is_meta and torch.equal(p.detach(), w)
 
 
-def test_load_model_keeps_parameter_objects_of_a_cast_dtype():
+def test_load_model_keeps_parameter_objects_of_a_cast_dtype(smol_ckpt):
     "load_model into float32 from bf16 shards: every parameter object the build made is the one the model holds."
-    model = build_on_meta(__import__('transformers').AutoConfig.from_pretrained(SMOL), dtype=torch.float32)
+    model = build_on_meta(__import__('transformers').AutoConfig.from_pretrained(smol_ckpt), dtype=torch.float32)
     ids = {n: id(p) for n, p in model.named_parameters()}
-    [names] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(model)])
+    [names] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(model)])
     assert {n: id(p) for n, p in model.named_parameters()} == ids
     assert all(p.dtype == torch.float32 and not p.is_meta for p in model.parameters())
 
@@ -107,7 +105,7 @@ def test_handed_case_trainer_step_does_not_reach_the_server():
     opt = torch.optim.SGD(trainer.parameters(), lr=0.5)
     trainer(torch.randn(2, 4)).sum().backward(); opt.step()
     assert not torch.equal(trainer.weight, snap['weight'])
-    for k, v in server.state_dict().items(): assert torch.equal(v, snap[k]), k
+    assert_state_dict_equal(server, snap)
 
 
 @pytest.mark.parametrize('device', ['meta', 'cpu'])
@@ -223,12 +221,12 @@ def hub_cache(tmp_path, files: dict) -> Path:
     return repo
 
 
-def test_hub_cache_snapshot_of_smollm2_loads(tmp_path):
-    files = {p.name: p.read_bytes() for p in SMOL.iterdir() if p.is_file()}
+def test_hub_cache_snapshot_of_smollm2_loads(smol_ckpt, tmp_path):
+    files = {p.name: p.read_bytes() for p in smol_ckpt.iterdir() if p.is_file()}
     snap = hub_cache(tmp_path, files)/'snapshots'/'a1b2c3'
     assert all((snap/n).is_symlink() for n in files)
     model = load_model(snap)
-    ref = load_model(SMOL)
+    ref = load_model(smol_ckpt)
     assert_state_dict_equal(model, ref)
 
 
@@ -275,11 +273,11 @@ def test_symlinks_inside_the_folder_are_followed_wherever_they_point(tmp_path):
 
 # ---------------------------------------------------------------- 6. errors that say the fix
 
-def test_untied_lm_head_says_to_tie():
-    model = build_on_meta(__import__('transformers').AutoConfig.from_pretrained(SMOL))
+def test_untied_lm_head_says_to_tie(smol_ckpt):
+    model = build_on_meta(__import__('transformers').AutoConfig.from_pretrained(smol_ckpt))
     model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight))  # re-registered: no longer tied
     with pytest.raises(KeyError, match=r"tie_word_embeddings, so 'lm_head.weight' should be the input embedding: call model.tie_weights\(\)"):
-        load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(model)])
+        load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(model)])
 
 
 def test_meta_non_persistent_buffer_says_how_to_build():
@@ -288,8 +286,8 @@ def test_meta_non_persistent_buffer_says_how_to_build():
         check_loaded(m, set(), 'rotary')
 
 
-def test_base_model_checkpoint_into_causal_lm_names_the_submodule(tmp_path):
-    ref = load_model(SMOL)
+def test_base_model_checkpoint_into_causal_lm_names_the_submodule(smol_ckpt, tmp_path):
+    ref = load_model(smol_ckpt)
     save_file({k: v.contiguous() for k, v in ref.model.state_dict().items()}, str(tmp_path/SINGLE_FILE))
     model = build_on_meta(ref.config)
     with pytest.raises(KeyError, match=r"keys are its names without 'model.' \(saved from the base model\): load ModuleAndPrefix\(module.model, ''\)"):
@@ -319,9 +317,9 @@ def test_every_text_file_is_read_and_written_as_utf8():
     assert bad == [], bad
 
 
-def test_inspect_under_the_c_locale_without_utf8_mode():
+def test_inspect_under_the_c_locale_without_utf8_mode(smol_ckpt):
     env = {**os.environ, 'LC_ALL': 'C', 'LANG': 'C', 'PYTHONUTF8': '0', 'PYTHONIOENCODING': 'ascii:backslashreplace', 'HF_HUB_OFFLINE': '1'}
-    p = subprocess.run([sys.executable, '-m', 'mstar_utils', 'inspect', str(SMOL)], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run([sys.executable, '-m', 'mstar_utils', 'inspect', str(smol_ckpt)], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert 'LlamaForCausalLM' in p.stdout
 

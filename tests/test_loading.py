@@ -12,128 +12,123 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from mstar_utils import (ModuleAndPrefix, check_loaded, load_weights, load_weights_from_file,
                          load_weights_from_hf_shards, process_weights_after_loading, smollm2_checkpoint, minilm_checkpoint)
 
-SMOL = smollm2_checkpoint()
-CONFIG = AutoConfig.from_pretrained(SMOL)
-
 
 def meta_smol(dtype=torch.bfloat16):
-    return build_on_meta(CONFIG, dtype=dtype)
+    return build_on_meta(AutoConfig.from_pretrained(smollm2_checkpoint()), dtype=dtype)
 
 
 @pytest.fixture(scope='module')
-def ref():
-    return AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.bfloat16)
+def ref(smol_ckpt):
+    return AutoModelForCausalLM.from_pretrained(smol_ckpt, dtype=torch.bfloat16)
 
 
-def test_meta_module_is_filled_and_equals_from_pretrained(ref):
+def test_meta_module_is_filled_and_equals_from_pretrained(smol_ckpt, ref):
     m = meta_smol()
-    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)])
+    [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m)])
     check_loaded(m, loaded, 'smol')
     assert not any(p.is_meta for p in m.parameters())
-    sd, rsd = m.state_dict(), ref.state_dict()
-    assert sorted(sd) == sorted(rsd)
-    for k in rsd: assert torch.equal(sd[k], rsd[k]), k
+    assert_state_dict_equal(m, ref)
 
 
-def test_declared_dtype_is_kept():
+def test_declared_dtype_is_kept(smol_ckpt):
     m = meta_smol(torch.float32)
-    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')])
+    [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')])
     assert loaded == {'weight'} and m.model.norm.weight.dtype == torch.float32
 
 
-def test_materialized_module_is_copied_into(ref):
-    m = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.bfloat16)
+def test_materialized_module_is_copied_into(smol_ckpt, smol_config, ref):
+    m = AutoModelForCausalLM.from_config(smol_config, dtype=torch.bfloat16)
     w = m.model.layers[0].mlp.up_proj.weight
     ptr = w.data_ptr()
-    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.layers[0], 'model.layers.0.')])
+    load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.layers[0], 'model.layers.0.')])
     assert m.model.layers[0].mlp.up_proj.weight is w and w.data_ptr() == ptr
     assert torch.equal(w, ref.model.layers[0].mlp.up_proj.weight)
 
 
-def test_materialized_fp32_module_gets_cast_copy(ref):
-    m = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.float32)
-    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.layers[1], 'model.layers.1.')])
+def test_materialized_fp32_module_gets_cast_copy(smol_ckpt, smol_config, ref):
+    m = AutoModelForCausalLM.from_config(smol_config, dtype=torch.float32)
+    load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.layers[1], 'model.layers.1.')])
     assert m.model.layers[1].self_attn.q_proj.weight.dtype == torch.float32
     assert torch.equal(m.model.layers[1].self_attn.q_proj.weight, ref.model.layers[1].self_attn.q_proj.weight.float())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason='needs two CUDA devices')
-def test_any_device_string():
+def test_any_device_string(smol_ckpt):
     m = meta_smol()
-    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], device='cuda:1')
+    load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')], device='cuda:1')
     assert m.model.norm.weight.device == torch.device('cuda:1')
 
 
-def test_meta_device_target_is_refused_by_check_loaded():
+def test_meta_device_target_is_refused_by_check_loaded(smol_ckpt):
     # loading "onto" meta would be a silent no-op copy; the result must not pass check_loaded
     m = meta_smol()
-    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], device='meta')
+    [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')], device='meta')
     with pytest.raises(RuntimeError, match='still on meta'):
         check_loaded(m.model.norm, loaded, 'norm')
 
 
-def test_ties_survive_and_one_name_fills_all():
-    idx = json.loads((SMOL/'model.safetensors.index.json').read_text())
+def test_ties_survive_and_one_name_fills_all(smol_ckpt):
+    idx = json.loads((smol_ckpt/'model.safetensors.index.json').read_text())
     assert 'lm_head.weight' not in idx['weight_map']  # the checkpoint stores only the embedding
     m = meta_smol()
-    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)])
+    [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m)])
     assert 'lm_head.weight' in loaded
     assert m.lm_head.weight is m.model.embed_tokens.weight
 
 
-def test_tied_materialized_module_stays_tied():
-    m = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.bfloat16)
+def test_tied_materialized_module_stays_tied(smol_ckpt, smol_config):
+    m = AutoModelForCausalLM.from_config(smol_config, dtype=torch.bfloat16)
     assert m.lm_head.weight is m.model.embed_tokens.weight
-    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)])
+    load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m)])
     assert m.lm_head.weight is m.model.embed_tokens.weight
 
 
-def test_loaded_names_per_module_in_order():
+def test_loaded_names_per_module_in_order(smol_ckpt):
     m = meta_smol()
     mods = [ModuleAndPrefix(m.model.layers[3], 'model.layers.3.'), ModuleAndPrefix(m.model.embed_tokens, 'model.embed_tokens.'),
             ModuleAndPrefix(m.model.norm, 'model.norm')]
-    got = load_weights_from_hf_shards(SMOL, mods)
+    got = load_weights_from_hf_shards(smol_ckpt, mods)
     assert [len(g) for g in got] == [9, 1, 1]
     assert got[1] == {'weight'} and 'mlp.down_proj.weight' in got[0]
     for mp, g in zip(mods, got): check_loaded(mp.module, g, 'part')
 
 
-def test_check_loaded_message_names_what_count_and_missing():
+def test_check_loaded_message_names_what_count_and_missing(smol_ckpt):
     m = meta_smol()
-    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.layers[0], 'model.layers.0.')])
+    [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.layers[0], 'model.layers.0.')])
     with pytest.raises(RuntimeError, match=r"layer0: 1 of 9 .*mlp\.up_proj\.weight"):
         check_loaded(m.model.layers[0], loaded - {'mlp.up_proj.weight'}, 'layer0')
 
 
-def test_check_loaded_refuses_meta_buffer():
+def test_check_loaded_refuses_meta_buffer(smol_ckpt, smol_config):
     with torch.device('meta'):
-        m = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.bfloat16)  # inv_freq on meta too
-    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)])
+        m = AutoModelForCausalLM.from_config(smol_config, dtype=torch.bfloat16)  # inv_freq on meta too
+    [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m)])
     with pytest.raises(RuntimeError, match=r'still on meta: .*inv_freq'):
         check_loaded(m, loaded, 'smol')
 
 
-def test_missing_keys_raise_with_prefix():
+def test_missing_keys_raise_with_prefix(smol_ckpt):
     m = meta_smol()
     with pytest.raises(KeyError, match=r"missing key.*prefix 'model\.layers\.3\.'.*model\.layers\.3\.extra"):
         class Extra(torch.nn.Module):
             def __init__(self):
                 super().__init__(); self.input_layernorm = m.model.layers[3].input_layernorm
                 self.extra = torch.nn.Parameter(torch.zeros(2))
-        load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(Extra(), 'model.layers.3.')])
+        load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(Extra(), 'model.layers.3.')])
 
 
-def test_missing_keys_tolerated_when_not_enforced():
+def test_missing_keys_tolerated_when_not_enforced(smol_ckpt):
     e = torch.nn.Module(); e.input_layernorm = torch.nn.RMSNorm(576); e.extra = torch.nn.Parameter(torch.zeros(2))
-    [loaded] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(e, 'model.layers.3.', enforce_missing_keys=False)])
+    [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(e, 'model.layers.3.', enforce_missing_keys=False)])
     assert loaded == {'input_layernorm.weight'}
     with pytest.raises(RuntimeError, match='extra'): check_loaded(e, loaded, 'extra')
 
 
-def test_shape_mismatch_names_key_and_shapes():
+def test_shape_mismatch_names_key_and_shapes(smol_ckpt):
     lin = torch.nn.Linear(576, 100, bias=False)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*checkpoint has \[1536, 576\].*expects \[100, 576\]"):
-        load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(lin, 'model.layers.0.mlp.up_proj.')])
+        load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(lin, 'model.layers.0.mlp.up_proj.')])
 
 
 def test_single_file_path_minilm_embeddings_match():
@@ -145,16 +140,16 @@ def test_single_file_path_minilm_embeddings_match():
     assert_state_dict_equal(bert, ref)
 
 
-def test_load_weights_from_file_reads_one_shard():
+def test_load_weights_from_file_reads_one_shard(smol_ckpt):
     m = meta_smol()
-    shard = SMOL/json.loads((SMOL/'model.safetensors.index.json').read_text())['weight_map']['model.norm.weight']
+    shard = smol_ckpt/json.loads((smol_ckpt/'model.safetensors.index.json').read_text())['weight_map']['model.norm.weight']
     [loaded] = load_weights_from_file(str(shard), [ModuleAndPrefix(m.model.norm, 'model.norm.')])
     assert loaded == {'weight'}
 
 
 def link_checkpoint(tmp_path) -> Path:
     d = tmp_path/'ckpt'; d.mkdir()
-    for f in SMOL.iterdir():
+    for f in smollm2_checkpoint().iterdir():
         if f.name != '.complete': os.link(f, d/f.name)
     return d
 
@@ -167,7 +162,7 @@ def test_index_is_truth_stray_single_file_ignored(tmp_path):
     assert not torch.equal(m.model.norm.weight, torch.full((576,), 7.0, dtype=torch.bfloat16))
 
 
-def test_index_is_truth_tensor_in_other_shard_ignored(tmp_path):
+def test_index_is_truth_tensor_in_other_shard_ignored(smol_ckpt, tmp_path):
     d = link_checkpoint(tmp_path)
     idx = json.loads((d/'model.safetensors.index.json').read_text())
     owner = idx['weight_map']['model.norm.weight']
@@ -178,7 +173,7 @@ def test_index_is_truth_tensor_in_other_shard_ignored(tmp_path):
     (d/other).unlink(); save_file(sd, d/other)
     m = meta_smol()
     load_weights_from_hf_shards(d, [ModuleAndPrefix(m.model.norm, 'model.norm.')])
-    truth = load_file(SMOL/owner)['model.norm.weight']
+    truth = load_file(smol_ckpt/owner)['model.norm.weight']
     assert torch.equal(m.model.norm.weight, truth)
 
 
@@ -199,13 +194,13 @@ def test_shard_outside_repo_refused(tmp_path, bad):
         load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
 
 
-def test_progress_bar_off_when_not_interactive_or_turned_off(capsys):
+def test_progress_bar_off_when_not_interactive_or_turned_off(smol_ckpt, capsys):
     m = meta_smol()
-    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')])  # stderr is not a tty under pytest
+    load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')])  # stderr is not a tty under pytest
     assert 'tensor' not in capsys.readouterr().err
-    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=False)
+    load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=False)
     assert capsys.readouterr().err == ''
-    load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=True)
+    load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=True)
     err = capsys.readouterr().err
     assert 'B/s' in err and '/1 tensors' in err, err  # bytes with their rate, and the tensors
 
@@ -266,10 +261,10 @@ def test_stale_index_key_in_another_shard_says_where_it_is(tmp_path):
 
 @pytest.mark.parametrize('out,what', [(torch.empty(576), 'got torch.float32 \\[576\\]'), (torch.empty(2, 288, dtype=torch.bfloat16), 'got torch.bfloat16 \\[2, 288\\]'),
                                       (torch.empty(1152, dtype=torch.bfloat16)[::2], 'not contiguous')])
-def test_file_source_get_checks_out(out, what):
+def test_file_source_get_checks_out(smol_ckpt, out, what):
     "`get(key, out=)` reads raw bytes into `out`: one of another dtype, shape or layout is refused, not filled with reinterpreted bytes."
     from mstar_utils.sources import checkpoint_source
-    src = checkpoint_source(SMOL)
+    src = checkpoint_source(smol_ckpt)
     try:
         with pytest.raises(ValueError, match=rf"'model\.norm\.weight' is torch\.bfloat16 \[576\]; out must be .*{what}"):
             src.get('model.norm.weight', out=out)

@@ -9,18 +9,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from mstar_utils.checkpoints import smollm2_checkpoint
 from mstar_utils.model import build_on_meta, load_model, start_reads
 from mstar_utils.sources import ReadAhead, checkpoint_source
-from mstar_utils.testing import save_tiny
+from mstar_utils.testing import assert_state_dict_equal, save_tiny
 
 IDS = torch.tensor([[1, 2, 3, 4, 5]])
 
 
 def assert_same(model, ref):
     "Equal state_dicts (names, dtypes, values), equal non-persistent buffers, equal logits."
-    a, b = model.state_dict(), ref.state_dict()
-    assert sorted(a) == sorted(b)
-    for k in b: assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    bufs = dict(ref.named_buffers())
-    for k, t in model.named_buffers(): assert torch.equal(t, bufs[k]), k
+    assert_state_dict_equal(model, ref)
+    assert_state_dict_equal(dict(model.named_buffers()), dict(ref.named_buffers()))
     with torch.no_grad(): assert torch.equal(model(IDS).logits, ref(IDS).logits)
 
 

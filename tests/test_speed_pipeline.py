@@ -24,17 +24,14 @@ from mstar_utils.checkpoints import smollm2_checkpoint
 from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_weights_from_file, load_weights_from_hf_shards
 from mstar_utils.model import build_on_meta
 from mstar_utils.sources import HostCopier, checkpoint_source, file_source, read_weight_map
-
-SMOL = smollm2_checkpoint()
-CFG = AutoConfig.from_pretrained(SMOL)
-WM = read_weight_map(SMOL)
+from mstar_utils.testing import assert_state_dict_equal
 
 
 @pytest.fixture(scope='module')
-def ref() -> dict:
+def ref(smol_ckpt) -> dict:
     "SmolLM2's tensors as safetensors reads them (the reference reader)."
     out = {}
-    for shard in sorted(set(WM.values())):
+    for shard in sorted(set(read_weight_map(smol_ckpt).values())):
         with safe_open(str(shard), framework='pt') as f: out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
 
@@ -85,40 +82,40 @@ def test_chunks_cover_every_byte_once_in_file_order(spans, cap):
 # ---------------------------------------------------------------- direct reads
 
 @pytest.mark.parametrize('threads', [1, 2, 5])
-def test_direct_reads_match_safetensors(ref, threads):
-    src = checkpoint_source(SMOL, threads=threads)
+def test_direct_reads_match_safetensors(smol_ckpt, ref, threads):
+    src = checkpoint_source(smol_ckpt, threads=threads)
     keys = sorted(src.keys())
     dests = [torch.empty(src.shape(k), dtype=src.dtype(k)) for k in keys]
     seen = []
     src.read_many(list(zip(keys, dests)), progress=lambda b, n: seen.append((b, n)))
     src.close()
-    for k, d in zip(keys, dests): assert torch.equal(d, ref[k]), k
+    assert_state_dict_equal(dict(zip(keys, dests)), ref)
     assert sum(n for _, n in seen) == len(keys)
     assert sum(b for b, _ in seen) == sum(t.numel() * t.element_size() for t in ref.values())
 
 
-def test_direct_reads_run_on_the_reader_threads(monkeypatch):
+def test_direct_reads_run_on_the_reader_threads(smol_ckpt, monkeypatch):
     "With 3 threads and chunks of several files, reads happen off the calling thread and on more than one thread."
     real, names = sources._preadv, set()
     def spy(fd, views, pos, disk=None): names.add(threading.current_thread().name); return real(fd, views, pos, disk)
     monkeypatch.setattr(sources, '_preadv', spy)
-    src = checkpoint_source(SMOL, threads=3)
+    src = checkpoint_source(smol_ckpt, threads=3)
     keys = list(src.keys())
     src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k))) for k in keys]); src.close()
     assert threading.current_thread().name not in names and len(names) > 1, names
 
 
-def test_large_parts_are_populated_before_their_read_and_small_ones_are_not(ref, monkeypatch):
+def test_large_parts_are_populated_before_their_read_and_small_ones_are_not(smol_ckpt, ref, monkeypatch):
     "Every part of 256 KiB or more is populated in the reader thread, for exactly its destination bytes, before the preadv that fills it."
     real_pop, real_read, log = sources._populate, sources._preadv, []
     def pop(addr, n): log.append(('pop', threading.current_thread().name, addr, n)); return real_pop(addr, n)
     def read(fd, views, pos, disk=None): log.append(('read', threading.current_thread().name, views)); return real_read(fd, views, pos, disk)
     monkeypatch.setattr(sources, '_populate', pop); monkeypatch.setattr(sources, '_preadv', read)
-    src = checkpoint_source(SMOL, threads=2)
+    src = checkpoint_source(smol_ckpt, threads=2)
     keys = sorted(src.keys())
     dests = {k: torch.empty(src.shape(k), dtype=src.dtype(k)) for k in keys}
     src.read_many(list(dests.items())); src.close()
-    for k in keys: assert torch.equal(dests[k], ref[k]), k
+    assert_state_dict_equal(dests, ref)
     spans = {(d.data_ptr(), d.data_ptr() + d.numel() * d.element_size()) for d in dests.values()}
     pops = [e for e in log if e[0] == 'pop']
     assert pops and all(e[3] >= sources._POPULATE_MIN for e in pops)
@@ -154,17 +151,17 @@ def test_populate_faults_in_fresh_pages_without_writing():
     assert sources._populate(addr + 20 * page, 4 * page) and resident()[20:24] == [1] * 4
 
 
-def test_batches_advise_sequential_reads_and_restore_normal(tmp_path, monkeypatch):
+def test_batches_advise_sequential_reads_and_restore_normal(smol_ckpt, tmp_path, monkeypatch):
     "read_many advises POSIX_FADV_SEQUENTIAL on each file it reads, before any read, and POSIX_FADV_NORMAL after, even when a read fails."
     if not hasattr(os, 'posix_fadvise'): pytest.skip('no posix_fadvise on this platform')
     calls, real = [], os.posix_fadvise
     monkeypatch.setattr(os, 'posix_fadvise', lambda fd, off, n, advice: (calls.append((fd, advice)), real(fd, off, n, advice))[1])
     real_read = sources._preadv
     monkeypatch.setattr(sources, '_preadv', lambda *a, **kw: (calls.append(('read',)), real_read(*a, **kw))[1])
-    src = checkpoint_source(SMOL, threads=2)
+    src = checkpoint_source(smol_ckpt, threads=2)
     keys = sorted(src.keys())
     src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k))) for k in keys])
-    fds = {src._file(p).fileno() for p in set(read_weight_map(SMOL).values())}
+    fds = {src._file(p).fileno() for p in set(read_weight_map(smol_ckpt).values())}
     first_read = calls.index(('read',))
     assert {c[0] for c in calls[:first_read]} == fds and {c[1] for c in calls[:first_read]} == {os.POSIX_FADV_SEQUENTIAL}
     assert {c[0] for c in calls[-len(fds):]} == fds and {c[1] for c in calls[-len(fds):]} == {os.POSIX_FADV_NORMAL}
@@ -192,7 +189,7 @@ def test_one_read_per_contiguous_run(tmp_path):
     try: src.read_many(list(zip(keys, dests)))
     finally: sources._preadv = saved; src.close()
     assert len(calls) == 1 and calls[0] == 2000  # one segment, one call of _preadv (two preadv of <= 1024 buffers inside)
-    for k, d in zip(keys, dests): assert torch.equal(d, tensors[k]), k
+    assert_state_dict_equal(dict(zip(keys, dests)), tensors)
 
 
 @pytest.mark.skipif(not getattr(os, 'RWF_NOWAIT', 0), reason='needs RWF_NOWAIT (Linux >= 4.14)')
@@ -220,7 +217,7 @@ def test_cold_reads_overlap_across_threads_and_warm_reads_never_wait(tmp_path, m
         src = file_source(path, threads=3)
         dests = {k: torch.empty(256, 1024) for k in tensors}
         src.read_many(list(dests.items())); src.close()
-        assert all(torch.equal(dests[k], tensors[k]) for k in tensors)
+        assert_state_dict_equal(dests, tensors)
         assert disks[-1].cold == cold
         if cold: assert any(a[0] < b[1] and b[0] < a[1] for a in spans for b in spans if a is not b), spans
         else: assert spans == []
@@ -246,23 +243,23 @@ class RecordingCopier(HostCopier):
 SOME = lambda k: k.startswith(('model.embed_tokens.', 'model.layers.0.', 'model.layers.29.', 'model.norm.'))  # both ends of the file set
 
 @pytest.mark.parametrize('dtype,threads', [(torch.float32, 1), (torch.bfloat16, 3), (torch.float16, 3)])
-def test_staged_reads_cast_like_torch_and_bound_the_ring(ref, dtype, threads):
+def test_staged_reads_cast_like_torch_and_bound_the_ring(smol_ckpt, ref, dtype, threads):
     "Tensors through 64 KiB chunks (SmolLM2's 56 MB embedding in ~900 pieces), cast as `Tensor.to` casts; at most threads + 1 buffers."
-    src = checkpoint_source(SMOL, threads=threads)
+    src = checkpoint_source(smol_ckpt, threads=threads)
     keys = sorted(k for k in src.keys() if SOME(k))
     dests = [torch.empty(src.shape(k), dtype=dtype) for k in keys]
     cop, chunk = RecordingCopier(), 64 << 10
     src._read_staged(keys, dests, _spans(src, keys), [src.dtype(k) for k in keys], cop, chunk_bytes=chunk)
     src.close()
-    for k, d in zip(keys, dests): assert torch.equal(d, ref[k].to(dtype)), k
+    assert_state_dict_equal(dict(zip(keys, dests)), {k: ref[k].to(dtype) for k in keys})
     assert len(cop.buffers) == threads + 1 and all(b.numel() == chunk for b in cop.buffers)  # host memory: the ring only
     assert max(n for _, n in cop.copies) <= chunk  # no tensor whole in host staging memory
     assert cop.finished == 1
 
 
-def test_a_buffer_is_refilled_only_after_its_copies(ref):
+def test_a_buffer_is_refilled_only_after_its_copies(smol_ckpt, ref):
     "Chunk j reuses buffer j % R and its reader first waits on the token marked after chunk j - R's copies."
-    src = checkpoint_source(SMOL, threads=2)
+    src = checkpoint_source(smol_ckpt, threads=2)
     keys = sorted(k for k in src.keys() if SOME(k))
     cop = RecordingCopier()
     order = []
@@ -296,10 +293,10 @@ def test_misaligned_tensor_is_cast_through_an_aligned_copy(tmp_path):
 # ---------------------------------------------------------------- whole loads through the pipeline
 
 def _meta_smol(dtype=torch.bfloat16):
-    return build_on_meta(CFG, dtype=dtype)
+    return build_on_meta(AutoConfig.from_pretrained(smollm2_checkpoint()), dtype=dtype)
 
 
-def test_device_load_through_the_stand_in_copier(ref, monkeypatch):
+def test_device_load_through_the_stand_in_copier(smol_ckpt, ref, monkeypatch):
     "A load whose new tensors need staging (a float32 model from a bf16 checkpoint) runs the ring: exact values, bounded staging, Parameters kept."
     made = []
     def copier_for(device): c = RecordingCopier(); made.append(c); return c
@@ -307,14 +304,14 @@ def test_device_load_through_the_stand_in_copier(ref, monkeypatch):
     m = _meta_smol(torch.float32)
     part = torch.nn.ModuleDict({'embed_tokens': m.model.embed_tokens, 'layers': torch.nn.ModuleList(m.model.layers[:3])})  # a third of the bytes
     params = {n: p for n, p in part.named_parameters()}
-    [names] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(part, 'model.')], progress=False)
+    [names] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(part, 'model.')], progress=False)
     check_loaded(part, names, 'SmolLM2 float32, embedding and 3 layers')
     assert len(made) == 1 and made[0].finished == 1
     assert sum(b.numel() for b in made[0].buffers) <= 64 << 20  # the ring: host memory of a device load
     for n, p in part.named_parameters(): assert p is params[n] and torch.equal(p, ref['model.' + n].float()), n
 
 
-def test_reader_error_stops_the_load_and_its_threads(monkeypatch):
+def test_reader_error_stops_the_load_and_its_threads(smol_ckpt, monkeypatch):
     "A read failing in a reader thread raises on the caller, leaves the module on meta, no thread behind, and the GC as it was."
     real, calls = sources._preadv, [0]
     def preadv(fd, views, pos, disk=None):
@@ -326,7 +323,7 @@ def test_reader_error_stops_the_load_and_its_threads(monkeypatch):
     for dtype in (torch.bfloat16, torch.float32):  # direct reads, then the staging ring
         calls[0] = 0
         m = _meta_smol(dtype)
-        with pytest.raises(OSError, match='simulated'): load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)], progress=False)
+        with pytest.raises(OSError, match='simulated'): load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m)], progress=False)
         assert all(p.is_meta for p in m.parameters())
         assert gc.isenabled()
     assert threading.active_count() == before
@@ -349,10 +346,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA de
 
 @cuda
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
-def test_cuda_load_matches_and_keeps_parameters(ref, dtype):
+def test_cuda_load_matches_and_keeps_parameters(smol_ckpt, ref, dtype):
     m = _meta_smol(dtype)
     params = {n: p for n, p in m.named_parameters()}
-    [names] = load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)], device='cuda', progress=False)
+    [names] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m)], device='cuda', progress=False)
     check_loaded(m, names, 'SmolLM2 cuda')
     for n, p in m.named_parameters():
         assert p is params[n] and p.device.type == 'cuda' and torch.equal(p.cpu(), ref[n].to(dtype)), n

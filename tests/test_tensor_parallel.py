@@ -15,9 +15,6 @@ from mstar_utils.tensor_parallel import (WHOLE, Sharding, ShardedSource, Slice, 
                                          take, tp_plan)
 from mstar_utils.testing import run_ranks, save_tiny, tp_jobs
 
-SMOL = smollm2_checkpoint()
-SMOL_CONFIG = AutoConfig.from_pretrained(SMOL)
-
 
 def rchar() -> int:
     return int(re.search(r'rchar: (\d+)', Path('/proc/self/io').read_text())[1])
@@ -37,15 +34,15 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize('world_size', [2, 4])
-def test_smollm2_slices_equal_cut_tensors_and_bytes_add_up(world_size):
-    plan, src = tp_plan(SMOL_CONFIG, world_size), checkpoint_source(SMOL)
+def test_smollm2_slices_equal_cut_tensors_and_bytes_add_up(smol_ckpt, smol_config, world_size):
+    plan, src = tp_plan(smol_config, world_size), checkpoint_source(smol_ckpt)
     keys = [k for k in src.keys() if k.startswith(('model.layers.0.', 'model.layers.29.', 'model.norm', 'model.embed'))]
     whole = {k: src.get(k) for k in keys}
     total = sum(t.numel() * t.element_size() for t in whole.values())
     replicated = sum(t.numel() * t.element_size() for k, t in whole.items() if Sharding(plan, 0, world_size).slice_for(k, t.shape) == WHOLE)
     read = []
     for rank in range(world_size):
-        sharded, before = ShardedSource(checkpoint_source(SMOL), Sharding(plan, rank, world_size)), rchar()
+        sharded, before = ShardedSource(checkpoint_source(smol_ckpt), Sharding(plan, rank, world_size)), rchar()
         for k in keys:
             part = sharded.get(k)
             assert tuple(part.shape) == sharded.shape(k) and torch.equal(part, take(whole[k], sharded.slice(k))), k
@@ -56,8 +53,8 @@ def test_smollm2_slices_equal_cut_tensors_and_bytes_add_up(world_size):
     src.close()
 
 
-def test_rowwise_slice_reads_row_by_row_not_the_whole_tensor():
-    src, key = checkpoint_source(SMOL), 'model.layers.3.mlp.down_proj.weight'
+def test_rowwise_slice_reads_row_by_row_not_the_whole_tensor(smol_ckpt):
+    src, key = checkpoint_source(smol_ckpt), 'model.layers.3.mlp.down_proj.weight'
     src.info(key)
     before = rchar()
     part = src.get_slice(key, 1, [(384, 768)])
@@ -83,22 +80,22 @@ def test_fused_targets_slice_through_the_converter(tiny, name, conv, world_size,
     whole_src.close()
 
 
-def test_non_divisible_dimension_names_key_dim_and_world_size():
+def test_non_divisible_dimension_names_key_dim_and_world_size(smol_ckpt, smol_config):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: dim 0 of shape \[1536, 576\] has size 1536, which does not divide by world_size 7"):
-        ShardedSource(checkpoint_source(SMOL), Sharding(tp_plan(SMOL_CONFIG, 7), 0, 7)).shape('model.layers.0.mlp.gate_proj.weight')
+        ShardedSource(checkpoint_source(smol_ckpt), Sharding(tp_plan(smol_config, 7), 0, 7)).shape('model.layers.0.mlp.gate_proj.weight')
     with pytest.raises(ValueError, match='does not divide by 2 packed parts x world_size 4'):
         Sharding({'experts.gate_up_proj': 'packed_colwise'}, 0, 4).slice_for('m.experts.gate_up_proj', (16, 12, 32))
 
 
-def test_tied_tensor_cut_two_ways_is_refused():
-    model = build_on_meta(SMOL_CONFIG)
+def test_tied_tensor_cut_two_ways_is_refused(smol_config):
+    model = build_on_meta(smol_config)
     with pytest.raises(ValueError, match='one tied tensor'):
         shard_module(model, Sharding({'lm_head': 'colwise'}, 0, 2))
 
 
-def test_module_not_cut_is_refused_before_reading():
+def test_module_not_cut_is_refused_before_reading(smol_ckpt, smol_config):
     with pytest.raises(ValueError, match='call shard_module'):
-        load_weights_sharded(SMOL, [ModuleAndPrefix(build_on_meta(SMOL_CONFIG))], Sharding(tp_plan(SMOL_CONFIG, 2), 0, 2))
+        load_weights_sharded(smol_ckpt, [ModuleAndPrefix(build_on_meta(smol_config))], Sharding(tp_plan(smol_config, 2), 0, 2))
 
 
 def test_rules_decide_before_the_plan_and_dict_sources_are_sliced():
@@ -110,9 +107,9 @@ def test_rules_decide_before_the_plan_and_dict_sources_are_sliced():
     assert src.get('w.bias') is sd['w.bias'] and src.borrowed('w.bias') and not src.borrowed('w.weight')
 
 
-def test_cut_keeps_parameter_objects_class_and_linear_sizes():
-    model = build_on_meta(SMOL_CONFIG)
-    cut = shard_module(model, Sharding(tp_plan(SMOL_CONFIG, 2), 1, 2))
+def test_cut_keeps_parameter_objects_class_and_linear_sizes(smol_config):
+    model = build_on_meta(smol_config)
+    cut = shard_module(model, Sharding(tp_plan(smol_config, 2), 1, 2))
     down = model.model.layers[4].mlp.down_proj
     assert cut['model.layers.4.mlp.down_proj.weight'] == Slice(1, ((768, 1536),))
     assert down.weight.is_meta and tuple(down.weight.shape) == (576, 768) and down.in_features == 768

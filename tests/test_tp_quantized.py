@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from mstar_utils.tensor_parallel import Sharding, take, _dim_for, TP_STYLES, WHOLE
 from mstar_utils.testing import (
+    assert_tensors_equal,
     run_ranks,
     tp_cells,
     write_fp8_checkpoint,
@@ -313,7 +314,7 @@ def test_cell(matrix, cell):
                 want = take(raw[k], res['pinned'].get(k, WHOLE))
             else:
                 want = take(ref_sd[k], sharding.slice_for(k, ref_sd[k].shape))
-            assert torch.equal(t, want.to(t.dtype)), f'rank {r}: {k} {list(t.shape)} is not the full tensor\'s slice'
+            assert_tensors_equal(t, want.to(t.dtype), f'rank {r}: {k}, the full tensor\'s slice')
         for k, w in res['dequantized'].items():  # a kept layer's weight: its slice of the reference weight
             if k not in ref_sd:
                 want = expert_weight(ref_sd, k)  # one expert's layer, kept whole by its rank

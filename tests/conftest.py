@@ -1,0 +1,19 @@
+"""Session fixtures the test files share: the checkpoints several of them load, built once per run, at first use.
+
+A test that needs SmolLM2 asks for `smol_ckpt` (its folder) or `smol_config` (its transformers config) instead of
+building the checkpoint when pytest imports the file."""
+import pytest
+
+
+@pytest.fixture(scope='session')
+def smol_ckpt():
+    "SmolLM2-135M-Instruct's checkpoint folder, built from its registry package on first use."
+    from mstar_utils.checkpoints import smollm2_checkpoint
+    return smollm2_checkpoint()
+
+
+@pytest.fixture(scope='session')
+def smol_config(smol_ckpt):
+    "SmolLM2's config, as transformers reads it."
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(smol_ckpt)
