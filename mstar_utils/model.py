@@ -316,6 +316,7 @@ def _recipes(config, ckpt: Path, conv) -> list:
     "The recipes whose keys `load_model` fuses: `conv`, or for 'auto' ours by model type, then transformers'."
     return [*auto_conversions(config, ckpt), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
 
+# %% ../nbs/03_load_model.ipynb #44d6946a
 def _as_stored(src: FileSource, recipes: list, dtype) -> list:
     "The shards of `src` whose every tensor loads as stored: in `dtype`, and matched by none of `recipes`."
     fused = {src.k2f[k] for k in src.keys() if any(r.match(k) for r in recipes)}
@@ -347,6 +348,7 @@ def _json_dtype(cfg: dict):
     dt = getattr(torch, name, None) if isinstance(name, str) else None
     return dt if isinstance(dt, torch.dtype) else None
 
+# %% ../nbs/03_load_model.ipynb #bc8b0ea7
 def _reads_before_config(ckpt: Path, dtype, conv, device: str, mmap: bool) -> FileSource:
     "`start_reads` from config.json's JSON alone (our recipes by model type), before transformers is imported."
     try: cfg = json.loads((ckpt/'config.json').read_text(encoding='utf-8'))
