@@ -229,12 +229,13 @@ def inspect(
     ex = _explored(ckpt) if stats else None
     if ex is not None:
         rep['explore'] = ex.to_dict()
-    head = '\n\nreply         ' if prompt is not None else '\n\ntranscription ' if audio is not None else '\n'
+    # the report ends its line before the progress lines on stderr; the label waits for the first reply bytes
+    head = '\nreply         ' if prompt is not None else '\ntranscription ' if audio is not None else ''
     if not json:
         print(
             format_report(rep)
             + ('' if ex is None else '\n\n' + str(ex))
-            + ('' if prompt is not None or audio is not None else head),
+            + '\n',
             end='',
             flush=True,
         )

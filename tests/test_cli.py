@@ -46,6 +46,16 @@ def test_prompt_answers_paris_through_our_loader():
     assert 'Paris' in reply
 
 
+def test_progress_lines_start_lines_of_their_own():
+    "In a terminal stdout and stderr interleave: the report ends its last line before the progress lines come."
+    r = subprocess.run(['mstar-utils', 'inspect', '--prompt', 'Hi', '--max-new-tokens', '2'], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stdout
+    loading = next(line for line in r.stdout.splitlines() if 'with mstar_utils.load_model' in line)
+    assert loading.startswith('loading '), loading
+    assert '\n\nreply         ' in r.stdout
+
+
 # ---- a CLI that never prints a traceback
 
 from mstar_utils import minilm_checkpoint
