@@ -994,9 +994,10 @@ def _ranks(self: Exploration) -> tuple:
     rows = [(_par(r), _spread(r.read_bytes), _spread(r.held_bytes), _size(sum(r.read_bytes)) if r.read_bytes else '–',
              'refused (see above)' if r.refused else 'yes') for r in self.ranks]
     if not rows: return ('not computed', '', [])
-    tp, ep = [str(r.world_size) for r in self.ranks if not r.expert_parallel], [str(r.world_size) for r in self.ranks if r.expert_parallel]
+    loads = [r for r in self.ranks if not r.refused]   # the sizes listed are those load_model accepts
+    tp, ep = [str(r.world_size) for r in loads if not r.expert_parallel], [str(r.world_size) for r in loads if r.expert_parallel]
     refused = [_par(r) for r in self.ranks if r.refused]
-    summary = f'TP {", ".join(tp)}' + (f' and EP {", ".join(ep)}' if ep else '') + (f'; refused: {", ".join(refused)}' if refused else '')
+    summary = f'TP {", ".join(tp) or "none"}' + (f' and EP {", ".join(ep)}' if ep else '') + (f'; refused: {", ".join(refused)}' if refused else '')
     return summary, _html_table(head, rows), _text_table(head, rows)
 
 def _kv(self: Exploration) -> tuple:

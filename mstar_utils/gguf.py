@@ -5,16 +5,19 @@
 # %% ../nbs/06b_gguf.ipynb #fmtg002
 from __future__ import annotations
 from pathlib import Path
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
 from fastcore.basics import patch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from .quantized import QuantizedTensor, _Dequantize, in_threads, keep_quantized, scratch
+
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUFTensor', 'gguf_names', 'Skipped', 'GGUFHeader',
-           'read_gguf', 'gguf_config', 'GGUFSource', 'gguf_model_class']
+           'read_gguf', 'gguf_config', 'GGUFSource', 'gguf_model_class', 'GGUFDequantize', 'keep_gguf']
 
 # %% ../nbs/06b_gguf.ipynb #fmtg005
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -22,7 +25,7 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
     return b[:, at:at + 2].clone().view(torch.float16).float()   # a fresh copy: aligned for the view
 
 def _shifted(x: torch.Tensor, shifts: list, mask: int) -> torch.Tensor:
-    "(x[..., None, :] >> each shift) & mask: [..., len(shifts), k] for x [..., k] (the shifts' values one after another)."
+    "(x[..., None, :] >> each shift) & mask: [..., len(shifts), k] for `x` [..., k]."
     s = torch.tensor(shifts, dtype=torch.uint8, device=x.device).view(-1, 1)
     return (x.unsqueeze(-2) >> s) & mask
 
@@ -43,13 +46,6 @@ def _q5_0(b): return _f16(b, 0) * ((_nibbles(b[:, 6:], 16) | (_fifth_bits(b, 2) 
 def _q5_1(b): return _f16(b, 0) * (_nibbles(b[:, 8:], 16) | (_fifth_bits(b, 4) << 4)).float() + _f16(b, 2)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg007
-def _k_scales(s: torch.Tensor) -> tuple:
-    "Q4_K's and Q5_K's 12 bytes [n, 12] as 8 six-bit scales and 8 six-bit mins, [n, 8] each."
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
-    return sc, mn
-
 def _q2_k(b):
     n, sc = b.shape[0], b[:, :16]
     dl = (_f16(b, 80) * (sc & 0xF).float()).reshape(n, 16, 1)
@@ -67,18 +63,45 @@ def _q3_k(b):
     return (dl * (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()).reshape(n, 256)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg008
-def _q45_k(b, at: int, fifth: bool):
-    "Q4_K (`fifth` False) and Q5_K: d, dmin, 12 bytes of scales, [32 bytes of fifth bits,] 128 bytes of nibbles from `at`."
-    n = b.shape[0]
-    sc, mn = _k_scales(b[:, 4:16])
-    d = (_f16(b, 0) * sc.float()).reshape(n, 8, 1)
-    dm = (_f16(b, 2) * mn.float()).reshape(n, 8, 1)
-    q = _shifted(b[:, at:at + 128].reshape(n, 4, 32), [0, 4], 0xF).reshape(n, 8, 32)
-    if fifth: q = q | (_shifted(b[:, 16:48].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 8, 32) << 4)
-    return (d * q.float() - dm).reshape(n, 256)
+_M4, _M6, _M2 = 0x0F0F0F0F, 0x3F3F3F3F, 0x30303030   # masks of each byte of a 32-bit word
+_NIB, _BIT = 0x0F0F0F0F0F0F0F0F, 0x0101010101010101    # each byte's low nibble, lowest bit, of a 64-bit word
+_BITS = torch.arange(8).view(1, 8, 1)
 
-def _q4_k(b): return _q45_k(b, 16, False)
-def _q5_k(b): return _q45_k(b, 48, True)
+def _k_scales(b: np.ndarray) -> np.ndarray:
+    "Q4_K's and Q5_K's d·scale and dmin·min of blocks `b` [n, size]: float32 [2, n, 8], as gguf-py's."
+    # four bytes a word: the scales' low six bits, the mins', the fourth nibbles
+    n, w = b.shape[0], b[:, 4:16].view(np.int32)
+    d, m, md = w[:, 0], w[:, 1], w[:, 2]
+    s = np.empty((2, n, 2), np.int32)   # scales 0-3, 4-7, then mins 0-3, 4-7: one byte each
+    np.bitwise_and(d, _M6, out=s[0, :, 0])
+    np.bitwise_or(md & _M4, (d >> 2) & _M2, out=s[0, :, 1])
+    np.bitwise_and(m, _M6, out=s[1, :, 0])
+    np.bitwise_or((md >> 4) & _M4, (m >> 2) & _M2, out=s[1, :, 1])
+    f = s.view(np.uint8).reshape(2, n, 8).astype(np.float32)
+    f *= b[:, :4].view(np.float16).astype(np.float32).T.reshape(2, n, 1)   # d, then dmin
+    return f
+
+# %% ../nbs/06b_gguf.ipynb #fmtg008b
+def _q45_k(b: torch.Tensor, # blocks uint8 [n, size], contiguous (a scratch copy)
+           out: torch.Tensor, # float32 [n, 256], written
+           at: int, # where the 128 bytes of nibbles start
+           fifth: bool, # Q5_K: a fifth bit a value, from bytes 16-48
+          ) -> None:
+    "Q4_K and Q5_K into `out`: nibbles 16 at a time from 64-bit words, then d·q − m as gguf-py's."
+    n = b.shape[0]
+    f = torch.from_numpy(_k_scales(b.numpy())).unsqueeze(-1)
+    x, q = b[:, at:at + 128].view(torch.int64), scratch('gguf_nibbles', (2, n, 16), torch.int64)
+    torch.bitwise_and(x, _NIB, out=q[0])
+    torch.bitwise_right_shift(x, 4, out=q[1])
+    q[1] &= _NIB   # the sign bits an arithmetic shift brings in, masked off
+    u, qb = scratch('gguf_codes', (n, 4, 2, 32), torch.uint8), q.view(torch.uint8).view(2, n, 4, 1, 32)
+    torch.cat([qb[0], qb[1]], 2, out=u)   # each run of 32 bytes: its low nibbles, then its high ones
+    if fifth:   # bit j of byte i: the fifth bit of sub-block j's value i
+        h = b[:, 16:48].view(torch.int64).view(n, 1, 4)
+        u.view(torch.int64).view(n, 8, 4).bitwise_or_(((h >> _BITS) & _BIT) << 4)
+    o = out.view(n, 8, 32)
+    o.copy_(u.view(n, 8, 32))
+    o.mul_(f[0]).sub_(f[1])
 
 def _q6_k(b):
     n = b.shape[0]
@@ -88,74 +111,117 @@ def _q6_k(b):
     return (d * ((ql | (qh << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)).reshape(n, 256)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg009
-_BLOCK_DECODERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
-                   T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+def _into(fn):
+    "A decoder that returns its values [n, block] as one that writes them into `out`."
+    def into(b, out): out.copy_(fn(b))
+    return into
+
+_RETURNING = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q2_K: _q2_k, T.Q3_K: _q3_k,
+              T.Q6_K: _q6_k}
+_BLOCK_DECODERS = {**{q: _into(f) for q, f in _RETURNING.items()},
+                   T.Q4_K: lambda b, out: _q45_k(b, out, 16, False), T.Q5_K: lambda b, out: _q45_k(b, out, 48, True)}
 _PLAIN = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 GGUF_TYPES = tuple(_PLAIN) + tuple(_BLOCK_DECODERS)   # the tensor types read
 _CHUNK = 2048   # blocks decoded at a time: the temporaries stay in cache (3x faster than 32k blocks on Q4_K)
 
+def _decode(qtype: T, src: torch.Tensor, dest: torch.Tensor) -> None:
+    "Whole blocks `src` (uint8) decoded into `dest` (any float dtype): float32, then one rounding."
+    if qtype in _PLAIN: return dest.copy_(src.contiguous().view(_PLAIN[qtype]).view(dest.shape))
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = src.numel() // size
+    # contiguous and aligned: decoders view its bytes as wider words
+    b = scratch('gguf_blocks', (n, size), torch.uint8)
+    b.view(src.shape).copy_(src)
+    out = scratch('gguf_values', (n, block), torch.float32)
+    _BLOCK_DECODERS[qtype](b, out)
+    dest.copy_(out.view(dest.shape))
+
+# %% ../nbs/06b_gguf.ipynb #fmtg009b
+def _pieces(data: torch.Tensor, # uint8 [rows, row bytes]
+            qtype: T,
+            dest: torch.Tensor, # [rows, row values], contiguous
+            heads: int | None = None, # Llama's q/k: `dest` gets the rows in transformers' order (see `unpermute_rows`)
+           ) -> list:
+    "(blocks, values) pieces of at most `_CHUNK` blocks that together decode `data` into `dest`."
+    block, size = GGML_QUANT_SIZES[qtype]
+    if heads is None:
+        b, v, step = data.reshape(-1, size), dest.view(-1, block), _CHUNK * (256 if qtype in _PLAIN else 1)
+        return [(b[i:i + step], v[i:i + step]) for i in range(0, b.shape[0], step)]
+    rows, cols = dest.shape
+    half = rows // heads // 2
+    # stored row 2i + j of a head: its row j·half + i
+    v, step = dest.view(heads, 2, half, cols), max(1, _CHUNK * block // (2 * cols))
+    return [(data[2 * (h * half + i):2 * (h * half + min(half, i + step))], v[h, :, i:i + step].transpose(0, 1))
+            for h in range(heads) for i in range(0, half, step)]
+
 def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's bytes as stored, rows of whole blocks
                     qtype: int, # its GGML type (`gguf.GGMLQuantizationType`)
-                    out: torch.Tensor | None = None, # float32 [..., row values] to write into; None: a new tensor
+                    out: torch.Tensor | None = None, # [..., row values], any float dtype, contiguous; None: float32
+                    heads: int | None = None, # a Llama q/k [rows, row values]: its rows put in transformers' order
                    ) -> torch.Tensor:
-    "The values float32 [..., row values] (F16/BF16 widened), as gguf-py's `gguf.quants.dequantize` gives them."
+    "The values [..., row values] as gguf-py's `dequantize` gives them, rounded once into `out`."
     qtype = T(qtype)
-    if qtype not in GGUF_TYPES: raise NotImplementedError(f'GGUF tensor type {qtype.name} is not decoded (decoded: {", ".join(t.name for t in GGUF_TYPES)})')
+    if qtype not in GGUF_TYPES:
+        raise NotImplementedError(f'GGUF tensor type {qtype.name} is not decoded (decoded: '
+                                  f'{", ".join(t.name for t in GGUF_TYPES)})')
     block, size = GGML_QUANT_SIZES[qtype]
-    if data.shape[-1] % size: raise ValueError(f'GGUF {qtype.name}: a row of {data.shape[-1]} bytes is not a whole number of {size}-byte blocks')
+    if data.shape[-1] % size:
+        raise ValueError(f'GGUF {qtype.name}: a row of {data.shape[-1]} bytes is not a whole number of {size}-byte '
+                         'blocks')
     shape = (*data.shape[:-1], data.shape[-1] // size * block)
     out = torch.empty(shape, dtype=torch.float32) if out is None else out
-    if qtype in _PLAIN:
-        out.copy_(data.contiguous().view(_PLAIN[qtype]).reshape(shape))
-        return out
-    blocks, flat, fn = data.reshape(-1, size), out.view(-1, block), _BLOCK_DECODERS[qtype]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # cache-sized steps: intra-op threads cost more than they gain (17x slower on SmolLM2 with 2)
-    try:
-        for i in range(0, blocks.shape[0], _CHUNK): flat[i:i + _CHUNK] = fn(blocks[i:i + _CHUNK])
-    finally: torch.set_num_threads(threads)
-    return out
+    if tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f'GGUF {qtype.name}: out must be contiguous {list(shape)}, not {list(out.shape)}')
+    dest = out if out.device.type == 'cpu' else torch.empty(shape, dtype=out.dtype)
+    pieces = _pieces(data.reshape(-1, data.shape[-1]), qtype, dest.view(-1, shape[-1]), heads)
+    in_threads([lambda s=s, v=v: _decode(qtype, s, v) for s, v in pieces])
+    return out if dest is out else out.copy_(dest)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg014
 def gguf_file(path: str | Path, # a .gguf file, or a folder holding exactly one
              ) -> Path | None:
-    "The GGUF file `path` names: itself, or the one `.gguf` in a folder without safetensors; None for none. `ValueError` for several."
+    "The GGUF file `path` names: itself, or a folder's one `.gguf` (not beside safetensors); else None."
     p = Path(path)
     if p.is_file(): return p if p.suffix == '.gguf' else None
-    if not p.is_dir() or any(p.glob('*.safetensors')): return None   # a safetensors checkpoint beside a GGUF loads as safetensors
+    # a safetensors checkpoint beside a GGUF loads as safetensors
+    if not p.is_dir() or any(p.glob('*.safetensors')): return None
     found = sorted(p.glob('*.gguf'))
-    if len(found) > 1: raise ValueError(f'{p} holds {len(found)} GGUF files ({", ".join(f.name for f in found[:4])}); give the file to load')
+    if len(found) > 1:
+        raise ValueError(f'{p} holds {len(found)} GGUF files ({", ".join(f.name for f in found[:4])}); give the file '
+                         'to load')
     return found[0] if found else None
 
 # %% ../nbs/06b_gguf.ipynb #fmtg015
 def unpermute_rows(w: torch.Tensor, # [rows, ...]: a Llama q_proj or k_proj as llama.cpp's converter stored it
                    heads: int, # its heads: attention heads for q, key-value heads for k
                   ) -> torch.Tensor:
-    "The rows in transformers' order: each head's rows read as (rows/heads/2, 2) and written as (2, rows/heads/2)."
+    "The rows in transformers' order: each head's rows read as (half, 2), written as (2, half)."
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg017
 class GGUFTensor(NamedTuple):
-    "One tensor of a GGUF file: its GGML `qtype`, `shape` in torch's order, `data` its bytes (uint8, a view of the mapped file)."
+    "One tensor of a GGUF file: its GGML `qtype`, `shape` in torch's order, `data` its mapped bytes."
     name: str
     qtype: T
     shape: tuple
     data: object
 
 def _arch_of(model_type: str) -> int | None:
-    "gguf-py's MODEL_ARCH for a transformers `model_type` (the spellings that differ, as transformers maps them)."
+    "gguf-py's MODEL_ARCH for a transformers `model_type`, the spellings mapped as transformers maps them."
     from gguf import MODEL_ARCH_NAMES
-    name = {'cohere': 'command-r', 'qwen2_moe': 'qwen2moe', 'qwen3_moe': 'qwen3moe', 'gemma3_text': 'gemma3'}.get(model_type, model_type)
+    spelt = {'cohere': 'command-r', 'qwen2_moe': 'qwen2moe', 'qwen3_moe': 'qwen3moe', 'gemma3_text': 'gemma3'}
+    name = spelt.get(model_type, model_type)
     return next((a for a, n in MODEL_ARCH_NAMES.items() if n == name), None)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg018
 def gguf_names(model: torch.nn.Module, # the model to fill (a meta-built one will do)
                config, # its transformers config
               ) -> dict:
-    "{GGUF tensor name: the model's name} by gguf-py's tensor-name map, tried on each name and then on its tails."
+    "{GGUF tensor name: the model's name} by gguf-py's tensor-name map, on each name and its tails."
     from gguf import get_tensor_name_map
     arch = _arch_of(config.model_type)
-    if arch is None: raise NotImplementedError(f'GGUF: gguf-py has no tensor-name map for model_type {config.model_type!r}')
+    if arch is None:
+        raise NotImplementedError(f'GGUF: gguf-py has no tensor-name map for model_type {config.model_type!r}')
     tmap, out = get_tensor_name_map(arch, config.num_hidden_layers), {}
     for name in model.state_dict():
         base, dot, suffix = name.rpartition('.') if name.endswith(('.weight', '.bias')) else (name, '', '')
@@ -168,15 +234,16 @@ def gguf_names(model: torch.nn.Module, # the model to fill (a meta-built one wil
 import mmap as _mmap
 import struct
 
-_SCALARS = {0: 'B', 1: 'b', 2: 'H', 3: 'h', 4: 'I', 5: 'i', 6: 'f', 7: '?', 10: 'Q', 11: 'q', 12: 'd'}   # GGUF value types
+# GGUF value types
+_SCALARS = {0: 'B', 1: 'b', 2: 'H', 3: 'h', 4: 'I', 5: 'i', 6: 'f', 7: '?', 10: 'Q', 11: 'q', 12: 'd'}
 
 class Skipped(NamedTuple):
-    "A long array of strings in the metadata (a tokenizer's vocabulary), kept as its length: transformers reads those itself."
+    "A long array of strings in the metadata (a vocabulary), kept as its length: transformers reads it."
     n: int
     def __len__(self): return self.n
 
 class GGUFHeader(NamedTuple):
-    "A GGUF file's `metadata` {key: value} and `tensors` {name: GGUFTensor} (bytes as views of the mapped file)."
+    "A GGUF file's `metadata` {key: value} and `tensors` {name: GGUFTensor}, views of the mapped file."
     metadata: dict
     tensors: dict
 
@@ -199,10 +266,11 @@ class _Walk:
 # %% ../nbs/06b_gguf.ipynb #fmtg022
 @patch
 def value(self: _Walk, t: int):
-    "One metadata value of GGUF type `t`: scalars, strings, arrays as lists (long string arrays as `Skipped`)."
+    "One metadata value of GGUF type `t`: scalars, strings, lists (long string arrays as `Skipped`)."
     if t in _SCALARS: return self.take(_SCALARS[t])
     if t == 8: return self.string()
-    if t != 9: raise ValueError(f'{self.what}: GGUF metadata value type {t} at byte {self.pos} is not one of the format\'s')
+    if t != 9:
+        raise ValueError(f'{self.what}: GGUF metadata value type {t} at byte {self.pos} is not one of the format\'s')
     at, n = self.take('I'), self.take('Q')
     if at in _SCALARS:
         out = list(struct.unpack_from(f'<{n}{_SCALARS[at]}', self.buf, self.pos))
@@ -215,15 +283,17 @@ def value(self: _Walk, t: int):
 
 # %% ../nbs/06b_gguf.ipynb #fmtg023
 def read_gguf(path: str | Path) -> GGUFHeader:
-    "The metadata and tensors of GGUF file `path` (version 2 or 3, little-endian); `ValueError` saying how a broken file is broken."
+    "The metadata and tensors of GGUF file `path` (versions 2 and 3); `ValueError` for a broken one."
     path = Path(path)
     with open(path, 'rb') as f:
         buf = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY) if path.stat().st_size else b''
     w = _Walk(buf, str(path))
-    if bytes(buf[:4]) != b'GGUF': raise ValueError(f'{path}: not a GGUF file (it starts with {bytes(buf[:4])!r}, not b"GGUF")')
+    if bytes(buf[:4]) != b'GGUF':
+        raise ValueError(f'{path}: not a GGUF file (it starts with {bytes(buf[:4])!r}, not b"GGUF")')
     w.pos = 4
     version = w.take('I')
-    if version not in (2, 3): raise ValueError(f'{path}: GGUF version {version} (as little-endian): versions 2 and 3 little-endian are read')
+    if version not in (2, 3):
+        raise ValueError(f'{path}: GGUF version {version} (as little-endian): versions 2 and 3 little-endian are read')
     n_tensors, n_kv = w.take('Q'), w.take('Q')
     meta = {}
     for _ in range(n_kv):
@@ -240,21 +310,27 @@ def read_gguf(path: str | Path) -> GGUFHeader:
     tensors = {}
     for name, qt, shape, off in infos:
         try: qt = T(qt)
-        except ValueError: raise ValueError(f'{path}: tensor {name!r} has GGML type {qt}, which gguf-py does not know') from None
+        except ValueError:
+            raise ValueError(f'{path}: tensor {name!r} has GGML type {qt}, which gguf-py does not know') from None
         block, size = GGML_QUANT_SIZES[qt]
-        if shape and shape[-1] % block: raise ValueError(f'{path}: tensor {name!r} {list(shape)}: a row of {shape[-1]} is not whole {qt.name} blocks of {block}')
+        if shape and shape[-1] % block:
+            raise ValueError(f'{path}: tensor {name!r} {list(shape)}: a row of {shape[-1]} is not whole {qt.name} '
+                             f'blocks of {block}')
         nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block * size) if shape else size
-        if start + off + nbytes > len(buf): raise ValueError(f'{path}: tensor {name!r} ends at byte {start + off + nbytes}, past the end of the file ({len(buf)}): cut short')
+        if start + off + nbytes > len(buf):
+            raise ValueError(f'{path}: tensor {name!r} ends at byte {start + off + nbytes}, past the end of the file '
+                             f'({len(buf)}): cut short')
         tensors[name] = GGUFTensor(name, qt, shape, data[start + off:start + off + nbytes])
     return GGUFHeader(meta, tensors)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg025
-_SPECIAL = ('t5', 't5encoder', 'stablelm', 'qwen2moe', 'qwen3moe', 'gpt-oss', 'gpt_oss', 'minimax-m2', 'gemma3', 'gemma4', 'lfm2')
+_SPECIAL = ('t5', 't5encoder', 'stablelm', 'qwen2moe', 'qwen3moe', 'gpt-oss', 'gpt_oss', 'minimax-m2', 'gemma3',
+            'gemma4', 'lfm2')
 
 def gguf_config(f: Path, # the GGUF file
                 header: GGUFHeader, # its `read_gguf`
                ):
-    "The transformers config of GGUF file `f`, as `AutoConfig.from_pretrained(f.parent, gguf_file=f.name)` builds it."
+    "The transformers config of GGUF file `f`, as `AutoConfig.from_pretrained(gguf_file=...)` builds it."
     from transformers import AutoConfig, CONFIG_MAPPING
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
     meta = header.metadata
@@ -268,48 +344,114 @@ def gguf_config(f: Path, # the GGUF file
         new = (GGUF_CONFIG_MAPPING.get(prefix) or {}).get(rest)
         if new is None or new == -1: continue
         cfg[new] = v[0] if isinstance(v, list) and len(v) == 1 else v
-    if 'vocab_size' not in cfg and 'tokenizer.ggml.tokens' in meta: cfg['vocab_size'] = len(meta['tokenizer.ggml.tokens'])
+    if 'vocab_size' not in cfg and 'tokenizer.ggml.tokens' in meta:
+        cfg['vocab_size'] = len(meta['tokenizer.ggml.tokens'])
     config = CONFIG_MAPPING[cfg['model_type']].from_dict(cfg)
     config._name_or_path = str(f.parent)   # as from_pretrained names it
     return config
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026
-_RESHAPED = ('qwen2moe', 'qwen3moe', 'gpt-oss', 'bloom', 't5', 't5encoder', 'gpt2', 'mamba', 'nemotron', 'gemma2', 'gemma3', 'lfm2',
-             'minimax-m2')   # architectures whose tensors transformers reshapes or rescales beyond renaming: not read here
+# architectures whose tensors transformers reshapes or rescales beyond renaming: not read here
+_RESHAPED = ('qwen2moe', 'qwen3moe', 'gpt-oss', 'bloom', 't5', 't5encoder', 'gpt2', 'mamba', 'nemotron', 'gemma2',
+             'gemma3', 'lfm2', 'minimax-m2')
+
+def _rows(t: GGUFTensor) -> tuple:
+    "The stored shape of tensor `t`'s bytes: [rows, row bytes]."
+    rows = int(np.prod(t.shape[:-1], dtype=np.int64))
+    return (rows, t.data.numel() // max(rows, 1))
 
 class GGUFSource:
-    "The tensors of a GGUF file under `model`'s names, dequantized to float32 as they are read: a loader source."
+    "A loader source: a GGUF file's tensors under `model`'s names, dequantized as they are read."
     def __init__(self, path: str | Path, model: torch.nn.Module, config, header: GGUFHeader | None = None):
         self.path, self.what = Path(path), str(path)
         header = header or read_gguf(self.path)
         self.arch = header.metadata.get('general.architecture')
-        if self.arch in _RESHAPED: raise NotImplementedError(f'{self.path.name}: GGUF architecture {self.arch!r} is not read (transformers reshapes its tensors); read: the others gguf-py maps')
+        if self.arch in _RESHAPED:
+            raise NotImplementedError(f'{self.path.name}: GGUF architecture {self.arch!r} is not read (transformers '
+                                      'reshapes its tensors); read: the others gguf-py maps')
         names, self.config = gguf_names(model, config), config
         self.tensors = {names[n]: t for n, t in header.tensors.items() if n in names}
         self.unmapped = [n for n in header.tensors if n not in names]   # what transformers skips too (e.g. rope_freqs)
+        self.kept = set()   # keys read as their stored blocks, uint8 [rows, row bytes] (`keep_gguf`)
     def keys(self): return self.tensors.keys()
     def __contains__(self, k): return k in self.tensors
-    def shape(self, k): return self.tensors[k].shape
-    def dtype(self, k): return torch.float32
+    def shape(self, k): return _rows(self.tensors[k]) if k in self.kept else self.tensors[k].shape
+    def dtype(self, k): return torch.uint8 if k in self.kept else torch.float32
     def where(self, k): return f'{self.path.name} ({self.tensors[k].name}, {self.tensors[k].qtype.name})'
     def borrowed(self, k): return False
     def close(self): self.tensors = None
 
 # %% ../nbs/06b_gguf.ipynb #fmtg027
 @patch
-def get(self: GGUFSource, k: str) -> torch.Tensor:
-    "Tensor `k` float32 in torch's shape: decoded by `dequantize_gguf`, Llama's q/k rows put back in transformers' order."
-    t = self.tensors[k]
-    if t.qtype not in GGUF_TYPES: raise NotImplementedError(f'{self.path.name}: tensor {t.name!r} is {t.qtype.name}, not decoded (decoded: {", ".join(q.name for q in GGUF_TYPES)})')
-    w = dequantize_gguf(t.data.reshape(*t.shape[:-1], -1), t.qtype).reshape(t.shape)
-    c = self.config
-    if self.arch == 'llama' and ('.attn_q.' in t.name or '.attn_k.' in t.name):
-        w = unpermute_rows(w, c.num_attention_heads if '.attn_q.' in t.name else c.num_key_value_heads)
-    return w
+def read_many(self: GGUFSource, pairs: list, # (key, dest): dest of the key's shape, any float dtype and device
+              progress=None, # called as progress(bytes, tensors)
+              **kw):
+    "Fill each `dest` by `dequantize_gguf`, in cache-sized pieces on torch's threads."
+    for k, d in pairs:
+        t = self.tensors[k]
+        if t.qtype not in GGUF_TYPES:
+            raise NotImplementedError(f'{self.path.name}: tensor {t.name!r} is {t.qtype.name}, not decoded (decoded: '
+                                      f'{", ".join(q.name for q in GGUF_TYPES)})')
+        dest = d if d.is_contiguous() else torch.empty(d.shape, dtype=d.dtype, device=d.device)
+        rows = t.data.reshape(_rows(t))
+        if k in self.kept: dest.copy_(rows)
+        else: dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
+        if dest is not d: d.copy_(dest)
+        if progress: progress(d.numel() * d.element_size(), 1)
+
+@patch
+def _heads(self: GGUFSource, t: GGUFTensor) -> int | None:
+    "Heads whose rows llama.cpp's converter permuted in tensor `t` (Llama's q and k), else None."
+    if self.arch != 'llama' or not ('.attn_q.' in t.name or '.attn_k.' in t.name): return None
+    return self.config.num_attention_heads if '.attn_q.' in t.name else self.config.num_key_value_heads
+
+@patch
+def get(self: GGUFSource, k: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    "Tensor `k` in torch's shape, float32 (or into `out`), Llama's q/k rows in transformers' order."
+    out = torch.empty(self.shape(k), dtype=self.dtype(k)) if out is None else out
+    self.read_many([(k, out)])
+    return out
 
 # %% ../nbs/06b_gguf.ipynb #fmtg029
 def gguf_model_class(config) -> type:
     "The class `AutoModelForCausalLM` picks for `config`: a GGUF config names no architectures."
     from transformers import AutoModelForCausalLM
     try: return AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError: raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
+    except KeyError:
+        raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
+
+# %% ../nbs/06b_gguf.ipynb #fmtgk01
+@dataclass(frozen=True)
+class GGUFDequantize(_Dequantize):
+    "(blocks uint8 [rows, row bytes]) → the values [rows, row values] in `target_dtype`."
+    qtype: int = int(T.Q8_0) # the GGML type of the blocks
+    heads: int | None = None # Llama's q/k: the rows put back in transformers' order
+    target_dtype: torch.dtype = torch.bfloat16
+    codes: ClassVar[tuple] = (torch.uint8,)
+    _stackable: ClassVar[bool] = False
+    suffixes: ClassVar[tuple] = ('',)
+    def out_shape(self, shapes: list) -> tuple:
+        block, size = GGML_QUANT_SIZES[T(self.qtype)]
+        return (shapes[0][0], shapes[0][1] // size * block)
+    def mismatch(self, shapes: list):
+        size = GGML_QUANT_SIZES[T(self.qtype)][1]
+        return None if len(shapes[0]) == 2 and shapes[0][1] % size == 0 else (0, 0, f'rows of whole {size}-byte blocks')
+    def _one(self, ts):
+        out = torch.empty(self.out_shape([ts[0].shape]), dtype=self.target_dtype)
+        return dequantize_gguf(ts[0], self.qtype, out, self.heads)
+
+# %% ../nbs/06b_gguf.ipynb #fmtgk02
+def keep_gguf(model: torch.nn.Module, # built on meta; its Linear layers are swapped in place
+              src: GGUFSource, # the file's source over `model`; its kept keys then read as stored bytes
+              dtype: torch.dtype = torch.float32, # what `forward` dequantizes to
+             ) -> list:
+    "Swap each `nn.Linear` the file stores in a block type for a `QuantizedLinear`; the kept keys."
+    units = []
+    for k, t in src.tensors.items():
+        m = model.get_submodule(k[:-len('.weight')]) if k.endswith('.weight') else None
+        if t.qtype in _BLOCK_DECODERS and isinstance(m, torch.nn.Linear):
+            op = GGUFDequantize(int(t.qtype), src._heads(t), dtype)
+            units.append(QuantizedTensor(k, [k], op, [_rows(t)], [torch.uint8]))
+    keep_quantized(model, units)
+    src.kept |= {u.target for u in units}
+    return [u.target for u in units]

@@ -4,7 +4,9 @@
 
 # %% ../nbs/06_quantized.ipynb #55c6b72d
 from __future__ import annotations
-import dataclasses, math, re
+import dataclasses, math, re, threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -17,20 +19,31 @@ from torch import nn
 from .convert import ConversionOp, WeightConverter, convert_state_dict, converted_source
 
 # %% auto #0
-__all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_',
-           'FP8BlockDequantize', 'FloatQuantizedDequantize', 'PackQuantizedDequantize', 'MXFP4Dequantize', 'StoredCut',
-           'dequantize_cut', 'QuantizedTensor', 'quantized_tensors', 'quantized_conversions', 'QuantizedLinear',
-           'QuantizedExperts', 'keep_quantized', 'quantized_source', 'block_slice', 'DenseQuantized', 'NVFP4Dequantize',
-           'GPTQDequantize', 'AWQDequantize', 'BnB4bitDequantize', 'BnBInt8Dequantize']
+__all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_', 'in_threads',
+           'scratch', 'FP8BlockDequantize', 'FloatQuantizedDequantize', 'PackQuantizedDequantize', 'MXFP4Dequantize',
+           'StoredCut', 'dequantize_cut', 'QuantizedTensor', 'quantized_tensors', 'quantized_conversions',
+           'QuantizedLinear', 'QuantizedExperts', 'keep_quantized', 'quantized_source', 'block_slice', 'DenseQuantized',
+           'NVFP4Dequantize', 'GPTQDequantize', 'AWQDequantize', 'BnB4bitDequantize', 'BnBInt8Dequantize']
 
 # %% ../nbs/06_quantized.ipynb #47664196
-FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 value by code 0..15
+# E2M1 value by code 0..15
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_FP4_PAIRS: dict = {}   # device -> [256] int64: a byte's (low nibble, high nibble) values as two float32s, side by side
+
+def _fp4_pairs(device) -> torch.Tensor:
+    "[256] int64 on `device`: byte b's (value of b & 15, value of b >> 4) as two float32s side by side."
+    lut = _FP4_PAIRS.get(device)
+    if lut is None:
+        v = torch.tensor(FP4_E2M1)
+        pairs = torch.stack([v.repeat(16), v.repeat_interleave(16)], -1)   # [256, 2] float32
+        lut = _FP4_PAIRS[device] = pairs.view(torch.int64).view(256).to(device)
+    return lut
 
 def unpack_fp4(blocks: torch.Tensor, # uint8 [..., n], two E2M1 codes a byte
               ) -> torch.Tensor:
-    "FP4 values float32 [..., 2n]: a byte's low nibble is the even value, its high nibble the odd one (gpt-oss's layout)."
-    lut = torch.tensor(FP4_E2M1, device=blocks.device)
-    return torch.stack([lut[(blocks & 0xF).long()], lut[(blocks >> 4).long()]], -1).flatten(-2)
+    "FP4 values float32 [..., 2n]: a byte's low nibble is the even value, its high nibble the odd one."
+    pairs = _fp4_pairs(blocks.device).index_select(0, blocks.reshape(-1).int())   # one int64 a byte: its two values
+    return pairs.view(torch.float32).view(*blocks.shape[:-1], -1)
 
 # %% ../nbs/06_quantized.ipynb #61ea0072
 def e8m0_to_float(e: torch.Tensor, # E8M0 exponents: uint8 or float8_e8m0fnu
@@ -46,7 +59,9 @@ def unpack_int32(packed: torch.Tensor, # int32 [..., ⌈cols·b/32⌉]
                  cols: int, # values a row
                 ) -> torch.Tensor:
     "Signed codes int8 [..., cols]: value i at bit i·b mod 32 of word ⌊i·b/32⌋, stored plus 2^(b−1) (compressed-tensors' `pack_to_int32`)."
-    if num_bits not in (1, 2, 4, 8): raise ValueError(f'num_bits={num_bits}: only 1, 2, 4 or 8 bits are unpacked (values that never straddle two int32 words)')
+    if num_bits not in (1, 2, 4, 8):
+        raise ValueError(f'num_bits={num_bits}: only 1, 2, 4 or 8 bits are unpacked (values that never straddle two '
+                         'int32 words)')
     shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)
     u = (packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
     return (u.flatten(-2)[..., :cols] - (1 << (num_bits - 1))).to(torch.int8)
@@ -79,6 +94,49 @@ def per_block_(x: torch.Tensor, # float [..., R, C], changed in place
     if C > full * bc: op(x[..., full * bc:], v[..., full:])
     return x
 
+# %% ../nbs/06_quantized.ipynb #fastq001
+# the lock, how many `in_threads` calls run now, torch's thread count before the first
+_ONE_THREAD = [threading.Lock(), 0, 1]
+
+@contextmanager
+def _torch_threads_one():
+    "torch's intra-op threads set to one while any `in_threads` runs, restored when the last ends; yields the count before."
+    lock = _ONE_THREAD[0]
+    with lock:
+        if _ONE_THREAD[1] == 0: _ONE_THREAD[2] = torch.get_num_threads()
+        _ONE_THREAD[1] += 1
+        torch.set_num_threads(1)
+    try: yield _ONE_THREAD[2]
+    finally:
+        with lock:
+            _ONE_THREAD[1] -= 1
+            if _ONE_THREAD[1] == 0: torch.set_num_threads(_ONE_THREAD[2])
+
+def in_threads(jobs: list, # callables of no arguments, each a piece of the work
+               threads: int | None = None, # None: torch's intra-op thread count (`torch.get_num_threads()`)
+              ) -> None:
+    "Run `jobs` on `threads` Python threads, one torch thread each; the first error is raised."
+    with _torch_threads_one() as n:
+        n = min(threads or n, len(jobs))
+        if n <= 1:
+            for j in jobs: j()
+            return
+        with ThreadPoolExecutor(n) as ex:
+            for f in [ex.submit(j) for j in jobs]: f.result()
+
+# %% ../nbs/06_quantized.ipynb #fastq002
+_SCRATCH = threading.local()
+
+def scratch(name: str, # the buffer's name: one buffer a name and thread
+            shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    "This thread's buffer `name`, of `shape` and `dtype`: kept between calls, grown when too small."
+    n = int(torch.Size(shape).numel())
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.dtype != dtype or buf.numel() < n:
+        buf = torch.empty(max(n, 1), dtype=dtype)
+        setattr(_SCRATCH, name, buf)
+    return buf[:n].view(shape)
+
 # %% ../nbs/06_quantized.ipynb #9924710e
 class _Dequantize(ConversionOp):
     "What the dequantizing operations share: a `ConversionOp` over all the rule's tensors, whose result is in `target_dtype`."
@@ -86,7 +144,8 @@ class _Dequantize(ConversionOp):
     def out_dtype(self, dtypes: list) -> torch.dtype:
         "`target_dtype`, after checking that the codes `dtypes[0]` are of a dtype the format stores; `ValueError` otherwise."
         if dtypes[0] not in self.codes:
-            raise ValueError(f'{type(self).__name__}: codes are {dtypes[0]}, the format stores {" or ".join(map(str, self.codes))}')
+            raise ValueError(f'{type(self).__name__}: codes are {dtypes[0]}, the format stores '
+                             f'{" or ".join(map(str, self.codes))}')
         return self.target_dtype
 
 # %% ../nbs/06_quantized.ipynb #c254561f
@@ -203,7 +262,8 @@ class MXFP4Dequantize(_Dequantize):
     def mismatch(self, shapes: list):
         "(0, 1, rule) when blocks [..., R, G, 16] and scales [..., R, G] disagree, else None."
         b, s = tuple(shapes[0]), tuple(shapes[1])
-        return None if len(b) >= 3 and b[-1] == 16 and b[:-1] == s else (0, 1, 'blocks [..., R, G, 16] and scales [..., R, G]')
+        return None if len(b) >= 3 and b[-1] == 16 and b[:-1] == s else (0, 1, 'blocks [..., R, G, 16] and scales '
+                                                                               '[..., R, G]')
     def _one(self, ts):
         x = unpack_fp4(ts[0]).mul_(e8m0_to_float(ts[1])[..., None]).flatten(-2)   # [..., R, G·32]
         return x.transpose(-1, -2) if self.transpose else x
@@ -309,13 +369,17 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
         module = keys[0].rpartition('.')[0]
         scales = sorted(k for k in src.keys() if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])
         beside = f'the scale keys beside it are {", ".join(map(repr, scales))}' if scales else 'there is no scale key beside it'
-        raise ValueError(f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its {missing[0]!r} is missing; {beside}')
+        raise ValueError(f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its '
+                         f'{missing[0]!r} is missing; {beside}')
     if missing:
         have = next(k for k in keys if k in src)
-        raise ValueError(f'{what}: {have!r} ({src.dtype(have)}) belongs to quantized codes {keys[0]!r}, which are missing')
+        raise ValueError(f'{what}: {have!r} ({src.dtype(have)}) belongs to quantized codes {keys[0]!r}, which are '
+                         'missing')
     shapes, dtypes = [tuple(src.shape(k)) for k in keys], [src.dtype(k) for k in keys]
     bad = op.mismatch(shapes)
-    if bad: raise ValueError(f'{what}: {keys[bad[1]]!r} has shape {list(shapes[bad[1]])} beside {keys[bad[0]]!r} {list(shapes[bad[0]])}; {type(op).__name__} needs {bad[2]}')
+    if bad:
+        raise ValueError(f'{what}: {keys[bad[1]]!r} has shape {list(shapes[bad[1]])} beside {keys[bad[0]]!r} '
+                         f'{list(shapes[bad[0]])}; {type(op).__name__} needs {bad[2]}')
     try: op.out_dtype(dtypes)
     except ValueError as e: raise ValueError(f'{what}: {keys[0]!r}: {e}') from None
     return QuantizedTensor(target, keys, op, shapes, dtypes)
@@ -324,7 +388,8 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
 def _fp8_op(src, target: str, block: tuple | None, dtype, what: str) -> FP8BlockDequantize:
     "The operation for `target`: its scale `*_scale_inv`, else `*_scale`, one per `block`, or one per tensor when the scale has one element. `block` None (no `weight_block_size`): 128 × 128, else the block the shapes give when 128 × 128 does not fit them (as transformers' `Fp8Dequantize` reads them)."
     inv, plain = target + '_scale_inv', target + '_scale'
-    if inv in src and plain in src: raise ValueError(f'{what}: {target!r} has two scales, {inv!r} and {plain!r}; an fp8 weight has one')
+    if inv in src and plain in src:
+        raise ValueError(f'{what}: {target!r} has two scales, {inv!r} and {plain!r}; an fp8 weight has one')
     suffix = '_scale' if plain in src else '_scale_inv'
     key, given = target + suffix, block is not None
     block = block if given else (128, 128)
@@ -362,7 +427,8 @@ def _ct_block(w: dict, what: str) -> tuple:
     if s == 'channel': return (1, None)
     if s == 'group': return (1, w['group_size'])
     if s == 'block': return tuple(w['block_structure'])
-    raise NotImplementedError(f'{what}: compressed-tensors weight strategy {s!r} is not supported (tensor, channel, group and block are)')
+    raise NotImplementedError(f'{what}: compressed-tensors weight strategy {s!r} is not supported (tensor, channel, '
+                              'group and block are)')
 
 _CLASS_NAME = re.compile(r'[A-Z][A-Za-z0-9_]*')   # a target taken for a class name, such as 'Linear'
 
@@ -370,26 +436,33 @@ def _ct_scheme(qc: dict, module: str) -> dict | None:
     "The config group quantizing `module`, as compressed-tensors' `match_targets` orders targets: exact names, then `re:` regexes, then class names; None when ignored or untargeted."
     def named(t): return re.match(t[3:], module) is not None if t.startswith('re:') else t == module
     if any(named(t) for t in qc.get('ignore') or []): return None
-    group = {t: g for g in (qc.get('config_groups') or {}).values() for t in g.get('targets') or []}   # a target's last group
+    # a target's last group
+    group = {t: g for g in (qc.get('config_groups') or {}).values() for t in g.get('targets') or []}
     order = sorted(group, key=lambda t: ('re:' in t, t))
     hit = next((t for t in order if named(t)), None) or next((t for t in order if _CLASS_NAME.fullmatch(t)), None)
     return group[hit] if hit else None
 
 # %% ../nbs/06_quantized.ipynb #36a6e4c4
 _CT_FLOAT = ('float-quantized', 'int-quantized', 'naive-quantized')
-_CT_OPS: list = []   # builders (src, qc, g, module, dtype, what) -> op or None, tried first: the formats of "More formats" below
+# builders (src, qc, g, module, dtype, what) -> op or None, tried first: the formats of "More formats" below
+_CT_OPS: list = []
 
 def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
     "The operation for `module` under config group `g`."
     fmt, w = g.get('format') or qc.get('format'), g.get('weights') or {}
-    if (op := next((o for b in _CT_OPS if (o := b(src, qc, g, module, dtype, what)) is not None), None)) is not None: return op
+    if (op := next((o for b in _CT_OPS if (o := b(src, qc, g, module, dtype, what)) is not None), None)) is not None:
+        return op
     block, sym = _ct_block(w, f'{what}: {module!r}'), w.get('symmetric', True)
-    if module + '.weight_g_idx' in src: raise NotImplementedError(f'{what}: {module + ".weight_g_idx"!r}: activation-ordered groups are not supported')
+    if module + '.weight_g_idx' in src:
+        raise NotImplementedError(f'{what}: {module + ".weight_g_idx"!r}: activation-ordered groups are not supported')
     if fmt == 'pack-quantized':
-        if module + '.weight_shape' not in src: raise ValueError(f'{what}: {module + ".weight_packed"!r} (int32) is pack-quantized but its {module + ".weight_shape"!r} is missing')
+        if module + '.weight_shape' not in src:
+            raise ValueError(f'{what}: {module + ".weight_packed"!r} (int32) is pack-quantized but its '
+                             f'{module + ".weight_shape"!r} is missing')
         return PackQuantizedDequantize(w.get('num_bits', 4), block, tuple(src.get(module + '.weight_shape').tolist()), sym, dtype)
     if fmt in _CT_FLOAT: return FloatQuantizedDequantize(block, dtype, sym)
-    raise NotImplementedError(f'{what}: compressed-tensors format {fmt!r} of {module!r} is not supported ({", ".join(("pack-quantized",) + _CT_FLOAT)} are)')
+    raise NotImplementedError(f'{what}: compressed-tensors format {fmt!r} of {module!r} is not supported '
+                              f'({", ".join(("pack-quantized",) + _CT_FLOAT)} are)')
 
 def _model_name(module: str, names: dict) -> str:
     "`module`, a checkpoint's module name, as the model names it: through the rename (`names`: checkpoint key -> model key) of its weight, packed weight or scale."
@@ -404,8 +477,11 @@ def _ct_tensors(src, qc: dict, dtype, what: str, names: dict | None = None) -> l
     mods |= {k[:-7] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}
     units = []
     for m in sorted(mods):
-        g = _ct_scheme(qc, _model_name(m, names or {}))   # targets name the model's modules, which a checkpoint may store renamed
-        if g is None: raise ValueError(f'{what}: {m!r} has quantization parameters, but no config group of quantization_config targets it')
+        # targets name the model's modules, which a checkpoint may store renamed
+        g = _ct_scheme(qc, _model_name(m, names or {}))
+        if g is None:
+            raise ValueError(f'{what}: {m!r} has quantization parameters, but no config group of quantization_config '
+                             'targets it')
         units.append(_unit(src, m + '.weight', _ct_op(src, qc, g, m, dtype, what), what))
     return units
 
@@ -421,7 +497,9 @@ def quantized_tensors(src, # a loader source (`keys()`, `shape(k)`, `dtype(k)`, 
     qc = _qconfig(config)
     if not qc: return []
     what, method = Path(getattr(src, 'what', 'checkpoint')).name, qc.get('quant_method')
-    if method not in _FORMATS: raise NotImplementedError(f'{what}: quantization_config.quant_method {method!r} is not supported ({", ".join(map(repr, _FORMATS))} are)')
+    if method not in _FORMATS:
+        raise NotImplementedError(f'{what}: quantization_config.quant_method {method!r} is not supported '
+                                  f'({", ".join(map(repr, _FORMATS))} are)')
     if method == 'compressed-tensors': return _ct_tensors(src, qc, dtype or torch.bfloat16, what, names)
     return _FORMATS[method](src, qc, dtype or torch.bfloat16, what)
 
@@ -470,7 +548,8 @@ class QuantizedLinear(nn.Module):
         self.trim = None   # set by a tensor-parallel cut
         got = tuple(u.op.out_shape(u.shapes))
         if got != (out_features, in_features):
-            raise ValueError(f'QuantizedLinear: {u.sources[0]!r} dequantizes to {list(got)}, the layer is [{out_features}, {in_features}]')
+            raise ValueError(f'QuantizedLinear: {u.sources[0]!r} dequantizes to {list(got)}, the layer is '
+                             f'[{out_features}, {in_features}]')
         _stored(self, u, 'weight', device)
         self.register_parameter('bias', nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None)
 
@@ -499,7 +578,9 @@ class QuantizedExperts(nn.Module):
         self.stored = stored or prefix
         self.trims = {}   # a tensor-parallel cut's {parameter: trim}
         self.expert_offset = 0   # the first expert an expert-parallel rank holds
-        if per_expert and not conv: raise ValueError(f'QuantizedExperts: {prefix}: per-expert weights need conv, the rules that fuse them for {type(inner).__name__}')
+        if per_expert and not conv:
+            raise ValueError(f'QuantizedExperts: {prefix}: per-expert weights need conv, the rules that fuse them '
+                             f'for {type(inner).__name__}')
         dev = next(inner.parameters()).device
         for p, u in (whole or {}).items(): _stored(self, u, p, dev)
         for path, u in (per_expert or {}).items(): _add_linear(self, path, u, dev)
@@ -531,7 +612,8 @@ def dequantized(self: QuantizedExperts) -> dict:
            for p, op in self.ops.items()}
     lin = {_renumbered(n, self.expert_offset) + '.weight': m.dequantized_weight()
            for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
-    for pre in dict.fromkeys([self.prefix, self.stored]) if lin else []:   # rules for the model's names, then for the checkpoint's
+    # rules for the model's names, then for the checkpoint's
+    for pre in dict.fromkeys([self.prefix, self.stored]) if lin else []:
         named = {pre + k: v for k, v in lin.items()}
         rules = [c for c in self.conv if any(c.match(k) for k in named)]
         if rules: out.update({k[len(self.prefix):]: v for k, v in convert_state_dict(named, rules).items() if k not in named and k.startswith(self.prefix)})
@@ -572,9 +654,19 @@ def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped i
     lin, whole, per = [], {}, {}
     for u in units:
         if not getattr(u.op, 'keepable', True):
-            raise NotImplementedError(f"{u.sources[0]!r}: quantized='keep' holds no {type(u.op).__name__} codes; load it with quantized='dequantize'")
+            raise NotImplementedError(f"{u.sources[0]!r}: quantized='keep' holds no {type(u.op).__name__} codes; "
+                                      "load it with quantized='dequantize'")
         path = _model_name(u.target.rpartition('.')[0], names or {})
         if u.target.startswith(prefix): _place(model, u, path[len(prefix):], lin, whole, per)
+    for path, parts in per.items():   # fused as the experts' own parameters: a wrapped module must hold nothing else
+        inner = model.get_submodule(path)
+        held = [n for n, sub in inner.named_modules() if n and next(iter([*sub.parameters(False), *sub.buffers(False)]), None) is not None]
+        if held:
+            u = next(iter(parts.values()))
+            raise NotImplementedError(f"{u.sources[0]!r}: quantized='keep' fuses weights stored in parts only into an experts "
+                                      f"module's own parameters, and {path!r} ({type(inner).__name__}) has modules "
+                                      f"of its own ({', '.join(held)}); "
+                                      "load it with quantized='dequantize'")
     for path, m, u in lin:
         q = QuantizedLinear(m.in_features, m.out_features, u, bias=False, device=m.weight.device)
         q.bias = m.bias
@@ -582,7 +674,8 @@ def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped i
     for path in {**whole, **per}:
         stored = next((u.target[:-len(p + '.weight')] for p, u in per.get(path, {}).items() if u.target.endswith(f'.{p}.weight')), None)
         model.set_submodule(path, QuantizedExperts(model.get_submodule(path), whole.get(path), per.get(path), conv, prefix + path + '.', stored))
-    kept = [n for u in units for k in u.sources for n in {k, (names or {}).get(k, k)}]   # rules match checkpoint or model names
+    # rules match checkpoint or model names
+    kept = [n for u in units for k in u.sources for n in {k, (names or {}).get(k, k)}]
     return [c for c in conv or [] if not any(c.match(k) for k in kept)]
 
 # %% ../nbs/06_quantized.ipynb #28decb80
@@ -608,10 +701,12 @@ def block_slice(key: str, # the checkpoint key being sharded, named in errors
                 size: int, # the axis' length
                ) -> slice:
     "The slice of `key`'s scales for rows [start, stop); `ValueError` naming the key when a bound cuts through a block (`stop == size` may end in the last, partial one)."
-    if not 0 <= start < stop <= size: raise ValueError(f'{key!r}: shard [{start}, {stop}) is not a non-empty range inside [0, {size})')
+    if not 0 <= start < stop <= size:
+        raise ValueError(f'{key!r}: shard [{start}, {stop}) is not a non-empty range inside [0, {size})')
     for b in (start, stop):
         if b % block and b != size:
-            raise ValueError(f'{key!r}: a shard boundary at {b} cuts through a block of {block} scaled values; shard on multiples of {block}')
+            raise ValueError(f'{key!r}: a shard boundary at {b} cuts through a block of {block} scaled values; shard '
+                             f'on multiples of {block}')
     return slice(start // block, -(-stop // block))
 
 # %% ../nbs/06_quantized.ipynb #fmtq003
@@ -643,7 +738,8 @@ def _ct_dense(src, qc: dict, g: dict, module: str, dtype, what: str) -> DenseQua
     fmt, key = g.get('format') or qc.get('format'), module + '.weight'
     plain = key in src and module + '.weight_packed' not in src and src.dtype(key) in _FLOATS
     if fmt == 'dense' and key in src and not plain:
-        raise ValueError(f"{what}: quantization_config says format 'dense' (weights stored unquantized), but {key!r} is {src.dtype(key)}")
+        raise ValueError(f"{what}: quantization_config says format 'dense' (weights stored unquantized), but {key!r} "
+                         f"is {src.dtype(key)}")
     if not plain: return None
     keys = ('',) + tuple(s for s in _CT_PARAMS if f'{key}{s}' in src)
     return DenseQuantized(_ct_weight_block(g.get('weights') or {}, f'{what}: {module!r}'), dtype, keys)
@@ -655,7 +751,8 @@ _CT_OPS.append(_ct_dense)
 class NVFP4Dequantize(_Dequantize):
     """(packed FP4 uint8 [..., R, C/2], scales F8_E4M3 [..., R, ⌈C/16⌉], global scale F32 [1]) → fp4 × (scale / global).
 
-    compressed-tensors' `nvfp4-pack-quantized` (suffixes `_packed`, `_scale`, `_global_scale`: a divisor) and ModelOpt's NVFP4
+    compressed-tensors' `nvfp4-pack-quantized` (suffixes `_packed`, `_scale`, `_global_scale`: a divisor) and '
+                      'ModelOpt's NVFP4
     (`''`, `_scale`, `_scale_2`: its inverse, `inverse=True`)."""
     group: int = 16
     target_dtype: torch.dtype = torch.bfloat16
@@ -675,21 +772,43 @@ def mismatch(self: NVFP4Dequantize, shapes: list):
     if _numel(shapes[2][len(shapes[0]) - 2:]) != 1: return 0, 2, 'one global scale per tensor'
     return None
 
+_PIECE = 1 << 18   # values decoded at a time: 1 MiB of float32, which stays in cache
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # torch's own conversion of each byte
+
+def _e4m3_float(s: torch.Tensor) -> torch.Tensor:
+    "F8_E4M3 `s` as float32, as `s.float()` gives it: one lookup a byte (torch's own conversion is 15 times slower on a CPU)."
+    if s.device.type != 'cpu' or s.dtype != torch.float8_e4m3fn: return s.float()
+    return _E4M3.index_select(0, s.reshape(-1).view(torch.uint8).int()).view(s.shape)
+
 @patch
 def _one(self: NVFP4Dequantize, ts: list) -> torch.Tensor:
-    g = ts[2].float().reshape(())
-    x = unpack_fp4(ts[0].view(torch.uint8))
-    return per_block_(x, ts[1].float() / (1 / g if self.inverse else g), (1, self.group))
+    codes, g = ts[0].view(torch.uint8), ts[2].float().reshape(())
+    g = 1 / g if self.inverse else g
+    R, C = codes.shape[0], codes.shape[1] * 2
+    if C % self.group or codes.device.type != 'cpu':
+        return per_block_(unpack_fp4(codes), ts[1].float() / g, (1, self.group))
+    out, step = torch.empty(R, C, dtype=self.target_dtype), max(1, _PIECE // max(C, 1))
+    # rows [i, j): the values, times their group's scale / global scale, rounded once into `out`
+    def rows(i: int, j: int):
+        lut, x = _fp4_pairs(codes.device), scratch('nvfp4', ((j - i) * C // 2,), torch.int64)
+        torch.index_select(lut, 0, scratch('nvfp4_idx', ((j - i) * C // 2,), torch.int32).copy_(codes[i:j].reshape(-1)), out=x)
+        v = x.view(torch.float32).view(j - i, C // self.group, self.group)
+        out[i:j].view(v.shape).copy_(v.mul_((_e4m3_float(ts[1][i:j]) / g).unsqueeze(-1)))
+    in_threads([lambda i=i: rows(i, min(R, i + step)) for i in range(0, R, step)])
+    return out
 
 # %% ../nbs/06_quantized.ipynb #fmtq010
 def _ct_nvfp4(src, qc: dict, g: dict, module: str, dtype, what: str) -> NVFP4Dequantize | None:
     "The op of an `nvfp4-pack-quantized` module; None for other formats."
     if (g.get('format') or qc.get('format')) != 'nvfp4-pack-quantized': return None
     w = g.get('weights') or {}
-    if w.get('symmetric', True) is False: raise NotImplementedError(f'{what}: {module!r}: asymmetric NVFP4 is not supported (compressed-tensors refuses it too)')
+    if w.get('symmetric', True) is False:
+        raise NotImplementedError(f'{what}: {module!r}: asymmetric NVFP4 is not supported (compressed-tensors '
+                                  'refuses it too)')
     key = module + '.weight_packed'
     if key in src and src.dtype(key) not in NVFP4Dequantize.codes:
-        raise ValueError(f"{what}: quantization_config says format 'nvfp4-pack-quantized' (two FP4 codes a uint8), but {key!r} is {src.dtype(key)}")
+        raise ValueError(f"{what}: quantization_config says format 'nvfp4-pack-quantized' (two FP4 codes a uint8), "
+                         f"but {key!r} is {src.dtype(key)}")
     return NVFP4Dequantize(w.get('group_size') or 16, dtype)
 
 _CT_OPS.append(_ct_nvfp4)
@@ -834,8 +953,11 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"gptq\"`: every module with a `qweight`; act-order read from its `g_idx`."
     bits, gs = qc.get('bits', 4), qc.get('group_size', 128) or -1
     fmt = qc.get('checkpoint_format') or qc.get('format') or 'gptq'
-    if bits not in (2, 4, 8): raise NotImplementedError(f'{what}: GPTQ bits={bits} is not supported (2, 4 and 8 are: codes that never straddle two int32 words)')
-    if fmt not in ('gptq', 'gptq_v2'): raise NotImplementedError(f"{what}: GPTQ checkpoint_format {fmt!r} is not supported ('gptq' and 'gptq_v2' are)")
+    if bits not in (2, 4, 8):
+        raise NotImplementedError(f'{what}: GPTQ bits={bits} is not supported (2, 4 and 8 are: codes that never '
+                                  'straddle two int32 words)')
+    if fmt not in ('gptq', 'gptq_v2'):
+        raise NotImplementedError(f"{what}: GPTQ checkpoint_format {fmt!r} is not supported ('gptq' and 'gptq_v2' are)")
     units = []
     for m in sorted(k[:-len('.qweight')] for k in src.keys() if k.endswith('.qweight')):
         has = f'{m}.g_idx' in src
@@ -844,7 +966,8 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
             g = _value(src, f'{m}.g_idx').long()
             act = not torch.equal(g, _groups(len(g), 1 if gs <= 0 else 2, gs, None, g.device))
             if act and not qc.get('desc_act', True):
-                raise ValueError(f"{what}: {m + '.g_idx'!r} is not k // group_size ({gs}): it orders the inputs by activation, but quantization_config says desc_act false")
+                raise ValueError(f"{what}: {m + '.g_idx'!r} is not k // group_size ({gs}): it orders the inputs by "
+                                 "activation, but quantization_config says desc_act false")
         units.append(_unit(src, m + '.weight', GPTQDequantize(bits, gs, fmt == 'gptq', act, dtype, has), what))
     return units
 
@@ -852,7 +975,8 @@ def _awq_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"awq\"` (AutoAWQ's GEMM version): every module with a `qweight`."
     bits, version = qc.get('bits', qc.get('w_bit', 4)), str(qc.get('version', 'gemm')).lower()
     if bits != 4 or version != 'gemm':
-        raise NotImplementedError(f"{what}: AWQ bits={bits}, version {version!r} is not supported (4 bits, version 'gemm' is)")
+        raise NotImplementedError(f"{what}: AWQ bits={bits}, version {version!r} is not supported (4 bits, version "
+                                  "'gemm' is)")
     gs = qc.get('group_size', qc.get('q_group_size', 128)) or -1
     return [_unit(src, k[:-len('.qweight')] + '.weight', AWQDequantize(gs, dtype), what) for k in sorted(src.keys()) if k.endswith('.qweight')]
 
@@ -916,7 +1040,8 @@ class BnB4bitDequantize(_Dequantize):
     codes: ClassVar[tuple] = (torch.uint8,)
     _stackable: ClassVar[bool] = False
     @property
-    def suffixes(self):   # the weight last: its key is a prefix of the others, and a source pattern takes the first it matches
+    # the weight last: its key is a prefix of the others, and a source pattern takes the first it matches
+    def suffixes(self):
         nested = ('.nested_absmax', '.nested_quant_map') if self.nested_blocksize else ()
         return ('.absmax', *nested, '.quant_map', f'.quant_state.bitsandbytes__{self.quant_type}', '')
     def out_dtype(self, dtypes: list) -> torch.dtype: return _Dequantize.out_dtype(self, dtypes[-1:])
@@ -924,8 +1049,10 @@ class BnB4bitDequantize(_Dequantize):
     def mismatch(self, shapes: list):
         "(j, 0, rule) when the codes or absmax do not fit `shape` and `blocksize`, else None."
         n = _numel(self.shape)
-        if _numel(shapes[-1]) != -(-n // 2): return len(shapes) - 1, len(shapes) - 1, f'two codes a byte of {list(self.shape)}: {-(-n // 2)} bytes'
-        if _numel(shapes[0]) != -(-n // self.blocksize): return len(shapes) - 1, 0, f'one absmax per {self.blocksize} values: {-(-n // self.blocksize)}'
+        if _numel(shapes[-1]) != -(-n // 2):
+            return len(shapes) - 1, len(shapes) - 1, f'two codes a byte of {list(self.shape)}: {-(-n // 2)} bytes'
+        if _numel(shapes[0]) != -(-n // self.blocksize):
+            return len(shapes) - 1, 0, f'one absmax per {self.blocksize} values: {-(-n // self.blocksize)}'
         return None
     def _one(self, ts):
         absmax, qmap, w = ts[0], ts[-3].float(), ts[-1].view(torch.uint8).flatten()
@@ -970,15 +1097,19 @@ def _bnb_op(src, key: str, dtype, what: str) -> BnB4bitDequantize:
     "The op that the quant_state blob `key` (uint8 JSON) describes."
     import json
     try: st = json.loads(bytes(_value(src, key).tolist()).decode('utf-8'))
-    except (UnicodeDecodeError, ValueError) as e: raise ValueError(f'{what}: {key!r} is not the JSON quant state bitsandbytes writes: {e}') from None
-    if st.get('quant_type') not in ('nf4', 'fp4'): raise ValueError(f"{what}: {key!r} has quant_type {st.get('quant_type')!r}; bitsandbytes 4-bit is 'nf4' or 'fp4'")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f'{what}: {key!r} is not the JSON quant state bitsandbytes writes: {e}') from None
+    if st.get('quant_type') not in ('nf4', 'fp4'):
+        raise ValueError(f"{what}: {key!r} has quant_type {st.get('quant_type')!r}; bitsandbytes 4-bit is 'nf4' or "
+                         "'fp4'")
     return BnB4bitDequantize(st['quant_type'], tuple(st['shape']), st['blocksize'], st.get('nested_blocksize', 0) if 'nested_offset' in st else 0,
                              float(st.get('nested_offset', 0.0)), dtype)
 
 def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"bitsandbytes\"`: 4-bit weights by their quant_state blob, int8 ones by their `SCB`."
     four, eight = qc.get('load_in_4bit', qc.get('_load_in_4bit')), qc.get('load_in_8bit', qc.get('_load_in_8bit'))
-    if not (four or eight): raise ValueError(f'{what}: quantization_config (bitsandbytes) sets neither load_in_4bit nor load_in_8bit')
+    if not (four or eight):
+        raise ValueError(f'{what}: quantization_config (bitsandbytes) sets neither load_in_4bit nor load_in_8bit')
     if four:
         return [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what) for k in sorted(src.keys()) if _BNB_STATE in k]
     return [_unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)
