@@ -214,3 +214,18 @@ def test_fused_qkv_with_a_global_scale_per_part_is_exact(tmp_path):
     with pytest.raises(NotImplementedError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight_packed': quantized='keep' .* "
                                                   r"'model\.layers\.0\.mlp' \(Phi3MLP\) has modules of its own \(gate_up_proj, down_proj\)"):
         load_model(phi, conv=conv, dtype=torch.float32, quantized='keep')   # not the silent NaNs of modules hidden inside a wrapper
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_nvfp4_apply_into_equals_apply(dtype):
+    "apply_into writes NVFP4 straight into the destination, equal to apply; other shapes and dtypes go through apply."
+    torch.manual_seed(2)
+    for R, C in [(1, 16), (7, 48), (300, 2048), (5, 40)]:
+        p = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8)
+        s = torch.randint(0, 127, (R, -(-C // 16)), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        gs = torch.rand(1) * 1000
+        for op in (NVFP4Dequantize(16, dtype), NVFP4Dequantize(16, dtype, ('', '_scale', '_scale_2'), True)):
+            want = op.apply([p, s, gs])
+            assert_tensors_equal(op.apply_into([p, s, gs], torch.empty(R, C, dtype=dtype)), want)
+            other = torch.float16 if dtype == torch.float32 else torch.float32
+            assert_tensors_equal(op.apply_into([p, s, gs], torch.empty(R, C, dtype=other)), want.to(other))
