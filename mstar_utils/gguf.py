@@ -129,9 +129,10 @@ def _decode(qtype: T, src: torch.Tensor, dest: torch.Tensor) -> None:
     if qtype in _PLAIN: return dest.copy_(src.contiguous().view(_PLAIN[qtype]).view(dest.shape))
     block, size = GGML_QUANT_SIZES[qtype]
     n = src.numel() // size
-    # contiguous and aligned: decoders view its bytes as wider words
-    b = scratch('gguf_blocks', (n, size), torch.uint8)
-    b.view(src.shape).copy_(src)
+    if src.is_contiguous() and src.data_ptr() % 8 == 0: b = src.view(n, size)   # a mapped file's bytes, aligned
+    else:   # a copy, contiguous and aligned: decoders view its bytes as wider words
+        b = scratch('gguf_blocks', (n, size), torch.uint8)
+        b.view(src.shape).copy_(src)
     out = scratch('gguf_values', (n, block), torch.float32)
     _BLOCK_DECODERS[qtype](b, out)
     dest.copy_(out.view(dest.shape))

@@ -159,3 +159,16 @@ def test_keep_holds_the_blocks_and_equals_the_dequantized_load(tmp_path, monkeyp
     assert m.model.layers[0].mlp.down_proj.op.qtype == T.Q4_K and m.lm_head.weight.dtype == torch.uint8
     same(q.dequantized_weight(), ref.model.layers[1].self_attn.q_proj.weight)
     torch.testing.assert_close(logits(m), logits(ref), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize('qtype', [T.Q4_K, T.Q5_K, T.Q8_0], ids=lambda q: q.name)
+def test_unaligned_bytes_decode_as_gguf_py(qtype):
+    "Bytes at an odd address (copied before the decoders view them as wider words) and aligned ones decode alike."
+    b = random_blocks(np.random.default_rng(5), qtype, (9, 2))
+    buf = torch.zeros(b.size + 8, dtype=torch.uint8)
+    for at in (0, 1, 3):
+        src = buf[at:at + b.size].view(b.shape)
+        src.copy_(torch.from_numpy(b))
+        same(dequantize_gguf(src, qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
+        same(dequantize_gguf(src, qtype, torch.empty(9, b.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0], dtype=torch.bfloat16)),
+             torch.from_numpy(gguf.quants.dequantize(b, qtype)).to(torch.bfloat16))
