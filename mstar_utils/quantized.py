@@ -17,6 +17,7 @@ from fastcore.basics import patch
 from torch import nn
 
 from .convert import ConversionOp, WeightConverter, convert_state_dict, converted_source
+from .sources import WrappedSource
 
 # %% auto #0
 __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_', 'in_threads',
@@ -750,7 +751,30 @@ def quantized_source(src, # the checkpoint's source
     units = quantized_tensors(src, config, dtype or getattr(model, 'dtype', None), names)
     if not units: return src, conv
     if keep: return src, keep_quantized(model, units, conv, names=names)
-    return converted_source(src, [WeightConverter(p, t, [op]) for p, t, op in _fragments(units, src.keys())]), conv
+    recipes = [WeightConverter(p, t, [op]) for p, t, op in _fragments(units, src.keys())]
+    return _DecodedInto(converted_source(src, recipes)), conv
+
+# %% ../nbs/06_quantized.ipynb #fastq004
+class _DecodedInto(WrappedSource):
+    "The dequantizing source, whose batched reads decode ops that have `_into` (NVFP4) straight into each destination."
+    def _direct(self, k, d):
+        "(source, tree) of target `k` when its op decodes into `d` itself (one op over stored keys), else None."
+        got = self.src.resolve(k)
+        tree = got[1] if got else None
+        op, kids = getattr(tree, 'op', None), getattr(tree, 'kids', ())
+        if not hasattr(op, '_into') or not all(hasattr(c, 'key') for c in kids): return None
+        if d.device.type != 'cpu' or not d.is_contiguous() or d.dtype != op.target_dtype or d.dim() != 2: return None
+        return got[0], tree
+
+    def read_many(self, pairs, progress=None, **kw):
+        direct, rest = [], []
+        for k, d in pairs: (direct if (h := self._direct(k, d)) else rest).append((k, d, h))
+        if rest: self.src.read_many([(k, d) for k, d, _ in rest], progress, **kw)
+        for k, d, (src, tree) in direct:   # the stored tensors, then the decode into `d`
+            vals = [torch.empty(c.shape, dtype=c.dtype) for c in tree.kids]
+            src.read_many([(c.key, v) for c, v in zip(tree.kids, vals)], **kw)
+            tree.op.apply_into(vals, d)
+            if progress: progress(d.numel() * d.element_size(), 1)
 
 # %% ../nbs/06_quantized.ipynb #1d8b469a
 def block_slice(key: str, # the checkpoint key being sharded, named in errors
