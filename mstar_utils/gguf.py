@@ -14,6 +14,7 @@ from fastcore.basics import patch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from .quantized import QuantizedTensor, _Dequantize, in_threads, keep_quantized, scratch
+from .sources import _populate
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUFTensor', 'gguf_names', 'Skipped', 'GGUFHeader',
@@ -174,6 +175,7 @@ def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's byt
     if tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f'GGUF {qtype.name}: out must be contiguous {list(shape)}, not {list(out.shape)}')
     dest = out if out.device.type == 'cpu' else torch.empty(shape, dtype=out.dtype)
+    _populate(dest.data_ptr(), dest.numel() * dest.element_size())   # pages faulted in at once
     pieces = _pieces(data.reshape(-1, data.shape[-1]), qtype, dest.view(-1, shape[-1]), heads)
     in_threads([lambda s=s, v=v: _decode(qtype, s, v) for s, v in pieces])
     return out if dest is out else out.copy_(dest)

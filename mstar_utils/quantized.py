@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from torch import nn
 
 from .convert import ConversionOp, WeightConverter, convert_state_dict, converted_source
-from .sources import WrappedSource
+from .sources import WrappedSource, _populate
 
 # %% auto #0
 __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_', 'in_threads',
@@ -884,6 +884,7 @@ def _into(self: NVFP4Dequantize, ts: list, out: torch.Tensor) -> torch.Tensor:
     g = 1 / g if self.inverse else g
     R, C = out.shape
     step = max(1, _PIECE // max(C, 1))
+    _populate(out.data_ptr(), out.numel() * out.element_size())   # pages faulted in at once
     def rows(i: int, j: int):   # rows [i, j): the values times group scale / global scale, rounded once into `out`
         lut, x = _fp4_pairs(codes.device), scratch('nvfp4', ((j - i) * C // 2,), torch.int64)
         idx = scratch('nvfp4_idx', ((j - i) * C // 2,), torch.int32).copy_(codes[i:j].reshape(-1))
