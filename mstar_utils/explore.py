@@ -1422,13 +1422,14 @@ def _ranks(self: Exploration) -> tuple:
              'refused (see above)' if r.refused else 'yes') for r in self.ranks]
     if not rows:
         return ('not computed', '', [])
+    loads = [r for r in self.ranks if not r.refused]   # the sizes listed are those load_model accepts
     tp, ep = (
-        [str(r.world_size) for r in self.ranks if not r.expert_parallel],
-        [str(r.world_size) for r in self.ranks if r.expert_parallel],
+        [str(r.world_size) for r in loads if not r.expert_parallel],
+        [str(r.world_size) for r in loads if r.expert_parallel],
     )
     refused = [_par(r) for r in self.ranks if r.refused]
     summary = (
-        f'TP {", ".join(tp)}'
+        f'TP {", ".join(tp) or "none"}'
         + (f' and EP {", ".join(ep)}' if ep else '')
         + (f'; refused: {", ".join(refused)}' if refused else '')
     )

@@ -185,3 +185,47 @@ def test_kept_nvfp4_holds_the_checkpoint_bytes(ckpts):
     m = load_model(d, quantized='keep')
     file, params = load_file(str(d/'model.safetensors')), dict(m.named_parameters())
     for k in [k for k in file if '.weight_' in k]: assert_tensors_equal(params[k].view(torch.uint8), file[k].view(torch.uint8))
+
+
+# ---- a global scale per part of a fused tensor
+
+def test_fused_qkv_with_a_global_scale_per_part_is_exact(tmp_path):
+    "NVFP4 q/k/v and gate/up, each with its own global scale, fused into Phi-3's qkv_proj and gate_up_proj by recipes."
+    import transformers as tf
+    from mstar_utils.convert import Operation, WeightConverter
+    kw = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    llama = write_ct_preset_checkpoint(tf.LlamaForCausalLM(tf.LlamaConfig(**kw)).to(torch.bfloat16), tmp_path/'llama', 'NVFP4A16')
+    sd = load_file(str(llama/'model.safetensors'))
+    gs = {p: sd[f'model.layers.0.self_attn.{p}.weight_global_scale'].item() for p in ('q_proj', 'k_proj', 'v_proj')}
+    assert len(set(gs.values())) == 3, gs   # the parts' global scales differ
+    phi = shutil.copytree(llama, tmp_path/'phi3')
+    cfg = {**tf.Phi3Config(**kw).to_dict(), 'architectures': ['Phi3ForCausalLM'], 'quantization_config': config_of(llama)['quantization_config']}
+    (phi/'config.json').write_text(json.dumps(cfg))
+    conv = [WeightConverter([f'self_attn.{p}_proj.weight' for p in 'qkv'], 'self_attn.qkv_proj.weight', [Operation('Concatenate', 0)]),
+            WeightConverter(['mlp.gate_proj.weight', 'mlp.up_proj.weight'], 'mlp.gate_up_proj.weight', [Operation('Concatenate', 0)])]
+    ref_dir = ct_preset_reference(llama, tmp_path/'ref', torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    m = load_model(phi, conv=conv, dtype=torch.float32)
+    a = ref.model.layers[0].self_attn
+    assert_tensors_equal(m.model.layers[0].self_attn.qkv_proj.weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    torch.testing.assert_close(logits(m), logits(ref), atol=1e-4, rtol=0)
+    with pytest.raises(NotImplementedError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight_packed': quantized='keep' .* "
+                                                  r"'model\.layers\.0\.mlp' \(Phi3MLP\) has modules of its own \(gate_up_proj, down_proj\)"):
+        load_model(phi, conv=conv, dtype=torch.float32, quantized='keep')   # not the silent NaNs of modules hidden inside a wrapper
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_nvfp4_apply_into_equals_apply(dtype):
+    "apply_into writes NVFP4 straight into the destination, equal to apply; other shapes and dtypes go through apply."
+    torch.manual_seed(2)
+    for R, C in [(1, 16), (7, 48), (300, 2048), (5, 40)]:
+        p = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8)
+        s = torch.randint(0, 127, (R, -(-C // 16)), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        gs = torch.rand(1) * 1000
+        for op in (NVFP4Dequantize(16, dtype), NVFP4Dequantize(16, dtype, ('', '_scale', '_scale_2'), True)):
+            want = op.apply([p, s, gs])
+            assert_tensors_equal(op.apply_into([p, s, gs], torch.empty(R, C, dtype=dtype)), want)
+            other = torch.float16 if dtype == torch.float32 else torch.float32
+            assert_tensors_equal(op.apply_into([p, s, gs], torch.empty(R, C, dtype=other)), want.to(other))

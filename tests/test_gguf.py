@@ -136,3 +136,39 @@ def test_refusals_name_the_file(tiny, tmp_path):
     for n in ('a.gguf', 'b.gguf'): shutil.copy(f, two/n)
     with pytest.raises(ValueError, match=r'holds 2 GGUF files \(a\.gguf, b\.gguf\); give the file to load'): load_model(two)
     assert gguf_file(tmp_path/'nothing') is None
+
+
+def test_keep_holds_the_blocks_and_equals_the_dequantized_load(tmp_path, monkeypatch):
+    "keep_gguf's QuantizedLinear layers hold the file's Q8_0 and Q4_K bytes and give the logits of the dequantizing load."
+    import mstar_utils.gguf as G
+    from mstar_utils.quantized import QuantizedLinear
+    (tmp_path/'k').mkdir()
+    f = write_gguf_checkpoint(tmp_path/'k'/'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'})
+    ref, h = load_model(f), read_gguf(f)
+    kept = []
+    class Kept(G.GGUFSource):   # what load_model(f, quantized='keep') does once load_gguf_model passes it on
+        def __init__(self, path, model, config, header=None):
+            super().__init__(path, model, config, header)
+            kept.extend(G.keep_gguf(model, self))
+    monkeypatch.setattr(G, 'GGUFSource', Kept)
+    m = load_model(f)
+    assert len(kept) == 7 * 2 + 1 and 'model.embed_tokens.weight' not in kept   # q k v o gate up down a layer, and lm_head
+    q = m.model.layers[1].self_attn.q_proj
+    assert isinstance(q, QuantizedLinear) and q.op.qtype == T.Q8_0 and q.op.heads == m.config.num_attention_heads
+    assert torch.equal(q.weight, h.tensors['blk.1.attn_q.weight'].data.reshape(q.weight.shape))   # the file's bytes
+    assert m.model.layers[0].mlp.down_proj.op.qtype == T.Q4_K and m.lm_head.weight.dtype == torch.uint8
+    same(q.dequantized_weight(), ref.model.layers[1].self_attn.q_proj.weight)
+    torch.testing.assert_close(logits(m), logits(ref), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize('qtype', [T.Q4_K, T.Q5_K, T.Q8_0], ids=lambda q: q.name)
+def test_unaligned_bytes_decode_as_gguf_py(qtype):
+    "Bytes at an odd address (copied before the decoders view them as wider words) and aligned ones decode alike."
+    b = random_blocks(np.random.default_rng(5), qtype, (9, 2))
+    buf = torch.zeros(b.size + 8, dtype=torch.uint8)
+    for at in (0, 1, 3):
+        src = buf[at:at + b.size].view(b.shape)
+        src.copy_(torch.from_numpy(b))
+        same(dequantize_gguf(src, qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
+        same(dequantize_gguf(src, qtype, torch.empty(9, b.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0], dtype=torch.bfloat16)),
+             torch.from_numpy(gguf.quants.dequantize(b, qtype)).to(torch.bfloat16))

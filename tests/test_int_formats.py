@@ -238,3 +238,22 @@ def test_explore_names_the_format(name, line, ckpts):
     text = str(explore(ckpts[name][0]))
     assert re.search(r'model\.layers\.\*\.mlp\.down_proj\.weight +' + re.escape(line) + ' ', text), text[text.index('2. Formats'):][:800]
     assert '3. Will it load: yes' in text
+
+
+@pytest.mark.parametrize('name', ['nf4_nested', 'fp4', 'int8'])
+def test_explore_lists_only_the_tp_sizes_load_accepts(name, ckpts):
+    "explore's bytes-per-rank summary names a size only where load_plan and load_model take it; the others are refused by both."
+    from transformers import AutoConfig
+    from mstar_utils.explore import _ranks, explore, rank_table
+    d = ckpts[name][0]
+    rows, _ = rank_table(d, AutoConfig.from_pretrained(d))
+    listed = {r.world_size for r in rows if not r.refused}
+    assert 1 in listed and (name == 'int8') == (listed == {1, 2, 4, 8}), listed   # 4-bit: flattened blocks, one device only
+    for r in rows:
+        if r.refused:
+            with pytest.raises(ValueError, match=re.escape(r.refused.split(';')[0])): load_model(d, rank=0, world_size=r.world_size)
+        else:
+            for rank in range(r.world_size): load_plan(d, rank, r.world_size)
+            load_model(d, rank=r.world_size - 1, world_size=r.world_size)
+    summary = _ranks(explore(d, stats=False))[0]
+    assert summary.split(';')[0] == 'TP ' + ', '.join(map(str, sorted(listed))), summary
