@@ -633,7 +633,9 @@ def load_model(
             raise ValueError(
                 f'{checkpoint_dir}: a GGUF checkpoint loads on one device; pass no rank, world_size or group'
             )
-        return load_gguf_model(checkpoint_dir, model_class, device=device, dtype=dtype, strict=strict)
+        return load_gguf_model(
+            checkpoint_dir, model_class, device=device, dtype=dtype, strict=strict, quantized=quantized
+        )
     prep = _prepare(
         checkpoint_dir,
         model_class,
@@ -694,11 +696,14 @@ def load_gguf_model(
     device: str = 'cpu',  # where the weights land
     dtype: torch.dtype | None = None,  # parameters' dtype; None: float32, as `from_pretrained(gguf_file=...)`
     strict: bool = False,  # raise instead of warning when the file's tensors go unused
+    quantized: str = 'dequantize',  # 'dequantize' the block types into `dtype`, or 'keep' their bytes (`keep_gguf`)
 ) -> torch.nn.Module:
     "The model in GGUF file `path`, as `from_pretrained(folder, gguf_file=...)` builds it."
     from transformers import GenerationConfig
     from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_from_source, process_weights_after_loading
-    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_file, gguf_model_class, read_gguf
+    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_file, gguf_model_class, keep_gguf, read_gguf
+    if quantized not in ('dequantize', 'keep'):
+        raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     f = gguf_file(path)
     if f is None:
         raise FileNotFoundError(f'{path}: no .gguf file there')
@@ -707,6 +712,8 @@ def load_gguf_model(
     model = build_on_meta(config, model_class or gguf_model_class(config), dtype or torch.float32)
     src = GGUFSource(f, model, config, header)
     try:
+        if quantized == 'keep':
+            keep_gguf(model, src, dtype or torch.float32)   # block-type Linear weights stay the file's bytes
         untied = _untie_stored(model, src)
         with _built_buffers_kept(model, src) as kept:
             res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(f))

@@ -146,12 +146,9 @@ def test_keep_holds_the_blocks_and_equals_the_dequantized_load(tmp_path, monkeyp
     f = write_gguf_checkpoint(tmp_path/'k'/'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'})
     ref, h = load_model(f), read_gguf(f)
     kept = []
-    class Kept(G.GGUFSource):   # what load_model(f, quantized='keep') does once load_gguf_model passes it on
-        def __init__(self, path, model, config, header=None):
-            super().__init__(path, model, config, header)
-            kept.extend(G.keep_gguf(model, self))
-    monkeypatch.setattr(G, 'GGUFSource', Kept)
-    m = load_model(f)
+    keep = G.keep_gguf
+    monkeypatch.setattr(G, 'keep_gguf', lambda *a, **k: kept.extend(keep(*a, **k)) or kept)   # to see what it kept
+    m = load_model(f, quantized='keep')
     assert len(kept) == 7 * 2 + 1 and 'model.embed_tokens.weight' not in kept   # q k v o gate up down a layer, and lm_head
     q = m.model.layers[1].self_attn.q_proj
     assert isinstance(q, QuantizedLinear) and q.op.qtype == T.Q8_0 and q.op.heads == m.config.num_attention_heads
