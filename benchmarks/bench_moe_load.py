@@ -12,7 +12,8 @@
 
 The checkpoint is built once and cached under `mstar_utils.checkpoints.cache_dir()/'bench'`. Each run is a new interpreter;
 the clock and the RSS baseline start after the imports (the model's
-modeling module included). Peak RSS is sampled by a psutil thread every millisecond. Both methods'
+modeling module included). Peak RSS is the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs before the
+clock), so no sampling thread competes with the loaders for the interpreter lock. Both methods'
 state_dicts are fingerprinted (crc32 of every tensor's bytes) and must agree. Prints a table with ratios ours / transformers and
 writes benchmarks/results/moe_load.json.
 """
@@ -23,7 +24,6 @@ from pathlib import Path
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
-import psutil
 from fastcore.script import call_parse
 
 HERE = Path(__file__).resolve().parent
@@ -81,7 +81,16 @@ def _build():
     cached_folder('bench', NAME, write)
 
 
-from bench_load import RssSampler as PeakRSS  # the same psutil sampling thread as the dense benchmark
+
+
+def _status() -> dict:
+    "VmRSS and VmHWM of this process, in bytes."
+    out = {}
+    with open('/proc/self/status') as f:
+        for line in f:
+            k, _, v = line.partition(':')
+            if k in ('VmRSS', 'VmHWM'): out[k] = int(v.split()[0]) * 1024
+    return out
 
 
 def measure(method: str) -> dict:
@@ -93,21 +102,23 @@ def measure(method: str) -> dict:
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
     ckpt = checkpoint(build=False)
     torch.set_num_threads(os.cpu_count() or 1)
+    dense = dense_checkpoint() if method == 'dense' else None
     gc.collect()
-    base = psutil.Process().memory_info().rss
-    with PeakRSS() as rss:
-        t0 = time.perf_counter()
-        if method == 'hf':
-            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
-        elif method == 'ours':
-            model = load_model(ckpt, dtype=torch.bfloat16)   # picks the Qwen3-MoE recipes, checks, finalizes
-        else:
-            model = load_model(dense_checkpoint(), dtype=torch.bfloat16)   # the same tensors, nothing to fuse
-        load_s = time.perf_counter() - t0
+    with open('/proc/self/clear_refs', 'w') as f: f.write('5')   # VmHWM from here
+    base = _status()['VmRSS']
+    t0 = time.perf_counter()
+    if method == 'hf':
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    elif method == 'ours':
+        model = load_model(ckpt, dtype=torch.bfloat16)   # picks the Qwen3-MoE recipes, checks, finalizes
+    else:
+        model = load_model(dense, dtype=torch.bfloat16)   # the same tensors, nothing to fuse
+    load_s = time.perf_counter() - t0
+    peak = _status()['VmHWM']
     sd = model.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     fp = {k: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) for k, t in sd.items()}
-    return dict(method=method, load_s=load_s, peak_above_base=rss.peak - base, base_rss=base, model_bytes=nbytes,
+    return dict(method=method, load_s=load_s, peak_above_base=peak - base, base_rss=base, model_bytes=nbytes,
                 fingerprint=zlib.crc32(json.dumps(sorted(fp.items())).encode()), n_tensors=len(sd))
 
 
