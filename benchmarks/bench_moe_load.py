@@ -81,16 +81,7 @@ def _build():
     cached_folder('bench', NAME, write)
 
 
-
-
-def _status() -> dict:
-    "VmRSS and VmHWM of this process, in bytes."
-    out = {}
-    with open('/proc/self/status') as f:
-        for line in f:
-            k, _, v = line.partition(':')
-            if k in ('VmRSS', 'VmHWM'): out[k] = int(v.split()[0]) * 1024
-    return out
+from bench_load import _status  # VmRSS and VmHWM, as the dense benchmark reads them
 
 
 def measure(method: str) -> dict:
