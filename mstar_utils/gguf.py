@@ -13,8 +13,8 @@ import torch
 from fastcore.basics import patch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from .quantized import QuantizedTensor, _Dequantize, in_threads, keep_quantized, scratch
-from .sources import _populate
+from .quantized import QuantizedTensor, Dequantize, in_threads, keep_quantized, scratch
+from .sources import populate_pages
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUFTensor', 'gguf_names', 'Skipped', 'GGUFHeader',
@@ -175,7 +175,7 @@ def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's byt
     if tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f'GGUF {qtype.name}: out must be contiguous {list(shape)}, not {list(out.shape)}')
     dest = out if out.device.type == 'cpu' else torch.empty(shape, dtype=out.dtype)
-    _populate(dest.data_ptr(), dest.numel() * dest.element_size())   # pages faulted in at once
+    populate_pages(dest.data_ptr(), dest.numel() * dest.element_size())   # pages faulted in at once
     pieces = _pieces(data.reshape(-1, data.shape[-1]), qtype, dest.view(-1, shape[-1]), heads)
     in_threads([lambda s=s, v=v: _decode(qtype, s, v) for s, v in pieces])
     return out if dest is out else out.copy_(dest)
@@ -425,7 +425,7 @@ def gguf_model_class(config) -> type:
 
 # %% ../nbs/06b_gguf.ipynb #fmtgk01
 @dataclass(frozen=True)
-class GGUFDequantize(_Dequantize):
+class GGUFDequantize(Dequantize):
     "(blocks uint8 [rows, row bytes]) → the values [rows, row values] in `target_dtype`."
     qtype: int = int(T.Q8_0) # the GGML type of the blocks
     heads: int | None = None # Llama's q/k: the rows put back in transformers' order

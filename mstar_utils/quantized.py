@@ -17,14 +17,15 @@ from fastcore.basics import patch
 from torch import nn
 
 from .convert import ConversionOp, WeightConverter, convert_state_dict, converted_source
-from .sources import WrappedSource, _populate
+from .sources import WrappedSource, populate_pages
 
 # %% auto #0
 __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_', 'in_threads',
-           'scratch', 'FP8BlockDequantize', 'FloatQuantizedDequantize', 'PackQuantizedDequantize', 'MXFP4Dequantize',
-           'StoredCut', 'dequantize_cut', 'QuantizedTensor', 'quantized_tensors', 'quantized_conversions',
-           'QuantizedLinear', 'QuantizedExperts', 'keep_quantized', 'quantized_source', 'block_slice', 'DenseQuantized',
-           'NVFP4Dequantize', 'GPTQDequantize', 'AWQDequantize', 'BnB4bitDequantize', 'BnBInt8Dequantize']
+           'scratch', 'Dequantize', 'FP8BlockDequantize', 'FloatQuantizedDequantize', 'PackQuantizedDequantize',
+           'MXFP4Dequantize', 'StoredCut', 'dequantize_cut', 'QuantizedTensor', 'quantized_tensors',
+           'quantized_conversions', 'QuantizedLinear', 'QuantizedExperts', 'keep_quantized', 'quantized_source',
+           'block_slice', 'DenseQuantized', 'NVFP4Dequantize', 'GPTQDequantize', 'AWQDequantize', 'BnB4bitDequantize',
+           'BnBInt8Dequantize']
 
 # %% ../nbs/06_quantized.ipynb #47664196
 # E2M1 value by code 0..15
@@ -141,7 +142,7 @@ def scratch(name: str, # the buffer's name: one buffer a name and thread
     return buf[:n].view(shape)
 
 # %% ../nbs/06_quantized.ipynb #9924710e
-class _Dequantize(ConversionOp):
+class Dequantize(ConversionOp):
     "What the dequantizing operations share: a `ConversionOp` over all the rule's tensors"
     # whose result is in `target_dtype`.
     _stackable = True   # leading axes (experts) may be done one slice at a time
@@ -155,7 +156,7 @@ class _Dequantize(ConversionOp):
 
 # %% ../nbs/06_quantized.ipynb #c254561f
 @patch
-def apply(self: _Dequantize, tensors: list) -> torch.Tensor:
+def apply(self: Dequantize, tensors: list) -> torch.Tensor:
     "The dequantized tensor, in `target_dtype`; stacked inputs one slice of the leading axis at a time."
     shape = self.out_shape([tuple(t.shape) for t in tensors])
     if len(shape) <= 2 or not self._stackable: return self._one(tensors).to(self.target_dtype)
@@ -164,7 +165,7 @@ def apply(self: _Dequantize, tensors: list) -> torch.Tensor:
     return out
 
 @patch
-def apply_into(self: _Dequantize, tensors: list, out: torch.Tensor) -> torch.Tensor:
+def apply_into(self: Dequantize, tensors: list, out: torch.Tensor) -> torch.Tensor:
     "`out.copy_(self.apply(tensors))`"
     # written straight into `out` by ops that decode in pieces (`_into`).
     into = getattr(self, '_into', None)
@@ -179,7 +180,7 @@ def _scale_float(s: torch.Tensor) -> torch.Tensor:
     return e8m0_to_float(s) if s.dtype in (torch.uint8, getattr(torch, 'float8_e8m0fnu', None)) else s.float()
 
 @dataclass(frozen=True)
-class _BlockScaled(_Dequantize):
+class _BlockScaled(Dequantize):
     "(codes [..., R, C], scales [, zero points]) → (codes − zero point) × scale, one of each per `block`."
     block: tuple = (128, 128)   # (rows, cols) per scale; None: the whole axis
     target_dtype: torch.dtype = torch.bfloat16
@@ -224,7 +225,7 @@ class FloatQuantizedDequantize(_BlockScaled):
 
 # %% ../nbs/06_quantized.ipynb #cfd358cc
 @dataclass(frozen=True)
-class PackQuantizedDequantize(_Dequantize):
+class PackQuantizedDequantize(Dequantize):
     "(`weight_packed`, `weight_scale`, `weight_shape` [, `weight_zero_point`]) → (codes − zero) × scale."
     # compressed-tensors' pack-quantized format: `weight_packed` int32 [R, ⌈C·b/32⌉], `weight_zero_point` int32 packed
     # down
@@ -269,7 +270,7 @@ def _one(self: PackQuantizedDequantize, ts: list) -> torch.Tensor:
 
 # %% ../nbs/06_quantized.ipynb #071ad3f9
 @dataclass(frozen=True)
-class MXFP4Dequantize(_Dequantize):
+class MXFP4Dequantize(Dequantize):
     "(`*_blocks` uint8 [..., R, G, 16], `*_scales` E8M0 [..., R, G]) → FP4 values × 2^(scale−127)"
     # [..., G·32, R] (`transpose`) or [..., R, G·32]. gpt-oss's `quant_method: "mxfp4"` experts: one scale per 32 values
     # (OCP MX v1.0); `transpose` turns the stored [out, in] into the model's [in, out].
@@ -835,7 +836,7 @@ _CT_OPS.append(_ct_dense)
 
 # %% ../nbs/06_quantized.ipynb #fmtq008
 @dataclass(frozen=True)
-class NVFP4Dequantize(_Dequantize):
+class NVFP4Dequantize(Dequantize):
     "(FP4 uint8 [..., R, C/2], F8_E4M3 scales [..., R, ⌈C/16⌉], F32 global) → fp4 × (scale / global)."
     # compressed-tensors' `nvfp4-pack-quantized` (suffixes `_packed`, `_scale`, `_global_scale`: a divisor) and
     # ModelOpt's NVFP4 (`''`, `_scale`, `_scale_2`: its inverse, `inverse=True`).
@@ -884,7 +885,7 @@ def _into(self: NVFP4Dequantize, ts: list, out: torch.Tensor) -> torch.Tensor:
     g = 1 / g if self.inverse else g
     R, C = out.shape
     step = max(1, _PIECE // max(C, 1))
-    _populate(out.data_ptr(), out.numel() * out.element_size())   # pages faulted in at once
+    populate_pages(out.data_ptr(), out.numel() * out.element_size())   # pages faulted in at once
     def rows(i: int, j: int):   # rows [i, j): the values times group scale / global scale, rounded once into `out`
         lut, x = _fp4_pairs(codes.device), scratch('nvfp4', ((j - i) * C // 2,), torch.int64)
         idx = scratch('nvfp4_idx', ((j - i) * C // 2,), torch.int32).copy_(codes[i:j].reshape(-1))
@@ -973,7 +974,7 @@ def _groups(K: int, n_groups: int, group_size: int, g_idx: torch.Tensor | None, 
 
 # %% ../nbs/06_quantized.ipynb #gab006
 @dataclass(frozen=True)
-class GPTQDequantize(_Dequantize):
+class GPTQDequantize(Dequantize):
     "(`qweight` [K·b/32, N], `qzeros` [G, ⌈N·b/32⌉], `scales` [G, N], `g_idx`) → ((q − z) × s)ᵀ [N, K]."
     # GPTQ's layout (AutoGPTQ, GPTQModel): codes packed down the input dim, zero points across the output dim; the group
     # of input k is `g_idx[k]` (permuted under `desc_act`), else k // `group_size`. `v1`: the classic format stores each
@@ -1020,7 +1021,7 @@ def _one(self: GPTQDequantize, ts: list) -> torch.Tensor:
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # the output column at each 4-bit position of an AWQ word
 
 @dataclass(frozen=True)
-class AWQDequantize(_Dequantize):
+class AWQDequantize(Dequantize):
     "(`qweight` int32 [K, N/8], `qzeros` int32 [G, N/8], `scales` [G, N]) → ((q − z) × s)ᵀ [N, K]"
     # the group of input k k // `group_size`. AutoAWQ's GEMM layout: eight 4-bit codes a word across the output dim, in
     # `AWQ_ORDER`; zero points packed the same way.
@@ -1136,7 +1137,7 @@ def _blockwise(x: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.T
     return torch.cat([head, x[full:] * absmax[full // blocksize]]) if full < x.numel() else head
 
 @dataclass(frozen=True)
-class BnB4bitDequantize(_Dequantize):
+class BnB4bitDequantize(Dequantize):
     "(`.absmax` [, nested], `.quant_map`, `.quant_state.bitsandbytes__*`, codes) → qmap[code] × absmax."
     # bitsandbytes' NF4 and FP4 as transformers saves them: codes uint8, flattened, two a byte (high nibble first), one
     # absmax per `blocksize`; nested (double quant, `.nested_absmax` and `.nested_quant_map`): the absmax themselves
@@ -1157,7 +1158,7 @@ class BnB4bitDequantize(_Dequantize):
     def suffixes(self):
         nested = ('.nested_absmax', '.nested_quant_map') if self.nested_blocksize else ()
         return ('.absmax', *nested, '.quant_map', f'.quant_state.bitsandbytes__{self.quant_type}', '')
-    def out_dtype(self, dtypes: list) -> torch.dtype: return _Dequantize.out_dtype(self, dtypes[-1:])
+    def out_dtype(self, dtypes: list) -> torch.dtype: return Dequantize.out_dtype(self, dtypes[-1:])
     def out_shape(self, shapes: list) -> tuple: return tuple(self.shape)
     def mismatch(self, shapes: list):
         "(j, 0, rule) when the codes or absmax do not fit `shape` and `blocksize`, else None."
@@ -1177,7 +1178,7 @@ class BnB4bitDequantize(_Dequantize):
 
 # %% ../nbs/06_quantized.ipynb #gab022
 @dataclass(frozen=True)
-class BnBInt8Dequantize(_Dequantize):
+class BnBInt8Dequantize(Dequantize):
     "(`weight` int8 [N, K], `SCB` float32 [N] [, `weight_format`]) → weight × SCB / 127"
     # as `bitsandbytes.functional.int8_vectorwise_dequant`. bitsandbytes' LLM.int8() weights as transformers saves them:
     # one absmax per output row, beside the module's weight.

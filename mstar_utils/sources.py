@@ -16,8 +16,9 @@ from safetensors import safe_open
 
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
-           'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'default_threads', 'FileSource', 'HostCopier',
-           'CudaCopier', 'copier_for', 'checkpoint_source', 'file_source', 'ReadAhead', 'RenamedSource']
+           'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'default_threads', 'FileSource',
+           'populate_pages', 'HostCopier', 'CudaCopier', 'copier_for', 'checkpoint_source', 'file_source', 'ReadAhead',
+           'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
@@ -621,7 +622,7 @@ def _kernel_populates() -> bool:
 
 _populating = _kernel_populates()
 
-def _populate(addr: int, # first byte of a writable range of this process's memory
+def populate_pages(addr: int, # first byte of a writable range of this process's memory
               n: int, # its length in bytes
              ) -> bool:
     "Fault in, writable, the whole pages inside `[addr, addr + n)` in one system call; False when none were."
@@ -653,7 +654,7 @@ def _read_direct(self: FileSource, keys: list, dests: list, spans: list, progres
     def views(path, start, n, parts):
         for i, at, n_ in parts:
             if n_ >= _POPULATE_MIN:
-                _populate(addrs[i] + at, n_)
+                populate_pages(addrs[i] + at, n_)
         return [bufs[i] if n_ == sizes[i] else bufs[i][at:at + n_] for i, at, n_ in parts]
     chunks = _chunks(spans, 8 << 20)
     def job(j): self._read_chunk(chunks[j], views, keys, sizes, disk)

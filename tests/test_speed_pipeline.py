@@ -107,10 +107,10 @@ def test_direct_reads_run_on_the_reader_threads(smol_ckpt, monkeypatch):
 
 def test_large_parts_are_populated_before_their_read_and_small_ones_are_not(smol_ckpt, ref, monkeypatch):
     "Every part of 256 KiB or more is populated in the reader thread, for exactly its destination bytes, before the preadv that fills it."
-    real_pop, real_read, log = sources._populate, sources._preadv, []
+    real_pop, real_read, log = sources.populate_pages, sources._preadv, []
     def pop(addr, n): log.append(('pop', threading.current_thread().name, addr, n)); return real_pop(addr, n)
     def read(fd, views, pos, disk=None): log.append(('read', threading.current_thread().name, views)); return real_read(fd, views, pos, disk)
-    monkeypatch.setattr(sources, '_populate', pop); monkeypatch.setattr(sources, '_preadv', read)
+    monkeypatch.setattr(sources, 'populate_pages', pop); monkeypatch.setattr(sources, '_preadv', read)
     src = checkpoint_source(smol_ckpt, threads=2)
     keys = sorted(src.keys())
     dests = {k: torch.empty(src.shape(k), dtype=src.dtype(k)) for k in keys}
@@ -142,13 +142,13 @@ def test_populate_faults_in_fresh_pages_without_writing():
         vec = (ctypes.c_ubyte * 32)(); assert libc.mincore(addr, 32 * page, vec) == 0
         return [v & 1 for v in vec]
     assert resident() == [0] * 32
-    assert sources._populate(addr + 3 * page - 1, 10 * page)  # pages 3..11 lie wholly inside
+    assert sources.populate_pages(addr + 3 * page - 1, 10 * page)  # pages 3..11 lie wholly inside
     assert resident() == [0] * 3 + [1] * 9 + [0] * 20
     assert bytes(m) == bytes(32 * page)
     ro = mmap.mmap(-1, 4 * page, prot=mmap.PROT_READ)  # memory it cannot populate for writing: refused, and populating goes on elsewhere
     import numpy as np
-    assert sources._populate(np.frombuffer(ro, dtype=np.uint8).ctypes.data, 4 * page) is False and sources._populating
-    assert sources._populate(addr + 20 * page, 4 * page) and resident()[20:24] == [1] * 4
+    assert sources.populate_pages(np.frombuffer(ro, dtype=np.uint8).ctypes.data, 4 * page) is False and sources._populating
+    assert sources.populate_pages(addr + 20 * page, 4 * page) and resident()[20:24] == [1] * 4
 
 
 def test_batches_advise_sequential_reads_and_restore_normal(smol_ckpt, tmp_path, monkeypatch):
