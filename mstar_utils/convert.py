@@ -385,7 +385,8 @@ class ConvertedSource(WrappedSource):
     def shape(self, k): return self._trees[k].shape if k in self._trees else self.src.shape(k)
     def dtype(self, k): return self._trees[k].dtype if k in self._trees else self.src.dtype(k)
     def borrowed(self, k): return False if k in self._trees else self.src.borrowed(k)
-    def maps(self, k): return k not in self._trees and getattr(self.src, 'maps', lambda k: False)(k)  # a view held below
+    def maps(self, k):  # a view held below
+        return k not in self._trees and getattr(self.src, 'maps', lambda k: False)(k)
     def resolve(self, k): return self.src, self._trees.get(k, k)
 
 # %% ../nbs/04_convert.ipynb #d45b111f

@@ -409,6 +409,18 @@ def _as_stored(src: FileSource, recipes: list, dtype) -> list:
     cast = {src.k2f[k] for k in src.keys() if src.dtype(k) != dtype}
     return [p for p in sorted(set(src.k2f.values()), key=str) if p not in fused and p not in cast]
 
+# %% ../nbs/03_load_model.ipynb #44d6946b
+def _read_ahead(src: FileSource, mmap: bool, stored) -> FileSource:
+    "`src` with its shards being read ahead: all of them when mapped, else those `stored()` lists; closed on error."
+    try:
+        shards = sorted(set(src.k2f.values()), key=str) if mmap else stored()
+        if shards:
+            ReadAhead(src, shards, mapped=mmap)
+    except BaseException:
+        src.close()
+        raise
+    return src
+
 # %% ../nbs/03_load_model.ipynb #5b7d0a02
 def start_reads(ckpt: Path, # a checkpoint folder
                 config, # its transformers config
@@ -421,16 +433,7 @@ def start_reads(ckpt: Path, # a checkpoint folder
     src = checkpoint_source(ckpt, mmap=mmap)
     if torch.device(device).type != 'cpu' or getattr(config, 'quantization_config', None):
         return src
-    try:
-        shards = sorted(set(src.k2f.values()), key=str)
-        if not mmap:
-            shards = _as_stored(src, _recipes(config, ckpt, conv), dtype)
-        if shards:
-            ReadAhead(src, shards, mapped=mmap)
-    except BaseException:
-        src.close()
-        raise
-    return src
+    return _read_ahead(src, mmap, lambda: _as_stored(src, _recipes(config, ckpt, conv), dtype))
 
 # %% ../nbs/03_load_model.ipynb #197c1a1c
 def _json_dtype(cfg: dict):
@@ -449,21 +452,10 @@ def _reads_before_config(ckpt: Path, dtype, conv, device: str, mmap: bool) -> Fi
     src = checkpoint_source(ckpt, mmap=mmap)
     if not isinstance(cfg, dict) or torch.device(device).type != 'cpu' or cfg.get('quantization_config'):
         return src
-    try:
-        shards = sorted(set(src.k2f.values()), key=str)
-        if not mmap:
-            types = dict.fromkeys(
-                [cfg.get('model_type'), *(v.get('model_type') for v in cfg.values() if isinstance(v, dict))]
-            )
-            ours = [c for t in types if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
-            recipes = ours if conv == 'auto' else list(conv or [])
-            shards = _as_stored(src, recipes, dtype or _json_dtype(cfg) or checkpoint_dtype(ckpt))
-        if shards:
-            ReadAhead(src, shards, mapped=mmap)
-    except BaseException:
-        src.close()
-        raise
-    return src
+    types = dict.fromkeys([cfg.get('model_type'), *(v.get('model_type') for v in cfg.values() if isinstance(v, dict))])
+    ours = [c for t in types if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
+    recipes = ours if conv == 'auto' else list(conv or [])
+    return _read_ahead(src, mmap, lambda: _as_stored(src, recipes, dtype or _json_dtype(cfg) or checkpoint_dtype(ckpt)))
 
 # %% ../nbs/03_load_model.ipynb #d80dc9e8
 def _keep_reads(src: FileSource, config, ckpt: Path, dtype, conv, mmap: bool):
