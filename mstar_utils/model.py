@@ -405,9 +405,11 @@ def _recipes(config, ckpt: Path, conv) -> list:
 # %% ../nbs/03_load_model.ipynb #44d6946a
 def _as_stored(src: FileSource, recipes: list, dtype) -> list:
     "The shards of `src` whose every tensor loads as stored: in `dtype`, and matched by none of `recipes`."
-    fused = {src.k2f[k] for k in src.keys() if any(r.match(k) for r in recipes)}
-    cast = {src.k2f[k] for k in src.keys() if src.dtype(k) != dtype}
-    return [p for p in sorted(set(src.k2f.values()), key=str) if p not in fused and p not in cast]
+    keys = {}
+    for k, f in src.k2f.items():
+        keys.setdefault(f, []).append(k)
+    def stored(k): return src.dtype(k) == dtype and not any(r.match(k) for r in recipes)
+    return [f for f in sorted(keys, key=str) if all(map(stored, keys[f]))]  # a shard's first fused or cast key ends it
 
 # %% ../nbs/03_load_model.ipynb #44d6946b
 def _read_ahead(src: FileSource, mmap: bool, stored) -> FileSource:
