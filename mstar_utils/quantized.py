@@ -811,6 +811,10 @@ class DenseQuantized(_BlockScaled):
         # else None (a global scale is one value).
         return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys) if k != '_global_scale'])
     def _one(self, ts): return ts[0]
+    def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
+        "Exactly [start, stop) of the weight, stored as its values; none of its parameters, which are dropped."
+        return StoredCut(((dim % len(shapes[0]), start, stop), *((0, 0, 0) if len(s) else None for s in shapes[1:])),
+                         self, None)
 
 # %% ../nbs/06_quantized.ipynb #fmtq004
 _CT_PARAMS = ('_scale', '_zero_point', '_global_scale')
@@ -910,6 +914,22 @@ def _ct_nvfp4(src, qc: dict, g: dict, module: str, dtype, what: str) -> NVFP4Deq
     return NVFP4Dequantize(w.get('group_size') or 16, dtype)
 
 _CT_OPS.append(_ct_nvfp4)
+
+# %% ../nbs/06_quantized.ipynb #fmtq013b
+@patch
+def cut(self: NVFP4Dequantize, shapes: list, # the stored tensors' shapes: codes, scales, global scale
+        dim: int, # the dim of the result that is cut
+        start: int, # the range of it taken: [start, stop)
+        stop: int,
+       ) -> StoredCut:
+    "The codes and scales of the whole groups holding [start, stop) of `dim`; the global scale whole."
+    nd = len(shapes[0]); dim %= nd
+    per_expert = len(shapes[2]) > dim and tuple(shapes[2][:dim + 1]) == tuple(shapes[0][:dim + 1])
+    if dim < nd - 1:   # experts or rows: exact
+        return StoredCut(((dim, start, stop), (dim, start, stop), (dim, start, stop) if per_expert else None), self, None)
+    lo, hi = _widen(start, stop, self.group, shapes[0][-1] * 2)
+    parts = ((dim, lo // 2, hi // 2), (dim, lo // self.group, -(-hi // self.group)), None)
+    return StoredCut(parts, self, _trim(dim, start, stop, lo, hi))
 
 # %% ../nbs/06_quantized.ipynb #fmtq015
 def _modelopt_algo(qc: dict, module: str) -> str | None:

@@ -19,7 +19,8 @@ from .sources import Source, WrappedSource, checkpoint_source, default_threads
 from .convert import MergeModulelist, Concatenate, converted_source
 from .loading import ModuleAndPrefix, LoadResult, load_from_source, module_entries, named_tensors, norm_prefix
 from .quantized import (FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize,
-                                   GPTQDequantize, AWQDequantize, BnBInt8Dequantize, BnB4bitDequantize,
+                                   GPTQDequantize, AWQDequantize, BnBInt8Dequantize, BnB4bitDequantize, NVFP4Dequantize,
+                                   DenseQuantized,
                                    QuantizedLinear, QuantizedExperts, dequantize_cut)
 
 # %% auto #0
@@ -313,6 +314,8 @@ DEQUANTIZE_ROUTES = dict.fromkeys(
         FloatQuantizedDequantize,
         PackQuantizedDequantize,
         MXFP4Dequantize,
+        NVFP4Dequantize,
+        DenseQuantized,
         GPTQDequantize,
         AWQDequantize,
         BnBInt8Dequantize,

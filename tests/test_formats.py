@@ -229,3 +229,26 @@ def test_nvfp4_apply_into_equals_apply(dtype):
             assert_tensors_equal(op.apply_into([p, s, gs], torch.empty(R, C, dtype=dtype)), want)
             other = torch.float16 if dtype == torch.float32 else torch.float32
             assert_tensors_equal(op.apply_into([p, s, gs], torch.empty(R, C, dtype=other)), want.to(other))
+
+
+# ---- tensor parallelism: each rank's tensors are the full load's slices, and it reads what its plan says
+
+@pytest.mark.parametrize('name', ['nvfp4', 'mxfp8', 'modelopt', 'w4a16_dense', 'nvfp4_dense'])
+@pytest.mark.parametrize('ws', [2, 4])
+def test_ranks_are_slices_of_the_full_load(name, ws, ckpts):
+    from mstar_utils.model import load_plan
+    from mstar_utils.tensor_parallel import take
+    d = ckpts[name]
+    full = load_model(d, dtype=torch.float32)
+    fsd = full.state_dict()
+    read = 0
+    for r in range(ws):
+        m = load_model(d, rank=r, world_size=ws, dtype=torch.float32)
+        for k, t in m.state_dict().items():
+            assert_tensors_equal(t, take(fsd[k], m.tp_sharding.slice_for(k, fsd[k].shape)), k)
+        plan = load_plan(d, r, ws, dtype=torch.float32)
+        assert m.tp_bytes_read == plan.total_bytes
+        read += m.tp_bytes_read
+        replicated = sum(t.bytes for t in plan.tensors if t.slice is None)   # the same on every rank
+    # every sliced tensor's codes and scales are read once over the ranks (its columns cut in whole groups of 16)
+    assert read <= 1.01 * (full.bytes_read + (ws - 1) * replicated), (read, full.bytes_read, replicated)
