@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from .quantized import QuantizedTensor, Dequantize, in_threads, keep_quantized, scratch
-from .sources import populate_pages
+from .io import populate_pages
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUFTensor', 'gguf_names', 'Skipped', 'GGUFHeader',

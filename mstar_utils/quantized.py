@@ -17,7 +17,8 @@ from fastcore.basics import patch
 from torch import nn
 
 from .convert import ConversionOp, WeightConverter, convert_state_dict, converted_source
-from .sources import WrappedSource, populate_pages
+from .sources import WrappedSource
+from .io import populate_pages
 
 # %% auto #0
 __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_', 'in_threads',

@@ -4,9 +4,8 @@
 
 # %% ../nbs/01_safetensors.ipynb #a827b658
 from __future__ import annotations
-import ctypes, gc, json, mmap as _mmap, os, sys, threading
+import gc, json, mmap as _mmap, os, threading
 from contextlib import contextmanager
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -14,11 +13,13 @@ import torch
 from fastcore.basics import patch
 from safetensors import safe_open
 
+from .io import (
+    Reads, Span, copier_for, populate_pages, read_at, read_direct, read_staged, sequential)
+
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
            'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'default_threads', 'FileSource',
-           'populate_pages', 'HostCopier', 'CudaCopier', 'copier_for', 'checkpoint_source', 'file_source', 'ReadAhead',
-           'RenamedSource']
+           'checkpoint_source', 'file_source', 'ReadAhead', 'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
@@ -410,6 +411,10 @@ def _file(self: FileSource, path):
     return f
 
 @patch
+def _fd(self: FileSource, path) -> int:
+    return self._file(path).fileno()
+
+@patch
 def info(self: FileSource, k) -> tuple[Path, int, TensorInfo]:
     "(file, data offset, `TensorInfo`) of key `k`; the file's header is read once."
     r = self._info.get(k)
@@ -444,62 +449,6 @@ def stored_in(self: FileSource, keys) -> dict:
         for k in want.intersection(h[1]):
             out.setdefault(k, []).append(path)
     return out
-
-# %% ../nbs/01_safetensors.ipynb #8c41e9b2
-_IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
-_NOWAIT = getattr(os, 'RWF_NOWAIT', 0)  # Linux >= 4.14: fail with EAGAIN instead of waiting for the disk
-
-class _Disk:
-    "What the reader threads of one batch share: `cold`, whether a read found its bytes missing from the page cache."
-    def __init__(self): self.cold = False
-
-# %% ../nbs/01_safetensors.ipynb #5f3b9e07
-def _preadv(fd: int, # an open file descriptor
-            views: list, # writable byte buffers (memoryviews), filled in order from consecutive file bytes
-            pos: int, # file offset of the first byte
-            disk: _Disk | None = None, # shared by the reader threads of a batch; None: plain reads
-           ) -> int:
-    "Bytes read into `views` from offset `pos` of `fd`; fewer than their total only when the file ends first."
-    got, i = 0, 0
-    while i < len(views):
-        batch = views[i:i + _IOV_MAX]
-        n = _cached(fd, batch, pos + got) if disk is not None and not disk.cold else 0
-        if not n:
-            if disk is not None:
-                disk.cold = True
-            n = os.preadv(fd, batch, pos + got)
-        if not n:
-            break
-        got += n
-        while i < len(views) and n >= len(views[i]):
-            n -= len(views[i])
-            i += 1
-        if n:
-            views = views[:i] + [views[i][n:]] + views[i + 1:]
-    return got
-
-def _cached(fd: int, views: list, pos: int) -> int:
-    "Bytes read into `views` from the page cache at `pos`, without waiting for the disk; 0 when none (or unsupported)."
-    if not _NOWAIT:
-        return 0
-    try:
-        return os.preadv(fd, views, pos, _NOWAIT)
-    except OSError:
-        return 0  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
-
-# %% ../nbs/01_safetensors.ipynb #0b6f5d37
-def _cut(path, parts: list, keys: list, sizes: list, got: int) -> ValueError:
-    "The error for a read of `parts` [(item, at, n)] that got `got` bytes: the tensor cut, and how much was read."
-    for i, at, n in parts:
-        if got < n:
-            return ValueError(f'{path}: tensor {keys[i]!r} is cut short: read {at + got} of {sizes[i]} bytes')
-        got -= n
-    return ValueError(f'{path}: read cut short')
-
-def _buffer(t: torch.Tensor) -> memoryview:
-    "The bytes of `t` as a writable memoryview, no copy."
-    # The caller checks that `t` is a contiguous CPU tensor, and keeps it alive while the view is used.
-    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
 # %% ../nbs/01_safetensors.ipynb #96547803
 _DRY_REAL = 64   # bytes: a dry source still reads a tensor this small when asked for its value (a `weight_shape`)
@@ -541,9 +490,9 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
             t.view(-1).view(torch.uint8).copy_(self._mapped(path)[start + begin:start + end])
             self._note(path, start + begin, end - begin)
             return t
-        got = _preadv(self._file(path).fileno(), [memoryview(buf)], start + begin)
+        got = read_at(self._fd(path), [memoryview(buf)], start + begin)
         if got < buf.nbytes:
-            raise _cut(path, [(0, 0, buf.nbytes)], [k], [buf.nbytes], got)
+            raise ValueError(f'{path}: tensor {k!r} is cut short: read {got} of {buf.nbytes} bytes')
         self._note(path, start + begin, end - begin)
     return t
 
@@ -559,241 +508,6 @@ def _mapped(self: FileSource, path) -> torch.Tensor:
             _mmap.mmap(self._file(path).fileno(), 0, access=_mmap.ACCESS_COPY), dtype=torch.uint8
         )
     return m
-
-# %% ../nbs/01_safetensors.ipynb #4a9e1c03
-_ALIGN = 16  # every itemsize divides it: a tensor split at a multiple of it splits between elements
-
-def _chunks(spans: list, # (file, byte offset in the file, byte count) per item
-            cap: int, # bytes a chunk may hold, >= 64
-           ) -> list[list]:
-    "`spans` packed in file then offset order into chunks of at most `cap` bytes, each of one file."
-    # A chunk: segments `[file, offset, start in chunk, bytes, [(item, at, n)]]`, each contiguous in the file.
-    chunks, cur, fill = [], [], 0
-    for i in sorted(range(len(spans)), key=lambda i: (str(spans[i][0]), spans[i][1])):
-        path, pos, n = spans[i]
-        at = 0
-        # a chunk holds one file: chunks complete file by file
-        if cur and cur[-1][0] is not path and cur[-1][0] != path:
-            chunks.append(cur)
-            cur, fill = [], 0
-        while at < n:
-            seg = cur[-1] if cur else None
-            if seg is None or seg[1] + seg[3] != pos + at or (seg[0] is not path and seg[0] != path):
-                start = fill + (pos + at - fill) % _ALIGN
-                if start + min(n - at, _ALIGN) > cap:
-                    chunks.append(cur)
-                    cur, fill = [], 0
-                    continue
-                seg = [path, pos + at, start, 0, []]
-                cur.append(seg)
-                fill = start
-            take = min(n - at, cap - fill)
-            if take < n - at:
-                take -= take % _ALIGN
-            if take <= 0:
-                chunks.append(cur)
-                cur, fill = [], 0
-                continue
-            seg[4].append((i, at, take))
-            seg[3] += take
-            fill += take
-            at += take
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-# %% ../nbs/01_safetensors.ipynb #3b8e1f70
-_PAGE = _mmap.PAGESIZE
-_MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>, Linux >= 5.14
-_POPULATE_MIN = 256 << 10  # smaller parts: the copy's own page faults cost about what the call would
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith('linux') else None
-if _libc is not None:
-    _libc.madvise.argtypes, _libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-
-def _kernel_populates() -> bool:
-    "Whether this kernel knows `MADV_POPULATE_WRITE`: tried once, on one page of fresh anonymous memory."
-    if _libc is None:
-        return False
-    m = _mmap.mmap(-1, _PAGE)
-    view = ctypes.c_char.from_buffer(m)
-    addr = ctypes.addressof(view)
-    del view
-    return _libc.madvise(addr, _PAGE, _MADV_POPULATE_WRITE) == 0
-
-_populating = _kernel_populates()
-
-def populate_pages(addr: int, # first byte of a writable range of this process's memory
-              n: int, # its length in bytes
-             ) -> bool:
-    "Fault in, writable, the whole pages inside `[addr, addr + n)` in one system call; False when none were."
-    # None are when no whole page is inside, the kernel lacks `MADV_POPULATE_WRITE`, or it cannot populate the
-    # memory (device or read-only mappings, which the read then reports).
-    lo, hi = -(-addr // _PAGE) * _PAGE, (addr + n) // _PAGE * _PAGE
-    if not _populating or hi <= lo:
-        return False
-    return _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0
-
-# %% ../nbs/01_safetensors.ipynb #e7a3d9c5
-@patch
-def _read_chunk(self: FileSource, chunk: list, views, keys: list, sizes: list, disk: _Disk):
-    "Read each segment of `chunk` into the buffers `views(path, start, n, parts)` gives for it."
-    # `ValueError` naming the tensor a file cuts short.
-    for path, pos, start, n, parts in chunk:
-        bufs = views(path, start, n, parts)
-        got = _preadv(self._file(path).fileno(), bufs, pos, disk)
-        if got < n:
-            raise _cut(path, parts, keys, sizes, got)
-
-# %% ../nbs/01_safetensors.ipynb #1f7b6d42
-@patch
-def _read_direct(self: FileSource, keys: list, dests: list, spans: list, progress=None):
-    "Read each key straight into its destination, a contiguous CPU tensor of the key's dtype."
-    # Chunks are spread over the reader threads, which populate each large part's pages before reading into it.
-    bufs, disk = [_buffer(d) if d.numel() else None for d in dests], _Disk()
-    sizes, addrs = [s[2] for s in spans], [d.data_ptr() for d in dests]
-    def views(path, start, n, parts):
-        for i, at, n_ in parts:
-            if n_ >= _POPULATE_MIN:
-                populate_pages(addrs[i] + at, n_)
-        return [bufs[i] if n_ == sizes[i] else bufs[i][at:at + n_] for i, at, n_ in parts]
-    chunks = _chunks(spans, 8 << 20)
-    def job(j): self._read_chunk(chunks[j], views, keys, sizes, disk)
-    _run_in_order(range(len(chunks)), job, self.threads, lambda j: _report(progress, chunks[j], sizes))
-
-# %% ../nbs/01_safetensors.ipynb #2b3c8e90
-def _report(progress, chunk: list, sizes: list):
-    "Call `progress(bytes, tensors)` for a chunk done: its bytes, and the tensors whose last part it held."
-    if progress is None:
-        return
-    progress(sum(s[3] for s in chunk), sum(1 for s in chunk for i, at, n in s[4] if at + n == sizes[i]))
-
-def _run_in_order(chunks: list, job, threads: int, done):
-    "Run `job(chunk)` for every chunk on `threads` threads and `done(chunk)` on this thread, in order."
-    # On an error the rest are cancelled, `done` still runs for the chunks that completed, and the error is raised.
-    if threads <= 1 or len(chunks) <= 1:
-        for c in chunks:
-            job(c)
-            done(c)
-        return
-    err, n = None, 0
-    with ThreadPoolExecutor(min(threads, len(chunks)), thread_name_prefix='read') as ex:
-        futs = [ex.submit(job, c) for c in chunks]
-        try:
-            for c, f in zip(chunks, futs):
-                f.result()
-                done(c)
-                n += 1
-        except BaseException as e:
-            for f in futs:
-                f.cancel()
-            err = e
-    if err is None:
-        return
-    for c, f in zip(chunks[n + 1:], futs[n + 1:]):
-        if not f.cancelled() and f.exception() is None:
-            done(c)
-    raise err
-
-# %% ../nbs/01_safetensors.ipynb #3d7f5a12
-class HostCopier:
-    "The staging ring's device step for the CPU, or any device synchronously: copies and casts at once."
-    def staging(self, nbytes: int) -> torch.Tensor: return torch.empty(nbytes, dtype=torch.uint8)
-    def copy(self, dst: torch.Tensor, src: torch.Tensor): dst.copy_(src)
-    def mark(self): return None  # a token for "the copies issued so far"; they are already done
-    def wait(self, token): pass
-    def finish(self): pass
-
-# %% ../nbs/01_safetensors.ipynb #6a0e4b97
-class CudaCopier:
-    "The device step for CUDA: pinned staging, copies and casts on a side stream, an event per chunk."
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device)
-        # destinations were allocated on the current stream
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-    def staging(self, nbytes: int) -> torch.Tensor: return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-    def mark(self):
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
-        return ev
-    def wait(self, ev):
-        if ev is not None:
-            ev.synchronize()
-    def finish(self):
-        self.stream.synchronize()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-def copier_for(device) -> HostCopier | CudaCopier:
-    "The copier that moves staged bytes to `device`: `CudaCopier` for CUDA, `HostCopier` for the rest."
-    device = torch.device(device)
-    return CudaCopier(device) if device.type == 'cuda' else HostCopier()
-
-# %% ../nbs/01_safetensors.ipynb #9f2c6b3e
-def _copy_chunk(chunk: list, buf: torch.Tensor, flats: list, dts: list, copier):
-    "Copy every part of `chunk` from the staging buffer `buf` (uint8) into its elements of `flats[item]`."
-    # `flats` are the flat destinations; a part is viewed in the checkpoint dtype `dts[item]`.
-    for _, _, start, _, parts in chunk:
-        c = start
-        for i, at, n in parts:
-            isz = dts[i].itemsize
-            src = buf[c:c + n]
-            src = src.view(dts[i]) if c % isz == 0 else src.clone().view(dts[i])  # a tensor misaligned in its file
-            copier.copy(flats[i][at // isz:(at + n) // isz], src)
-            c += n
-
-# %% ../nbs/01_safetensors.ipynb #5c1e8f24
-@patch
-def _read_staged(
-    self: FileSource, keys: list, dests: list, spans: list, dts: list, copier, progress=None, chunk_bytes: int = 8 << 20
-):
-    "Read the keys through a ring of `threads + 1` staging chunks (<= 64 MiB, >= 2), copied out by `copier`."
-    # `copier` copies each part into its destination. Chunk j uses buffer `j % ring`, read into only after the
-    # copies out of it.
-    sizes, chunks, disk = [s[2] for s in spans], _chunks(spans, chunk_bytes), _Disk()
-    if not chunks:
-        return
-    ring = [
-        copier.staging(chunk_bytes)
-        for _ in range(min(self.threads + 1, max(2, (64 << 20) // chunk_bytes), len(chunks)))
-    ]
-    mvs, tokens, flats, R = [_buffer(b) for b in ring], [None] * len(ring), [d.view(-1) for d in dests], len(ring)
-    def job(j, tok):
-        copier.wait(tok)
-        self._read_chunk(chunks[j], lambda path, start, n, parts: [mvs[j % R][start:start + n]], keys, sizes, disk)
-    with ThreadPoolExecutor(min(self.threads, R), thread_name_prefix='read') as ex:
-        futs = {j: ex.submit(job, j, None) for j in range(R)}
-        try:
-            for j, c in enumerate(chunks):
-                futs.pop(j).result()
-                _copy_chunk(c, ring[j % R], flats, dts, copier)
-                tokens[j % R] = copier.mark()
-                if j + R < len(chunks):
-                    futs[j + R] = ex.submit(job, j + R, tokens[j % R])
-                _report(progress, c, sizes)
-        except BaseException:
-            for f in futs.values():
-                f.cancel()
-            raise
-        finally:
-            copier.finish()
-
-# %% ../nbs/01_safetensors.ipynb #2e9b7d41
-@contextmanager
-def _sequential(fds: list, # open file descriptors
-               ):
-    "Advise `POSIX_FADV_SEQUENTIAL` on every file of `fds` for the block, `POSIX_FADV_NORMAL` after it."
-    # Nothing where `os.posix_fadvise` is missing (macOS, Windows).
-    advise = getattr(os, 'posix_fadvise', None)
-    for fd in fds if advise else []:
-        advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    try:
-        yield
-    finally:
-        for fd in fds if advise else []:
-            advise(fd, 0, 0, os.POSIX_FADV_NORMAL)
 
 # %% ../nbs/01_safetensors.ipynb #7b4f0c19
 @patch
@@ -826,27 +540,23 @@ def read_many(
             empty += 1
             continue
         gk = 'direct' if d.is_cpu and d.dtype == dt else d.device
-        g = groups.get(gk) or groups.setdefault(gk, ([], [], [], []))
-        g[0].append(k)
-        g[1].append(d)
-        g[2].append((path, start + begin, end - begin))
-        g[3].append(dt)
+        g = groups.get(gk) or groups.setdefault(gk, Reads())
+        g.add(k, d, Span(path, start + begin, end - begin), dt)
     if empty and progress:
         progress(held, empty)
-    for g in groups.values():
-        for sp in g[2]:
-            self._note(*sp)
+    spans = [sp for g in groups.values() for sp in g.spans]
+    for sp in spans:
+        self._note(*sp)
     if self.dry:
         if progress:
-            progress(sum(sp[2] for g in groups.values() for sp in g[2]), len(pairs) - empty)
+            progress(sum(sp.nbytes for sp in spans), len(pairs) - empty)
         return
-    paths = {sp[0] for g in groups.values() for sp in g[2]}
-    with _sequential([self._file(p).fileno() for p in sorted(paths, key=str)]):
-        for dev, (keys, dests, spans, dts) in groups.items():
+    with sequential([self._fd(p) for p in sorted({sp.file for sp in spans}, key=str)]):
+        for dev, g in groups.items():
             if dev == 'direct':
-                self._read_direct(keys, dests, spans, progress)
+                read_direct(g, self._fd, self.threads, progress)
             else:
-                self._read_staged(keys, dests, spans, dts, copier_for(dev), progress, chunk_bytes)
+                read_staged(g, self._fd, copier_for(dev), self.threads, progress, chunk_bytes)
 
 # %% ../nbs/01_safetensors.ipynb #21a7b7de
 def checkpoint_source(repo_dir: str | Path, # a checkpoint folder
@@ -900,8 +610,6 @@ class ReadAhead:
         return not self.mapped and path in self._bufs  # its bytes are (being) read into owned memory
 
 # %% ../nbs/01_safetensors.ipynb #9a7e0c03
-_MADV_POPULATE_READ = 22  # <asm-generic/mman-common.h>, Linux >= 5.14
-
 @patch
 def _run(self: ReadAhead):
     "Read (or fault in) each file in turn; a failure is kept for `buffer` to raise."
@@ -922,11 +630,12 @@ def _run(self: ReadAhead):
                 raise RuntimeError(f'{p}: the read ahead was stopped before this file')
             if self.mapped:
                 m = self.src._maps[p]
-                if _libc is not None and m.numel():
-                    _libc.madvise(m.data_ptr(), m.numel(), _MADV_POPULATE_READ)
+                if m.numel():
+                    populate_pages(m.data_ptr(), m.numel(), write=False)
             else:
-                with _sequential([self.src._file(p).fileno()]):
-                    self.src._read_direct([str(p)], [b], [(p, 0, b.numel())])
+                with sequential([self.src._fd(p)]):
+                    one = Reads([str(p)], [b], [Span(p, 0, b.numel())], [torch.uint8])
+                    read_direct(one, self.src._fd, self.src.threads)
         except BaseException as e:
             self._errors[p] = e
         finally:
@@ -980,16 +689,6 @@ def _slice_runs(shape, itemsize: int, dim: int, ranges) -> list:
                 runs.append((off, n))
     return runs
 
-def _pread_into(fd: int, buf, offset: int, what: str):
-    "Fill the writable memoryview `buf` from file offset `offset` of `fd`."
-    # `ValueError` naming `what` if the file ends first.
-    got = 0
-    while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        if not n:
-            raise ValueError(f'{what} is cut short: read {got} of {len(buf)} bytes at offset {offset}')
-        got += n
-
 # %% ../nbs/01_safetensors.ipynb #7b1e0c03
 @patch
 def get_slice(self: FileSource, k, # a key of the source
@@ -1019,9 +718,12 @@ def get_slice(self: FileSource, k, # a key of the source
         self._note(path, start + begin + off, n)
     if self.dry:
         return t
-    buf, pos, fd = memoryview(t.view(-1).view(torch.uint8).numpy()), 0, self._file(path).fileno()
+    buf, pos, fd = memoryview(t.view(-1).view(torch.uint8).numpy()), 0, self._fd(path)
     for off, n in runs:
-        _pread_into(fd, buf[pos:pos + n], start + begin + off, f'{path}: tensor {k!r}')
+        got = read_at(fd, [buf[pos:pos + n]], start + begin + off)
+        if got < n:
+            raise ValueError(
+                f'{path}: tensor {k!r} is cut short: read {got} of {n} bytes at offset {start + begin + off}')
         pos += n
     return t
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from mstar_utils.model import meta_module
-from mstar_utils import sources
+import mstar_utils.io as mio
 from mstar_utils.testing import assert_state_dict_equal
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -305,11 +305,11 @@ def test_state_dict_into_materialized_module_is_copied(dtype):
 
 def _truncate_on_first_read(monkeypatch, path: Path):
     "The file `path` loses its second half, in place, just before the load first reads from it: a download overwriting it mid-load."
-    real, done = sources._preadv, []
+    real, done = mio.read_at, []
     def preadv(fd, views, pos, disk=None):
         if not done and os.path.samefile(f'/proc/self/fd/{fd}', path): done.append(fd); os.truncate(path, path.stat().st_size // 2)
         return real(fd, views, pos, disk)
-    monkeypatch.setattr(sources, '_preadv', preadv)
+    monkeypatch.setattr(mio, 'read_at', preadv)
     return done
 
 def test_meta_module_unchanged_when_a_shard_is_cut_during_the_load(smol_src, tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 from mstar_utils.model import build_on_meta
-from mstar_utils import sources
+import mstar_utils.io as mio
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from mstar_utils import loading
@@ -56,9 +56,9 @@ def test_twenty_loads():
 
 def test_failed_loads_release_what_they_read(monkeypatch):
     "A load that fails on its last tensor, after reading all the others, leaves no memory and no open file behind."
-    real, calls = sources._preadv, [0]
+    real, calls = mio.read_at, [0]
     def count(fd, views, pos, disk=None): calls[0] += 1; return real(fd, views, pos, disk)
-    monkeypatch.setattr(sources, '_preadv', count)
+    monkeypatch.setattr(mio, 'read_at', count)
     load_once()
     n = calls[0]  # the reads of one load: its last one fails from now on
     def preadv(fd, views, pos, disk=None):
@@ -66,7 +66,7 @@ def test_failed_loads_release_what_they_read(monkeypatch):
         if calls[0] % n == 0: raise ValueError(f'simulated read error at byte {pos}')
         return real(fd, views, pos, disk)
     calls[0] = 0
-    monkeypatch.setattr(sources, '_preadv', preadv)
+    monkeypatch.setattr(mio, 'read_at', preadv)
     def fail_once():
         m = meta_model()
         with pytest.raises(ValueError, match='simulated read error'): load_weights_from_hf_shards(SMOL, [ModuleAndPrefix(m)], progress=False)

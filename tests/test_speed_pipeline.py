@@ -1,6 +1,7 @@
 """The fast read path: chunk packing, the reader threads, the staging ring and its copier, checked for correctness on the CPU.
 
-`read_many` packs a load's tensors into chunks of contiguous file runs (`_chunks`), reads them on threads, and sends
+`read_many` hands a load's tensors to the reader engine (mstar_utils.io), which packs them into chunks of contiguous
+file runs (`plan_chunks`), reads them on threads, and sends
 destinations of another dtype or device through a ring of staging buffers whose only device-specific step is the copier.
 Here the copier is `HostCopier` (or a recording subclass of it), so every rule of the GPU pipeline runs on the CPU:
 bytes land exactly, casts match torch's, a buffer is refilled only after its copies, host staging stays bounded, no
@@ -19,11 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from mstar_utils import sources
+import ctypes
+from mstar_utils import io as mio, sources
 from mstar_utils.checkpoints import smollm2_checkpoint
 from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_weights_from_file, load_weights_from_hf_shards
 from mstar_utils.model import build_on_meta
-from mstar_utils.sources import HostCopier, checkpoint_source, file_source, read_weight_map
+from mstar_utils.io import HostCopier, Reads
+from mstar_utils.sources import checkpoint_source, file_source, read_weight_map
 from mstar_utils.testing import assert_state_dict_equal
 
 
@@ -58,11 +61,11 @@ def file_spans(draw):
 @settings(max_examples=200, deadline=None)
 @given(spans=file_spans(), cap=st.sampled_from([64, 100, 256, 1000, 1 << 20]))
 def test_chunks_cover_every_byte_once_in_file_order(spans, cap):
-    chunks = sources._chunks(spans, cap)
+    chunks = mio.plan_chunks(spans, cap)
     covered = {i: [] for i in range(len(spans))}
     last = None
     for chunk in chunks:
-        assert chunk and len({seg[0] for seg in chunk}) == 1  # one file per chunk, never empty
+        assert chunk and len({seg.file for seg in chunk}) == 1  # one file per chunk, never empty
         end = 0
         for path, pos, start, n, parts in chunk:
             assert start >= end and start + n <= cap and start % 16 == pos % 16  # in the buffer, aligned as in the file
@@ -96,9 +99,9 @@ def test_direct_reads_match_safetensors(smol_ckpt, ref, threads):
 
 def test_direct_reads_run_on_the_reader_threads(smol_ckpt, monkeypatch):
     "With 3 threads and chunks of several files, reads happen off the calling thread and on more than one thread."
-    real, names = sources._preadv, set()
+    real, names = mio.read_at, set()
     def spy(fd, views, pos, disk=None): names.add(threading.current_thread().name); return real(fd, views, pos, disk)
-    monkeypatch.setattr(sources, '_preadv', spy)
+    monkeypatch.setattr(mio, 'read_at', spy)
     src = checkpoint_source(smol_ckpt, threads=3)
     keys = list(src.keys())
     src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k))) for k in keys]); src.close()
@@ -107,10 +110,10 @@ def test_direct_reads_run_on_the_reader_threads(smol_ckpt, monkeypatch):
 
 def test_large_parts_are_populated_before_their_read_and_small_ones_are_not(smol_ckpt, ref, monkeypatch):
     "Every part of 256 KiB or more is populated in the reader thread, for exactly its destination bytes, before the preadv that fills it."
-    real_pop, real_read, log = sources.populate_pages, sources._preadv, []
+    real_pop, real_read, log = mio.populate_pages, mio.read_at, []
     def pop(addr, n): log.append(('pop', threading.current_thread().name, addr, n)); return real_pop(addr, n)
     def read(fd, views, pos, disk=None): log.append(('read', threading.current_thread().name, views)); return real_read(fd, views, pos, disk)
-    monkeypatch.setattr(sources, 'populate_pages', pop); monkeypatch.setattr(sources, '_preadv', read)
+    monkeypatch.setattr(mio, 'populate_pages', pop); monkeypatch.setattr(mio, 'read_at', read)
     src = checkpoint_source(smol_ckpt, threads=2)
     keys = sorted(src.keys())
     dests = {k: torch.empty(src.shape(k), dtype=src.dtype(k)) for k in keys}
@@ -118,21 +121,21 @@ def test_large_parts_are_populated_before_their_read_and_small_ones_are_not(smol
     assert_state_dict_equal(dests, ref)
     spans = {(d.data_ptr(), d.data_ptr() + d.numel() * d.element_size()) for d in dests.values()}
     pops = [e for e in log if e[0] == 'pop']
-    assert pops and all(e[3] >= sources._POPULATE_MIN for e in pops)
+    assert pops and all(e[3] >= mio._POPULATE_MIN for e in pops)
     assert all(any(lo <= e[2] and e[2] + e[3] <= hi for lo, hi in spans) for e in pops)  # inside one destination
-    plan = sources._chunks([(src.info(k)[0], src.info(k)[1] + src.info(k)[2].begin, src.info(k)[2].end - src.info(k)[2].begin) for k in keys], 8 << 20)
-    large = [n for c in plan for seg in c for _, _, n in seg[4] if n >= sources._POPULATE_MIN]
+    plan = mio.plan_chunks([(src.info(k)[0], src.info(k)[1] + src.info(k)[2].begin, src.info(k)[2].end - src.info(k)[2].begin) for k in keys], 8 << 20)
+    large = [n for c in plan for seg in c for _, _, n in seg.parts if n >= mio._POPULATE_MIN]
     assert sorted(e[3] for e in pops) == sorted(large)  # one call per large part (a tensor split over chunks is several parts)
     for i, e in enumerate(log):  # each populate is followed, on its thread, by the read into it
         if e[0] != 'pop': continue
         nxt = next(x for x in log[i + 1:] if x[1] == e[1] and x[0] == 'read')
-        assert any(sources.ctypes.addressof(sources.ctypes.c_char.from_buffer(v)) <= e[2] < sources.ctypes.addressof(sources.ctypes.c_char.from_buffer(v)) + len(v) for v in nxt[2])
+        assert any(ctypes.addressof(ctypes.c_char.from_buffer(v)) <= e[2] < ctypes.addressof(ctypes.c_char.from_buffer(v)) + len(v) for v in nxt[2])
 
 
 def test_populate_faults_in_fresh_pages_without_writing():
     "On fresh anonymous memory, the whole pages inside the range become resident (mincore) and read as zeros."
     import ctypes, mmap
-    if not sources._populating: pytest.skip('kernel without MADV_POPULATE_WRITE (Linux < 5.14)')
+    if not mio._populating: pytest.skip('kernel without MADV_POPULATE_WRITE (Linux < 5.14)')
     page = mmap.PAGESIZE
     m = mmap.mmap(-1, 32 * page)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
@@ -142,13 +145,13 @@ def test_populate_faults_in_fresh_pages_without_writing():
         vec = (ctypes.c_ubyte * 32)(); assert libc.mincore(addr, 32 * page, vec) == 0
         return [v & 1 for v in vec]
     assert resident() == [0] * 32
-    assert sources.populate_pages(addr + 3 * page - 1, 10 * page)  # pages 3..11 lie wholly inside
+    assert mio.populate_pages(addr + 3 * page - 1, 10 * page)  # pages 3..11 lie wholly inside
     assert resident() == [0] * 3 + [1] * 9 + [0] * 20
     assert bytes(m) == bytes(32 * page)
     ro = mmap.mmap(-1, 4 * page, prot=mmap.PROT_READ)  # memory it cannot populate for writing: refused, and populating goes on elsewhere
     import numpy as np
-    assert sources.populate_pages(np.frombuffer(ro, dtype=np.uint8).ctypes.data, 4 * page) is False and sources._populating
-    assert sources.populate_pages(addr + 20 * page, 4 * page) and resident()[20:24] == [1] * 4
+    assert mio.populate_pages(np.frombuffer(ro, dtype=np.uint8).ctypes.data, 4 * page) is False and mio._populating
+    assert mio.populate_pages(addr + 20 * page, 4 * page) and resident()[20:24] == [1] * 4
 
 
 def test_batches_advise_sequential_reads_and_restore_normal(smol_ckpt, tmp_path, monkeypatch):
@@ -156,8 +159,8 @@ def test_batches_advise_sequential_reads_and_restore_normal(smol_ckpt, tmp_path,
     if not hasattr(os, 'posix_fadvise'): pytest.skip('no posix_fadvise on this platform')
     calls, real = [], os.posix_fadvise
     monkeypatch.setattr(os, 'posix_fadvise', lambda fd, off, n, advice: (calls.append((fd, advice)), real(fd, off, n, advice))[1])
-    real_read = sources._preadv
-    monkeypatch.setattr(sources, '_preadv', lambda *a, **kw: (calls.append(('read',)), real_read(*a, **kw))[1])
+    real_read = mio.read_at
+    monkeypatch.setattr(mio, 'read_at', lambda *a, **kw: (calls.append(('read',)), real_read(*a, **kw))[1])
     src = checkpoint_source(smol_ckpt, threads=2)
     keys = sorted(src.keys())
     src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k))) for k in keys])
@@ -169,7 +172,7 @@ def test_batches_advise_sequential_reads_and_restore_normal(smol_ckpt, tmp_path,
     with pytest.raises(ValueError): src.read_many([(keys[0], torch.empty(src.shape(keys[0]), dtype=src.dtype(keys[0]))), (keys[1], torch.empty(3))])
     assert calls == []  # a destination refused before any read: no advice at all
     def boom(*a, **kw): raise OSError('disk gone')
-    monkeypatch.setattr(sources, '_preadv', boom)
+    monkeypatch.setattr(mio, 'read_at', boom)
     with pytest.raises(OSError): src.read_many([(keys[0], torch.empty(src.shape(keys[0]), dtype=src.dtype(keys[0])))])
     assert calls[-1][1] == os.POSIX_FADV_NORMAL
     src.close()
@@ -180,15 +183,15 @@ def test_one_read_per_contiguous_run(tmp_path):
     tensors = {f'{i}.weight': torch.full((4, 4), float(i)) for i in range(2000)}
     save_file(tensors, str(tmp_path/'many.safetensors'))
     calls = []
-    real = sources._preadv
+    real = mio.read_at
     def spy(fd, views, pos, disk=None): calls.append(len(views)); return real(fd, views, pos, disk)
     src = file_source(tmp_path/'many.safetensors', threads=1)
     keys = list(src.keys())
     dests = [torch.empty(4, 4) for _ in keys]
-    sources._preadv, saved = spy, sources._preadv
+    mio.read_at, saved = spy, mio.read_at
     try: src.read_many(list(zip(keys, dests)))
-    finally: sources._preadv = saved; src.close()
-    assert len(calls) == 1 and calls[0] == 2000  # one segment, one call of _preadv (two preadv of <= 1024 buffers inside)
+    finally: mio.read_at = saved; src.close()
+    assert len(calls) == 1 and calls[0] == 2000  # one segment, one call of read_at (two preadv of <= 1024 buffers inside)
     assert_state_dict_equal(dict(zip(keys, dests)), tensors)
 
 
@@ -204,14 +207,14 @@ def test_cold_reads_overlap_across_threads_and_warm_reads_never_wait(tmp_path, m
     os.close(fd)
     if still_cached: pytest.skip('this file system keeps the file in memory (tmpfs?): nothing to read from a disk')
     disks, spans, real = [], [], os.preadv
-    class Disk(sources._Disk):
+    class Disk(mio._Disk):
         def __init__(self): super().__init__(); disks.append(self)
     def preadv(fd, views, pos, *flags):
         if flags: return real(fd, views, pos, *flags)  # RWF_NOWAIT: the page cache only
         t0 = time.monotonic(); time.sleep(0.05)  # a slow disk: a read that waits on another's would never overlap it
         try: return real(fd, views, pos)
         finally: spans.append((t0, time.monotonic()))
-    monkeypatch.setattr(sources, '_Disk', Disk); monkeypatch.setattr(os, 'preadv', preadv)
+    monkeypatch.setattr(mio, '_Disk', Disk); monkeypatch.setattr(os, 'preadv', preadv)
     for cold in (True, False):
         spans.clear()
         src = file_source(path, threads=3)
@@ -249,7 +252,7 @@ def test_staged_reads_cast_like_torch_and_bound_the_ring(smol_ckpt, ref, dtype, 
     keys = sorted(k for k in src.keys() if SOME(k))
     dests = [torch.empty(src.shape(k), dtype=dtype) for k in keys]
     cop, chunk = RecordingCopier(), 64 << 10
-    src._read_staged(keys, dests, _spans(src, keys), [src.dtype(k) for k in keys], cop, chunk_bytes=chunk)
+    mio.read_staged(Reads(keys, dests, _spans(src, keys), [src.dtype(k) for k in keys]), src._fd, cop, threads, chunk_bytes=chunk)
     src.close()
     assert_state_dict_equal(dict(zip(keys, dests)), {k: ref[k].to(dtype) for k in keys})
     assert len(cop.buffers) == threads + 1 and all(b.numel() == chunk for b in cop.buffers)  # host memory: the ring only
@@ -263,14 +266,14 @@ def test_a_buffer_is_refilled_only_after_its_copies(smol_ckpt, ref):
     keys = sorted(k for k in src.keys() if SOME(k))
     cop = RecordingCopier()
     order = []
-    real = sources._copy_chunk
+    real = mio._copy_chunk
     def spy(chunk, buf, flats, dts, copier):
         order.append(buf.data_ptr()); real(chunk, buf, flats, dts, copier)
-    sources._copy_chunk, saved = spy, sources._copy_chunk
+    mio._copy_chunk, saved = spy, mio._copy_chunk
     try:
-        src._read_staged(keys, [torch.empty(src.shape(k), dtype=torch.float32) for k in keys], _spans(src, keys),
-                         [src.dtype(k) for k in keys], cop, chunk_bytes=1 << 20)
-    finally: sources._copy_chunk = saved; src.close()
+        mio.read_staged(Reads(keys, [torch.empty(src.shape(k), dtype=torch.float32) for k in keys], _spans(src, keys),
+                              [src.dtype(k) for k in keys]), src._fd, cop, src.threads, chunk_bytes=1 << 20)
+    finally: mio._copy_chunk = saved; src.close()
     R = len(cop.buffers)
     assert R == 3 and len(order) > 2 * R
     assert all(order[j] == order[j % R] for j in range(len(order)))  # the ring, in turn
@@ -313,12 +316,12 @@ def test_device_load_through_the_stand_in_copier(smol_ckpt, ref, monkeypatch):
 
 def test_reader_error_stops_the_load_and_its_threads(smol_ckpt, monkeypatch):
     "A read failing in a reader thread raises on the caller, leaves the module on meta, no thread behind, and the GC as it was."
-    real, calls = sources._preadv, [0]
+    real, calls = mio.read_at, [0]
     def preadv(fd, views, pos, disk=None):
         calls[0] += 1
         if calls[0] == 3: raise OSError(5, 'Input/output error (simulated)')
         return real(fd, views, pos, disk)
-    monkeypatch.setattr(sources, '_preadv', preadv)
+    monkeypatch.setattr(mio, 'read_at', preadv)
     before = threading.active_count()
     for dtype in (torch.bfloat16, torch.float32):  # direct reads, then the staging ring
         calls[0] = 0
@@ -357,7 +360,7 @@ def test_cuda_load_matches_and_keeps_parameters(smol_ckpt, ref, dtype):
 
 @cuda
 def test_cuda_copier_uses_pinned_staging_and_a_side_stream():
-    c = sources.CudaCopier('cuda')
+    c = mio.CudaCopier('cuda')
     buf = c.staging(1 << 20)
     assert buf.is_pinned() and c.stream != torch.cuda.current_stream()
     dst = torch.empty(1 << 18, dtype=torch.float32, device='cuda')
