@@ -21,8 +21,18 @@ _IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
 _NOWAIT = getattr(os, 'RWF_NOWAIT', 0)  # Linux >= 4.14: fail with EAGAIN instead of waiting for the disk
 
 class _Disk:
-    "What the reader threads of one batch share: `cold`, whether a read found its bytes missing from the page cache."
+    "Shared by a batch's reader threads: `cold`, whether a read found its bytes missing from the cache."
     def __init__(self): self.cold = False
+
+# %% ../nbs/01b_io.ipynb #5f3b9e08
+def _cached(fd: int, views: list, pos: int) -> int:
+    "Bytes read into `views` at `pos` from the page cache alone, never waiting for the disk; 0 when none."
+    if not _NOWAIT:
+        return 0
+    try:
+        return os.preadv(fd, views, pos, _NOWAIT)
+    except OSError:
+        return 0  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
 
 # %% ../nbs/01b_io.ipynb #5f3b9e07
 def read_at(fd: int, # an open file descriptor
@@ -30,7 +40,7 @@ def read_at(fd: int, # an open file descriptor
             pos: int, # file offset of the first byte
             disk=None, # a `_Disk` the reader threads of a batch share; None: plain reads
            ) -> int:
-    "Bytes read into `views` from offset `pos` of `fd`; fewer than their total only when the file ends first."
+    "Bytes read into `views` from offset `pos` of `fd`; fewer than their total only at the file's end."
     got, i = 0, 0
     while i < len(views):
         batch = views[i:i + _IOV_MAX]
@@ -48,16 +58,6 @@ def read_at(fd: int, # an open file descriptor
         if n:
             views = views[:i] + [views[i][n:]] + views[i + 1:]
     return got
-
-# %% ../nbs/01b_io.ipynb #5f3b9e08
-def _cached(fd: int, views: list, pos: int) -> int:
-    "Bytes read into `views` from the page cache at `pos`, without waiting for the disk; 0 when none (or unsupported)."
-    if not _NOWAIT:
-        return 0
-    try:
-        return os.preadv(fd, views, pos, _NOWAIT)
-    except OSError:
-        return 0  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
 
 # %% ../nbs/01b_io.ipynb #3b8e1f70
 _PAGE = _mmap.PAGESIZE
@@ -166,7 +166,7 @@ def plan_chunks(spans: list, # a `Span` (file, byte offset in the file, byte cou
 # %% ../nbs/01b_io.ipynb #1f7b6d41
 @dataclass
 class Reads:
-    "The items of one batch, as parallel lists: a name, a destination, a file span and the stored dtype each."
+    "A batch's items as parallel lists: a name, a destination, a file span and the stored dtype each."
     names: list = field(default_factory=list) # each item's name in errors (a checkpoint key)
     dests: list = field(default_factory=list) # its destination: a contiguous tensor that holds the span's bytes
     spans: list = field(default_factory=list) # its bytes in a file, a `Span`
@@ -181,7 +181,7 @@ class Reads:
 
 # %% ../nbs/01b_io.ipynb #0b6f5d37
 def _cut(path, parts: list, names: list, sizes: list, got: int) -> ValueError:
-    "The error for a read of `parts` (`Part`s) that got `got` bytes: the tensor cut, and how much was read."
+    "The error for a read of `parts` that got `got` bytes: the tensor cut, and how much of it was read."
     for i, at, n in parts:
         if got < n:
             return ValueError(f'{path}: tensor {names[i]!r} is cut short: read {at + got} of {sizes[i]} bytes')
@@ -195,7 +195,7 @@ def _buffer(t: torch.Tensor) -> memoryview:
 
 # %% ../nbs/01b_io.ipynb #e7a3d9c5
 def _read_chunk(chunk: list, views, fd, names: list, sizes: list, disk: _Disk):
-    "Read each `Segment` of `chunk` into the buffers `views(segment)` gives for it, from the descriptor `fd(file)`."
+    "Read each `Segment` of `chunk` from `fd(file)` into the buffers `views(segment)` gives for it."
     # `ValueError` naming the tensor a file cuts short.
     for seg in chunk:
         got = read_at(fd(seg.file), views(seg), seg.offset, disk)
@@ -204,7 +204,7 @@ def _read_chunk(chunk: list, views, fd, names: list, sizes: list, disk: _Disk):
 
 # %% ../nbs/01b_io.ipynb #2b3c8e90
 def _report(progress, chunk: list, sizes: list):
-    "Call `progress(bytes, tensors)` for a chunk done: its bytes, and the tensors whose last part it held."
+    "`progress(bytes, tensors)` for a chunk done: its bytes, and the tensors whose last part it held."
     if progress is None:
         return
     progress(sum(s.nbytes for s in chunk), sum(1 for s in chunk for i, at, n in s.parts if at + n == sizes[i]))
@@ -242,10 +242,10 @@ def read_direct(reads: Reads, # destinations: contiguous CPU tensors of the stor
                 threads: int, # reader threads
                 progress=None, # called on this thread as progress(bytes, tensors) as chunks complete
                ):
-    "Read each item of `reads` straight into its destination, in chunks spread over `threads` reader threads."
+    "Read each item of `reads` straight into its destination, in chunks spread over `threads` threads."
     dests, spans = reads.dests, reads.spans
     bufs, disk = [_buffer(d) if d.numel() else None for d in dests], _Disk()
-    sizes, addrs = [s[2] for s in spans], [d.data_ptr() for d in dests]
+    sizes, addrs = [s.nbytes for s in spans], [d.data_ptr() for d in dests]
     def views(seg):
         for i, at, n in seg.parts:
             if n >= _POPULATE_MIN:
@@ -314,8 +314,8 @@ def read_staged(reads: Reads, # destinations: contiguous tensors of any dtype, o
                 progress=None, # called on this thread as progress(bytes, tensors) as chunks complete
                 chunk_bytes: int = 8 << 20, # bytes of one staging buffer
                ):
-    "Read `reads` through a ring of `threads + 1` staging chunks (<= 64 MiB, >= 2), copied out by `copier`."
-    sizes, chunks, disk = [s[2] for s in reads.spans], plan_chunks(reads.spans, chunk_bytes), _Disk()
+    "Read `reads` through a ring of `threads + 1` staging chunks (<= 64 MiB, >= 2) `copier` copies out."
+    sizes, chunks, disk = [s.nbytes for s in reads.spans], plan_chunks(reads.spans, chunk_bytes), _Disk()
     if not chunks:
         return
     R = min(threads + 1, max(2, (64 << 20) // chunk_bytes), len(chunks))

@@ -40,7 +40,7 @@ def ref(smol_ckpt) -> dict:
 
 
 def _spans(src, keys):
-    return [(src.info(k)[0], src.info(k)[1] + src.info(k)[2].begin, src.info(k)[2].end - src.info(k)[2].begin) for k in keys]
+    return [mio.Span(src.info(k)[0], src.info(k)[1] + src.info(k)[2].begin, src.info(k)[2].end - src.info(k)[2].begin) for k in keys]
 
 
 # ---------------------------------------------------------------- chunk packing
