@@ -124,7 +124,8 @@ def plan_chunks(spans: list, # a `Span` (file, byte offset in the file, byte cou
     "`spans` packed in file then offset order into chunks of at most `cap` bytes, each of one file."
     chunks, segs, fill = [], [], 0   # segs: the open chunk's closed segments; fill: the bytes of the chunk used
     file, offset, start, run, parts = None, 0, 0, 0, None   # the open segment (none while `parts` is None)
-    for i in sorted(range(len(spans)), key=lambda i: (str(spans[i][0]), spans[i][1])):
+    order = [(str(f), pos) for f, pos, _ in spans]   # file then offset
+    for i in sorted(range(len(spans)), key=order.__getitem__):
         path, pos, n = spans[i]
         at = 0
         # a chunk holds one file: chunks complete file by file
@@ -132,6 +133,11 @@ def plan_chunks(spans: list, # a `Span` (file, byte offset in the file, byte cou
             segs.append(Segment(file, offset, start, run, parts))
             chunks.append(segs)
             segs, fill, parts = [], 0, None
+        if n and parts is not None and offset + run == pos and fill + n <= cap:  # it follows the open segment, and fits
+            parts.append(Part(i, 0, n))
+            run += n
+            fill += n
+            continue
         while at < n:
             if parts is None or offset + run != pos + at or (file is not path and file != path):
                 begin = fill + (pos + at - fill) % _ALIGN
