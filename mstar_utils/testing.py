@@ -1165,7 +1165,7 @@ class RankReads(NamedTuple):
     replicated: int  # bytes every rank reads whole: the unsliced tensors and the stored keys `whole` names
 
     def bound(self, blocks: int = 0) -> float:  # blocks: bytes of whole blocks read at the cuts, over the ranks
-        "1.01 × (checkpoint + (world_size − 1) × replicated) + `blocks`: the most the ranks may read in all."
+        "1.01 × (checkpoint + (world_size − 1) × replicated) + `blocks`: the most the ranks may read."
         return 1.01 * (self.checkpoint + (len(self.per_rank) - 1) * self.replicated) + blocks
 
 # %% ../nbs/98_testing.ipynb #rrd0002
@@ -1174,7 +1174,7 @@ def rank_reads(folder, # a checkpoint folder of safetensors files
                whole=None, # (stored key, dim its tensor is cut along or None) -> True: every rank reads it whole
                **kw, # to `load_model` and `load_plan`: dtype, quantized, expert_parallel, ...
               ) -> RankReads:
-    "Load every rank: assert its tensors are the full load's slices and its bytes its plan's; what they read."
+    "Each rank's load, asserted the full load's slices and its plan's bytes; what the ranks read."
     from mstar_utils.model import load_model, load_plan
     from mstar_utils.tensor_parallel import take
     full = load_model(folder, **kw)
