@@ -385,12 +385,14 @@ def _with_skipped_rules(e: KeyError, # a missing-key error of the loader
     )
 
 # %% ../nbs/03_load_model.ipynb #1f9989df
-def _attach_generation_config(model, ckpt: Path):
+def _attach_generation_config(model, ckpt: Path, config=None):
     "Set `model.generation_config` as `from_pretrained` does: from generation_config.json, else config.json."
     if not (hasattr(model, 'can_generate') and model.can_generate()):
         return
     from transformers import GenerationConfig
-    if (ckpt / 'generation_config.json').is_file():
+    if ckpt.is_file():   # a GGUF file: from its config, as from_pretrained(gguf_file=...) does
+        model.generation_config = GenerationConfig.from_model_config(config)
+    elif (ckpt / 'generation_config.json').is_file():
         model.generation_config = GenerationConfig.from_pretrained(ckpt)
     else:
         model.generation_config = GenerationConfig.from_pretrained(
@@ -555,9 +557,14 @@ def _prepare(
     # `dry`: a source that only records reads; `built`: a meta model to copy.
     if quantized not in ('dequantize', 'keep'):
         raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
-    ckpt = _checkpoint_dir(checkpoint_dir)
     if group is not None and (rank is None or world_size is None):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    from mstar_utils.gguf import gguf_file   # a .gguf file (or a folder of one) is read through `GGUFSource`
+    f = gguf_file(checkpoint_dir)
+    if f is not None:
+        return _prepare_gguf(f, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules,
+                             dry, built)
+    ckpt = _checkpoint_dir(checkpoint_dir)
     early = not dry and _one_device(rank, world_size)  # a rank reads its slices, not whole shards
     raw = (
         _reads_before_config(ckpt, dtype, conv, device, mmap) if early else checkpoint_source(ckpt, mmap=mmap, dry=dry)
@@ -590,6 +597,33 @@ def _prepare(
         ckpt, config, model, src, whole, raw, sharding, untied, f'{ckpt.name} ({type(model).__name__}{where})'
     )
 
+# %% ../nbs/03_load_model.ipynb #78edd5c0
+def _prepare_gguf(f: Path, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules,
+                  dry, built) -> _Prepared:
+    "`_prepare` for GGUF file `f`: its config from the metadata, the model in float32 unless `dtype`, a `GGUFSource`."
+    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_model_class, keep_gguf, read_gguf
+    header = read_gguf(f)
+    config, dtype = gguf_config(f, header), dtype or torch.float32   # float32: what from_pretrained(gguf_file=) gives
+    model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class or gguf_model_class(config),
+                                                                         dtype)
+    sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)
+    if quantized == 'keep' and sharding is not None:
+        raise NotImplementedError(f"{f.name}: quantized='keep' is not cut for tensor parallelism in a GGUF file; "
+                                  "pass quantized='dequantize'")
+    src = GGUFSource(f, model, config, header, dry=dry)
+    try:
+        if quantized == 'keep':
+            keep_gguf(model, src, dtype)   # block-type Linear weights stay the file's bytes
+        whole, untied = src, _untie_stored(model, src)
+        if sharding is not None:
+            shard_module(model, sharding, group)
+            src = ShardedSource(src, sharding, str(f))
+    except BaseException:
+        src.close()
+        raise
+    where = '' if sharding is None else f', rank {sharding.rank} of {sharding.world_size}'
+    return _Prepared(f, config, model, src, whole, whole.raw, sharding, untied, f'{f.name} ({type(model).__name__}{where})')
+
 # %% ../nbs/03_load_model.ipynb #0a1b2c04
 def _read_weights(prep: _Prepared, device, progress=None):
     "(LoadResult, buffers kept as built): the prepared model filled from its source and checked."
@@ -603,7 +637,7 @@ def _read_weights(prep: _Prepared, device, progress=None):
 
 # %% ../nbs/03_load_model.ipynb #512231b4
 def load_model(
-    checkpoint_dir: str | Path,  # an HF checkpoint folder: config.json and safetensors (index + shards, or one file)
+    checkpoint_dir: str | Path,  # an HF checkpoint folder (config.json, safetensors), or a .gguf file
     model_class: type | None = None,  # None: transformers' class for config.json `architectures`
     *,
     device: str = 'cpu',  # where the weights land ('cpu', 'cuda:1', ...)
@@ -621,15 +655,6 @@ def load_model(
     mmap: bool = False,  # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
 ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, or rank `rank`'s part of it, loaded, checked and in eval mode."
-    from mstar_utils.gguf import gguf_file   # a .gguf file (or a folder of one) loads through the GGUF reader
-    if gguf_file(checkpoint_dir) is not None:
-        if rank is not None or world_size is not None or group is not None:
-            raise ValueError(
-                f'{checkpoint_dir}: a GGUF checkpoint loads on one device; pass no rank, world_size or group'
-            )
-        return load_gguf_model(
-            checkpoint_dir, model_class, device=device, dtype=dtype, strict=strict, quantized=quantized
-        )
     prep = _prepare(
         checkpoint_dir,
         model_class,
@@ -659,7 +684,7 @@ def load_model(
     model.to(device)   # the buffers built real on the CPU
     process_weights_after_loading(model, device)
     _report_unexpected(model, res.unexpected_keys, name, strict)
-    _attach_generation_config(model, prep.ckpt)
+    _attach_generation_config(model, prep.ckpt, prep.config)
     model.bytes_read = prep.source.bytes_read
     if prep.sharding is not None:
         model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
@@ -686,43 +711,13 @@ def load_model_sharded(
 def load_gguf_model(
     path: str | Path,  # a .gguf file, or a folder holding one
     model_class: type | None = None,  # None: transformers' class for the converted config
-    *,
-    device: str = 'cpu',  # where the weights land
-    dtype: torch.dtype | None = None,  # parameters' dtype; None: float32, as `from_pretrained(gguf_file=...)`
-    strict: bool = False,  # raise instead of warning when the file's tensors go unused
-    quantized: str = 'dequantize',  # 'dequantize' the block types into `dtype`, or 'keep' their bytes (`keep_gguf`)
+    **kw,  # as `load_model`: device, dtype (None: float32, as `from_pretrained(gguf_file=...)`), strict, quantized, rank...
 ) -> torch.nn.Module:
-    "The model in GGUF file `path`, as `from_pretrained(folder, gguf_file=...)` builds it."
-    from transformers import GenerationConfig
-    from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_from_source, process_weights_after_loading
-    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_file, gguf_model_class, keep_gguf, read_gguf
-    if quantized not in ('dequantize', 'keep'):
-        raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
-    f = gguf_file(path)
-    if f is None:
+    "The model in GGUF file `path`, as `from_pretrained(folder, gguf_file=...)` builds it: `load_model` of it."
+    from mstar_utils.gguf import gguf_file
+    if gguf_file(path) is None:
         raise FileNotFoundError(f'{path}: no .gguf file there')
-    header = read_gguf(f)
-    config = gguf_config(f, header)
-    model = build_on_meta(config, model_class or gguf_model_class(config), dtype or torch.float32)
-    src = GGUFSource(f, model, config, header)
-    try:
-        if quantized == 'keep':
-            keep_gguf(model, src, dtype or torch.float32)   # block-type Linear weights stay the file's bytes
-        untied = _untie_stored(model, src)
-        with _built_buffers_kept(model, src) as kept:
-            res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(f))
-            check_loaded(model, res[0], f'{f.name} ({type(model).__name__})')
-    finally:
-        src.close()
-    _retie_equal(model, untied, f.name)
-    _initialize_unloaded(model, res[0])
-    _report_kept_buffers(model, kept, f.name)
-    model.to(device)
-    process_weights_after_loading(model, device)
-    _report_unexpected(model, res.unexpected_keys, f.name, strict)
-    if hasattr(model, 'can_generate') and model.can_generate():
-        model.generation_config = GenerationConfig.from_model_config(config)
-    return model.eval()
+    return load_model(path, model_class, **kw)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c11
 class PlannedTensor(NamedTuple):
