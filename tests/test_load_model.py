@@ -254,4 +254,4 @@ def test_transformers_rules_listed_once_and_the_rest_named():
         assert 'rules load_model cannot apply' in e.args[0] and skipped[0] in e.args[0]
         assert _with_skipped_rules(KeyError('x'), cfg, None).args[0] == 'x'
     from mstar_utils.model import auto_conversions
-    assert auto_conversions(CONFIG_MAPPING['musicgen'](), None) == []   # several text configs: get_text_config refuses to pick one
+    assert auto_conversions(CONFIG_MAPPING["musicgen"]()) == []   # several text configs: get_text_config refuses to pick one
