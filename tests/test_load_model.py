@@ -1,6 +1,7 @@
 """load_model against transformers' from_pretrained: state_dict, logits, eval mode and generation config, on real
 checkpoints (SmolLM2, all-MiniLM-L6-v2) and tiny models of other families written by save_pretrained."""
-import logging, os
+import logging
+import os
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
 from transformers.utils import logging as hf_logging
 
 from mstar_utils import load_model, smollm2_checkpoint, minilm_checkpoint
-from mstar_utils.testing import ListHandler, assert_state_dict_equal, save_tiny, tiny_configs
+from mstar_utils.testing import ListHandler, assert_state_dict_equal, save_tiny
 
 hf_logging.set_verbosity_error()
 
