@@ -16,7 +16,7 @@ from fastcore.basics import patch
 
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, check_loaded, process_weights_after_loading
-from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS
+from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, listed
 from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header, FileSource, ReadAhead
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter, DEEPSEEK_V2_CONVERSIONS
@@ -142,7 +142,7 @@ def _model_types(config) -> list:
     return [t for t in dict.fromkeys([config.model_type, text]) if t is not None]
 
 # %% ../nbs/03_load_model.ipynb #b9b3199e
-def auto_conversions(config, ckpt: Path) -> list:
+def auto_conversions(config) -> list:
     "The WeightConverter recipes `conv='auto'` picks for `config`'s model type (text config included)."
     return [c for t in _model_types(config) if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
 
@@ -223,12 +223,6 @@ def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-bu
             out[k] = new
     return out
 
-# %% ../nbs/03_load_model.ipynb #4b049084
-def _listed(names: list, n: int = 5, sep: str = ', ') -> str:
-    "The first `n` of `names` joined by `sep`, then how many more there are."
-    # what the warnings and errors of this page show
-    return sep.join(names[:n]) + (f'{sep}... ({len(names) - n} more)' if len(names) > n else '')
-
 # %% ../nbs/03_load_model.ipynb #4b049085
 _log = logging.getLogger('mstar_utils.model')
 
@@ -239,7 +233,7 @@ def _report_unexpected(model, keys: list, where, strict: bool):
     keys = [k for k in keys if k not in buffers and not any(p.search(k) for p in pats)]
     if not keys:
         return
-    msg = f'{where}: {len(keys)} checkpoint key(s) were not used by {type(model).__name__}: {_listed(keys)}'
+    msg = f'{where}: {len(keys)} checkpoint key(s) were not used by {type(model).__name__}: {listed(keys)}'
     if strict:
         raise ValueError(msg + '; pass strict=False to load anyway')
     _log.warning(msg)
@@ -366,7 +360,7 @@ def _report_kept_buffers(model: torch.nn.Module, # the loaded model
         return
     _log.warning(
         f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are initialized '
-        f'as {type(model).__name__} initializes them: {_listed(kept)}'
+        f'as {type(model).__name__} initializes them: {listed(kept)}'
     )
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d14
@@ -381,7 +375,7 @@ def _with_skipped_rules(e: KeyError, # a missing-key error of the loader
         return e
     return KeyError(
         f"{e.args[0]}; transformers converts {config.model_type} checkpoints with rules load_model cannot apply, "
-        "which may be why: " + _listed(skipped, 3, '; ')
+        "which may be why: " + listed(skipped, 3, '; ')
     )
 
 # %% ../nbs/03_load_model.ipynb #1f9989df
@@ -400,9 +394,9 @@ def _attach_generation_config(model, ckpt: Path, config=None):
         )
 
 # %% ../nbs/03_load_model.ipynb #948fe28f
-def _recipes(config, ckpt: Path, conv) -> list:
+def _recipes(config, conv) -> list:
     "The recipes whose keys `load_model` fuses: `conv`, or for 'auto' ours by model type, then transformers'."
-    return [*auto_conversions(config, ckpt), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
+    return [*auto_conversions(config), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
 
 # %% ../nbs/03_load_model.ipynb #44d6946a
 def _as_stored(src: FileSource, recipes: list, dtype) -> list:
@@ -437,7 +431,7 @@ def start_reads(ckpt: Path, # a checkpoint folder
     src = checkpoint_source(ckpt, mmap=mmap)
     if torch.device(device).type != 'cpu' or getattr(config, 'quantization_config', None):
         return src
-    return _read_ahead(src, mmap, lambda: _as_stored(src, _recipes(config, ckpt, conv), dtype))
+    return _read_ahead(src, mmap, lambda: _as_stored(src, _recipes(config, conv), dtype))
 
 # %% ../nbs/03_load_model.ipynb #197c1a1c
 def _json_dtype(cfg: dict):
@@ -469,7 +463,7 @@ def _keep_reads(src: FileSource, config, ckpt: Path, dtype, conv, mmap: bool):
     keep = (
         set()
         if getattr(config, 'quantization_config', None)
-        else set(_as_stored(src, _recipes(config, ckpt, conv), dtype))
+        else set(_as_stored(src, _recipes(config, conv), dtype))
     )
     src.ahead.cancel([p for p in src.ahead.paths if p not in keep])
 
@@ -484,7 +478,7 @@ def model_source(
     raw: FileSource | None = None,  # the checkpoint's `FileSource`, maybe from `start_reads`; None: opened here
 ):
     "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it."
-    recipes = auto_conversions(config, ckpt) if conv == 'auto' else list(conv or [])
+    recipes = auto_conversions(config) if conv == 'auto' else list(conv or [])
     later = transformers_conversions(config) if conv == 'auto' else []  # written for the renamed keys
     src = raw = raw if raw is not None else checkpoint_source(ckpt)
     try:
@@ -757,14 +751,12 @@ class LoadPlan:
             f'{len(self.tensors)} tensors, reads {_mb(self.total_bytes)} of {_mb(self.checkpoint_bytes)} '
             f'in {len(self.files)} file(s), holds {_mb(self.held_bytes)}'
         )
-        rows = [
-            f'  {t.name} {list(t.shape)} {t.dtype} <- {_listed(t.keys, 2)}: '
-            f'{" | ".join(t.steps) or "as stored"}, {_mb(t.bytes)}'
-            for t in self.tensors[:6]
-        ]
-        more = [f'  ... ({len(self.tensors) - 6} more)'] if len(self.tensors) > 6 else []
+        def row(t):
+            return (f'{t.name} {list(t.shape)} {t.dtype} <- {listed(t.keys, 2)}: '
+                    f'{" | ".join(t.steps) or "as stored"}, {_mb(t.bytes)}')
+        rows = ['  ' + listed(self.tensors, 6, '\n  ', row)] if self.tensors else []
         files = [f'  {f.file}: {len(f.ranges)} range(s), {_mb(f.bytes)}' for f in self.files]
-        return '\n'.join([head, *rows, *more, *files])
+        return '\n'.join([head, *rows, *files])
 
 def _mb(n: int) -> str: return f'{n / 1e6:.2f} MB'
 

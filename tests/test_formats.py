@@ -1,5 +1,7 @@
 "More quantized formats: compressed-tensors dense, NVFP4 (compressed-tensors and ModelOpt), MXFP8, safetensors' F4 dtype, against compressed-tensors' own code."
-import json, os, shutil
+import json
+import os
+import shutil
 
 import pytest
 import torch

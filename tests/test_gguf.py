@@ -1,5 +1,6 @@
 "GGUF: the block decoders against gguf-py, tiny files written by gguf-py against transformers' from_pretrained(gguf_file=...), SmolLM2's real Q4_1 file, refusals."
-import os, shutil
+import os
+import shutil
 
 import numpy as np
 import pytest

@@ -1,6 +1,10 @@
 """GPTQ, AWQ and bitsandbytes checkpoints: decoders against the packed integers and bitsandbytes' own functional API, loads
 against from_pretrained of the dequantized checkpoint, tensor-parallel ranks against the full load's slices."""
-import io, json, os, re, shutil
+import io
+import json
+import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -214,7 +218,7 @@ def test_cuts_read_whole_words_and_groups(fmt, dim):
     for a in range(0, size, 3):
         for b in range(a + 1, size + 1, 5):
             c = op.cut([x.shape for x in ts], dim, a, b)
-            parts = [x if p is None else x.narrow(p[0], p[1], p[2] - p[1]) for x, p in zip(ts, c.parts)]
+            parts = [x if p is None else x.narrow(p[0], p[1], p[2] - p[1]) for x, p in zip(ts, c.parts, strict=True)]
             assert_tensors_equal(dequantize_cut(c, parts), ref.narrow(dim, a, b - a), f'[{a}, {b}) of dim {dim}')
             unit = 32 if dim == 1 else 8   # whole groups of 32 inputs, or whole words of eight outputs
             lo, hi = a // unit * unit, min(-(-b // unit) * unit, size)
