@@ -27,7 +27,12 @@ per token; a step of k tokens (k = 2, 4, 8) <= k times that; a reply without sto
 a reply with 4 stop strings <= 0.7x DecodeStream.step per token; the same at token 32,768 <= 1.3x its cost at 256.
 """
 from __future__ import annotations
-import json, os, platform, random, sys, time
+import json
+import os
+import platform
+import random
+import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -120,7 +125,9 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
          long: int = 33_024,  # tokens of the long reply timed at AT
          publish: store_true = False,  # also write benchmarks/detokenize_results.json, which benchmarks/README.md quotes
         ):
-    import tokenizers, torch, transformers
+    import tokenizers
+    import torch
+    import transformers
     from tokenizers.decoders import DecodeStream
     from transformers import AutoTokenizer
     from mstar_utils.checkpoints import smollm2_checkpoint

@@ -19,7 +19,14 @@ against every rank's full `load_plan` (the per-tensor breakdown too); and, for t
 benchmarks/results/explore_ranks.json.
 """
 from __future__ import annotations
-import argparse, copy, json, multiprocessing as mp, os, statistics, sys, time
+import argparse
+import copy
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -39,7 +46,8 @@ def perturbed_copy(ckpt: Path) -> Path:
     "A copy of `ckpt` with every tensor perturbed by 1% of its std (a stand-in for a fine-tune), built once under the bench cache."
     out = cache_root()/(ckpt.name + TUNED)
     if (out/'.complete').exists(): return out
-    import shutil, torch
+    import shutil
+    import torch
     from safetensors.torch import load_file, save_file
     print(f'building {out.name} (once) ...', flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +88,8 @@ def _job(kind: str, a: str, b: str | None):
 
 
 def _child(kind, a, b, conn):
-    import gc, psutil
+    import gc
+    import psutil
     gc.collect()
     base = psutil.Process().memory_info().rss
     with RssSampler() as s:
@@ -110,7 +119,7 @@ def _median_s(fn, n: int = 3) -> float:
 def ranks_bench():
     "Seconds of explore's section 4 on SmolLM2, against the plans without a shared meta model and the full plans; meta build against copy."
     import torch
-    from transformers import AutoConfig, DeepseekV3Config
+    from transformers import DeepseekV3Config
     from mstar_utils.checkpoints import smollm2_checkpoint
     from mstar_utils.model import build_on_meta, load_plan
     from mstar_utils.explore import _build, rank_table

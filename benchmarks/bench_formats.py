@@ -13,7 +13,13 @@ Rows:
   layout (every `*_proj`; embeddings, norms and lm_head in bf16, a 4096-token vocabulary so that the codes dominate).
 """
 from __future__ import annotations
-import contextlib, io, json, os, shutil, tempfile, time
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -109,5 +115,5 @@ def main(repeat: int = 3, # runs of each of our loads (the best is kept)
         size = (d/'model.safetensors').stat().st_size / 1e9
         rows.append(dequantizing_row(f'NVFP4 (compressed-tensors) {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat))
     w = [max(len(r[i]) for r in rows + [('row', 'ours', 'reference', 'ratio', 'target')]) for i in range(5)]
-    for r in [('row', 'ours', 'reference', 'ratio', 'target')] + rows: print(' | '.join(c.ljust(n) for c, n in zip(r, w)))
+    for r in [('row', 'ours', 'reference', 'ratio', 'target')] + rows: print(' | '.join(c.ljust(n) for c, n in zip(r, w, strict=True)))
     print(f'torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}')

@@ -16,7 +16,19 @@ Each run is a fresh process (forked from a parent that has only imported the lib
 new interpreter). Prints the table and the targets, writes benchmarks/results/load.json and benchmarks/results/load.png.
 """
 from __future__ import annotations
-import gc, json, mmap, os, platform, random, shutil, statistics, subprocess, sys, threading, time, traceback
+import gc
+import json
+import mmap
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -212,10 +224,13 @@ class RssSampler:
 # --------------------------------------------------------------------------------------------------------------- worker
 def _preimport():
     "The imports every method needs; done by the parent once when runs are forked, so no method pays for them."
-    import torch, transformers, safetensors.torch  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import safetensors.torch  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
-    import mstar_utils.loading, mstar_utils.model  # noqa: F401
+    import mstar_utils.loading  # noqa: F401
+    import mstar_utils.model  # noqa: F401
 
 def _meta_model(ckpt, dtype=None):
     from transformers import AutoConfig
@@ -381,7 +396,7 @@ def _load_peer(method, files) -> dict:
 def worker(spec: dict) -> dict:
     "One measured load in this (fresh) process; returns the metrics."
     import torch
-    from mstar_utils.loading import check_loaded
+    import mstar_utils.loading  # noqa: F401 (before the clock, as the parent imports it)
     method, ckpt, cold = spec['method'], Path(spec['ckpt']), spec['cold']
     tensors = checkpoint_tensors(ckpt)
     files = sorted({t['file'] for t in tensors})
@@ -537,7 +552,8 @@ def verify(runs: list[dict]) -> list[str]:
     for r in runs:
         ref = next((x for x in runs if x['ckpt'] == r['ckpt'] and x['method'] == 'e2e-hf'), None)
         if r.get('logits') is None or ref is None: continue
-        if r['dtype'] != ref['dtype'] or any(abs(a - b) > 1e-3 * (1 + abs(b)) for a, b in zip(r['logits'], ref['logits'])):
+        if r['dtype'] != ref['dtype'] or len(r['logits']) != len(ref['logits']) or any(
+                abs(a - b) > 1e-3 * (1 + abs(b)) for a, b in zip(r['logits'], ref['logits'], strict=True)):
             bad.append(f"{r['ckpt']}/{r['method']}: first logits {r['logits'][:3]} ({r['dtype']}) differ from from_pretrained's {ref['logits'][:3]}")
     for r in runs:
         if not r.get('fingerprint'): continue
@@ -635,7 +651,7 @@ def plot(summary: list[dict], ckpts: dict, path: Path):
     many = [s for s in summary if s['ckpt'] in MANY_METHODS]
     rows = len(big) + (1 if many else 0)
     fig, axes = plt.subplots(rows, 2, figsize=(13, 3.8*rows), squeeze=False)
-    for row, ck in zip(axes, big):
+    for row, ck in zip(axes, big, strict=False):   # a last row for the many-tensor files
         methods = [m for m in CPU_METHODS + GPU_METHODS if m not in E2E_METHODS and (_get(summary, ck, 'warm', m) or _get(summary, ck, 'cold', m))]
         w = 0.38
         for off, cache, hatch in ((-w/2, 'warm', None), (w/2, 'cold', '//')):
@@ -645,7 +661,7 @@ def plot(summary: list[dict], ckpts: dict, path: Path):
             row[0].bar(xs, [r['gbps'] if r else 0 for r in rs], w, color='tab:blue' if cache == 'warm' else 'tab:cyan', hatch=hatch, edgecolor='white', label=f'{cache} cache')
             row[1].bar(xs, [r['rss_x_bytes'] if r else 0 for r in rs], w, color='tab:green' if cache == 'warm' else 'tab:olive', hatch=hatch, edgecolor='white', label=f'{cache} cache')
         row[1].axhline(1.05, color='k', ls='--', lw=1, label='target for ours: 1.05')
-        for ax, title in zip(row, ('GB/s on ready time (load + first touch), median', 'peak RSS above baseline / checkpoint bytes, median')):
+        for ax, title in zip(row, ('GB/s on ready time (load + first touch), median', 'peak RSS above baseline / checkpoint bytes, median'), strict=True):
             ax.set_xticks(range(len(methods))); ax.set_xticklabels(methods, rotation=25, ha='right', fontsize=8)
             ax.set_title(f"{ck} ({ckpts[ck]['bytes']/1e9:.2f} GB, {ckpts[ck]['shards']} shards): {title}", fontsize=9)
             ax.legend(fontsize=7); ax.grid(axis='y', alpha=.3)
@@ -663,7 +679,9 @@ def plot(summary: list[dict], ckpts: dict, path: Path):
 
 # ----------------------------------------------------------------------------------------------------------------- main
 def _env(gpu, repeats, cold_repeats, spawn):
-    import torch, transformers, safetensors
+    import torch
+    import transformers
+    import safetensors
     from mstar_utils.sources import default_threads
     return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                 safetensors=safetensors.__version__, cpus=os.cpu_count(), threads=default_threads(), mem_gb=round(psutil.virtual_memory().total/GB, 1),

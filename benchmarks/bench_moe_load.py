@@ -18,7 +18,14 @@ state_dicts are fingerprinted (crc32 of every tensor's bytes) and must agree. Pr
 writes benchmarks/results/moe_load.json.
 """
 from __future__ import annotations
-import json, os, platform, statistics, subprocess, sys, time, zlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import zlib
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -52,7 +59,8 @@ def dense_checkpoint() -> Path:
     from mstar_utils.checkpoints import cache_dir, cached_folder
     out = cache_dir()/'bench'/(NAME + '-fused')
     if (out/'.complete').exists(): return out
-    import shutil, torch
+    import shutil
+    import torch
     from safetensors.torch import save_file
     from mstar_utils.model import load_model
     sd = load_model(checkpoint(), dtype=torch.bfloat16).state_dict()
@@ -85,11 +93,13 @@ from bench_load import _status  # VmRSS and VmHWM, as the dense benchmark reads 
 
 
 def measure(method: str) -> dict:
-    import gc, torch
+    import gc
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     from mstar_utils.model import load_model
-    import transformers.models.qwen3_moe.modeling_qwen3_moe  # the model's code is imported before the clock, for both methods
+    # the model's code is imported before the clock, for both methods
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
     ckpt = checkpoint(build=False)
     torch.set_num_threads(os.cpu_count() or 1)

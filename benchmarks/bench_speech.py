@@ -22,7 +22,14 @@ Targets: ours <= 1.0x transformers' time, for tiny.en and base; growth(600 s) < 
 Writes benchmarks/results/speech.json.
 """
 from __future__ import annotations
-import json, os, platform, subprocess, sys, tempfile, threading, time
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -47,7 +54,8 @@ def _reference(model, fe, path):
 
 def speed(name: str, clip: Path, rounds: int) -> dict:
     "Best-of-`rounds` seconds of ours and transformers' on `clip` with checkpoint `name`."
-    import soundfile as sf, torch
+    import soundfile as sf
+    import torch
     from transformers import WhisperFeatureExtractor
     from mstar_utils.checkpoints import whisper_checkpoint
     from mstar_utils.model import load_model
@@ -71,7 +79,8 @@ def speed(name: str, clip: Path, rounds: int) -> dict:
 
 def _child(path: str) -> None:
     "In a fresh process: warm up on the JFK clip, then print the peak RSS growth (bytes) of transcribing `path`."
-    import psutil, torch
+    import psutil
+    import torch
     from mstar_utils.checkpoints import jfk_audio, whisper_checkpoint
     from mstar_utils.model import load_model
     from mstar_utils.speech import transcribe
@@ -95,7 +104,8 @@ def _child(path: str) -> None:
 
 def memory(clip: Path) -> dict:
     "Peak RSS growth of 60 s and 600 s inputs (the clip tiled, 44.1 kHz stereo), each in a fresh process."
-    import numpy as np, soundfile as sf
+    import numpy as np
+    import soundfile as sf
     from scipy.signal import resample_poly
     from mstar_utils.speech import read_audio
     audio, res = resample_poly(read_audio(clip), 441, 160).astype(np.float32), {}

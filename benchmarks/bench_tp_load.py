@@ -15,7 +15,11 @@ gloo on CPUs, NCCL when CUDA is available. Rank 0 prints a table and the targets
 Results also go to benchmarks/results/tp_load_<checkpoint>_<world_size>.json.
 """
 from __future__ import annotations
-import gc, json, os, sys, time
+import gc
+import json
+import os
+import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -108,7 +112,8 @@ def main(quick: bool = False, # SmolLM2-135M instead of the 2.2 GB synthetic che
          tokens: int = 16, # prompt length of the forward pass
         ):
     "Each rank loads only its slices; bytes read, peak RSS and logits against the unsharded model."
-    import torch, torch.distributed as dist
+    import torch
+    import torch.distributed as dist
     from transformers import AutoConfig
     from mstar_utils.checkpoints import smollm2_checkpoint
     from mstar_utils.tensor_parallel import Sharding, tp_plan

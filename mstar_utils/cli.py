@@ -4,7 +4,10 @@
 
 # %% ../nbs/14_cli.ipynb #9b64281c
 from __future__ import annotations
-import io, json as _json, os, sys
+import io
+import json as _json
+import os
+import sys
 from pathlib import Path
 
 from fastcore.script import Param, anno_parser

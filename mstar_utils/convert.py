@@ -15,7 +15,7 @@ from .sources import DictSource, WrappedSource
 # %% auto #0
 __all__ = ['OPERATIONS', 'MIXTRAL_CONVERSIONS', 'QWEN2_MOE_CONVERSIONS', 'QWEN3_MOE_CONVERSIONS', 'DEEPSEEK_V2_CONVERSIONS',
            'ConversionOp', 'MergeModulelist', 'SplitModulelist', 'Concatenate', 'Chunk', 'Operation', 'WeightConverter',
-           'KeysAndConverter', 'group_keys', 'ConvertedSource', 'converted_source', 'convert_state_dict']
+           'KeysAndConverter', 'listed', 'group_keys', 'ConvertedSource', 'converted_source', 'convert_state_dict']
 
 # %% ../nbs/04_convert.ipynb #0ed130b5
 class ConversionOp:
@@ -78,7 +78,7 @@ class Concatenate(ConversionOp):
     def mismatch(self, shapes):
         d, a = self._d(shapes), shapes[0]
         for i, b in enumerate(shapes[1:], 1):
-            if len(a) != len(b) or any(x != y for j, (x, y) in enumerate(zip(a, b)) if j != d):
+            if len(a) != len(b) or any(x != y for j, (x, y) in enumerate(zip(a, b, strict=True)) if j != d):
                 return 0, i, f'shapes equal except on dim {d}'
         return None
     def out_shape(self, shapes):
@@ -143,7 +143,7 @@ def _walk(patterns, ops, what):
     for op in ops:
         name = type(op).__name__
         if op.per_pattern:
-            bad = [p for p, many in zip(patterns, state) if not many]
+            bad = [p for p, many in zip(patterns, state, strict=True) if not many]
             if bad:
                 raise ValueError(
                     f'{what}: {name} needs per-index tensors, but {bad[0]!r} has no "*" (or was merged already)'
@@ -200,7 +200,7 @@ class WeightConverter:
 @patch
 def match(self: WeightConverter, key: str):
     "(pattern number, index or None, target key) for the first source pattern that matches `key`"
-    for i, (lit, rx) in enumerate(zip(self._lits, self._res)):
+    for i, (lit, rx) in enumerate(zip(self._lits, self._res, strict=True)):
         if lit not in key: continue
         m = rx.search(key)
         if m:
@@ -238,11 +238,18 @@ QWEN2_MOE_CONVERSIONS = [
 QWEN3_MOE_CONVERSIONS = list(QWEN2_MOE_CONVERSIONS)
 DEEPSEEK_V2_CONVERSIONS = list(QWEN2_MOE_CONVERSIONS)
 
-# %% ../nbs/04_convert.ipynb #5d287edf
-def _fmt(ks, n=4):
-    ks = sorted(ks)
-    return ', '.join(map(repr, ks[:n])) + (f', ... ({len(ks) - n} more)' if len(ks) > n else '')
+# %% ../nbs/04_convert.ipynb #10fc4962
+def listed(items, # the names to show: a list or tuple (anything else is listed first)
+           n: int = 5, # how many to show
+           sep: str = ', ', # between two shown items
+           fmt=str, # each shown item's text: `repr` quotes names
+          ) -> str:
+    "The first `n` of `items` joined by `sep`, then how many more there are."
+    items = items if isinstance(items, (list, tuple)) else list(items)
+    more = f'{sep}... ({len(items) - n} more)' if len(items) > n else ''
+    return sep.join(fmt(x) for x in items[:n]) + more
 
+# %% ../nbs/04_convert.ipynb #5d287edf
 def _hit(key, conv, what):
     "(converter, (pattern, index, target)) of the one rule matching `key`, None if none; `ValueError` if two match."
     hits = [(c, h) for c in conv if (h := c.match(key)) is not None]
@@ -266,17 +273,18 @@ def _add_member(m: list, pi, idx, key, target, pattern, what):
 
 def _check_complete(target, g, members, what):
     "`ValueError` when a pattern of target's group has no key, or its indices are not exactly 0..E-1."
-    for p, m in zip(g.converter.source_patterns, members):
+    for p, m in zip(g.converter.source_patterns, members, strict=True):
         if not m:
             raise ValueError(
-                f'{what}: target {target!r}: no key matches source pattern {p!r} (the group has {_fmt(g.keys)})'
+                f'{what}: target {target!r}: no key matches source pattern {p!r} '
+                f'(the group has {listed(sorted(g.keys), 4, fmt=repr)})'
             )
         if isinstance(m, dict):
             gaps = sorted(set(range(max(m) + 1)) - set(m))
             if gaps:
                 raise ValueError(
                     f'{what}: target {target!r}: source pattern {p!r} has indices up to {max(m)} but lacks '
-                    f'{gaps[:10]}{" ..." if len(gaps) > 10 else ""}; expected every index 0..{max(m)} once'
+                    f'[{listed(gaps, 10)}]; expected every index 0..{max(m)} once'
                 )
 
 # %% ../nbs/04_convert.ipynb #4f86147d
@@ -298,7 +306,8 @@ def _group(keys, conv, what='checkpoint'):
             members[target] = [{} if '*' in p else None for p in c.source_patterns]
         elif g.converter is not c:
             raise ValueError(
-                f'{what}: target {target!r} is produced by two converters, for {_fmt(g.keys, 1)} and {key!r}'
+                f'{what}: target {target!r} is produced by two converters, '
+                f'for {listed(sorted(g.keys), 1, fmt=repr)} and {key!r}'
             )
         _add_member(members[target], pi, idx, key, target, c.source_patterns[pi], what)
         g.append_key(key)
@@ -376,7 +385,8 @@ class ConvertedSource(WrappedSource):
                 f'{what}: target key {clash[0]!r} is also a checkpoint key; '
                 'the converted checkpoint would hold it twice'
             )
-        self._keys = [k for k in src.keys() if k not in consumed] + list(self.groups)
+        # a source has keys() but no __iter__
+        self._keys = [k for k in src.keys() if k not in consumed] + list(self.groups)  # noqa: SIM118
         self._set = set(self._keys)
         self._trees = {t: _tree(src, t, g.converter, members[t], what) for t, g in self.groups.items()}
     def keys(self): return self._keys
@@ -397,7 +407,8 @@ def where(self: ConvertedSource, k):
     files = sorted({self.src.where(x) for x in self.groups[k].keys})
     c = self.groups[k].converter
     return (
-        f'{_fmt(files, 2)} (built from {len(self.groups[k].keys)} keys by {c.source_patterns} -> {c.target_patterns!r})'
+        f'{listed(files, 2, fmt=repr)} '
+        f'(built from {len(self.groups[k].keys)} keys by {c.source_patterns} -> {c.target_patterns!r})'
     )
 
 # %% ../nbs/04_convert.ipynb #8f15d4b4
@@ -419,10 +430,10 @@ def _plan_node(node, out: torch.Tensor, batch: _Batch):
         return
     views = node.op.views(out, [k.shape for k in node.kids])
     if views is not None:
-        for kid, v in zip(node.kids, views): _plan_node(kid, v, batch)
+        for kid, v in zip(node.kids, views, strict=True): _plan_node(kid, v, batch)
         return
     vals = [torch.empty(k.shape, dtype=k.dtype, device='meta' if out.is_meta else 'cpu') for k in node.kids]
-    for kid, v in zip(node.kids, vals): _plan_node(kid, v, batch)
+    for kid, v in zip(node.kids, vals, strict=True): _plan_node(kid, v, batch)
     batch.scratch += sum(v.numel() * v.element_size() for v in vals)
     # a dry read (meta) computes nothing
     if not out.is_meta:
@@ -492,4 +503,4 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], # checkpoint key -> 
                       ) -> dict[str, torch.Tensor]:
     "A new state_dict with the keys `conv` consumes replaced by their targets (new tensors)"
     src = ConvertedSource(DictSource(state_dict), conv, 'state_dict')
-    return {k: src.get(k) for k in src.keys()}
+    return {k: src.get(k) for k in src.keys()}  # noqa: SIM118 (a source has no __iter__)

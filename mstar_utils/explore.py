@@ -4,7 +4,13 @@
 
 # %% ../nbs/12b_explore.ipynb #ad569b54
 from __future__ import annotations
-import base64, fnmatch, html, io, json, math, re
+import base64
+import fnmatch
+import html
+import io
+import json
+import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -19,6 +25,7 @@ from .sources import read_header, read_weight_map, FileSource, INDEX_FILE, check
 from .quantized import quantized_tensors, quantized_source
 from .tensor_parallel import tp_plan
 from .loading import named_tensors
+from .convert import listed
 
 # %% auto #0
 __all__ = ['OUTLIER_FACTOR', 'Finding', 'check_files', 'Stored', 'stored_tensors', 'TreeNode', 'module_tree', 'FormatFamily',
@@ -399,9 +406,10 @@ def _fp8_findings(qc: dict, tensors: dict, findings: list):
             continue
         s = tensors[k + suffix]
         if bs and len(st.shape) >= 2 and math.prod(s.shape) != 1:
-            want = (*st.shape[:-2], *(-(-d // b) for d, b in zip(st.shape[-2:], bs)))
+            # bs as the config gives it: a malformed one is reported below, not raised
+            want = (*st.shape[:-2], *(-(-d // b) for d, b in zip(st.shape[-2:], bs, strict=False)))
             if tuple(s.shape) != want:
-                fits = [-(-d // n) for d, n in zip(st.shape[-2:], s.shape[-2:])]
+                fits = [-(-d // n) for d, n in zip(st.shape[-2:], s.shape[-2:], strict=False)]
                 findings.append(
                     Finding(
                         'formats',
@@ -612,7 +620,7 @@ def _key_findings(model, src, findings: list):
                 )
     pats = [re.compile(p) for p in getattr(model, '_keys_to_ignore_on_load_unexpected', None) or []]
     buffers = {n for n, _ in model.named_buffers()}
-    for k in src.keys():
+    for k in src.keys():  # noqa: SIM118 (a source has no __iter__)
         if k not in names and k not in buffers and not any(p.search(k) for p in pats):
             findings.append(
                 Finding(
@@ -1049,7 +1057,8 @@ def weight_stats(checkpoint_dir, # a checkpoint folder
     src, raw, units = value_source(ckpt, config, tensors, values_dtype(ckpt, config))
     by_target = {u.target: u for u in units}
     keys = sorted(
-        (k for k in src.keys() if src.dtype(k).is_floating_point), key=lambda k: _order_key(tensors, by_target, k)
+        (k for k in src.keys() if src.dtype(k).is_floating_point),  # noqa: SIM118 (a source has no __iter__)
+        key=lambda k: _order_key(tensors, by_target, k)
     )
     out = []
     pool = ThreadPoolExecutor(1, thread_name_prefix='explore-reduce')   # half of each large tensor, on the second core
@@ -1187,7 +1196,8 @@ def diff_checkpoints(a, # the base checkpoint folder
         tensors = stored_tensors(p, findings)
         src, _, units = value_source(p, config, tensors, values_dtype(p, config))
         side.append(
-            (src, {k for k in src.keys() if src.dtype(k).is_floating_point}, tensors, {u.target: u for u in units})
+            (src, {k for k in src.keys() if src.dtype(k).is_floating_point},  # noqa: SIM118 (a source has no __iter__)
+             tensors, {u.target: u for u in units})
         )
     (sa, ka, ta, ua), (sb, kb, _, _) = side
     common = sorted(ka & kb, key=lambda k: _order_key(ta, ua, k))
@@ -1235,7 +1245,7 @@ def plot_depth(ws: WeightStats, # from `weight_stats`
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout='constrained')
     for j, (fam, pts) in enumerate(sorted(fams.items())):
         pts.sort()
-        for ax, col in zip(axes, (1, 2)):
+        for ax, col in zip(axes, (1, 2), strict=True):
             ax.plot(
                 [p[0] for p in pts],
                 [p[col] for p in pts],
@@ -1539,7 +1549,7 @@ def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
         ('removed', d.removed),
         ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped]),
     ]
-    lines = [f'  {w}: {", ".join(v[:8])}' + (f' ... ({len(v) - 8} more)' if len(v) > 8 else '') for w, v in keys if v]
+    lines = [f'  {w}: {listed(v, 8)}' for w, v in keys if v]
     body = ''.join(f'<div>{_E(l.strip())}</div>' for l in lines) + _html_table(head, rows) + _html_table(lh, lr)
     return summary, body, lines + _text_table(head, rows) + [''] + _text_table(lh, lr)
 

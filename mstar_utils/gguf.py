@@ -5,7 +5,7 @@
 # %% ../nbs/06b_gguf.ipynb #fmtg002
 from __future__ import annotations
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -13,12 +13,14 @@ import torch
 from fastcore.basics import patch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from .quantized import QuantizedTensor, Dequantize, in_threads, keep_quantized, scratch
+from .quantized import QuantizedTensor, Dequantize, StoredCut, in_threads, keep_quantized, scratch
+from .sources import TensorInfo, tensor_file_source
 from .io import populate_pages
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUFTensor', 'gguf_names', 'Skipped', 'GGUFHeader',
-           'read_gguf', 'gguf_config', 'GGUFSource', 'gguf_model_class', 'GGUFDequantize', 'keep_gguf']
+           'read_gguf', 'gguf_config', 'GGUFSource', 'gguf_model_class', 'GGUFDequantize', 'keep_gguf', 'GGUFStored',
+           'GGUFTree']
 
 # %% ../nbs/06b_gguf.ipynb #fmtg005
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -203,11 +205,12 @@ def unpermute_rows(w: torch.Tensor, # [rows, ...]: a Llama q_proj or k_proj as l
 
 # %% ../nbs/06b_gguf.ipynb #fmtg017
 class GGUFTensor(NamedTuple):
-    "One tensor of a GGUF file: its GGML `qtype`, `shape` in torch's order, `data` its mapped bytes."
+    "One tensor of a GGUF file: its GGML `qtype`, `shape` in torch's order, `data` its mapped bytes at `offset`."
     name: str
     qtype: T
     shape: tuple
     data: object
+    offset: int = 0   # where `data` starts in the file
 
 def _arch_of(model_type: str) -> int | None:
     "gguf-py's MODEL_ARCH for a transformers `model_type`, its spelling mapped as transformers maps it."
@@ -323,7 +326,7 @@ def read_gguf(path: str | Path) -> GGUFHeader:
         if start + off + nbytes > len(buf):
             raise ValueError(f'{path}: tensor {name!r} ends at byte {start + off + nbytes}, past the end of the file '
                              f'({len(buf)}): cut short')
-        tensors[name] = GGUFTensor(name, qt, shape, data[start + off:start + off + nbytes])
+        tensors[name] = GGUFTensor(name, qt, shape, data[start + off:start + off + nbytes], start + off)
     return GGUFHeader(meta, tensors)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg025
@@ -365,7 +368,10 @@ def _rows(t: GGUFTensor) -> tuple:
 
 class GGUFSource:
     "A loader source: a GGUF file's tensors under `model`'s names, dequantized as they are read."
-    def __init__(self, path: str | Path, model: torch.nn.Module, config, header: GGUFHeader | None = None):
+    reads_slices = True   # a slice reads its rows, or its whole blocks of columns (`GGUFDequantize.cut`)
+    def __init__(self, path: str | Path, model: torch.nn.Module, config, header: GGUFHeader | None = None,
+                 dry: bool = False, # record the reads without reading (a load plan's)
+                ):
         self.path, self.what = Path(path), str(path)
         header = header or read_gguf(self.path)
         self.arch = header.metadata.get('general.architecture')
@@ -376,13 +382,20 @@ class GGUFSource:
         self.tensors = {names[n]: t for n, t in header.tensors.items() if n in names}
         self.unmapped = [n for n in header.tensors if n not in names]   # what transformers skips too (e.g. rope_freqs)
         self.kept = set()   # keys read as their stored blocks, uint8 [rows, row bytes] (`keep_gguf`)
+        # the stored bytes, uint8 [rows, row bytes] under the same keys: read, sliced and counted as safetensors are
+        infos = {k: TensorInfo(torch.uint8, _rows(t), t.offset, t.offset + t.data.numel()) for k, t in self.tensors.items()}
+        self.raw = tensor_file_source(self.path, infos, mmap=not dry, dry=dry)
+    bytes_read = property(lambda self: self.raw.bytes_read)
     def keys(self): return self.tensors.keys()
     def __contains__(self, k): return k in self.tensors
     def shape(self, k): return _rows(self.tensors[k]) if k in self.kept else self.tensors[k].shape
     def dtype(self, k): return torch.uint8 if k in self.kept else torch.float32
     def where(self, k): return f'{self.path.name} ({self.tensors[k].name}, {self.tensors[k].qtype.name})'
     def borrowed(self, k): return False
-    def close(self): self.tensors = None
+    def close(self):
+        self.tensors = None
+        self.raw.close()
+
 
 # %% ../nbs/06b_gguf.ipynb #fmtg027
 @patch
@@ -396,11 +409,20 @@ def read_many(self: GGUFSource, pairs: list, # (key, dest): dest of the key's sh
             raise NotImplementedError(f'{self.path.name}: tensor {t.name!r} is {t.qtype.name}, not decoded (decoded: '
                                       f'{", ".join(q.name for q in GGUF_TYPES)})')
         dest = d if d.is_contiguous() else torch.empty(d.shape, dtype=d.dtype, device=d.device)
-        rows = t.data.reshape(_rows(t))
-        if k in self.kept: dest.copy_(rows)
+        rows = self.raw.get(k)   # a view of the mapped file (a meta tensor on a dry run)
+        if rows.is_meta: pass
+        elif k in self.kept: dest.copy_(rows)
         else: dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
         if dest is not d: d.copy_(dest)
         if progress: progress(d.numel() * d.element_size(), 1)
+
+@patch
+def resolve(self: GGUFSource, k: str):
+    "(the stored bytes' source, the tree that dequantizes key `k`), for a slice to read only its blocks; None: kept."
+    t = self.tensors[k]
+    if k in self.kept or len(t.shape) != 2: return None   # a 1-d tensor is read whole, then cut
+    op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
+    return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
 
 @patch
 def _heads(self: GGUFSource, t: GGUFTensor) -> int | None:
@@ -458,3 +480,36 @@ def keep_gguf(model: torch.nn.Module, # built on meta; its Linear layers are swa
     keep_quantized(model, units)
     src.kept |= {u.target for u in units}
     return [u.target for u in units]
+
+# %% ../nbs/06b_gguf.ipynb #83a586d1
+class GGUFStored(NamedTuple):
+    "A leaf of a `GGUFTree`: the stored bytes of key `key`, uint8 [rows, row bytes]."
+    key: str
+    shape: tuple
+    dtype: torch.dtype
+
+class GGUFTree(NamedTuple):
+    "The values of a GGUF tensor as the slicing step sees them: `op` over the stored bytes `kids`."
+    op: object   # a `GGUFDequantize`
+    kids: list   # [`GGUFStored`]
+    shape: tuple   # the values' shape
+    dtype: torch.dtype
+
+# %% ../nbs/06b_gguf.ipynb #acbc4030
+@patch
+def cut(self: GGUFDequantize, shapes: list, # [(rows, row bytes)], the stored shape
+        dim: int, # the dim of the values cut: 0 rows, 1 columns
+        start: int, # the range taken: [start, stop)
+        stop: int,
+       ) -> StoredCut:
+    "The stored bytes that range [start, stop) of `dim` needs: its rows (whole heads), or its columns' whole blocks."
+    rows, row_bytes = shapes[0]
+    block, size = GGML_QUANT_SIZES[T(self.qtype)]
+    n = rows if dim % 2 == 0 else row_bytes // size * block
+    unit = rows // self.heads if dim % 2 == 0 and self.heads else 1 if dim % 2 == 0 else block
+    lo, hi = start // unit * unit, min(-(-stop // unit) * unit, n)
+    trim = None if (lo, hi) == (start, stop) else (dim % 2, start - lo, stop - start)
+    if dim % 2 == 0:
+        op = self if not self.heads else replace(self, heads=(hi - lo) // unit)
+        return StoredCut(((0, lo, hi),), op, trim)
+    return StoredCut(((1, lo // block * size, hi // block * size),), self, trim)

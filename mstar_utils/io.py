@@ -4,7 +4,10 @@
 
 # %% ../nbs/01b_io.ipynb #b1c0a004
 from __future__ import annotations
-import ctypes, mmap as _mmap, os, sys
+import ctypes
+import mmap as _mmap
+import os
+import sys
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -227,7 +230,7 @@ def _run_in_order(chunks: list, job, threads: int, done):
     with ThreadPoolExecutor(min(threads, len(chunks)), thread_name_prefix='read') as ex:
         futs = [ex.submit(job, c) for c in chunks]
         try:
-            for c, f in zip(chunks, futs):
+            for c, f in zip(chunks, futs, strict=True):
                 f.result()
                 done(c)
                 n += 1
@@ -237,7 +240,7 @@ def _run_in_order(chunks: list, job, threads: int, done):
             err = e
     if err is None:
         return
-    for c, f in zip(chunks[n + 1:], futs[n + 1:]):
+    for c, f in zip(chunks[n + 1:], futs[n + 1:], strict=True):
         if not f.cancelled() and f.exception() is None:
             done(c)
     raise err

@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fastcore.basics import patch
 from tqdm.auto import tqdm
 
-from .sources import gc_paused, DictSource, FileSource, checkpoint_source, file_source, read_header
-from .sources import INDEX_FILE, SINGLE_FILE, read_weight_map
-from .convert import converted_source
+from .sources import gc_paused, DictSource, checkpoint_source, file_source
+from .convert import converted_source, listed
 
 # %% auto #0
 __all__ = ['ModuleAndPrefix', 'norm_prefix', 'named_tensors', 'qualifying_keys', 'LoadResult', 'LoadedNames', 'load_weights',
@@ -203,7 +201,7 @@ def _missing_error(mp, prefix, missing, slots_names, source, any_loaded, what) -
             where = f'starts with prefix {prefix!r}' if prefix else "is one of its names as they are (prefix '')"
             return KeyError(f'{what}: no key {where} for module {mod}{hint}')
     names = [prefix + n for n in missing]
-    shown = ', '.join(names[:10]) + (f', ... ({len(names) - 10} more)' if len(names) > 10 else '')
+    shown = listed(names, 10)
     return KeyError(
         f'{what}: {len(names)} missing key(s) for module {mod} under prefix {prefix!r}: '
         f'{shown}{_tie_hint(mp.module, missing)}'
@@ -266,7 +264,7 @@ _QUALIFIER_ENDS = ('_scale_inv', '_scale', '_zero_point', '_scales')  # how ever
 def _check_qualifiers(source, consumed: set, what: str):
     "`ValueError` naming both keys when a consumed key's scale or zero point is left unused."
     # no qualifier at all: one pass over the keys, not three lookups a key
-    if not any(k.endswith(_QUALIFIER_ENDS) for k in source.keys()):
+    if not any(k.endswith(_QUALIFIER_ENDS) for k in source.keys()):  # noqa: SIM118 (a source has no __iter__)
         return
     for key in consumed:
         for q in qualifying_keys(key):
@@ -288,6 +286,7 @@ class LoadResult(list):
         super().__init__(names)
         self.unexpected_keys, self.bytes_read = sorted(unexpected_keys), bytes_read
 
+# %% ../nbs/02_loading.ipynb #4ed3a2fa
 class LoadedNames(set):
     "The module-relative names `load_weights` loaded, with the state_dict keys no parameter took."
     def __init__(self, names=(), # the names loaded
@@ -425,10 +424,11 @@ def _fill(source, entries, device, what, progress=None) -> LoadResult:
             if s.is_param: _swap_storage(s.tensor, t)
             else:
                 for i, n in s.refs: _set_buffer(entries[i].module, n, t)
-        out = LoadResult(set() for _ in entries)
+        names = [set() for _ in entries]
         for s, _ in plan:
-            for i, n in s.refs: out[i].add(n)
-        out.unexpected_keys = sorted(k for k in source.keys() if k not in consumed)
+            for i, n in s.refs: names[i].add(n)
+        unexpected = [k for k in source.keys() if k not in consumed]  # noqa: SIM118 (a source has no __iter__)
+        out = LoadResult(names, unexpected, getattr(source, 'bytes_read', None))
         # freed while the collector is off, so that turning it back on does not walk them
         del plan, consumed, fresh, in_place, staged
     return out
@@ -501,9 +501,6 @@ def load_from_source(source, # a source (see the safetensors page): keys, in, sh
     "Fill `modules` from `source`, with every check of the loaders above; the caller closes the source."
     return _fill(source, module_entries(modules), device, what or getattr(source, 'what', 'source'), progress)
 
-# %% ../nbs/02_loading.ipynb #cd41f923
-def _shown(names, n=10) -> str: return ', '.join(names[:n]) + (', ...' if len(names) > n else '')
-
 # %% ../nbs/02_loading.ipynb #f3cc5028
 def check_loaded(module: torch.nn.Module, # the filled module
                  loaded: set[str], # the names a loader returned for it
@@ -515,7 +512,7 @@ def check_loaded(module: torch.nn.Module, # the filled module
     missing = [n for n in expected if n not in loaded]
     if missing:
         raise RuntimeError(
-            f'{what}: {len(missing)} of {len(expected)} parameters/buffers not loaded: {_shown(missing)}'
+            f'{what}: {len(missing)} of {len(expected)} parameters/buffers not loaded: {listed(missing, 10)}'
         )
     on_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if not on_meta: return
@@ -528,7 +525,7 @@ def check_loaded(module: torch.nn.Module, # the filled module
         if computed & set(on_meta)
         else ''
     )
-    raise RuntimeError(f'{what}: {len(on_meta)} parameters/buffers still on meta: {_shown(on_meta)}{hint}')
+    raise RuntimeError(f'{what}: {len(on_meta)} parameters/buffers still on meta: {listed(on_meta, 10)}{hint}')
 
 # %% ../nbs/02_loading.ipynb #15b430a8
 def process_weights_after_loading(root: torch.nn.Module, # the loaded module tree

@@ -16,7 +16,7 @@ from fastcore.basics import patch
 
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, check_loaded, process_weights_after_loading
-from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS
+from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, listed
 from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header, FileSource, ReadAhead
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter, DEEPSEEK_V2_CONVERSIONS
@@ -142,7 +142,7 @@ def _model_types(config) -> list:
     return [t for t in dict.fromkeys([config.model_type, text]) if t is not None]
 
 # %% ../nbs/03_load_model.ipynb #b9b3199e
-def auto_conversions(config, ckpt: Path) -> list:
+def auto_conversions(config) -> list:
     "The WeightConverter recipes `conv='auto'` picks for `config`'s model type (text config included)."
     return [c for t in _model_types(config) if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
 
@@ -223,12 +223,6 @@ def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-bu
             out[k] = new
     return out
 
-# %% ../nbs/03_load_model.ipynb #4b049084
-def _listed(names: list, n: int = 5, sep: str = ', ') -> str:
-    "The first `n` of `names` joined by `sep`, then how many more there are."
-    # what the warnings and errors of this page show
-    return sep.join(names[:n]) + (f'{sep}... ({len(names) - n} more)' if len(names) > n else '')
-
 # %% ../nbs/03_load_model.ipynb #4b049085
 _log = logging.getLogger('mstar_utils.model')
 
@@ -239,7 +233,7 @@ def _report_unexpected(model, keys: list, where, strict: bool):
     keys = [k for k in keys if k not in buffers and not any(p.search(k) for p in pats)]
     if not keys:
         return
-    msg = f'{where}: {len(keys)} checkpoint key(s) were not used by {type(model).__name__}: {_listed(keys)}'
+    msg = f'{where}: {len(keys)} checkpoint key(s) were not used by {type(model).__name__}: {listed(keys)}'
     if strict:
         raise ValueError(msg + '; pass strict=False to load anyway')
     _log.warning(msg)
@@ -366,7 +360,7 @@ def _report_kept_buffers(model: torch.nn.Module, # the loaded model
         return
     _log.warning(
         f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are initialized '
-        f'as {type(model).__name__} initializes them: {_listed(kept)}'
+        f'as {type(model).__name__} initializes them: {listed(kept)}'
     )
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d14
@@ -381,16 +375,18 @@ def _with_skipped_rules(e: KeyError, # a missing-key error of the loader
         return e
     return KeyError(
         f"{e.args[0]}; transformers converts {config.model_type} checkpoints with rules load_model cannot apply, "
-        "which may be why: " + _listed(skipped, 3, '; ')
+        "which may be why: " + listed(skipped, 3, '; ')
     )
 
 # %% ../nbs/03_load_model.ipynb #1f9989df
-def _attach_generation_config(model, ckpt: Path):
+def _attach_generation_config(model, ckpt: Path, config=None):
     "Set `model.generation_config` as `from_pretrained` does: from generation_config.json, else config.json."
     if not (hasattr(model, 'can_generate') and model.can_generate()):
         return
     from transformers import GenerationConfig
-    if (ckpt / 'generation_config.json').is_file():
+    if ckpt.is_file():   # a GGUF file: from its config, as from_pretrained(gguf_file=...) does
+        model.generation_config = GenerationConfig.from_model_config(config)
+    elif (ckpt / 'generation_config.json').is_file():
         model.generation_config = GenerationConfig.from_pretrained(ckpt)
     else:
         model.generation_config = GenerationConfig.from_pretrained(
@@ -398,9 +394,9 @@ def _attach_generation_config(model, ckpt: Path):
         )
 
 # %% ../nbs/03_load_model.ipynb #948fe28f
-def _recipes(config, ckpt: Path, conv) -> list:
+def _recipes(config, conv) -> list:
     "The recipes whose keys `load_model` fuses: `conv`, or for 'auto' ours by model type, then transformers'."
-    return [*auto_conversions(config, ckpt), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
+    return [*auto_conversions(config), *transformers_conversions(config)] if conv == 'auto' else list(conv or [])
 
 # %% ../nbs/03_load_model.ipynb #44d6946a
 def _as_stored(src: FileSource, recipes: list, dtype) -> list:
@@ -435,7 +431,7 @@ def start_reads(ckpt: Path, # a checkpoint folder
     src = checkpoint_source(ckpt, mmap=mmap)
     if torch.device(device).type != 'cpu' or getattr(config, 'quantization_config', None):
         return src
-    return _read_ahead(src, mmap, lambda: _as_stored(src, _recipes(config, ckpt, conv), dtype))
+    return _read_ahead(src, mmap, lambda: _as_stored(src, _recipes(config, conv), dtype))
 
 # %% ../nbs/03_load_model.ipynb #197c1a1c
 def _json_dtype(cfg: dict):
@@ -467,7 +463,7 @@ def _keep_reads(src: FileSource, config, ckpt: Path, dtype, conv, mmap: bool):
     keep = (
         set()
         if getattr(config, 'quantization_config', None)
-        else set(_as_stored(src, _recipes(config, ckpt, conv), dtype))
+        else set(_as_stored(src, _recipes(config, conv), dtype))
     )
     src.ahead.cancel([p for p in src.ahead.paths if p not in keep])
 
@@ -482,7 +478,7 @@ def model_source(
     raw: FileSource | None = None,  # the checkpoint's `FileSource`, maybe from `start_reads`; None: opened here
 ):
     "The loader source over `ckpt` keyed by `model`'s names, as `load_model` reads it."
-    recipes = auto_conversions(config, ckpt) if conv == 'auto' else list(conv or [])
+    recipes = auto_conversions(config) if conv == 'auto' else list(conv or [])
     later = transformers_conversions(config) if conv == 'auto' else []  # written for the renamed keys
     src = raw = raw if raw is not None else checkpoint_source(ckpt)
     try:
@@ -555,9 +551,14 @@ def _prepare(
     # `dry`: a source that only records reads; `built`: a meta model to copy.
     if quantized not in ('dequantize', 'keep'):
         raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
-    ckpt = _checkpoint_dir(checkpoint_dir)
     if group is not None and (rank is None or world_size is None):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    from mstar_utils.gguf import gguf_file   # a .gguf file (or a folder of one) is read through `GGUFSource`
+    f = gguf_file(checkpoint_dir)
+    if f is not None:
+        return _prepare_gguf(f, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules,
+                             dry, built)
+    ckpt = _checkpoint_dir(checkpoint_dir)
     early = not dry and _one_device(rank, world_size)  # a rank reads its slices, not whole shards
     raw = (
         _reads_before_config(ckpt, dtype, conv, device, mmap) if early else checkpoint_source(ckpt, mmap=mmap, dry=dry)
@@ -590,6 +591,33 @@ def _prepare(
         ckpt, config, model, src, whole, raw, sharding, untied, f'{ckpt.name} ({type(model).__name__}{where})'
     )
 
+# %% ../nbs/03_load_model.ipynb #78edd5c0
+def _prepare_gguf(f: Path, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules,
+                  dry, built) -> _Prepared:
+    "`_prepare` for GGUF file `f`: its config from the metadata, the model in float32 unless `dtype`, a `GGUFSource`."
+    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_model_class, keep_gguf, read_gguf
+    header = read_gguf(f)
+    config, dtype = gguf_config(f, header), dtype or torch.float32   # float32: what from_pretrained(gguf_file=) gives
+    model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class or gguf_model_class(config),
+                                                                         dtype)
+    sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)
+    if quantized == 'keep' and sharding is not None:
+        raise NotImplementedError(f"{f.name}: quantized='keep' is not cut for tensor parallelism in a GGUF file; "
+                                  "pass quantized='dequantize'")
+    src = GGUFSource(f, model, config, header, dry=dry)
+    try:
+        if quantized == 'keep':
+            keep_gguf(model, src, dtype)   # block-type Linear weights stay the file's bytes
+        whole, untied = src, _untie_stored(model, src)
+        if sharding is not None:
+            shard_module(model, sharding, group)
+            src = ShardedSource(src, sharding, str(f))
+    except BaseException:
+        src.close()
+        raise
+    where = '' if sharding is None else f', rank {sharding.rank} of {sharding.world_size}'
+    return _Prepared(f, config, model, src, whole, whole.raw, sharding, untied, f'{f.name} ({type(model).__name__}{where})')
+
 # %% ../nbs/03_load_model.ipynb #0a1b2c04
 def _read_weights(prep: _Prepared, device, progress=None):
     "(LoadResult, buffers kept as built): the prepared model filled from its source and checked."
@@ -603,7 +631,7 @@ def _read_weights(prep: _Prepared, device, progress=None):
 
 # %% ../nbs/03_load_model.ipynb #512231b4
 def load_model(
-    checkpoint_dir: str | Path,  # an HF checkpoint folder: config.json and safetensors (index + shards, or one file)
+    checkpoint_dir: str | Path,  # an HF checkpoint folder (config.json, safetensors), or a .gguf file
     model_class: type | None = None,  # None: transformers' class for config.json `architectures`
     *,
     device: str = 'cpu',  # where the weights land ('cpu', 'cuda:1', ...)
@@ -621,15 +649,6 @@ def load_model(
     mmap: bool = False,  # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
 ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, or rank `rank`'s part of it, loaded, checked and in eval mode."
-    from mstar_utils.gguf import gguf_file   # a .gguf file (or a folder of one) loads through the GGUF reader
-    if gguf_file(checkpoint_dir) is not None:
-        if rank is not None or world_size is not None or group is not None:
-            raise ValueError(
-                f'{checkpoint_dir}: a GGUF checkpoint loads on one device; pass no rank, world_size or group'
-            )
-        return load_gguf_model(
-            checkpoint_dir, model_class, device=device, dtype=dtype, strict=strict, quantized=quantized
-        )
     prep = _prepare(
         checkpoint_dir,
         model_class,
@@ -659,7 +678,7 @@ def load_model(
     model.to(device)   # the buffers built real on the CPU
     process_weights_after_loading(model, device)
     _report_unexpected(model, res.unexpected_keys, name, strict)
-    _attach_generation_config(model, prep.ckpt)
+    _attach_generation_config(model, prep.ckpt, prep.config)
     model.bytes_read = prep.source.bytes_read
     if prep.sharding is not None:
         model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
@@ -686,43 +705,13 @@ def load_model_sharded(
 def load_gguf_model(
     path: str | Path,  # a .gguf file, or a folder holding one
     model_class: type | None = None,  # None: transformers' class for the converted config
-    *,
-    device: str = 'cpu',  # where the weights land
-    dtype: torch.dtype | None = None,  # parameters' dtype; None: float32, as `from_pretrained(gguf_file=...)`
-    strict: bool = False,  # raise instead of warning when the file's tensors go unused
-    quantized: str = 'dequantize',  # 'dequantize' the block types into `dtype`, or 'keep' their bytes (`keep_gguf`)
+    **kw,  # as `load_model`: device, dtype (None: float32, as `from_pretrained(gguf_file=...)`), strict, quantized, rank...
 ) -> torch.nn.Module:
-    "The model in GGUF file `path`, as `from_pretrained(folder, gguf_file=...)` builds it."
-    from transformers import GenerationConfig
-    from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_from_source, process_weights_after_loading
-    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_file, gguf_model_class, keep_gguf, read_gguf
-    if quantized not in ('dequantize', 'keep'):
-        raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
-    f = gguf_file(path)
-    if f is None:
+    "The model in GGUF file `path`, as `from_pretrained(folder, gguf_file=...)` builds it: `load_model` of it."
+    from mstar_utils.gguf import gguf_file
+    if gguf_file(path) is None:
         raise FileNotFoundError(f'{path}: no .gguf file there')
-    header = read_gguf(f)
-    config = gguf_config(f, header)
-    model = build_on_meta(config, model_class or gguf_model_class(config), dtype or torch.float32)
-    src = GGUFSource(f, model, config, header)
-    try:
-        if quantized == 'keep':
-            keep_gguf(model, src, dtype or torch.float32)   # block-type Linear weights stay the file's bytes
-        untied = _untie_stored(model, src)
-        with _built_buffers_kept(model, src) as kept:
-            res = load_from_source(src, [ModuleAndPrefix(model)], device=device, what=str(f))
-            check_loaded(model, res[0], f'{f.name} ({type(model).__name__})')
-    finally:
-        src.close()
-    _retie_equal(model, untied, f.name)
-    _initialize_unloaded(model, res[0])
-    _report_kept_buffers(model, kept, f.name)
-    model.to(device)
-    process_weights_after_loading(model, device)
-    _report_unexpected(model, res.unexpected_keys, f.name, strict)
-    if hasattr(model, 'can_generate') and model.can_generate():
-        model.generation_config = GenerationConfig.from_model_config(config)
-    return model.eval()
+    return load_model(path, model_class, **kw)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c11
 class PlannedTensor(NamedTuple):
@@ -762,14 +751,12 @@ class LoadPlan:
             f'{len(self.tensors)} tensors, reads {_mb(self.total_bytes)} of {_mb(self.checkpoint_bytes)} '
             f'in {len(self.files)} file(s), holds {_mb(self.held_bytes)}'
         )
-        rows = [
-            f'  {t.name} {list(t.shape)} {t.dtype} <- {_listed(t.keys, 2)}: '
-            f'{" | ".join(t.steps) or "as stored"}, {_mb(t.bytes)}'
-            for t in self.tensors[:6]
-        ]
-        more = [f'  ... ({len(self.tensors) - 6} more)'] if len(self.tensors) > 6 else []
+        def row(t):
+            return (f'{t.name} {list(t.shape)} {t.dtype} <- {listed(t.keys, 2)}: '
+                    f'{" | ".join(t.steps) or "as stored"}, {_mb(t.bytes)}')
+        rows = ['  ' + listed(self.tensors, 6, '\n  ', row)] if self.tensors else []
         files = [f'  {f.file}: {len(f.ranges)} range(s), {_mb(f.bytes)}' for f in self.files]
-        return '\n'.join([head, *rows, *more, *files])
+        return '\n'.join([head, *rows, *files])
 
 def _mb(n: int) -> str: return f'{n / 1e6:.2f} MB'
 

@@ -376,6 +376,7 @@ class QuantizedTensor:
     op: object
     shapes: list
     dtypes: list
+    dropped: tuple = ()   # stored keys beside them that the op does not take: read to choose it, hidden from the load
 
 def _qconfig(config) -> dict | None:
     "`quantization_config` of `config` (a config.json dict or a transformers config) as a dict"
@@ -740,6 +741,14 @@ def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped i
     return [c for c in conv or [] if not any(c.match(k) for k in kept)]
 
 # %% ../nbs/06_quantized.ipynb #28decb80
+class _Without(WrappedSource):
+    "The source `src` without the keys `hidden`: they are neither read nor reported unused."
+    def __init__(self, src, hidden: set):
+        super().__init__(src)
+        self.hidden, self._keys = hidden, [k for k in src.keys() if k not in hidden]
+    def keys(self): return self._keys
+    def __contains__(self, k): return k not in self.hidden and k in self.src
+
 def quantized_source(src, # the checkpoint's source
                      config, # its config.json as a dict, or a transformers config
                      model: nn.Module, # the model to load, built on meta
@@ -753,6 +762,8 @@ def quantized_source(src, # the checkpoint's source
     units = quantized_tensors(src, config, dtype or getattr(model, 'dtype', None), names)
     if not units: return src, conv
     if keep: return src, keep_quantized(model, units, conv, names=names)
+    hidden = {k for u in units for k in u.dropped}
+    src = _Without(src, hidden) if hidden else src
     recipes = [WeightConverter(p, t, [op]) for p, t, op in _fragments(units, src.keys())]
     return _DecodedInto(converted_source(src, recipes)), conv
 
@@ -1005,7 +1016,8 @@ class GPTQDequantize(Dequantize):
     v1: bool = True   # checkpoint_format 'gptq' (zero points stored less one); False: 'gptq_v2'
     act_order: bool = False   # g_idx is not k // group_size: the groups permute the inputs
     target_dtype: torch.dtype = torch.bfloat16
-    g_idx: bool = True   # a `g_idx` is stored
+    g_idx: bool = True   # the op takes the stored `g_idx`
+    inputs: int = 0   # K when it takes none; 0: the codes' rows × 32/b
     module_keys: ClassVar[bool] = True   # suffixes name tensors of the weight's module
     keepable: ClassVar[bool] = False
     codes: ClassVar[tuple] = (torch.int32,)
@@ -1013,7 +1025,7 @@ class GPTQDequantize(Dequantize):
     @property
     def suffixes(self): return ('qweight', 'qzeros', 'scales') + (('g_idx',) if self.g_idx else ())
     def out_shape(self, shapes: list) -> tuple:
-        return (shapes[2][-1], shapes[3][0] if self.g_idx else shapes[0][0] * 32 // self.bits)
+        return (shapes[2][-1], shapes[3][0] if self.g_idx else self.inputs or shapes[0][0] * 32 // self.bits)
 
 # %% ../nbs/06_quantized.ipynb #gab007
 @patch
@@ -1073,7 +1085,7 @@ class AWQDequantize(Dequantize):
 # %% ../nbs/06_quantized.ipynb #gab014
 def _value(src, k: str) -> torch.Tensor:
     "Tensor `k` of `src`"
-    # read even from a dry source (a load plan's, uncounted as a load's detection is): `g_idx`, a quant state.
+    # read even from a dry source (a load plan's, which counts the bytes as a load does): `g_idx`, a quant state.
     t = src.get(k)
     if not t.is_meta: return t
     from safetensors import safe_open
@@ -1098,7 +1110,10 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
             if act and not qc.get('desc_act', True):
                 raise ValueError(f"{what}: {m + '.g_idx'!r} is not k // group_size ({gs}): it orders the inputs by "
                                  "activation, but quantization_config says desc_act false")
-        units.append(_unit(src, m + '.weight', GPTQDequantize(bits, gs, fmt == 'gptq', act, dtype, has), what))
+        plain = has and not act   # groups k // group_size: the op takes no g_idx, and the load reads it no more
+        op = GPTQDequantize(bits, gs, fmt == 'gptq', act, dtype, has and act, len(g) if plain else 0)
+        units.append(_unit(src, m + '.weight', op, what))
+        if plain: units[-1].dropped = (f'{m}.g_idx',)
     return units
 
 def _awq_tensors(src, qc: dict, dtype, what: str) -> list:
@@ -1133,7 +1148,8 @@ def cut(self: GPTQDequantize, shapes: list, dim: int, start: int, stop: int) -> 
     lo, hi = _widen(start, stop, per if G == 1 else math.lcm(n, per), K)
     groups = None if G == 1 else (0, lo // n, -(-hi // n))
     parts = ((0, lo // per, -(-hi // per)), groups, groups, (0, lo, hi))
-    return StoredCut(parts[:len(shapes)], self, _trim(1, start, stop, lo, hi))
+    op = dataclasses.replace(self, inputs=hi - lo) if self.inputs else self   # no g_idx to count the cut's inputs
+    return StoredCut(parts[:len(shapes)], op, _trim(1, start, stop, lo, hi))
 
 @patch
 def cut(self: AWQDequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut:

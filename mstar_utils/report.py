@@ -4,7 +4,8 @@
 
 # %% ../nbs/12_report.ipynb #1ba84434
 from __future__ import annotations
-import json, re, sys
+import json
+import re
 from collections import Counter
 from pathlib import Path
 

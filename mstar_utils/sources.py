@@ -19,7 +19,7 @@ from .io import (
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
            'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'default_threads', 'FileSource',
-           'checkpoint_source', 'file_source', 'ReadAhead', 'RenamedSource']
+           'checkpoint_source', 'file_source', 'tensor_file_source', 'ReadAhead', 'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
@@ -582,6 +582,19 @@ def file_source(path: str | Path, # a safetensors file
         src.close()
         raise
     src.k2f = dict.fromkeys(h[1], path)
+    return src
+
+# %% ../nbs/01_safetensors.ipynb #3db2ecc8
+def tensor_file_source(path: str | Path, # the file
+                       tensors: dict, # {key: `TensorInfo`}, offsets counted from `data_start`
+                       data_start: int = 0, # where the offsets start in the file
+                       mmap: bool = False, # hand out copy-on-write mapped views instead of owned memory
+                       dry: bool = False, # record the reads without reading (see `FileSource`)
+                      ) -> FileSource:
+    "A `FileSource` over the one file `path` whose tensors another format's header located."
+    path = Path(path)
+    src = FileSource(dict.fromkeys(tensors, path), str(path), mmap=mmap, dry=dry)
+    src._headers[path] = (data_start, dict(tensors))
     return src
 
 # %% ../nbs/01_safetensors.ipynb #9a7e0c02

@@ -18,15 +18,11 @@ from fastcore.basics import patch
 from .sources import Source, WrappedSource, checkpoint_source, default_threads
 from .convert import MergeModulelist, Concatenate, converted_source
 from .loading import ModuleAndPrefix, LoadResult, load_from_source, module_entries, named_tensors, norm_prefix
-from .quantized import (FP8BlockDequantize, FloatQuantizedDequantize, PackQuantizedDequantize, MXFP4Dequantize,
-                                   GPTQDequantize, AWQDequantize, BnBInt8Dequantize, BnB4bitDequantize, NVFP4Dequantize,
-                                   DenseQuantized,
-                                   QuantizedLinear, QuantizedExperts, dequantize_cut)
+from .quantized import QuantizedLinear, QuantizedExperts, dequantize_cut
 
 # %% auto #0
-__all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'DEQUANTIZE_ROUTES', 'FORWARDS', 'Slice', 'slice_shape', 'take', 'TPStyle',
-           'Sharding', 'tp_plan', 'read_slice', 'ShardedSource', 'shard_module', 'install_collectives',
-           'load_weights_sharded']
+__all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'FORWARDS', 'Slice', 'slice_shape', 'take', 'TPStyle', 'Sharding', 'tp_plan',
+           'read_slice', 'ShardedSource', 'shard_module', 'install_collectives', 'load_weights_sharded']
 
 # %% ../nbs/07_tensor_parallel.ipynb #f4c3d661
 class Slice(NamedTuple):
@@ -308,21 +304,6 @@ def _route_dequantize(node, sl: Slice) -> list | None:
         pos += b - a
     return out
 
-DEQUANTIZE_ROUTES = dict.fromkeys(
-    (
-        FP8BlockDequantize,
-        FloatQuantizedDequantize,
-        PackQuantizedDequantize,
-        MXFP4Dequantize,
-        NVFP4Dequantize,
-        DenseQuantized,
-        GPTQDequantize,
-        AWQDequantize,
-        BnBInt8Dequantize,
-        BnB4bitDequantize,
-    ),
-    _route_dequantize,
-)
 
 # %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3
 def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
@@ -339,7 +320,7 @@ def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
         for kid, ksl, view in route(node, sl, out):
             _fill_node(src, kid, ksl, view, count)
         return
-    cuts = DEQUANTIZE_ROUTES[type(node.op)](node, sl) if type(node.op) in DEQUANTIZE_ROUTES else None
+    cuts = _route_dequantize(node, sl) if callable(getattr(node.op, 'cut', None)) else None
     if cuts is not None:
         for c, d, pos, n in cuts:
             parts = [_read_part(src, k, p, count, out.is_meta) for k, p in zip(node.kids, c.parts)]

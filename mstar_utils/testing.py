@@ -5,6 +5,7 @@
 # %% ../nbs/98_testing.ipynb #fbb6d332
 from __future__ import annotations
 import logging, re
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
            'jfk_resampled', 'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference',
            'tiny_llama_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint',
-           'write_bnb_checkpoint']
+           'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -1154,3 +1155,46 @@ def write_bnb_checkpoint(model, # a transformers model in float32
         _saved(model, plain)
         m = tf.AutoModelForCausalLM.from_pretrained(plain, quantization_config=q, device_map='cpu', dtype=torch.float32)
     return _saved(m, dest)[0]
+
+# %% ../nbs/98_testing.ipynb #rrd0001
+class RankReads(NamedTuple):
+    "The bytes the ranks of a tensor-parallel load read, and what they may read."
+    per_rank: list  # bytes each rank read, each its `load_plan(...).total_bytes`
+    full: int  # bytes the load on one device read
+    checkpoint: int  # bytes of tensor data the checkpoint's files hold, by their headers
+    replicated: int  # bytes every rank reads whole: the unsliced tensors and the stored keys `whole` names
+
+    def bound(self, blocks: int = 0) -> float:  # blocks: bytes of whole blocks read at the cuts, over the ranks
+        "1.01 × (checkpoint + (world_size − 1) × replicated) + `blocks`: the most the ranks may read."
+        return 1.01 * (self.checkpoint + (len(self.per_rank) - 1) * self.replicated) + blocks
+
+# %% ../nbs/98_testing.ipynb #rrd0002
+def rank_reads(folder, # a checkpoint folder of safetensors files
+               world_size: int, # the tensor-parallel group's size
+               whole=None, # (stored key, dim its tensor is cut along or None) -> True: every rank reads it whole
+               **kw, # to `load_model` and `load_plan`: dtype, quantized, expert_parallel, ...
+              ) -> RankReads:
+    "Each rank's load, asserted the full load's slices and its plan's bytes; what the ranks read."
+    from mstar_utils.model import load_model, load_plan
+    from mstar_utils.tensor_parallel import take
+    full = load_model(folder, **kw)
+    want, per, plans = full.state_dict(), [], []
+    for r in range(world_size):
+        m = load_model(folder, rank=r, world_size=world_size, **kw)
+        for k, t in m.state_dict().items():
+            assert_tensors_equal(t, take(want[k], m.tp_sharding.slice_for(k, want[k].shape)), f'rank {r}: {k}')
+        plans.append(load_plan(folder, r, world_size, **kw))
+        assert m.tp_bytes_read == plans[-1].total_bytes, (
+            f'rank {r} of {world_size} read {m.tp_bytes_read} bytes; its load_plan says {plans[-1].total_bytes}')
+        per.append(m.tp_bytes_read)
+    stored = {}   # key -> bytes, from each file's header (8 bytes of length, then JSON)
+    for f in sorted(Path(folder).glob('*.safetensors')):
+        with open(f, 'rb') as fh:
+            head = json.loads(fh.read(int.from_bytes(fh.read(8), 'little')))
+        stored.update({k: v['data_offsets'][1] - v['data_offsets'][0] for k, v in head.items() if k != '__metadata__'})
+    plan = plans[0]
+    unsliced = {k for t in plan.tensors if t.slice is None for k in t.keys}
+    dims = {k: t.slice.dim for t in plan.tensors if t.slice is not None for k in t.keys}
+    extra = sum(n for k, n in stored.items() if whole and k not in unsliced and whole(k, dims.get(k)))
+    return RankReads(per, full.bytes_read, sum(stored.values()),
+                     sum(t.bytes for t in plan.tensors if t.slice is None) + extra)

@@ -1,8 +1,9 @@
 "The KV sweep: every causal-LM config class transformers declares, its cache filled by transformers, against our figures."
-import math, warnings
+import warnings
 from dataclasses import dataclass
 
-import torch, transformers
+import torch
+import transformers
 from mstar_utils.kv import kv_geometry
 
 # Released defaults that transformers' own model cannot run as they stand, and the smallest change that lets it:
@@ -108,7 +109,9 @@ def causal_lm_types() -> list[str]:
 
 
 if __name__ == '__main__':
-    import collections, sys, time
+    import collections
+    import sys
+    import time
     transformers.utils.logging.set_verbosity_error()
     t0 = time.time()
     res = [sweep_one(mt) for mt in (sys.argv[1:] or causal_lm_types())]

@@ -1,8 +1,11 @@
 "Checkpoint materialization: cache hits, checksum refusal, clear errors. Runs on the real pinned packages."
-import json, os, shutil, time
+import json
+import os
+import time
 from pathlib import Path
 
-import pytest, torch
+import pytest
+import torch
 from mstar_utils import checkpoints as ck
 
 
@@ -65,7 +68,7 @@ def test_whisper_folder_is_single_fp16_file():
     for f in ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json', 'normalizer.json', 'preprocessor_config.json'):
         assert (p/f).exists(), f
     assert not (p/'model.safetensors.index.json').exists()
-    with safe_open(p/'model.safetensors', 'pt') as f: dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    with safe_open(p/'model.safetensors', 'pt') as f: dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (keys(), no __iter__)
     assert dtypes == {'F16'}
     cfg, tok, gen = AutoConfig.from_pretrained(p), AutoTokenizer.from_pretrained(p), GenerationConfig.from_pretrained(p)
     assert len(tok) == cfg.vocab_size and AutoFeatureExtractor.from_pretrained(p).feature_size == cfg.num_mel_bins

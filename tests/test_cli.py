@@ -1,5 +1,8 @@
 "The `mstar-utils` console script, run as a user runs it: a subprocess on the real SmolLM2 checkpoint."
-import json, os, subprocess, sys
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 from mstar_utils import smollm2_checkpoint

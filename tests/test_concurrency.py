@@ -5,7 +5,8 @@ release the GIL; the detokenizer memo starts empty, so threads race to fill it).
 which holds a process lock around accelerate's process-wide patch of `nn.Module.register_parameter`."""
 import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1'); os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
-import json, threading
+import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -63,12 +64,12 @@ class _Slice(nn.Module):
     "Decoder layers lo..hi-1 under their own numbers, so that the prefix 'model.layers.' fills them and their names match the full stack's."
     def __init__(self, lo, hi):
         super().__init__()
-        for i, layer in zip(range(lo, hi), layers(lo, hi)): self.add_module(str(i), layer)
+        for i, layer in zip(range(lo, hi), layers(lo, hi), strict=True): self.add_module(str(i), layer)
 
 def test_four_threads_split_the_decoder_layers(smol_config, serial):
     "Four threads fill quarters of the layer stack, from the same shards at once."
     n = smol_config.num_hidden_layers; cuts = [0, n // 4, n // 2, 3 * n // 4, n]
-    slices = [_Slice(lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+    slices = [_Slice(lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False)]
     parts = run_together([lambda m=m: load(m, 'model.layers.') for m in slices])
     got = {k: v for m in parts for k, v in m.state_dict().items()}
     assert_state_dict_equal(got, serial['layers'])

@@ -1,6 +1,6 @@
 "WeightConverter recipes: parity with transformers' from_pretrained per MoE family, expert order, every error case, the semantics against transformers' own ops, and how a group is read."
-import json, os, random
-from pathlib import Path
+import os
+import random
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 from safetensors.torch import save_file, load_file
-from transformers import (AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, DeepseekV2Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig)
 from transformers.core_model_loading import MergeModulelist as HFMerge, Concatenate as HFConcat
 from transformers.utils import logging as hf_logging
 
@@ -395,7 +395,9 @@ def test_peak_memory_is_the_model(tmp_path):
     """Loading into a meta model adds the model's bytes and next to nothing: no group is held twice (as a list of experts and
     their stack) and no two groups at once. The bound leaves a quarter of the largest group for allocator slack, less than the
     whole group that reading the experts into a list and then stacking them would add."""
-    import subprocess, sys, json as _json
+    import subprocess
+    import sys
+    import json as _json
     cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=512, intermediate_size=512, moe_intermediate_size=512, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=E, num_experts_per_tok=2)
     torch.manual_seed(0)

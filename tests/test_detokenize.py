@@ -12,7 +12,16 @@ The corpus (`CORPUS`, >= 300 strings) is built deterministically:
    joined by separators drawn from spaces, runs of spaces, tabs, "\\n", "\\r\\n" and U+3000.
 Duplicates are dropped keeping the first occurrence, so the list and its order are the same on every run.
 """
-import codecs, functools, json, pickle, random, re, shutil, sys, threading, unicodedata
+import codecs
+import functools
+import json
+import pickle
+import random
+import re
+import shutil
+import sys
+import threading
+import unicodedata
 
 import numpy as np
 import pytest
@@ -124,7 +133,7 @@ def strip1(s: str) -> str:
 
 def random_split(ids, rng):
     cuts = sorted(rng.sample(range(1, len(ids)), rng.randint(0, len(ids) - 1))) if len(ids) > 1 else []
-    return [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+    return [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
 
 
 def check_stream(det, ids, rng, text=None, rounds: int = 3) -> int:

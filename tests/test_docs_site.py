@@ -10,11 +10,24 @@ A screenshot of the loading page, at its first API entry, goes to screenshots/ (
 Needs /usr/bin/chromium (`apt-get install -y chromium`, which tools/test does) and playwright (a dev requirement;
 never `playwright install`: the browser is Debian's). The README check needs neither.
 """
-import functools, http.server, inspect, importlib, json, os, re, subprocess, sys, threading, time, urllib.error, urllib.request
+import functools
+import http.server
+import inspect
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
-from urllib.parse import urldefrag, urljoin, urlsplit
+from urllib.parse import urldefrag, urlsplit
 
-import pytest, yaml
+import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT/'_docs'

@@ -3,10 +3,15 @@
 Expected values come from the checkpoints' own tensors (safetensors' load_file) and from load_model's model; the page
 nbs/12b_explore.ipynb checks each section on its own.
 """
-import io, json, math, shutil, contextlib
+import io
+import json
+import math
+import shutil
+import contextlib
 from pathlib import Path
 
-import pytest, torch
+import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from importlib import import_module
@@ -14,7 +19,6 @@ from mstar_utils import explore, checkpoint_report
 
 _explore = import_module('mstar_utils.explore')   # the module, whose function `explore` the top level exports
 diff_checkpoints, weight_stats = _explore.diff_checkpoints, _explore.weight_stats
-from mstar_utils.checkpoints import smollm2_checkpoint
 from mstar_utils.cli import main
 
 PERTURBED = {'model.layers.2.mlp.up_proj.weight': 2e-2, 'model.layers.11.self_attn.k_proj.weight': 5e-3, 'model.layers.25.mlp.down_proj.weight': 1e-3}
@@ -101,7 +105,8 @@ def test_unparseable_files_become_findings(smol_ckpt, tmp_path):
 
 def test_weight_stats_hold_at_most_two_tensors(smol_ckpt, monkeypatch):
     "The streaming reads one tensor ahead: never more than two of the source's tensors alive at once."
-    import importlib, weakref
+    import importlib
+    import weakref
     ex = importlib.import_module('mstar_utils.explore')   # the module; the package's name `explore` is the function
     alive, peak, real = set(), [0], ex.FileSource.get
     def get(self, k, out=None):
@@ -168,7 +173,7 @@ def test_six_experts_on_four_ranks_split_2_2_1_1(moe6):
     one = per_expert[0]
     counts = [2, 2, 1, 1]   # vLLM's split: the first 6 % 4 ranks take one more
     for got in (ep4.read_bytes, ep4.held_bytes):   # bf16 stored and held: an expert reads and holds the same bytes
-        assert [g - c * one for g, c in zip(got, counts)] == [got[0] - 2 * one] * 4, got   # the rest is the same on every rank
+        assert [g - c * one for g, c in zip(got, counts, strict=True)] == [got[0] - 2 * one] * 4, got   # the rest is the same on every rank
         assert got[0] == got[1] > got[2] == got[3]
 
 

@@ -6,7 +6,11 @@ Damaged files are small: a few real tensors copied out of the cached checkpoints
 """
 import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-import json, logging, re, shutil, sys
+import json
+import logging
+import re
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,17 +22,16 @@ from mstar_utils.model import meta_module
 import mstar_utils.io as mio
 from mstar_utils.testing import assert_state_dict_equal
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-from mstar_utils import loading
 from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, tokenizer_folder
 from mstar_utils.detokenize import ByteLevelDetokenizer, SentencePieceDetokenizer
 from mstar_utils.generation import load_generation_defaults
-from mstar_utils.loading import (INDEX_FILE, SINGLE_FILE, ModuleAndPrefix, load_weights, load_weights_from_file,
-                                 load_weights_from_hf_shards, read_weight_map)
+from mstar_utils.loading import ModuleAndPrefix, load_weights, load_weights_from_file, load_weights_from_hf_shards
+from mstar_utils.sources import INDEX_FILE, SINGLE_FILE, read_weight_map
 
 SMOL, MINI = smollm2_checkpoint(), minilm_checkpoint()
 SMOL_CFG, MINI_CFG = AutoConfig.from_pretrained(SMOL), AutoConfig.from_pretrained(MINI)
@@ -191,7 +194,7 @@ def _outside(shard_for):
 
 def _reshape_up_proj(d):
     "Shard 2 with layer 1's up_proj stored transposed: same bytes, another shape."
-    with safe_open(str(d/SHARD2), framework='pt') as f: sd = {k: f.get_tensor(k) for k in f.keys()}
+    sd = load_file(str(d/SHARD2))
     k = 'model.layers.1.mlp.up_proj.weight'; sd[k] = sd[k].t().contiguous()
     (d/SHARD2).unlink(); save_file(sd, str(d/SHARD2))
 
@@ -201,7 +204,7 @@ def _assign_to_wrong_shard(d):
 def _double_prefix(d):
     "Every key renamed model.X -> model.model.X, in the shards and the index."
     for name in (SHARD1, SHARD2):
-        with safe_open(str(d/name), framework='pt') as f: sd = {'model.' + k: f.get_tensor(k) for k in f.keys()}
+        sd = {'model.' + k: t for k, t in load_file(str(d/name)).items()}
         (d/name).unlink(); save_file(sd, str(d/name))
     ix = _index(d); ix['weight_map'] = {'model.' + k: v for k, v in ix['weight_map'].items()}; _set_index(d, json.dumps(ix))
 
@@ -260,7 +263,7 @@ def test_undamaged_control(ckpt, kind, request):
 def test_index_is_truth_when_a_tensor_sits_in_two_shards(smol_src, tmp_path):
     "A merged shard that also holds a (different) copy of a tensor is never read for it: the index names one shard per key."
     d = _copy(smol_src, tmp_path/'ckpt')
-    with safe_open(str(d/SHARD1), framework='pt') as f: sd = {k: f.get_tensor(k) for k in f.keys()}
+    sd = load_file(str(d/SHARD1))
     sd['model.norm.weight'] = torch.full((576,), 7.0, dtype=torch.bfloat16)
     (d/SHARD1).unlink(); save_file(sd, str(d/SHARD1))
     m = _build(SmolMini, 'meta', torch.bfloat16)

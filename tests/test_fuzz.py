@@ -8,7 +8,12 @@ same bytes, and a file it refuses must be refused.
 """
 import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-import contextlib, json, math, re, signal, tempfile
+import contextlib
+import json
+import math
+import re
+import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,8 @@ import torch.nn as nn
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
-from mstar_utils.loading import INDEX_FILE, SINGLE_FILE, ModuleAndPrefix, load_weights_from_file, load_weights_from_hf_shards, read_weight_map
+from mstar_utils.loading import ModuleAndPrefix, load_weights_from_file, load_weights_from_hf_shards
+from mstar_utils.sources import INDEX_FILE, SINGLE_FILE, read_weight_map
 
 DOCUMENTED = (ValueError, KeyError, FileNotFoundError)
 FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

@@ -1,5 +1,8 @@
 "Generation defaults from generation_config.json (checked against transformers' GenerationConfig) and base_language."
-import json, logging, math, os, tempfile
+import json
+import logging
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -292,7 +295,7 @@ def test_no_generation_config_falls_back_to_config_json_as_transformers(tmp_path
 
 def test_config_json_text_config_eos_as_transformers(tmp_path):
     "A composite model's config.json: the top level's eos_token_id, else its text config's (from_model_config on the dict and on the config object)."
-    from transformers import AutoConfig, GenerationConfig, LlamaConfig, LlavaConfig
+    from transformers import GenerationConfig, LlamaConfig, LlavaConfig
     from mstar_utils.detokenize import generation_eos_ids
     LlavaConfig(text_config=LlamaConfig(eos_token_id=7).to_dict()).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path/'config.json').read_text(encoding='utf-8'))
@@ -374,7 +377,8 @@ def test_posix_forms_without_a_language(code):
 
 def test_every_locale_name_python_knows():
     "The normalized names of Python's locale alias table (X11's locale.alias and glibc's names): each is language[_territory][.codeset][@modifier], or C."
-    import locale, re
+    import locale
+    import re
     names = set(locale.locale_alias.values())
     assert locale.normalize('posix') == 'C' and 'C' in names
     for name in names - {'C'}:

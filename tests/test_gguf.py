@@ -1,5 +1,6 @@
 "GGUF: the block decoders against gguf-py, tiny files written by gguf-py against transformers' from_pretrained(gguf_file=...), SmolLM2's real Q4_1 file, refusals."
-import os, shutil
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -169,3 +170,50 @@ def test_unaligned_bytes_decode_as_gguf_py(qtype):
         same(dequantize_gguf(src, qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
         same(dequantize_gguf(src, qtype, torch.empty(9, b.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0], dtype=torch.bfloat16)),
              torch.from_numpy(gguf.quants.dequantize(b, qtype)).to(torch.bfloat16))
+
+
+# ---- tensor parallelism: a rank reads its rows, or its columns' whole blocks, through the one pipeline
+
+def straddled(f, config) -> int:
+    "Bytes a cut may read on both of its sides: a block in every row, or a head of a Llama q or k."
+    # llama.cpp's converter permuted each head's rows of q and k, so they are cut on whole heads
+    heads = {'.attn_q.': config.num_attention_heads, '.attn_k.': config.num_key_value_heads}
+    return sum(t.shape[0] * GGML_QUANT_SIZES[t.qtype][1] + max(
+        [t.data.numel() // n for part, n in heads.items() if part in t.name], default=0)
+        for t in read_gguf(f).tensors.values() if len(t.shape) == 2)
+
+
+def check_ranks(f, ws, keys=None):
+    "Each rank's tensors are slices of the whole load, its plan says what it read, and the ranks read the bound."
+    from mstar_utils.model import load_plan
+    from mstar_utils.tensor_parallel import take
+    full = load_model(f)
+    fsd, read = full.state_dict(), 0
+    assert full.bytes_read == load_plan(f, detail=False).total_bytes == sum(t.data.numel() for t in read_gguf(f).tensors.values())
+    for r in range(ws):
+        m = load_model(f, rank=r, world_size=ws)
+        sd = m.state_dict()
+        for k in keys or sd: same(sd[k], take(fsd[k], m.tp_sharding.slice_for(k, fsd[k].shape)))
+        plan = load_plan(f, r, ws)
+        assert m.tp_bytes_read == plan.total_bytes
+        read += m.tp_bytes_read
+        replicated = sum(t.bytes for t in plan.tensors if t.slice is None)   # the same on every rank
+    assert read <= 1.01 * (full.bytes_read + (ws - 1) * replicated) + (ws - 1) * straddled(f, full.config), (
+        read, full.bytes_read, replicated)
+
+
+@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0'])
+@pytest.mark.parametrize('ws', [2, 4])
+def test_ranks_are_slices_of_the_full_load(name, ws, tiny):
+    check_ranks(tiny[name], ws)
+
+
+def test_smollm2_q4_1_ranks_are_slices_of_the_full_load():
+    "The real Q4_1 file at two ranks, whose 9 heads and 3 key-value heads don't divide by 2."
+    check_ranks(smollm2_gguf(), 2, ['model.layers.3.self_attn.q_proj.weight', 'model.layers.3.self_attn.k_proj.weight',
+                                    'model.layers.3.mlp.down_proj.weight', 'model.embed_tokens.weight'])
+
+
+def test_keep_under_tensor_parallelism_is_refused(tiny):
+    with pytest.raises(NotImplementedError, match=r"tiny\.gguf: quantized='keep' is not cut for tensor parallelism"):
+        load_model(tiny['q8_0'], rank=0, world_size=2, quantized='keep')

@@ -1,6 +1,10 @@
 """GPTQ, AWQ and bitsandbytes checkpoints: decoders against the packed integers and bitsandbytes' own functional API, loads
 against from_pretrained of the dequantized checkpoint, tensor-parallel ranks against the full load's slices."""
-import io, json, os, re, shutil
+import io
+import json
+import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -15,8 +19,8 @@ from mstar_utils.model import load_model, load_plan
 from mstar_utils.quantized import AWQ_ORDER, AWQDequantize, GPTQDequantize, _unpack_cols, _unpack_rows, dequantize_cut, quantized_tensors
 from mstar_utils.sources import checkpoint_source
 from mstar_utils.tensor_parallel import take
-from mstar_utils.testing import (_pack, _rewrite, assert_tensors_equal, awq_quantize, formats_config, gptq_quantize, write_bnb_checkpoint,
-                                 write_int4_checkpoint)
+from mstar_utils.testing import (_pack, _rewrite, assert_tensors_equal, awq_quantize, formats_config, gptq_quantize, rank_reads,
+                                 write_bnb_checkpoint, write_int4_checkpoint)
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -169,20 +173,26 @@ def test_contradictions_are_named(ckpts, tmp_path):
 
 # ---- tensor parallelism: each rank's tensors are the full load's slices, and it reads what its plan says
 
+ONE_GROUP = {'gptq8_v2', 'awq_one_group'}
+
+
+def whole_keys(name):
+    "(stored key, cut dim) -> True where every rank needs all of it: what the bound counts as replicated."
+    def whole(k, dim):
+        if k.endswith(('.g_idx', '.weight_format')): return True   # read to tell act-order from plain groups; a format tag
+        # a layer split by its inputs needs every output's scale: int8's absmax, a single group's scales and zero points
+        return dim == 1 and (k.endswith('.SCB') or name in ONE_GROUP and k.endswith(('.scales', '.qzeros')))
+    return whole
+
+
 @pytest.mark.parametrize('name', ['gptq', 'gptq8_v2', 'awq', 'awq_one_group', 'int8'])
 @pytest.mark.parametrize('ws', [2, 4])
 def test_ranks_are_slices_of_the_full_load(name, ws, ckpts):
     d, _ = ckpts[name]
-    full = load_model(d, dtype=torch.float32)
-    fsd = full.state_dict()
-    read = 0
-    for r in range(ws):
-        m = load_model(d, rank=r, world_size=ws, dtype=torch.float32)
-        for k, t in m.state_dict().items():
-            assert_tensors_equal(t, take(fsd[k], m.tp_sharding.slice_for(k, fsd[k].shape)), k)
-        assert m.tp_bytes_read == load_plan(d, r, ws, dtype=torch.float32).total_bytes
-        read += m.tp_bytes_read
-    assert read < ws * full.bytes_read * 0.75   # the layers' codes and scales are split, not read whole by each rank
+    r = rank_reads(d, ws, whole_keys(name), dtype=torch.float32)
+    assert r.full == r.checkpoint, r   # one device reads every byte once
+    # the codes, scales and zero points of a split layer are read once over the ranks, in whole words and groups
+    assert sum(r.per_rank) <= r.bound(), (sum(r.per_rank), r.bound(), r)
 
 
 def test_row_parallel_act_order_and_bnb_4bit_are_refused_by_key(ckpts):
@@ -192,25 +202,27 @@ def test_row_parallel_act_order_and_bnb_4bit_are_refused_by_key(ckpts):
         load_model(ckpts['nf4_nested'][0], rank=0, world_size=2)
 
 
-@pytest.mark.parametrize('fmt', ['gptq', 'awq'])
+@pytest.mark.parametrize('fmt', ['gptq', 'gptq_no_g_idx', 'awq'])
 @pytest.mark.parametrize('dim', [0, 1])
 def test_cuts_read_whole_words_and_groups(fmt, dim):
     "Cuts of every start and stop on a shape that divides neither the words nor the groups equal the full decode's slice."
     torch.manual_seed(dim)
-    N, K = 20, 96
-    t, ref = (gptq_quantize(torch.randn(N, K), 4, 32) if fmt == 'gptq' else awq_quantize(torch.randn(N, K), 32))
+    N, K = 20, 100
+    t, ref = (awq_quantize(torch.randn(N, K), 32) if fmt == 'awq' else gptq_quantize(torch.randn(N, K), 4, 32))
     keys = GPTQ_KEYS if fmt == 'gptq' else GPTQ_KEYS[:3]
     ts = [t[k] for k in keys]
-    op = GPTQDequantize(4, 32, True, False, torch.float32) if fmt == 'gptq' else AWQDequantize(32, torch.float32)
+    # plain groups: the load takes no g_idx, and the op counts the inputs itself
+    op = {'gptq': GPTQDequantize(4, 32, True, False, torch.float32), 'awq': AWQDequantize(32, torch.float32),
+          'gptq_no_g_idx': GPTQDequantize(4, 32, True, False, torch.float32, g_idx=False, inputs=K)}[fmt]
     size = (N, K)[dim]
     for a in range(0, size, 3):
         for b in range(a + 1, size + 1, 5):
             c = op.cut([x.shape for x in ts], dim, a, b)
-            parts = [x if p is None else x.narrow(p[0], p[1], p[2] - p[1]) for x, p in zip(ts, c.parts)]
+            parts = [x if p is None else x.narrow(p[0], p[1], p[2] - p[1]) for x, p in zip(ts, c.parts, strict=True)]
             assert_tensors_equal(dequantize_cut(c, parts), ref.narrow(dim, a, b - a), f'[{a}, {b}) of dim {dim}')
             unit = 32 if dim == 1 else 8   # whole groups of 32 inputs, or whole words of eight outputs
             lo, hi = a // unit * unit, min(-(-b // unit) * unit, size)
-            packed = fmt == 'gptq' and dim == 1 or fmt == 'awq' and dim == 0
+            packed = fmt != 'awq' and dim == 1 or fmt == 'awq' and dim == 0
             assert parts[0].shape[1 - dim] == (-(-hi // 8) - lo // 8 if packed else hi - lo), f'[{a}, {b}): codes read {list(parts[0].shape)}'
 
 

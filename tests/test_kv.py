@@ -1,12 +1,16 @@
 "KV pages, the KV plan and the admission check, and KV geometry for every layer kind, against config classes and transformers' own caches."
-import json, logging, math, os
+import json
+import logging
+import math
+import os
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-import torch, transformers
+import torch
+import transformers
 from mstar_utils import kv
 from mstar_utils.kv import (KVCachePool, KVPlan, check_kv_pools_fit, kv_pages, kv_max_requests, kv_bytes_per_token,
                             kv_fixed_bytes_per_request, kv_geometry, plan_kv_pools)
@@ -314,14 +318,14 @@ def test_layers_hold_what_transformers_caches(arch):
     for tokens in (2, 9):
         theirs = cache_layer_bytes(transformers_kv_cache(cfg, tokens))
         assert len(theirs) == len(g.layers)
-        for layer, (cls, held) in zip(g.layers, theirs):
+        for layer, (cls, held) in zip(g.layers, theirs, strict=True):
             if layer.kind == 'cross_attention': assert held == layer.fixed_bytes == layer.tokens * layer.token_bytes
             elif layer.kind == 'linear_attention': assert held == layer.state_bytes and layer.token_bytes == 0
             elif layer.tokens is None: assert held == tokens * layer.token_bytes            # full attention, MLA
             else:                                                    # transformers keeps window - 1, as its convention counts
                 assert held == min(tokens, layer.tokens) * layer.token_bytes, (layer, cls, held)
     assert g.bytes_per_token * 9 + sum(l.state_bytes for l in g.layers) == sum(
-        held for l, (_, held) in zip(g.layers, cache_layer_bytes(transformers_kv_cache(cfg, 9))) if l.tokens is None)
+        held for l, (_, held) in zip(g.layers, cache_layer_bytes(transformers_kv_cache(cfg, 9)), strict=True) if l.tokens is None)
 
 
 def test_windows_are_the_configs():
@@ -480,7 +484,7 @@ def test_plot_counts_the_fixed_bytes():
     fig = kv.plot_kv(cfg, page_size=16, budgets_gib=(1,), max_context=4096)
     x, y = fig.axes[1].lines[0].get_data()
     page = 16 * g.bytes_per_token
-    assert all(c == (2**30 - page) // (math.ceil(t / 16) * page + g.fixed_bytes) for t, c in zip(x, y))
+    assert all(c == (2**30 - page) // (math.ceil(t / 16) * page + g.fixed_bytes) for t, c in zip(x, y, strict=True))
     title = fig._suptitle.get_text()
     assert f'{g.bytes_per_token:,} B per token' in title and f'{g.fixed_bytes / 2**20:.2f} MiB fixed per request' in title
     plt.close(fig)
@@ -547,6 +551,6 @@ def test_fp8_kv_cache_leaves_linear_states_in_the_model_dtype():
     "A KV cache dtype changes attention layers only: Gated DeltaNet's conv window stays in the model's dtype (as in vLLM), its recurrent state float32."
     cfg = tiny_kv_config('Qwen3-Next')
     bf16, fp8 = kv_geometry(cfg), kv_geometry(cfg, 'float8_e4m3fn')
-    for a, b in zip(bf16.layers, fp8.layers):
+    for a, b in zip(bf16.layers, fp8.layers, strict=True):
         if a.kind == 'linear_attention': assert b.state_bytes == a.state_bytes
         else: assert 2 * b.token_bytes == a.token_bytes

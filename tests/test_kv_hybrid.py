@@ -1,13 +1,16 @@
 "Hybrid KV planning: recurrent states in both conventions, the shared pool, vLLM's logged figures, the curve, inspect."
-import json, math, os, random
+import json
+import math
+import os
+import random
 
 import pytest
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-import torch, transformers
+import torch
+import transformers
 from mstar_utils.kv import (KVCachePool, check_kv_pools_fit, kv_bytes_per_token, kv_cache_pool, kv_curve,
-                            kv_fixed_bytes_per_request, kv_geometry, plan_kv_pools, plot_kv_curve, save_kv_plot,
-                            vllm_concurrency)
+                            kv_fixed_bytes_per_request, kv_geometry, plan_kv_pools, plot_kv_curve, vllm_concurrency)
 from mstar_utils.testing import cache_layer_bytes, transformers_kv_cache
 
 transformers.utils.logging.set_verbosity_error()
@@ -293,7 +296,7 @@ def test_curve_limits_and_the_cap():
     curve = kv_curve(c, max_num_pages=80_000, page_size=16, max_concurrent_requests=32, max_seq_len=262144)
     p = curve.pool
     assert curve.fixed_state == (p.max_num_pages - 1) * curve.page_bytes / kv_fixed_bytes_per_request(c)
-    assert all(f <= min(a, b) + 1e-9 for f, a, b in zip(curve.fits, curve.per_token, curve.unrounded))
+    assert all(f <= min(a, b) + 1e-9 for f, a, b in zip(curve.fits, curve.per_token, curve.unrounded, strict=True))
     assert curve.fits == tuple((p.max_num_pages - 1) // (math.ceil(t / 16) + p.fixed_pages_per_request) for t in curve.context)
     reach = curve.cap_fits_to
     assert plan_kv_pools([KVCachePool(reach, 16, p.max_num_pages, fixed_pages_per_request=p.fixed_pages_per_request)], 32).error is None

@@ -1,7 +1,8 @@
 """The KV sweep: transformers' own caches, filled on the meta device at the released shapes, against our figures
 (convention='transformers'). The fast suite runs a cut of the hybrids and of each layer kind; MSTAR_UTILS_SLOW=1 runs every
 causal-LM config class transformers declares and prints the counts."""
-import collections, os
+import collections
+import os
 
 import pytest
 

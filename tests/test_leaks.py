@@ -8,16 +8,17 @@ bytes: the reads add the tensors and nothing else.
 """
 import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-import ctypes, ctypes.util, gc
+import ctypes
+import ctypes.util
+import gc
 
 import psutil
 import pytest
 import torch
 from mstar_utils.model import build_on_meta
 import mstar_utils.io as mio
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
-from mstar_utils import loading
 from mstar_utils.checkpoints import smollm2_checkpoint
 from mstar_utils.loading import ModuleAndPrefix, check_loaded, load_weights_from_hf_shards
 

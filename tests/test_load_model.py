@@ -1,6 +1,7 @@
 """load_model against transformers' from_pretrained: state_dict, logits, eval mode and generation config, on real
 checkpoints (SmolLM2, all-MiniLM-L6-v2) and tiny models of other families written by save_pretrained."""
-import logging, os
+import logging
+import os
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
 from transformers.utils import logging as hf_logging
 
 from mstar_utils import load_model, smollm2_checkpoint, minilm_checkpoint
-from mstar_utils.testing import ListHandler, assert_state_dict_equal, save_tiny, tiny_configs
+from mstar_utils.testing import ListHandler, assert_state_dict_equal, save_tiny
 
 hf_logging.set_verbosity_error()
 
@@ -254,4 +255,4 @@ def test_transformers_rules_listed_once_and_the_rest_named():
         assert 'rules load_model cannot apply' in e.args[0] and skipped[0] in e.args[0]
         assert _with_skipped_rules(KeyError('x'), cfg, None).args[0] == 'x'
     from mstar_utils.model import auto_conversions
-    assert auto_conversions(CONFIG_MAPPING['musicgen'](), None) == []   # several text configs: get_text_config refuses to pick one
+    assert auto_conversions(CONFIG_MAPPING["musicgen"]()) == []   # several text configs: get_text_config refuses to pick one

@@ -1,7 +1,11 @@
 """The loader's contract at the edges: parameter objects survive, caller tensors are never aliased, ties are one slot for
 the whole load, unused keys are reported and quantized keys refused, the folders people have, errors that say the fix,
 UTF-8 whatever the locale. Each handed case is a test, and each kind has a test over many shapes (hypothesis)."""
-import ast, json, os, subprocess, sys
+import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,11 +18,10 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import mstar_utils
 from mstar_utils.loading import (ModuleAndPrefix, load_weights, load_weights_from_file, load_weights_from_hf_shards, check_loaded,
                                  load_from_source, qualifying_keys)
-from mstar_utils.sources import INDEX_FILE, SINGLE_FILE, DictSource, read_weight_map, checkpoint_dir
-from mstar_utils.convert import WeightConverter, Operation
+from mstar_utils.sources import INDEX_FILE, SINGLE_FILE, DictSource, read_weight_map
+from mstar_utils.convert import WeightConverter
 from mstar_utils.testing import assert_state_dict_equal
 from mstar_utils.model import build_on_meta, load_model
-from mstar_utils.checkpoints import smollm2_checkpoint
 
 
 class TaggedParameter(nn.Parameter):
@@ -120,7 +123,6 @@ def test_no_storage_shared_with_state_dict(device, contiguous):
 
 
 def test_convert_state_dict_and_conv_loads_do_not_alias():
-    from mstar_utils.convert import convert_state_dict
     sd = {'a.weight': torch.randn(2, 2)}
     with torch.device('meta'): m = nn.Module(); m.b = nn.Linear(2, 2, bias=False)
     load_from_source(__import__('mstar_utils.convert', fromlist=['x']).converted_source(DictSource(sd), [WeightConverter(['a.weight'], 'b.weight', [])]), [m])
@@ -337,7 +339,7 @@ def trees(draw):
         if shapes[j] == shapes[i] and draw(st.booleans()): leaves[i].weight = leaves[j].weight
     root, groups = nn.Module(), draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
     for g in range(3): setattr(root, f'g{g}', nn.ModuleList())
-    for leaf, g in zip(leaves, groups): getattr(root, f'g{g}').append(leaf)
+    for leaf, g in zip(leaves, groups, strict=True): getattr(root, f'g{g}').append(leaf)
     return root
 
 

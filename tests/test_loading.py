@@ -1,10 +1,11 @@
 "Loader behaviour on real checkpoints (SmolLM2, all-MiniLM-L6-v2): one test per promise of the loading notebook."
-import json, os, shutil
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from mstar_utils.model import build_on_meta, meta_module
+from mstar_utils.model import build_on_meta
 from mstar_utils.testing import assert_state_dict_equal
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -90,7 +91,7 @@ def test_loaded_names_per_module_in_order(smol_ckpt):
     got = load_weights_from_hf_shards(smol_ckpt, mods)
     assert [len(g) for g in got] == [9, 1, 1]
     assert got[1] == {'weight'} and 'mlp.down_proj.weight' in got[0]
-    for mp, g in zip(mods, got): check_loaded(mp.module, g, 'part')
+    for mp, g in zip(mods, got, strict=True): check_loaded(mp.module, g, 'part')
 
 
 def test_check_loaded_message_names_what_count_and_missing(smol_ckpt):

@@ -1,5 +1,6 @@
 "MLA finalization: the absorbed decode path against transformers' DeepseekV2Attention, the w_kc/w_vc split, and each finalization error."
-import math, os
+import math
+import os
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
 "Quantized checkpoints: each format's dequantization against transformers' and compressed-tensors' own code, both loading modes against the dequantized reference model, refusals, MLA and tensor-parallel block slices."
-import json, os
+import json
+import os
 from pathlib import Path
 
 import pytest

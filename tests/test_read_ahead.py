@@ -50,7 +50,7 @@ def test_read_ahead_takes_only_shards_that_load_as_stored(tmp_path):
     src = start_reads(ckpt, cfg, torch.float32)
     try:
         ahead = set(src.ahead.paths)
-        experts = {src.k2f[k] for k in src.keys() if '.experts.' in k}
+        experts = {src.k2f[k] for k in src.keys() if '.experts.' in k}  # noqa: SIM118 (keys(), no __iter__)
         assert ahead and experts and not ahead & experts  # a shard fused by the Mixtral recipes is read by the load itself
     finally: src.close()
     for mmap in (False, True): assert_same(load_model(ckpt, mmap=mmap), AutoModelForCausalLM.from_pretrained(ckpt))
@@ -67,7 +67,7 @@ def test_reads_begun_before_transformers_rules_give_up_the_fused_shards(tmp_path
     ckpt = save_tiny(arch, tmp_path/arch)
     assert_same(load_model(ckpt), AutoModelForCausalLM.from_pretrained(ckpt))
     src = checkpoint_source(ckpt)
-    experts = {src.k2f[k] for k in src.keys() if '.experts.' in k}
+    experts = {src.k2f[k] for k in src.keys() if '.experts.' in k}  # noqa: SIM118 (keys(), no __iter__)
     src.close()
     (ahead,) = started
     assert experts and experts <= set(ahead.paths)  # config.json alone: no rule of ours fuses them, so they were read ahead

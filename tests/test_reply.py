@@ -8,7 +8,10 @@ Hypothesis property tests check the contract on every step over byte-level BPE (
 fallback (Mistral v1), Metaspace, WordPiece (MiniLM), CTC (wav2vec2's character vocabulary) and a SentencePiece model
 without tokenizer.json. `MSTAR_SLOW=1` runs more examples.
 """
-import functools, json, os, random
+import functools
+import json
+import os
+import random
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, tokenizer_folder
-from mstar_utils.detokenize import Reply, TextChunkDetokenizer, TextOutput
+from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
 from mstar_utils.testing import ctc_tokenizer, metaspace_tokenizer, sentencepiece_model_tokenizer
 
 SLOW = bool(os.environ.get('MSTAR_SLOW'))

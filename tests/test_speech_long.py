@@ -1,8 +1,14 @@
 """Long-form Whisper transcription against transformers' long-form generate on the same checkpoint and file: token ids,
 segment times and words; fine-tunes without the timestamp config; language and task. tiny.en on the JFK clip runs always;
 whisper-base and the Piper voice clip run with MSTAR_UTILS_SLOW=1."""
-import json, os, subprocess, sys, warnings
-import numpy as np, pytest, soundfile as sf, torch
+import json
+import os
+import subprocess
+import warnings
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 from mstar_utils import checkpoints as ck

@@ -10,14 +10,16 @@ end run only with a GPU (tools/gpu-check). Nothing here is timed; speed is in be
 """
 import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-import gc, json, struct, threading, time
-from pathlib import Path
+import gc
+import json
+import struct
+import threading
+import time
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 import ctypes
@@ -35,7 +37,7 @@ def ref(smol_ckpt) -> dict:
     "SmolLM2's tensors as safetensors reads them (the reference reader)."
     out = {}
     for shard in sorted(set(read_weight_map(smol_ckpt).values())):
-        with safe_open(str(shard), framework='pt') as f: out.update({k: f.get_tensor(k) for k in f.keys()})
+        out.update(load_file(str(shard)))
     return out
 
 
@@ -79,7 +81,7 @@ def test_chunks_cover_every_byte_once_in_file_order(spans, cap):
             assert at_file == pos + n
     for i, (_, _, n) in enumerate(spans):
         parts = sorted(covered[i])
-        assert sum(m for _, m in parts) == n and all(a + m == b for (a, m), (b, _) in zip(parts, parts[1:]))
+        assert sum(m for _, m in parts) == n and all(a + m == b for (a, m), (b, _) in zip(parts, parts[1:], strict=False))
 
 
 # ---------------------------------------------------------------- direct reads
@@ -90,9 +92,9 @@ def test_direct_reads_match_safetensors(smol_ckpt, ref, threads):
     keys = sorted(src.keys())
     dests = [torch.empty(src.shape(k), dtype=src.dtype(k)) for k in keys]
     seen = []
-    src.read_many(list(zip(keys, dests)), progress=lambda b, n: seen.append((b, n)))
+    src.read_many(list(zip(keys, dests, strict=True)), progress=lambda b, n: seen.append((b, n)))
     src.close()
-    assert_state_dict_equal(dict(zip(keys, dests)), ref)
+    assert_state_dict_equal(dict(zip(keys, dests, strict=True)), ref)
     assert sum(n for _, n in seen) == len(keys)
     assert sum(b for b, _ in seen) == sum(t.numel() * t.element_size() for t in ref.values())
 
@@ -134,7 +136,8 @@ def test_large_parts_are_populated_before_their_read_and_small_ones_are_not(smol
 
 def test_populate_faults_in_fresh_pages_without_writing():
     "On fresh anonymous memory, the whole pages inside the range become resident (mincore) and read as zeros."
-    import ctypes, mmap
+    import ctypes
+    import mmap
     if not mio._populating: pytest.skip('kernel without MADV_POPULATE_WRITE (Linux < 5.14)')
     page = mmap.PAGESIZE
     m = mmap.mmap(-1, 32 * page)
@@ -189,10 +192,10 @@ def test_one_read_per_contiguous_run(tmp_path):
     keys = list(src.keys())
     dests = [torch.empty(4, 4) for _ in keys]
     mio.read_at, saved = spy, mio.read_at
-    try: src.read_many(list(zip(keys, dests)))
+    try: src.read_many(list(zip(keys, dests, strict=True)))
     finally: mio.read_at = saved; src.close()
     assert len(calls) == 1 and calls[0] == 2000  # one segment, one call of read_at (two preadv of <= 1024 buffers inside)
-    assert_state_dict_equal(dict(zip(keys, dests)), tensors)
+    assert_state_dict_equal(dict(zip(keys, dests, strict=True)), tensors)
 
 
 @pytest.mark.skipif(not getattr(os, 'RWF_NOWAIT', 0), reason='needs RWF_NOWAIT (Linux >= 4.14)')
@@ -249,12 +252,12 @@ SOME = lambda k: k.startswith(('model.embed_tokens.', 'model.layers.0.', 'model.
 def test_staged_reads_cast_like_torch_and_bound_the_ring(smol_ckpt, ref, dtype, threads):
     "Tensors through 64 KiB chunks (SmolLM2's 56 MB embedding in ~900 pieces), cast as `Tensor.to` casts; at most threads + 1 buffers."
     src = checkpoint_source(smol_ckpt, threads=threads)
-    keys = sorted(k for k in src.keys() if SOME(k))
+    keys = sorted(k for k in src.keys() if SOME(k))  # noqa: SIM118 (keys(), no __iter__)
     dests = [torch.empty(src.shape(k), dtype=dtype) for k in keys]
     cop, chunk = RecordingCopier(), 64 << 10
     mio.read_staged(Reads(keys, dests, _spans(src, keys), [src.dtype(k) for k in keys]), src._fd, cop, threads, chunk_bytes=chunk)
     src.close()
-    assert_state_dict_equal(dict(zip(keys, dests)), {k: ref[k].to(dtype) for k in keys})
+    assert_state_dict_equal(dict(zip(keys, dests, strict=True)), {k: ref[k].to(dtype) for k in keys})
     assert len(cop.buffers) == threads + 1 and all(b.numel() == chunk for b in cop.buffers)  # host memory: the ring only
     assert max(n for _, n in cop.copies) <= chunk  # no tensor whole in host staging memory
     assert cop.finished == 1
@@ -263,7 +266,7 @@ def test_staged_reads_cast_like_torch_and_bound_the_ring(smol_ckpt, ref, dtype, 
 def test_a_buffer_is_refilled_only_after_its_copies(smol_ckpt, ref):
     "Chunk j reuses buffer j % R and its reader first waits on the token marked after chunk j - R's copies."
     src = checkpoint_source(smol_ckpt, threads=2)
-    keys = sorted(k for k in src.keys() if SOME(k))
+    keys = sorted(k for k in src.keys() if SOME(k))  # noqa: SIM118 (keys(), no __iter__)
     cop = RecordingCopier()
     order = []
     real = mio._copy_chunk

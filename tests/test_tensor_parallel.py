@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import AutoConfig, PhiConfig, PhiForCausalLM
 
-from mstar_utils.checkpoints import smollm2_checkpoint
 from mstar_utils.convert import QWEN3_MOE_CONVERSIONS, MIXTRAL_CONVERSIONS, converted_source
-from mstar_utils.loading import ModuleAndPrefix, check_loaded
+from mstar_utils.loading import ModuleAndPrefix
 from mstar_utils.model import build_on_meta, load_model
 from mstar_utils.sources import DictSource, checkpoint_source
 from mstar_utils.tensor_parallel import (WHOLE, Sharding, ShardedSource, Slice, load_weights_sharded, read_slice, shard_module,
@@ -36,7 +35,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize('world_size', [2, 4])
 def test_smollm2_slices_equal_cut_tensors_and_bytes_add_up(smol_ckpt, smol_config, world_size):
     plan, src = tp_plan(smol_config, world_size), checkpoint_source(smol_ckpt)
-    keys = [k for k in src.keys() if k.startswith(('model.layers.0.', 'model.layers.29.', 'model.norm', 'model.embed'))]
+    keys = [k for k in src.keys() if k.startswith(('model.layers.0.', 'model.layers.29.', 'model.norm', 'model.embed'))]  # noqa: SIM118 (keys(), no __iter__)
     whole = {k: src.get(k) for k in keys}
     total = sum(t.numel() * t.element_size() for t in whole.values())
     replicated = sum(t.numel() * t.element_size() for k, t in whole.items() if Sharding(plan, 0, world_size).slice_for(k, t.shape) == WHOLE)
@@ -72,7 +71,7 @@ def test_fused_targets_slice_through_the_converter(tiny, name, conv, world_size,
     for rank in range(world_size):
         sh = Sharding(tp_plan(config, world_size, ep), rank, world_size)
         counted = []
-        for k in whole_src.keys():
+        for k in whole_src.keys():  # noqa: SIM118 (keys(), no __iter__)
             sl = sh.slice_for(k, whole_src.shape(k))
             part = read_slice(whole_src, k, sl, count=counted.append)
             assert torch.equal(part, take(whole_src.get(k), sl)), (k, sl)

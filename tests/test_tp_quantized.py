@@ -9,7 +9,11 @@ For each cell the logits equal `from_pretrained` of the checkpoint dequantized b
 A representative cut runs by default; the full matrix with MSTAR_UTILS_SLOW=1 (or MSTAR_SLOW=1).
 """
 
-import contextlib, io, json, os, re
+import contextlib
+import io
+import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -194,7 +198,7 @@ def ct_reference(folder: Path, dest: Path) -> Path:
 def stored(folder: Path) -> dict:
     "{key: (shape, dtype)} of the checkpoint's tensors, from the header."
     with safe_open(str(folder / 'model.safetensors'), 'pt') as f:
-        return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+        return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118 (keys(), no __iter__)
 
 
 _BYTES = {'BF16': 2, 'F16': 2, 'F32': 4, 'F8_E4M3': 1, 'U8': 1, 'I32': 4, 'I64': 8, 'I8': 1}
@@ -280,7 +284,7 @@ def matrix(tmp_path_factory):
             for i, c in enumerate(cells):
                 results[c] = [_load(r[i]) for r in per_rank]
             continue
-        for c, job in zip(cells, jobs):
+        for c, job in zip(cells, jobs, strict=True):
             try:
                 results[c] = [_load(r[0]) for r in run_ranks(tp_cells, ws, [job], timeout=600)]
             except RuntimeError as e:
@@ -301,8 +305,7 @@ def test_cell(matrix, cell):
         ref_logits = ref(**inputs(name)).logits
     ref_sd = ref.state_dict()
     ckpt = folders[name, fmt]
-    with safe_open(str(ckpt / 'model.safetensors'), 'pt') as f:
-        raw = {renamed(k): f.get_tensor(k) for k in f.keys()}
+    raw = {renamed(k): t for k, t in load_file(str(ckpt / 'model.safetensors')).items()}
     for r, res in enumerate(got):
         err = (res['logits'] - ref_logits).abs().max().item()
         assert err <= 1e-4, f'rank {r}: max |logits - from_pretrained of the dequantized reference| = {err:.2e}'
@@ -354,7 +357,7 @@ def test_kept_experts_renamed_then_fused(tmp_path):
         refs.append(reference(name, folder, 'fp8', tmp_path))
         jobs.append((folder, ids, True, 'keep'))
     per_rank = run_ranks(tp_cells, 2, jobs, timeout=600)
-    for i, (name, (folder, _, _, _), ref) in enumerate(zip(names, jobs, refs)):
+    for i, (name, (folder, _, _, _), ref) in enumerate(zip(names, jobs, refs, strict=True)):
         with torch.no_grad():
             want = ref(**ids).logits
         raw = load_file(str(folder / 'model.safetensors'))

@@ -3,7 +3,11 @@
 A cell is visible when the docs show its source: not `#| hide`, not `#| exporti` (exported, hidden). Cells marked
 `#| gpu` run only with CUDA and `#| slow` ones only with `--flags slow` in nbdev_test's sense (MSTAR_SLOW=1), as nbdev_test
 skips them. Each page runs in its own Python process, so nothing one page imports or sets leaks into another."""
-import json, os, re, subprocess, sys
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
