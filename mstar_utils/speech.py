@@ -168,7 +168,7 @@ def whisper_decoding_config(checkpoint_dir, # a Whisper checkpoint folder
     "The folder's `GenerationConfig` with what Whisper decoding needs, ids its files lack derived from the tokenizer."
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
-    from mstar_utils.checkpoints import OPENAI_MAX_INITIAL_TIMESTAMP, OPENAI_MULTILINGUAL_VOCAB
+    from mstar_utils.ct2_whisper import OPENAI_MAX_INITIAL_TIMESTAMP, OPENAI_MULTILINGUAL_VOCAB
     d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
     has_file = (d/'generation_config.json').is_file()
     gc = GenerationConfig.from_pretrained(d, **({} if has_file else dict(config_file_name='config.json', _from_model_config=True)))

@@ -1,15 +1,20 @@
+<<<<<<< HEAD
 "Generation defaults from generation_config.json (checked against transformers' GenerationConfig) and base_language."
 import json
 import logging
 import os
 import tempfile
+=======
+"Generation defaults from generation_config.json (checked against transformers' GenerationConfig)."
+import json, logging, math, os, tempfile
+>>>>>>> s_rooms
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-from mstar_utils.generation import load_generation_defaults, base_language, TOP_K_DISABLED
+from mstar_utils.generation import load_generation_defaults, TOP_K_DISABLED
 from mstar_utils.checkpoints import smollm2_checkpoint
 
 LOGGER = 'mstar_utils.generation'
@@ -334,6 +339,7 @@ def test_ints_for_floats(tmp_path, caplog):
     out, _ = load(caplog, write(tmp_path, {'temperature': 1, 'top_p': 1, 'repetition_penalty': 2}))
     assert out == {'temperature': 1.0, 'top_p': 1.0, 'repetition_penalty': 2.0}
     assert all(type(v) is float for v in out.values())
+<<<<<<< HEAD
 
 
 # ---- base_language
@@ -400,3 +406,5 @@ def test_posix_grammar(lang, territory, codeset, modifier):
 def test_primary_subtag(lang, sep, rest):
     assert base_language(lang + sep + rest) == lang.lower()
     assert base_language(lang) == lang.lower()
+=======
+>>>>>>> s_rooms
