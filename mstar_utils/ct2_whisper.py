@@ -4,7 +4,12 @@
 
 # %% ../nbs/00b_ct2_whisper.ipynb #0b7c2a04
 from __future__ import annotations
-import json, math, re, shutil, struct, tempfile
+import json
+import math
+import re
+import shutil
+import struct
+import tempfile
 from typing import NamedTuple
 from pathlib import Path
 
@@ -95,7 +100,7 @@ def _ct2_linear(v: dict, src: str, out: dict, *dsts: str):
     w, b = _take(v, f'{src}/weight'), _take(v, f'{src}/bias')
     if w.shape[0] % len(dsts):
         raise ValueError(f'{src}/weight has {w.shape[0]} rows, which do not split into {len(dsts)} projections')
-    for dst, wi, bi in zip(dsts, w.chunk(len(dsts)), b.chunk(len(dsts))):
+    for dst, wi, bi in zip(dsts, w.chunk(len(dsts)), b.chunk(len(dsts)), strict=True):
         out[f'{dst}.weight'] = wi
         if not dst.endswith('k_proj'): out[f'{dst}.bias'] = bi
         elif bi.any():

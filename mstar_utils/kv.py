@@ -6,7 +6,7 @@
 from __future__ import annotations
 import json, logging, operator
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0

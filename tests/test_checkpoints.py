@@ -5,10 +5,6 @@ import time
 from pathlib import Path
 
 import pytest
-<<<<<<< HEAD
-import torch
-=======
->>>>>>> s_rooms
 from mstar_utils import checkpoints as ck
 
 

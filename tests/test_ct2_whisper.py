@@ -3,7 +3,8 @@ understand, the state dict is the file's tensors renamed and split, and the fold
 transformers with those tensors."""
 import json
 
-import pytest, torch
+import pytest
+import torch
 from mstar_utils import checkpoints as ck, ct2_whisper as cw
 
 

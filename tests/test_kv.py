@@ -9,14 +9,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-<<<<<<< HEAD
 import torch
 import transformers
 from mstar_utils import kv
-=======
-import torch, transformers
-from mstar_utils import kv, kv_figures as kf
->>>>>>> s_rooms
+from mstar_utils import kv_figures as kf
 from mstar_utils.kv import (KVCachePool, KVPlan, check_kv_pools_fit, kv_pages, kv_max_requests, kv_bytes_per_token,
                             kv_fixed_bytes_per_request, kv_geometry, plan_kv_pools)
 from mstar_utils.checkpoints import smollm2_checkpoint

@@ -45,7 +45,8 @@ def test_posix_forms_without_a_language(code):
 
 def test_every_locale_name_python_knows():
     "The normalized names of Python's locale alias table (X11's locale.alias and glibc's names): each is language[_territory][.codeset][@modifier], or C."
-    import locale, re
+    import locale
+    import re
     names = set(locale.locale_alias.values())
     assert locale.normalize('posix') == 'C' and 'C' in names
     for name in names - {'C'}:
