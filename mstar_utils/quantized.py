@@ -25,7 +25,7 @@ __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32
            'MXFP4Dequantize', 'StoredCut', 'dequantize_cut', 'QuantizedTensor', 'quantized_tensors',
            'quantized_conversions', 'QuantizedLinear', 'QuantizedExperts', 'keep_quantized', 'quantized_source',
            'block_slice', 'DenseQuantized', 'NVFP4Dequantize', 'GPTQDequantize', 'AWQDequantize', 'BnB4bitDequantize',
-           'BnBInt8Dequantize']
+           'BnBInt8Dequantize', 'stored_layout', 'layout_bits', 'draw_layout']
 
 # %% ../nbs/06_quantized.ipynb #47664196
 # E2M1 value by code 0..15
@@ -1270,3 +1270,58 @@ def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
             for m in sorted(k[:-len('.SCB')] for k in src.keys() if k.endswith('.SCB'))]
 
 _FORMATS['bitsandbytes'] = _bnb_tensors
+
+# %% ../nbs/06_quantized.ipynb #f714e27c
+_ST_NAMES = {torch.float8_e4m3fn: 'F8_E4M3', torch.float8_e5m2: 'F8_E5M2', torch.float4_e2m1fn_x2: 'F4',
+             torch.uint8: 'U8', torch.int8: 'I8', torch.int32: 'I32', torch.int64: 'I64', torch.float16: 'F16',
+             torch.bfloat16: 'BF16', torch.float32: 'F32'}   # safetensors' names of the dtypes its headers hold
+
+def stored_layout(src, # a source over the checkpoint (`checkpoint_source(folder)`)
+                  prefix: str, # the keys' common start: a module's (`'...down_proj.'`) or an expert tensor's
+                 ) -> dict:
+    "{name after `prefix`: (dtype, shape)} of the tensors `src` stores under `prefix`, from the headers alone."
+    return {k[len(prefix):]: (src.dtype(k), tuple(src.shape(k))) for k in sorted(src.keys()) if k.startswith(prefix)}
+
+# %% ../nbs/06_quantized.ipynb #50be17a6
+def layout_bits(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
+                weights: int, # how many values the tensors decode to (N·K for one [N, K] weight)
+               ) -> float:
+    "Bits stored per decoded weight: every tensor of `stored`, codes, scales, zero points and records alike."
+    return 8 * sum(math.prod(shape) * dtype.itemsize for dtype, shape in stored.values()) / weights
+
+# %% ../nbs/06_quantized.ipynb #b2d6453c
+def _box(dtype: torch.dtype, shape: tuple, N: int, W: int) -> tuple:
+    "(rows, bytes a row) that tensor `shape` is drawn as: its stored rows, flattened ones wrapped; area its bytes"
+    # beside an [N rows, W bytes] outline. One value per output row is a column, other vectors squares.
+    nbytes = math.prod(shape) * dtype.itemsize
+    if len(shape) == 1 and shape[0] == N: return N, dtype.itemsize
+    if len(shape) < 2: rows = min(N, math.isqrt(nbytes) or 1)   # a vector or a scalar: a square, as near as it goes
+    elif math.prod(shape[1:]) == 1: rows = min(N, shape[0])   # stored flat (bitsandbytes): wrapped to the N rows
+    else: rows = shape[0]
+    return rows, nbytes / rows
+
+def draw_layout(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
+                weight: tuple, # the shape the tensors decode to: [N, K], or [E, N, K] for E experts
+                ax=None, # a matplotlib `Axes`; None: one of a new figure
+                title: str = '', # the panel's title, before its bits per weight
+               ):
+    "Each tensor of `stored` as a box whose area is its bytes, beside the weight in bfloat16; the `Axes`."
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+    N, K = weight[-2:]
+    W, weights = 2 * K, math.prod(weight)
+    ax = ax or plt.subplots(figsize=(9, 2))[1]
+    handles, x = [Patch(fill=False, ls='--', ec='0.4', label=f'BF16 {list(weight)}: the weight in bfloat16')], W * 1.06
+    by_size = sorted(stored.items(), key=lambda kv: -math.prod(kv[1][1]) * kv[1][0].itemsize)   # the codes first
+    boxes = [_box(dtype, shape, N, W) for _, (dtype, shape) in by_size]
+    top = max([N] + [rows for rows, _ in boxes])   # the boxes hang from the top of the tallest
+    for i, ((name, (dtype, shape)), (rows, w)) in enumerate(zip(by_size, boxes)):
+        dw, dh = max(w, W * 0.012), max(rows, N * 0.03)   # the smallest still seen
+        ax.add_patch(Rectangle((x, top - dh), dw, dh, color=f'C{i}'))
+        handles.append(Patch(color=f'C{i}', label=f'{name}  {_ST_NAMES.get(dtype, dtype)} {list(shape)}'))
+        x += dw + W * 0.06
+    ax.add_patch(Rectangle((0, top - N), W, N, fill=False, ls='--', ec='0.4'))
+    ax.set(xlim=(0, x), ylim=(0, top * 1.04), xlabel='bytes a row', ylabel='rows',
+           title=f'{title}{": " if title else ""}{layout_bits(stored, weights):.3f} bits/weight')
+    ax.legend(handles=handles, loc='center left', bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    return ax
