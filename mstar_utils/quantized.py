@@ -785,11 +785,18 @@ class _DecodedInto(WrappedSource):
         direct, rest = [], []
         for k, d in pairs: (direct if (h := self._direct(k, d)) else rest).append((k, d, h))
         if rest: self.src.read_many([(k, d) for k, d, _ in rest], progress, **kw)
-        for k, d, (src, tree) in direct:   # the stored tensors, then the decode into `d`
+        if not direct: return
+        def stored(src, tree):   # the op's stored tensors, read into new memory
             vals = [torch.empty(c.shape, dtype=c.dtype) for c in tree.kids]
             src.read_many([(c.key, v) for c, v in zip(tree.kids, vals)], **kw)
-            tree.op.apply_into(vals, d)
-            if progress: progress(d.numel() * d.element_size(), 1)
+            return vals
+        with ThreadPoolExecutor(1, thread_name_prefix='codes') as ex:   # the next weight's codes read during this decode
+            ahead = ex.submit(stored, *direct[0][2])
+            for i, (k, d, _) in enumerate(direct):
+                vals = ahead.result()
+                if i + 1 < len(direct): ahead = ex.submit(stored, *direct[i + 1][2])
+                direct[i][2][1].op.apply_into(vals, d)
+                if progress: progress(d.numel() * d.element_size(), 1)
 
 # %% ../nbs/06_quantized.ipynb #1d8b469a
 def block_slice(key: str, # the checkpoint key being sharded, named in errors
