@@ -5,7 +5,7 @@
 # %% ../nbs/06_quantized.ipynb #55c6b72d
 from __future__ import annotations
 import dataclasses, math, re, threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,17 +116,31 @@ def _torch_threads_one():
             _ONE_THREAD[1] -= 1
             if _ONE_THREAD[1] == 0: torch.set_num_threads(_ONE_THREAD[2])
 
+_POOL, _WORKER = [None, 0, threading.Lock()], threading.local()   # (pool, its threads, lock); a worker's flag
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    "The module's pool of `n` threads or more: made once, made anew only when `n` outgrows it."
+    with _POOL[2]:
+        if _POOL[0] is None or _POOL[1] < n: _POOL[0], _POOL[1] = ThreadPoolExecutor(n, thread_name_prefix='decode'), n
+        return _POOL[0]
+
+def _as_worker(job):
+    "Run `job` on a pool thread, marked so that `in_threads` calls inside it run on that thread."
+    _WORKER.on = True
+    return job()
+
 def in_threads(jobs: list, # callables of no arguments, each a piece of the work
                threads: int | None = None, # None: torch's intra-op thread count (`torch.get_num_threads()`)
               ) -> None:
     "Run `jobs` on `threads` Python threads, one torch thread each; the first error is raised."
     with _torch_threads_one() as n:
         n = min(threads or n, len(jobs))
-        if n <= 1:
+        if n <= 1 or getattr(_WORKER, 'on', False):
             for j in jobs: j()
             return
-        with ThreadPoolExecutor(n) as ex:
-            for f in [ex.submit(j) for j in jobs]: f.result()
+        futs = [_pool(n).submit(_as_worker, j) for j in jobs]
+        wait(futs)   # all of them, so that none still writes once the first error is raised
+        for f in futs: f.result()
 
 # %% ../nbs/06_quantized.ipynb #fastq002
 _SCRATCH = threading.local()
@@ -782,11 +796,18 @@ class _DecodedInto(WrappedSource):
         direct, rest = [], []
         for k, d in pairs: (direct if (h := self._direct(k, d)) else rest).append((k, d, h))
         if rest: self.src.read_many([(k, d) for k, d, _ in rest], progress, **kw)
-        for k, d, (src, tree) in direct:   # the stored tensors, then the decode into `d`
+        if not direct: return
+        def stored(src, tree):   # the op's stored tensors, read into new memory
             vals = [torch.empty(c.shape, dtype=c.dtype) for c in tree.kids]
             src.read_many([(c.key, v) for c, v in zip(tree.kids, vals)], **kw)
-            tree.op.apply_into(vals, d)
-            if progress: progress(d.numel() * d.element_size(), 1)
+            return vals
+        with ThreadPoolExecutor(1, thread_name_prefix='codes') as ex:   # the next weight's codes read during this decode
+            ahead = ex.submit(stored, *direct[0][2])
+            for i, (k, d, _) in enumerate(direct):
+                vals = ahead.result()
+                if i + 1 < len(direct): ahead = ex.submit(stored, *direct[i + 1][2])
+                direct[i][2][1].op.apply_into(vals, d)
+                if progress: progress(d.numel() * d.element_size(), 1)
 
 # %% ../nbs/06_quantized.ipynb #1d8b469a
 def block_slice(key: str, # the checkpoint key being sharded, named in errors
@@ -900,8 +921,8 @@ def _into(self: NVFP4Dequantize, ts: list, out: torch.Tensor) -> torch.Tensor:
     g = 1 / g if self.inverse else g
     R, C = out.shape
     step = max(1, _PIECE // max(C, 1))
-    populate_pages(out.data_ptr(), out.numel() * out.element_size())   # pages faulted in at once
     def rows(i: int, j: int):   # rows [i, j): the values times group scale / global scale, rounded once into `out`
+        populate_pages(out[i].data_ptr(), (j - i) * C * out.element_size())   # the piece's pages faulted in at once
         lut, x = _fp4_pairs(codes.device), scratch('nvfp4', ((j - i) * C // 2,), torch.int64)
         idx = scratch('nvfp4_idx', ((j - i) * C // 2,), torch.int32).copy_(codes[i:j].reshape(-1))
         torch.index_select(lut, 0, idx, out=x)
