@@ -2,7 +2,8 @@
 
 `layout_bits` counts dtype × shape of the tensors `stored_layout` reads from the headers; `explore`'s formats table counts
 the header's byte ranges of the tensors the format's op reads, over the weights the op decodes to."""
-import json, math
+import json
+import math
 
 import pytest
 import torch
