@@ -4,7 +4,17 @@
 
 # %% ../nbs/00_checkpoints.ipynb #6a6bde71
 from __future__ import annotations
-import hashlib, math, os, re, shlex, shutil, subprocess, sys, tarfile, tempfile, zipfile
+import hashlib
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from .ct2_whisper import write_hf_whisper
@@ -424,7 +434,8 @@ LONG_CLIPS = {
 
 def _build_clip(name: str, out: Path):
     "Write clip `name` of `LONG_CLIPS` to `out/f'{name}.wav'`: speech, seeded pauses of 0.5-3 s, seeded noise."
-    import numpy as np, soundfile as sf
+    import numpy as np
+    import soundfile as sf
     rng, sr = np.random.default_rng(sum(map(ord, name))), 16000
     jfk, _ = sf.read(str(jfk_audio()), dtype='float32')
     speech = [jfk] * 5 if name == 'jfk' else [x for i, t in enumerate(MEETING_TEXT) for x in

@@ -4,7 +4,11 @@
 
 # %% ../nbs/10_generation.ipynb #4fc9b39a
 from __future__ import annotations
-import functools, json, logging, math, reprlib
+import functools
+import json
+import logging
+import math
+import reprlib
 from pathlib import Path
 
 # %% auto #0

@@ -4,7 +4,9 @@
 
 # %% ../nbs/09_kv.ipynb #81ac17fa
 from __future__ import annotations
-import json, logging, operator
+import json
+import logging
+import operator
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,7 +346,7 @@ def _layer_kinds(text) -> list[str | None]:
         else 'cross_attention'
         if i in cross
         else _LEGACY_KINDS.get(kind, kind)
-        for i, (kind, mode) in enumerate(zip(kinds, shared))
+        for i, (kind, mode) in enumerate(zip(kinds, shared, strict=False))
     ]
 
 # %% ../nbs/09_kv.ipynb #7e8f9a0b

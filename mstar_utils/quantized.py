@@ -4,7 +4,10 @@
 
 # %% ../nbs/06_quantized.ipynb #55c6b72d
 from __future__ import annotations
-import dataclasses, math, re, threading
+import dataclasses
+import math
+import re
+import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -264,7 +267,7 @@ def mismatch(self: PackQuantizedDequantize, shapes: list):
     R, C = self.weight_shape
     grid = scale_grid((R, C), self.block)
     want = [(R, -(-C * self.num_bits // 32)), grid, (2,), (-(-R * self.num_bits // 32), grid[1])]
-    for j, (s, w) in enumerate(zip(shapes, want)):
+    for j, (s, w) in enumerate(zip(shapes, want, strict=False)):
         if tuple(s) != w and not (j == 1 and _numel(s) == 1 == _numel(w)):
             blk = list(_block(self.block, (R, C)))
             want = f'{self.num_bits}-bit codes of a [{R}, {C}] weight, one scale per block of {blk}: {list(w)}'
@@ -412,7 +415,7 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
     missing = [k for k in keys if k not in src]
     if missing and keys[0] in src:
         module = keys[0].rpartition('.')[0]
-        scales = sorted(k for k in src.keys() if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])
+        scales = sorted(k for k in src.keys() if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])  # noqa: SIM118
         beside = (f'the scale keys beside it are {", ".join(map(repr, scales))}' if scales
                   else 'there is no scale key beside it')
         raise ValueError(f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its '
@@ -445,7 +448,7 @@ def _fp8_op(src, target: str, block: tuple | None, dtype, what: str) -> FP8Block
         w, s = tuple(src.shape(target)), tuple(src.shape(key))
         if _numel(s) == 1 and _numel(scale_grid(w, block)) != 1: block = (None, None)
         elif not given and len(w) >= 2 and len(s) >= 2 and scale_grid(w, block) != s:
-            shaped = tuple(-(-d // max(n, 1)) for d, n in zip(w[-2:], s[-2:]))
+            shaped = tuple(-(-d // max(n, 1)) for d, n in zip(w[-2:], s[-2:], strict=False))
             if scale_grid(w, shaped) == s: block = shaped
     return FP8BlockDequantize(block, dtype, suffix)
 
@@ -458,14 +461,14 @@ def _fp8_tensors(src, qc: dict, dtype, what: str) -> list:
     # or of an fp8 dtype.
     bs = qc.get('weight_block_size', ...)   # missing: 128 x 128, or what the shapes give (`_fp8_op`); null: per tensor
     block = None if bs is ... else tuple(bs) if bs else (None, None)
-    targets = {t for k in src.keys() if (t := _strip(k, ['_scale_inv'])) is not None}
-    targets |= {k[:-len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}
-    targets |= {k for k in src.keys() if src.dtype(k) in _FP8}
+    targets = {t for k in src.keys() if (t := _strip(k, ['_scale_inv'])) is not None}  # noqa: SIM118
+    targets |= {k[:-len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}  # noqa: SIM118
+    targets |= {k for k in src.keys() if src.dtype(k) in _FP8}  # noqa: SIM118
     return [_unit(src, t, _fp8_op(src, t, block, dtype, what), what) for t in sorted(targets)]
 
 def _mxfp4_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"mxfp4\"` (gpt-oss): every `*_blocks`/`*_scales` pair."
-    targets = {t for k in src.keys() if (t := _strip(k, ['_blocks', '_scales'])) is not None}
+    targets = {t for k in src.keys() if (t := _strip(k, ['_blocks', '_scales'])) is not None}  # noqa: SIM118
     return [_unit(src, t, MXFP4Dequantize(dtype), what) for t in sorted(targets)]
 
 # %% ../nbs/06_quantized.ipynb #3475dbc0
@@ -526,8 +529,8 @@ def _model_name(module: str, names: dict) -> str:
 def _ct_tensors(src, qc: dict, dtype, what: str, names: dict | None = None) -> list:
     "`quant_method: \"compressed-tensors\"`: every module with a `weight_packed`, a `weight_scale`"
     # or an fp8 or int8 `weight`; targets match its model name (`names`: the checkpoint's renames).
-    mods = {t for k in src.keys() if (t := _strip(k, ['.weight_packed', '.weight_scale'])) is not None}
-    mods |= {k[:-7] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}
+    mods = {t for k in src.keys() if (t := _strip(k, ['.weight_packed', '.weight_scale'])) is not None}  # noqa: SIM118
+    mods |= {k[:-7] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}  # noqa: SIM118
     units = []
     for m in sorted(mods):
         # targets name the model's modules, which a checkpoint may store renamed
@@ -593,7 +596,7 @@ def quantized_conversions(src, # a loader source, e.g. `checkpoint_source(folder
 def _stored(m: nn.Module, u: QuantizedTensor, name: str, device) -> None:
     "Register `u`'s stored tensors on `m` as `name` + suffix, empty"
     # in the checkpoint's shapes and dtypes, frozen.
-    for s, shape, dt in zip(u.op.suffixes, u.shapes, u.dtypes):
+    for s, shape, dt in zip(u.op.suffixes, u.shapes, u.dtypes, strict=True):
         m.register_parameter(name + s, nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False))
 
 class QuantizedLinear(nn.Module):
@@ -758,7 +761,7 @@ class _Without(WrappedSource):
     "The source `src` without the keys `hidden`: they are neither read nor reported unused."
     def __init__(self, src, hidden: set):
         super().__init__(src)
-        self.hidden, self._keys = hidden, [k for k in src.keys() if k not in hidden]
+        self.hidden, self._keys = hidden, [k for k in src.keys() if k not in hidden]  # noqa: SIM118
     def keys(self): return self._keys
     def __contains__(self, k): return k not in self.hidden and k in self.src
 
@@ -799,7 +802,7 @@ class _DecodedInto(WrappedSource):
         if not direct: return
         def stored(src, tree):   # the op's stored tensors, read into new memory
             vals = [torch.empty(c.shape, dtype=c.dtype) for c in tree.kids]
-            src.read_many([(c.key, v) for c, v in zip(tree.kids, vals)], **kw)
+            src.read_many([(c.key, v) for c, v in zip(tree.kids, vals, strict=True)], **kw)
             return vals
         with ThreadPoolExecutor(1, thread_name_prefix='codes') as ex:   # the next weight's codes read during this decode
             ahead = ex.submit(stored, *direct[0][2])
@@ -841,7 +844,7 @@ class DenseQuantized(_BlockScaled):
     def mismatch(self, shapes: list):
         "(0, j, rule) when a scale or zero point does not hold one value per block"
         # else None (a global scale is one value).
-        return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys) if k != '_global_scale'])
+        return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys, strict=False) if k != '_global_scale'])
     def _one(self, ts): return ts[0]
     def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
         "Exactly [start, stop) of the weight, stored as its values; none of its parameters, which are dropped."
@@ -975,8 +978,8 @@ def _modelopt_algo(qc: dict, module: str) -> str | None:
 def _modelopt_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"modelopt\"`"
     # NVFP4 modules (uint8 `weight` + `weight_scale_2`) and FP8 ones (fp8 `weight` + `weight_scale`).
-    nv = {k[:-len('.weight_scale_2')] for k in src.keys() if k.endswith('.weight_scale_2')}
-    fp8 = {k[:-len('.weight')] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8}
+    nv = {k[:-len('.weight_scale_2')] for k in src.keys() if k.endswith('.weight_scale_2')}  # noqa: SIM118
+    fp8 = {k[:-len('.weight')] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8}  # noqa: SIM118
     units = []
     for m in sorted(nv | fp8):
         got, algo = ('NVFP4' if m in nv else 'FP8'), _modelopt_algo(qc, m)
@@ -1055,7 +1058,7 @@ def mismatch(self: GPTQDequantize, shapes: list):
     N, K = self.out_shape(shapes)
     G, per = shapes[2][0], 32 // self.bits
     want = [(-(-K // per), N), (G, -(-N // per)), (G, N), (K,)]
-    for j, (s, w) in enumerate(zip(shapes, want)):
+    for j, (s, w) in enumerate(zip(shapes, want, strict=False)):
         if tuple(s) != w:
             return (2 if j == 0 else 0), j, f'{self.bits}-bit codes of {K} inputs × {N} outputs, {G} groups: {list(w)}'
     if G != (1 if self.group_size <= 0 else -(-K // self.group_size)):
@@ -1121,7 +1124,7 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
     if fmt not in ('gptq', 'gptq_v2'):
         raise NotImplementedError(f"{what}: GPTQ checkpoint_format {fmt!r} is not supported ('gptq' and 'gptq_v2' are)")
     units = []
-    for m in sorted(k[:-len('.qweight')] for k in src.keys() if k.endswith('.qweight')):
+    for m in sorted(k[:-len('.qweight')] for k in src.keys() if k.endswith('.qweight')):  # noqa: SIM118
         has = f'{m}.g_idx' in src
         act = False
         if has:
@@ -1288,7 +1291,7 @@ def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
         states = [k for k in sorted(src.keys()) if _BNB_STATE in k]
         return [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what) for k in states]
     return [_unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)
-            for m in sorted(k[:-len('.SCB')] for k in src.keys() if k.endswith('.SCB'))]
+            for m in sorted(k[:-len('.SCB')] for k in src.keys() if k.endswith('.SCB'))]  # noqa: SIM118
 
 _FORMATS['bitsandbytes'] = _bnb_tensors
 
@@ -1336,7 +1339,7 @@ def draw_layout(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
     by_size = sorted(stored.items(), key=lambda kv: -math.prod(kv[1][1]) * kv[1][0].itemsize)   # the codes first
     boxes = [_box(dtype, shape, N, W) for _, (dtype, shape) in by_size]
     top = max([N] + [rows for rows, _ in boxes])   # the boxes hang from the top of the tallest
-    for i, ((name, (dtype, shape)), (rows, w)) in enumerate(zip(by_size, boxes)):
+    for i, ((name, (dtype, shape)), (rows, w)) in enumerate(zip(by_size, boxes, strict=True)):
         dw, dh = max(w, W * 0.012), max(rows, N * 0.03)   # the smallest still seen
         ax.add_patch(Rectangle((x, top - dh), dw, dh, color=f'C{i}'))
         handles.append(Patch(color=f'C{i}', label=f'{name}  {_ST_NAMES.get(dtype, dtype)} {list(shape)}'))
