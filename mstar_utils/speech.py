@@ -4,7 +4,12 @@
 
 # %% ../nbs/11_speech.ipynb #b83f9725
 from __future__ import annotations
-import inspect, json, math, queue, threading, warnings
+import inspect
+import json
+import math
+import queue
+import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
