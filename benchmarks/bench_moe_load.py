@@ -89,7 +89,7 @@ def _build():
     cached_folder('bench', NAME, write)
 
 
-from bench_load import _status  # VmRSS and VmHWM, as the dense benchmark reads them
+from _harness import proc_status  # VmRSS and VmHWM, as the dense benchmark reads them
 
 
 def measure(method: str) -> dict:
@@ -106,7 +106,7 @@ def measure(method: str) -> dict:
     dense = dense_checkpoint() if method == 'dense' else None
     gc.collect()
     with open('/proc/self/clear_refs', 'w') as f: f.write('5')   # VmHWM from here
-    base = _status()['VmRSS']
+    base = proc_status()['VmRSS']
     t0 = time.perf_counter()
     if method == 'hf':
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
@@ -115,7 +115,7 @@ def measure(method: str) -> dict:
     else:
         model = load_model(dense, dtype=torch.bfloat16)   # the same tensors, nothing to fuse
     load_s = time.perf_counter() - t0
-    peak = _status()['VmHWM']
+    peak = proc_status()['VmHWM']
     sd = model.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     fp = {k: zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy()) for k, t in sd.items()}

@@ -30,7 +30,8 @@ from fastcore.script import call_parse
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import bench_load  # noqa: E402  the synthetic checkpoint, the header walk and the RSS helpers are shared with it
+import _harness  # noqa: E402  the RSS sampler and counters
+import bench_load  # noqa: E402  the synthetic checkpoint and the header walk are shared with it
 
 
 def load_slices(ckpt: Path, config, sharding) -> tuple:
@@ -42,12 +43,12 @@ def load_slices(ckpt: Path, config, sharding) -> tuple:
     shard_module(model, sharding)
     gc.collect()
     proc = psutil.Process()
-    io0, st0, hwm = proc.io_counters(), bench_load._status(), bench_load._reset_hwm()
+    io0, st0, hwm = proc.io_counters(), _harness.proc_status(), _harness.reset_hwm()
     t0 = time.perf_counter()
-    with bench_load.RssSampler() as sampler:
+    with _harness.RssSampler() as sampler:
         res = load_weights_sharded(ckpt, [ModuleAndPrefix(model)], sharding)
     seconds = time.perf_counter() - t0
-    io1, st1 = proc.io_counters(), bench_load._status()
+    io1, st1 = proc.io_counters(), _harness.proc_status()
     check_loaded(model, res[0], f'rank {sharding.rank}')
     peak = max(sampler.peak, st1['VmHWM'] if hwm else 0) - st0['VmRSS']
     return model, dict(rank=sharding.rank, rchar=io1.read_chars - io0.read_chars, loader_bytes=res.bytes_read, peak_rss=peak,

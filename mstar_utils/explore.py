@@ -757,7 +757,7 @@ def _png(fig) -> str:
 
 def kv_section(ckpt: Path, findings: list) -> tuple:
     "(`kv_report` dict, its lines, the `plot_kv` figure as a base64 PNG)."
-    from mstar_utils.kv import kv_report, format_kv_report, plot_kv
+    from mstar_utils.kv_figures import kv_report, format_kv_report, plot_kv
 
     try:
         rep = kv_report(ckpt)

@@ -127,6 +127,12 @@ _PLAIN = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 GGUF_TYPES = tuple(_PLAIN) + tuple(_BLOCK_DECODERS)   # the tensor types read
 _CHUNK = 2048   # blocks decoded at a time: the temporaries stay in cache (3x faster than 32k blocks on Q4_K)
 
+def _fault_in(t: torch.Tensor) -> None:
+    "Populate the pages of `t`: contiguous, or contiguous once split along its dims of largest stride."
+    if t.is_contiguous(): populate_pages(t.data_ptr(), t.numel() * t.element_size())
+    else:
+        for s in t.unbind(max(range(t.dim()), key=t.stride)): _fault_in(s)
+
 def _decode(qtype: T, src: torch.Tensor, dest: torch.Tensor) -> None:
     "Whole blocks `src` (uint8) decoded into `dest` (any float dtype): float32, then one rounding."
     if qtype in _PLAIN: return dest.copy_(src.contiguous().view(_PLAIN[qtype]).view(dest.shape))
@@ -138,6 +144,7 @@ def _decode(qtype: T, src: torch.Tensor, dest: torch.Tensor) -> None:
         b.view(src.shape).copy_(src)
     out = scratch('gguf_values', (n, block), torch.float32)
     _BLOCK_DECODERS[qtype](b, out)
+    _fault_in(dest)   # this piece's fresh pages in one call, on this thread
     dest.copy_(out.view(dest.shape))
 
 # %% ../nbs/06b_gguf.ipynb #fmtg009b
@@ -177,7 +184,6 @@ def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's byt
     if tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f'GGUF {qtype.name}: out must be contiguous {list(shape)}, not {list(out.shape)}')
     dest = out if out.device.type == 'cpu' else torch.empty(shape, dtype=out.dtype)
-    populate_pages(dest.data_ptr(), dest.numel() * dest.element_size())   # pages faulted in at once
     pieces = _pieces(data.reshape(-1, data.shape[-1]), qtype, dest.view(-1, shape[-1]), heads)
     in_threads([lambda s=s, v=v: _decode(qtype, s, v) for s, v in pieces])
     return out if dest is out else out.copy_(dest)

@@ -4,20 +4,24 @@
 
 # %% ../nbs/09_kv.ipynb #81ac17fa
 from __future__ import annotations
-import json, logging, operator
+import json
+import logging
+import operator
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['CONVENTIONS', 'kv_pages', 'kv_max_requests', 'KVCachePool', 'KVPoolFit', 'KVPlan', 'plan_kv_pools',
+__all__ = ['CONVENTIONS', 'checked_count', 'kv_pages', 'kv_max_requests', 'KVCachePool', 'KVPoolFit', 'KVPlan', 'plan_kv_pools',
            'check_kv_pools_fit', 'dtype_bytes', 'read_model_config', 'StateShape', 'KVLayer', 'KVGeometry',
            'kv_geometry', 'kv_bytes_per_token', 'kv_fixed_bytes_per_request', 'kv_page_bytes', 'kv_cache_pool',
-           'VLLMGroup', 'VLLMConcurrency', 'vllm_concurrency', 'plot_kv', 'KVCurve', 'kv_curve', 'plot_kv_curve',
-           'kv_report', 'format_kv_report', 'save_kv_plot']
+           'VLLMGroup', 'VLLMConcurrency', 'vllm_concurrency']
 
 # %% ../nbs/09_kv.ipynb #0b85a89e
-def _count(value, what: str, minimum: int = 0) -> int:
+def checked_count(value, # the count to check
+                  what: str, # its name, for the error
+                  minimum: int = 0, # the least value allowed
+                 ) -> int:
     "`value` as an int ≥ `minimum`; `ValueError` naming `what` otherwise."
     # Bools and floats are refused, even integral ones.
     if isinstance(value, bool):
@@ -34,8 +38,8 @@ def kv_pages(tokens: int, # tokens each request holds, ≥ 0
              requests: int, # concurrent requests, ≥ 0
             ) -> int: # requests × ceil(tokens / page_size) + 1
     "Pages for `requests` sequences of `tokens` tokens each"
-    tokens, requests = _count(tokens, 'tokens'), _count(requests, 'requests')
-    page_size = _count(page_size, 'page_size', 1)
+    tokens, requests = checked_count(tokens, 'tokens'), checked_count(requests, 'requests')
+    page_size = checked_count(page_size, 'page_size', 1)
     return requests * -(-tokens // page_size) + 1
 
 # %% ../nbs/09_kv.ipynb #eff48c5d
@@ -44,7 +48,7 @@ def kv_max_requests(max_num_pages: int, # pages in the pool, sink page included
                     page_size: int, # token slots per page
                    ) -> int:
     "The largest `C` with `kv_pages(tokens, page_size, C) <= max_num_pages`"
-    max_num_pages = _count(max_num_pages, 'max_num_pages')
+    max_num_pages = checked_count(max_num_pages, 'max_num_pages')
     per = kv_pages(tokens, page_size, 1) - 1
     if per == 0:
         raise ValueError('tokens must be at least 1: requests of 0 tokens take no pages, so any number of them fits')
@@ -64,7 +68,7 @@ class KVCachePool:
         what = 'KVCachePool' + (f' {self.name!r}' if self.name else '')
         for attr, lo in (('max_seq_len', 1), ('page_size', 1), ('max_num_pages', 0), ('cpu_offload_pages', 0),
                          ('fixed_pages_per_request', 0)):
-            object.__setattr__(self, attr, _count(getattr(self, attr), f'{what} {attr}', lo))
+            object.__setattr__(self, attr, checked_count(getattr(self, attr), f'{what} {attr}', lo))
     @property
     def max_requests(self) -> int:
         "Requests of `max_seq_len` tokens (and their fixed pages) the on-device pages hold"
@@ -115,9 +119,9 @@ def _pool_fit(label: str, pool, cap: int | None, config_path: str) -> KVPoolFit:
         if not hasattr(pool, attr):
             raise TypeError(f'{config_path}: KV cache pool {label!r} ({type(pool).__name__}) has no {attr}; '
                             'expected max_seq_len, page_size and max_num_pages')
-        vals.append(_count(getattr(pool, attr), f'{config_path}: KV cache pool {label!r} {attr}', lo))
+        vals.append(checked_count(getattr(pool, attr), f'{config_path}: KV cache pool {label!r} {attr}', lo))
     seq, ps, n = vals
-    fixed = _count(
+    fixed = checked_count(
         getattr(pool, 'fixed_pages_per_request', 0), f'{config_path}: KV cache pool {label!r} fixed_pages_per_request'
     )
     per = kv_pages(seq, ps, 1) - 1 + fixed
@@ -186,7 +190,7 @@ def plan_kv_pools(pools, # a list of pools, a dict from node to pool, or None (n
     cap = (
         None
         if max_concurrent_requests is None
-        else _count(max_concurrent_requests, f'{config_path}: max_concurrent_requests', 1)
+        else checked_count(max_concurrent_requests, f'{config_path}: max_concurrent_requests', 1)
     )
     fits = tuple(_pool_fit(label, p, cap, config_path) for label, p in _labeled_pools(pools))
     if not fits: return KVPlan(config_path, cap)
@@ -291,7 +295,7 @@ def _need(cfg, key: str, minimum: int = 1) -> int:
     "`cfg.<key>` as a count ≥ `minimum`; `ValueError` naming the model type and key when it is missing or invalid."
     v = getattr(cfg, key, None)
     if v is None: raise ValueError(f'{cfg.model_type} config has no {key}')
-    return _count(v, f'{cfg.model_type} config {key}', minimum)
+    return checked_count(v, f'{cfg.model_type} config {key}', minimum)
 
 # %% ../nbs/09_kv.ipynb #a15c870d
 def _first(cfg, *keys: str) -> int | None:
@@ -342,7 +346,7 @@ def _layer_kinds(text) -> list[str | None]:
         else 'cross_attention'
         if i in cross
         else _LEGACY_KINDS.get(kind, kind)
-        for i, (kind, mode) in enumerate(zip(kinds, shared))
+        for i, (kind, mode) in enumerate(zip(kinds, shared, strict=False))
     ]
 
 # %% ../nbs/09_kv.ipynb #7e8f9a0b
@@ -640,7 +644,7 @@ def kv_geometry(config, # a transformers config, a config.json dict, or a checkp
     ssm_dtype = getattr(text, 'mamba_ssm_cache_dtype', None)   # vLLM reads it (Nemotron-H: float32)
     ssm_nbytes = dtype_bytes(ssm_dtype) if ssm_dtype not in (None, 'auto') else state_nbytes
     seq = getattr(text, 'max_position_embeddings', None) or getattr(text, 'max_target_positions', None)
-    seq = None if seq is None else _count(seq, f'{config.model_type} config max_position_embeddings', 1)
+    seq = None if seq is None else checked_count(seq, f'{config.model_type} config max_position_embeddings', 1)
     # e.g. head_dim varying by layer
     per_layer = text.per_layer_config if getattr(text, 'is_heterogeneous', False) else None
     image = _image_tokens(config)
@@ -676,7 +680,7 @@ def kv_page_bytes(config, # a transformers config, a config.json dict, or a chec
                   convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
                  ) -> int:
     "Bytes of one KV cache page: `page_size × kv_bytes_per_token(config, dtype, convention)`."
-    return _count(page_size, 'page_size', 1) * kv_bytes_per_token(config, dtype, convention)
+    return checked_count(page_size, 'page_size', 1) * kv_bytes_per_token(config, dtype, convention)
 
 # %% ../nbs/09_kv.ipynb #4fbc762c
 def kv_cache_pool(config, # a transformers config, a config.json dict, or a checkpoint folder
@@ -689,7 +693,7 @@ def kv_cache_pool(config, # a transformers config, a config.json dict, or a chec
                   name: str = '', # the pool in messages
                  ) -> KVCachePool:
     "The one pool a checkpoint's layers share"
-    g, page_size = kv_geometry(config, dtype, convention), _count(page_size, 'page_size', 1)
+    g, page_size = kv_geometry(config, dtype, convention), checked_count(page_size, 'page_size', 1)
     page_bytes = page_size * g.bytes_per_token
     if not page_bytes:
         raise ValueError(
@@ -699,9 +703,9 @@ def kv_cache_pool(config, # a transformers config, a config.json dict, or a chec
     if (max_num_pages is None) == (budget_bytes is None):
         raise ValueError('give max_num_pages or budget_bytes, not both or neither')
     n = (
-        _count(max_num_pages, 'max_num_pages')
+        checked_count(max_num_pages, 'max_num_pages')
         if budget_bytes is None
-        else _count(budget_bytes, 'budget_bytes') // page_bytes
+        else checked_count(budget_bytes, 'budget_bytes') // page_bytes
     )
     seq = max_seq_len or g.max_seq_len
     if seq is None:
@@ -758,9 +762,9 @@ def vllm_concurrency(config, # a transformers config, a config.json dict, or a c
                     ) -> VLLMConcurrency:
     "The maximum concurrency vLLM logs for `config` and a pool, its blocks per request"
     g = kv_geometry(config, dtype, 'vllm')
-    block_size, num_blocks = _count(block_size, 'block_size', 1), _count(num_blocks, 'num_blocks', 1)
-    mml = _count(max_model_len or g.max_seq_len, 'max_model_len', 1)
-    batched = _count(max_num_batched_tokens, 'max_num_batched_tokens', 1)
+    block_size, num_blocks = checked_count(block_size, 'block_size', 1), checked_count(num_blocks, 'num_blocks', 1)
+    mml = checked_count(max_model_len or g.max_seq_len, 'max_model_len', 1)
+    batched = checked_count(max_num_batched_tokens, 'max_num_batched_tokens', 1)
     kinds = Counter(spec for l in g.layers for spec in _vllm_blocks(l, mml, block_size, batched))
     if not kinds:
         raise ValueError(f'{g.model_type} config: no layer keeps a KV cache, so vLLM plans no pool')
@@ -771,240 +775,3 @@ def vllm_concurrency(config, # a transformers config, a config.json dict, or a c
     )
     per = sum(gr.blocks_per_request for gr in groups)
     return VLLMConcurrency(mml, block_size, num_blocks, groups, per, num_blocks / per, (num_blocks - 1) // per)
-
-# %% ../nbs/09_kv.ipynb #05162739
-def _requests_in(budget: int, pages: list[int], page_bytes: int, fixed: int) -> list[float]:
-    "Requests `budget` bytes hold at each page count"
-    # the largest C with C × (pages × page_bytes + fixed) + one sink page ≤ budget.
-    per = [p * page_bytes + fixed for p in pages]
-    return [max((budget - page_bytes) // c, 0) if c else float('nan') for c in per]
-
-# %% ../nbs/09_kv.ipynb #1627384a
-def _plot_title(g: KVGeometry, page_size: int) -> str:
-    "Both figures of `g`, and a page's size."
-    return (
-        f'{g.model_type}, {g.dtype}: {g.bytes_per_token:,} B per token, {g.fixed_bytes / 2**20:.2f} MiB fixed per '
-        f'request, {page_size * g.bytes_per_token / 2**10:g} KiB per page of {page_size}'
-    )
-
-# %% ../nbs/09_kv.ipynb #357ef7c3
-def plot_kv(config, # a transformers config, a config.json dict, or a checkpoint folder
-            page_size: int = 16, # token slots per page
-            max_num_pages: int | None = None, # also plot a pool of exactly this many pages
-            dtype=None, # the cache dtype; None: the config's
-            budgets_gib=(1, 4, 16), # pools of these many GiB of KV cache
-            max_context: int | None = None, # right end of the context axis; None: the config's max_seq_len, else 8192
-            title: str | None = None): # None: both per-request figures
-    "A matplotlib `Figure`: one request's KV pages and MiB against context length (left)"
-    import matplotlib.pyplot as plt
-    g, page_size = kv_geometry(config, dtype), _count(page_size, 'page_size', 1)
-    page_bytes, fixed = page_size * g.bytes_per_token, g.fixed_bytes
-    top = _count(max_context or g.max_seq_len or 8192, 'max_context', 1)
-    ctx = [*range(1, top, page_size), top]
-    pages = [kv_pages(t, page_size, 1) - 1 for t in ctx]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), layout='constrained')
-    ax1.plot(ctx, pages, drawstyle='steps-post', color='C0')
-    ax1.set(
-        xlabel='context length (tokens)',
-        ylabel=f'KV pages per request (page_size {page_size})',
-        title='what one request holds',
-    )
-    if page_bytes:
-        ax1.secondary_yaxis(
-            'right', functions=(lambda p: (p * page_bytes + fixed) / 2**20, lambda m: (m * 2**20 - fixed) / page_bytes)
-        ).set_ylabel(f'MiB per request ({fixed / 2**20:.2f} fixed)')
-    pools = [(f'{b:g} GiB', _requests_in(int(b * 2**30), pages, page_bytes, fixed)) for b in budgets_gib]
-    if max_num_pages is not None:
-        n = _count(max_num_pages, 'max_num_pages')
-        pools.append((f'{n} pages', [max((n - 1) // p, 0) if p else float('nan') for p in pages]))
-    for i, (label, reqs) in enumerate(pools):
-        ax2.plot(ctx, reqs, drawstyle='steps-post', label=label, color=f'C{i + 1}')
-    ax2.set_yscale('log')
-    ax2.set(
-        xlabel='context length (tokens)', ylabel='max concurrent requests', title='requests a pool holds at that length'
-    )
-    ax2.legend(title='KV cache pool', fontsize='small')
-    for ax in (ax1, ax2): ax.grid(alpha=0.3)
-    fig.suptitle(title or _plot_title(g, page_size))
-    return fig
-
-# %% ../nbs/09_kv.ipynb #798fcbce
-@dataclass(frozen=True)
-class KVCurve:
-    "Requests a pool holds at each context length, under each limit alone and all together (`fits`)."
-    model_type: str
-    pool: KVCachePool
-    page_bytes: int # bytes of one page: page_size tokens of every growing layer
-    fixed_bytes: int # what a request holds whatever its length, before rounding to pages
-    context: tuple[int, ...] # context lengths, tokens
-    per_token: tuple[float, ...] # the limit of the growing layers alone, no page rounding
-    fixed_state: float | None # the limit of the fixed bytes alone (a flat line); None when a request holds none
-    unrounded: tuple[float, ...] # both limits, in bytes, no page rounding
-    fits: tuple[int, ...] # what the pool holds: whole pages for tokens and fixed bytes, the sink page taken
-    cap: int | None = None # max_concurrent_requests
-    cap_fits_to: int | None = None # the longest context the cap fits at (0: none); None without a cap
-
-# %% ../nbs/09_kv.ipynb #1e65593a
-def kv_curve(config, # a transformers config, a config.json dict, or a checkpoint folder
-             max_num_pages: int, # the pool's pages, sink included
-             page_size: int = 16, # token slots per page
-             max_concurrent_requests: int | None = None, # the cap whose fall to mark
-             dtype=None, # the cache dtype; None: the config's
-             convention: str = 'vllm', # or 'transformers'
-             max_seq_len: int | None = None, # right end of the context axis; None: the config's
-             points: int = 400, # context lengths sampled, evenly on a log scale, with the page boundaries next to them
-            ) -> KVCurve:
-    "The requests one pool holds against context length, one curve per limit"
-    g = kv_geometry(config, dtype, convention)
-    pool = kv_cache_pool(config, page_size, max_num_pages, None, max_seq_len, dtype, convention)
-    ps, n, fp = pool.page_size, pool.max_num_pages, pool.fixed_pages_per_request
-    page_bytes, usable = ps * g.bytes_per_token, max(n - 1, 0) * ps * g.bytes_per_token
-    top, k = pool.max_seq_len, _count(points, 'points', 2)
-    # even on a log axis, each with the page boundaries around it
-    spaced = {round(top ** (i / k)) for i in range(k + 1)}
-    ctx = sorted({min(x, top) for t in spaced for x in (t, -(-t // ps) * ps, -(-t // ps) * ps + 1)})
-    cap = None if max_concurrent_requests is None else _count(max_concurrent_requests, 'max_concurrent_requests', 1)
-    reach = None if cap is None else min(max((max(n - 1, 0) // cap - fp) * ps, 0), pool.max_seq_len)
-    return KVCurve(
-        g.model_type,
-        pool,
-        page_bytes,
-        g.fixed_bytes,
-        tuple(ctx),
-        tuple(usable / (t * g.bytes_per_token) for t in ctx),
-        usable / g.fixed_bytes if g.fixed_bytes else None,
-        tuple(usable / (t * g.bytes_per_token + g.fixed_bytes) for t in ctx),
-        tuple(max(n - 1, 0) // (-(-t // ps) + fp) for t in ctx),
-        cap,
-        reach,
-    )
-
-# %% ../nbs/09_kv.ipynb #53ff1ce2
-def _mark_cap(ax, c: KVCurve):
-    "The cap as a dotted line on `ax`, and a point at the longest context it fits at."
-    p = c.pool
-    ax.axhline(c.cap, color='0.4', ls=':', lw=1)
-    if c.cap_fits_to < p.max_seq_len:
-        ax.axvline(c.cap_fits_to, color='0.4', ls=':', lw=1)
-        ax.plot([max(c.cap_fits_to, 1)], [c.cap], 'o', color='k',
-                label=f'max_concurrent_requests {c.cap} fits up to {c.cap_fits_to:,} tokens')
-    else:
-        ax.plot(
-            [p.max_seq_len], [c.cap], 'o', color='k', label=f'max_concurrent_requests {c.cap} fits at max_seq_len'
-        )
-
-# %% ../nbs/09_kv.ipynb #00fd2b29
-def _kv_curve_title(c: KVCurve) -> str:
-    "The plot's default title: the model, the pool's pages and GiB, the bytes per token."
-    p = c.pool
-    return (
-        f'{c.model_type}: pool of {p.max_num_pages:,} pages ({p.max_num_pages * c.page_bytes / 2**30:.2f} GiB), '
-        f'{c.page_bytes // p.page_size:,} B per token'
-    )
-
-# %% ../nbs/09_kv.ipynb #c98ce99f
-def plot_kv_curve(curve: KVCurve, # from `kv_curve`
-                  title: str | None = None): # None: the model, the pool and its figures
-    "A matplotlib `Figure` of `curve`"
-    import matplotlib.pyplot as plt
-    c, p = curve, curve.pool
-    fig, ax = plt.subplots(figsize=(9, 4.5), layout='constrained')
-    ax.plot(c.context, c.per_token, color='C0', label='per-token pool (growing layers alone)')
-    if c.fixed_state is not None:
-        ax.axhline(c.fixed_state, color='C1', label=f'fixed state ({c.fixed_bytes / 2**20:.2f} MiB per request)')
-    ax.plot(c.context, c.unrounded, color='C2', ls='--', label='both, in bytes (no page rounding)')
-    ax.plot(
-        c.context,
-        c.fits,
-        color='C3',
-        drawstyle='steps-post',
-        lw=2,
-        label=f'page rounding: what fits ({p.page_size}-token pages, '
-              f'{p.fixed_pages_per_request} fixed per request, 1 sink)',
-    )
-    if c.cap is not None:
-        _mark_cap(ax, c)
-    ax.set(
-        xscale='log',
-        yscale='log',
-        xlabel='context length per request (tokens)',
-        ylabel='concurrent requests that fit',
-        ylim=(0.5, None),
-    )
-    ax.grid(alpha=0.3, which='both')
-    ax.legend(fontsize='small', loc='upper right')
-    ax.set_title(title or _kv_curve_title(c))
-    return fig
-
-# %% ../nbs/09_kv.ipynb #8768efae
-def kv_report(checkpoint_dir, # a checkpoint folder, or its config.json
-              page_size: int = 16, # token slots per page
-              max_num_pages: int | None = None, # with it, plan one pool of this many pages at max_seq_len
-              max_concurrent_requests: int | None = None, # the cap to plan for; None: unbounded admission
-              dtype=None, # the cache dtype; None: the config's
-              config_path: str = 'command line', # where the cap comes from, named in messages
-             ) -> dict:
-    "A checkpoint's KV figures as a JSON-ready dict"
-    g, page_size = kv_geometry(checkpoint_dir, dtype), _count(page_size, 'page_size', 1)
-    if g.max_seq_len is None:
-        raise ValueError(f'{checkpoint_dir}: model config has no max_position_embeddings')
-    page_bytes = page_size * g.bytes_per_token
-    fixed_pages = -(-g.fixed_bytes // page_bytes) if page_bytes else 0   # a hybrid's states, in whole pages of its pool
-    rep = dict(checkpoint=str(checkpoint_dir), model_type=g.model_type, dtype=g.dtype, layers=g.kinds,
-               kv_bytes_per_token=g.bytes_per_token, kv_fixed_bytes_per_request=g.fixed_bytes, page_size=page_size,
-               page_bytes=page_size * g.bytes_per_token, max_seq_len=g.max_seq_len,
-               pages_per_request=kv_pages(g.max_seq_len, page_size, 1) - 1, fixed_pages_per_request=fixed_pages,
-               states=dict(Counter(l.state for l in g.layers if l.state)), plan=None, verdict=None)
-    if max_num_pages is None: return rep
-    pool = KVCachePool(g.max_seq_len, page_size, max_num_pages, name=Path(checkpoint_dir).name or 'kv',
-                       fixed_pages_per_request=fixed_pages)
-    plan = plan_kv_pools([pool], max_concurrent_requests, config_path)
-    plain = {**asdict(plan), 'pools': [asdict(p) for p in plan.pools], 'warnings': list(plan.warnings)}
-    return {
-        **rep,
-        'plan': {**plain, 'short': [p.label for p in plan.short], 'verdict': plan.verdict},
-        'verdict': plan.verdict,
-    }
-
-# %% ../nbs/09_kv.ipynb #50617283
-def format_kv_report(report: dict, # from `kv_report`
-                    ) -> list[str]:
-    "The lines `mstar-utils inspect` prints for a `kv_report`."
-    r, plan = report, report['plan']
-    kinds = ' + '.join(f'{n} {kind}' for kind, n in r['layers'].items())
-    states = ''.join(f', {n} {s}' for s, n in (r.get('states') or {}).items())
-    fixed = f" + {r['fixed_pages_per_request']} for its fixed bytes" if r.get('fixed_pages_per_request') else ''
-    lines = [
-        f"KV cache: {r['kv_bytes_per_token']} bytes per token and {r['kv_fixed_bytes_per_request']} bytes fixed per "
-        f"request ({kinds} layers{states}, {r['dtype']})",
-        f"KV pages: {r['pages_per_request']} pages of {r['page_size']} tokens ({r['page_bytes']} bytes each) per "
-        f"request at max_seq_len {r['max_seq_len']}{fixed}, + 1 sink page per pool",
-    ]
-    if plan is None: return lines
-    cap = plan['max_concurrent_requests']
-    head = (f"KV check ({plan['pools'][0]['max_num_pages']} pages, max_concurrent_requests "
-            f"{cap if cap is not None else 'unset'}): ")
-    if plan['error']: return lines + [head + 'refused: ' + plan['error']]
-    return lines + [
-        head
-        + f"{plan['verdict']} (the pool holds {plan['max_requests']} "
-          f"request{'' if plan['max_requests'] == 1 else 's'} at max context)",
-        *(f'  warning: {w}' for w in plan['warnings']),
-    ]
-
-# %% ../nbs/09_kv.ipynb #6172839a
-def save_kv_plot(checkpoint_dir, # a checkpoint folder, or anything `plot_kv` reads
-                 path, # where to write; the format follows the suffix (.png, .svg)
-                 page_size: int = 16, max_num_pages: int | None = None, dtype=None,
-                 max_concurrent_requests: int | None = None, # with max_num_pages: the cap to mark on the curve
-                 **kwargs) -> Path: # more `plot_kv` arguments
-    "Write `checkpoint_dir`'s KV figure to `path`"
-    import matplotlib.pyplot as plt
-    if max_num_pages is not None and kv_bytes_per_token(checkpoint_dir, dtype):
-        fig = plot_kv_curve(kv_curve(checkpoint_dir, max_num_pages, page_size, max_concurrent_requests, dtype))
-    else:
-        fig = plot_kv(checkpoint_dir, page_size=page_size, max_num_pages=max_num_pages, dtype=dtype, **kwargs)
-    path = Path(path)
-    try: fig.savefig(path, dpi=120)
-    finally: plt.close(fig)
-    return path

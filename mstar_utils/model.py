@@ -4,7 +4,13 @@
 
 # %% ../nbs/03_load_model.ipynb #4236b782
 from __future__ import annotations
-import bisect, copy, functools, json, logging, re, threading
+import bisect
+import copy
+import functools
+import json
+import logging
+import re
+import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,7 +194,7 @@ def _transformers_rules(config) -> tuple[list, list]:
                    if any(_REGEX.search(p) for p in [*c.source_patterns, *c.target_patterns]) else None)
             if why is None:
                 try:
-                    ops = [Operation(n, o.dim) for n, o in zip(names, c.operations)]
+                    ops = [Operation(n, o.dim) for n, o in zip(names, c.operations, strict=False)]
                     out.append(WeightConverter(list(c.source_patterns), c.target_patterns[0], ops))
                     continue
                 except ValueError as e:
@@ -877,7 +883,7 @@ def load_plan(
         quantized = kw.get('quantized') == 'keep' and getattr(prep.config, 'quantization_config', None)
         tensors, unused = [], set(res.unexpected_keys)
         held = sum(t.numel() * t.element_size() for t in {id(t): t for _, t, _ in named_tensors(prep.model)}.values())
-        for k in [k for k in src.keys() if k not in unused] if detail else []:
+        for k in [k for k in src.keys() if k not in unused] if detail else []:  # noqa: SIM118
             mark = len(raw.reads)
             # the load's reads, one key at a time
             src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k), device='meta'))])
@@ -892,7 +898,7 @@ def load_plan(
             tensors.append(PlannedTensor(k, tuple(src.shape(k)), str(src.dtype(k)).replace('torch.', ''), keys, steps,
                                          None if sl is None or sl.dim is None else sl, sum(r[2] for r in mine),
                                          [(f, a, b) for f, rs in merged.items() for a, b in rs]))
-        ck = sum(raw.info(k)[2].end - raw.info(k)[2].begin for k in raw.keys())
+        ck = sum(raw.info(k)[2].end - raw.info(k)[2].begin for k in raw.keys())  # noqa: SIM118
     finally:
         src.close()
     files, by_file = [], {}

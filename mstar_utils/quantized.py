@@ -4,8 +4,11 @@
 
 # %% ../nbs/06_quantized.ipynb #55c6b72d
 from __future__ import annotations
-import dataclasses, math, re, threading
-from concurrent.futures import ThreadPoolExecutor
+import dataclasses
+import math
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,7 @@ __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32
            'MXFP4Dequantize', 'StoredCut', 'dequantize_cut', 'QuantizedTensor', 'quantized_tensors',
            'quantized_conversions', 'QuantizedLinear', 'QuantizedExperts', 'keep_quantized', 'quantized_source',
            'block_slice', 'DenseQuantized', 'NVFP4Dequantize', 'GPTQDequantize', 'AWQDequantize', 'BnB4bitDequantize',
-           'BnBInt8Dequantize']
+           'BnBInt8Dequantize', 'stored_layout', 'layout_bits', 'draw_layout']
 
 # %% ../nbs/06_quantized.ipynb #47664196
 # E2M1 value by code 0..15
@@ -117,17 +120,31 @@ def _torch_threads_one():
             _ONE_THREAD[1] -= 1
             if _ONE_THREAD[1] == 0: torch.set_num_threads(_ONE_THREAD[2])
 
+_POOL, _WORKER = [None, 0, threading.Lock()], threading.local()   # (pool, its threads, lock); a worker's flag
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    "The module's pool of `n` threads or more: made once, made anew only when `n` outgrows it."
+    with _POOL[2]:
+        if _POOL[0] is None or _POOL[1] < n: _POOL[0], _POOL[1] = ThreadPoolExecutor(n, thread_name_prefix='decode'), n
+        return _POOL[0]
+
+def _as_worker(job):
+    "Run `job` on a pool thread, marked so that `in_threads` calls inside it run on that thread."
+    _WORKER.on = True
+    return job()
+
 def in_threads(jobs: list, # callables of no arguments, each a piece of the work
                threads: int | None = None, # None: torch's intra-op thread count (`torch.get_num_threads()`)
               ) -> None:
     "Run `jobs` on `threads` Python threads, one torch thread each; the first error is raised."
     with _torch_threads_one() as n:
         n = min(threads or n, len(jobs))
-        if n <= 1:
+        if n <= 1 or getattr(_WORKER, 'on', False):
             for j in jobs: j()
             return
-        with ThreadPoolExecutor(n) as ex:
-            for f in [ex.submit(j) for j in jobs]: f.result()
+        futs = [_pool(n).submit(_as_worker, j) for j in jobs]
+        wait(futs)   # all of them, so that none still writes once the first error is raised
+        for f in futs: f.result()
 
 # %% ../nbs/06_quantized.ipynb #fastq002
 _SCRATCH = threading.local()
@@ -251,7 +268,7 @@ def mismatch(self: PackQuantizedDequantize, shapes: list):
     R, C = self.weight_shape
     grid = scale_grid((R, C), self.block)
     want = [(R, -(-C * self.num_bits // 32)), grid, (2,), (-(-R * self.num_bits // 32), grid[1])]
-    for j, (s, w) in enumerate(zip(shapes, want)):
+    for j, (s, w) in enumerate(zip(shapes, want, strict=False)):
         if tuple(s) != w and not (j == 1 and _numel(s) == 1 == _numel(w)):
             blk = list(_block(self.block, (R, C)))
             want = f'{self.num_bits}-bit codes of a [{R}, {C}] weight, one scale per block of {blk}: {list(w)}'
@@ -399,7 +416,7 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
     missing = [k for k in keys if k not in src]
     if missing and keys[0] in src:
         module = keys[0].rpartition('.')[0]
-        scales = sorted(k for k in src.keys() if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])
+        scales = sorted(k for k in src.keys() if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])  # noqa: SIM118
         beside = (f'the scale keys beside it are {", ".join(map(repr, scales))}' if scales
                   else 'there is no scale key beside it')
         raise ValueError(f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its '
@@ -432,7 +449,7 @@ def _fp8_op(src, target: str, block: tuple | None, dtype, what: str) -> FP8Block
         w, s = tuple(src.shape(target)), tuple(src.shape(key))
         if _numel(s) == 1 and _numel(scale_grid(w, block)) != 1: block = (None, None)
         elif not given and len(w) >= 2 and len(s) >= 2 and scale_grid(w, block) != s:
-            shaped = tuple(-(-d // max(n, 1)) for d, n in zip(w[-2:], s[-2:]))
+            shaped = tuple(-(-d // max(n, 1)) for d, n in zip(w[-2:], s[-2:], strict=False))
             if scale_grid(w, shaped) == s: block = shaped
     return FP8BlockDequantize(block, dtype, suffix)
 
@@ -445,14 +462,14 @@ def _fp8_tensors(src, qc: dict, dtype, what: str) -> list:
     # or of an fp8 dtype.
     bs = qc.get('weight_block_size', ...)   # missing: 128 x 128, or what the shapes give (`_fp8_op`); null: per tensor
     block = None if bs is ... else tuple(bs) if bs else (None, None)
-    targets = {t for k in src.keys() if (t := _strip(k, ['_scale_inv'])) is not None}
-    targets |= {k[:-len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}
-    targets |= {k for k in src.keys() if src.dtype(k) in _FP8}
+    targets = {t for k in src.keys() if (t := _strip(k, ['_scale_inv'])) is not None}  # noqa: SIM118
+    targets |= {k[:-len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}  # noqa: SIM118
+    targets |= {k for k in src.keys() if src.dtype(k) in _FP8}  # noqa: SIM118
     return [_unit(src, t, _fp8_op(src, t, block, dtype, what), what) for t in sorted(targets)]
 
 def _mxfp4_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"mxfp4\"` (gpt-oss): every `*_blocks`/`*_scales` pair."
-    targets = {t for k in src.keys() if (t := _strip(k, ['_blocks', '_scales'])) is not None}
+    targets = {t for k in src.keys() if (t := _strip(k, ['_blocks', '_scales'])) is not None}  # noqa: SIM118
     return [_unit(src, t, MXFP4Dequantize(dtype), what) for t in sorted(targets)]
 
 # %% ../nbs/06_quantized.ipynb #3475dbc0
@@ -513,8 +530,8 @@ def _model_name(module: str, names: dict) -> str:
 def _ct_tensors(src, qc: dict, dtype, what: str, names: dict | None = None) -> list:
     "`quant_method: \"compressed-tensors\"`: every module with a `weight_packed`, a `weight_scale`"
     # or an fp8 or int8 `weight`; targets match its model name (`names`: the checkpoint's renames).
-    mods = {t for k in src.keys() if (t := _strip(k, ['.weight_packed', '.weight_scale'])) is not None}
-    mods |= {k[:-7] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}
+    mods = {t for k in src.keys() if (t := _strip(k, ['.weight_packed', '.weight_scale'])) is not None}  # noqa: SIM118
+    mods |= {k[:-7] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}  # noqa: SIM118
     units = []
     for m in sorted(mods):
         # targets name the model's modules, which a checkpoint may store renamed
@@ -580,7 +597,7 @@ def quantized_conversions(src, # a loader source, e.g. `checkpoint_source(folder
 def _stored(m: nn.Module, u: QuantizedTensor, name: str, device) -> None:
     "Register `u`'s stored tensors on `m` as `name` + suffix, empty"
     # in the checkpoint's shapes and dtypes, frozen.
-    for s, shape, dt in zip(u.op.suffixes, u.shapes, u.dtypes):
+    for s, shape, dt in zip(u.op.suffixes, u.shapes, u.dtypes, strict=True):
         m.register_parameter(name + s, nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False))
 
 class QuantizedLinear(nn.Module):
@@ -745,7 +762,7 @@ class _Without(WrappedSource):
     "The source `src` without the keys `hidden`: they are neither read nor reported unused."
     def __init__(self, src, hidden: set):
         super().__init__(src)
-        self.hidden, self._keys = hidden, [k for k in src.keys() if k not in hidden]
+        self.hidden, self._keys = hidden, [k for k in src.keys() if k not in hidden]  # noqa: SIM118
     def keys(self): return self._keys
     def __contains__(self, k): return k not in self.hidden and k in self.src
 
@@ -783,11 +800,18 @@ class _DecodedInto(WrappedSource):
         direct, rest = [], []
         for k, d in pairs: (direct if (h := self._direct(k, d)) else rest).append((k, d, h))
         if rest: self.src.read_many([(k, d) for k, d, _ in rest], progress, **kw)
-        for k, d, (src, tree) in direct:   # the stored tensors, then the decode into `d`
+        if not direct: return
+        def stored(src, tree):   # the op's stored tensors, read into new memory
             vals = [torch.empty(c.shape, dtype=c.dtype) for c in tree.kids]
-            src.read_many([(c.key, v) for c, v in zip(tree.kids, vals)], **kw)
-            tree.op.apply_into(vals, d)
-            if progress: progress(d.numel() * d.element_size(), 1)
+            src.read_many([(c.key, v) for c, v in zip(tree.kids, vals, strict=True)], **kw)
+            return vals
+        with ThreadPoolExecutor(1, thread_name_prefix='codes') as ex:   # the next weight's codes read during this decode
+            ahead = ex.submit(stored, *direct[0][2])
+            for i, (k, d, _) in enumerate(direct):
+                vals = ahead.result()
+                if i + 1 < len(direct): ahead = ex.submit(stored, *direct[i + 1][2])
+                direct[i][2][1].op.apply_into(vals, d)
+                if progress: progress(d.numel() * d.element_size(), 1)
 
 # %% ../nbs/06_quantized.ipynb #1d8b469a
 def block_slice(key: str, # the checkpoint key being sharded, named in errors
@@ -821,7 +845,7 @@ class DenseQuantized(_BlockScaled):
     def mismatch(self, shapes: list):
         "(0, j, rule) when a scale or zero point does not hold one value per block"
         # else None (a global scale is one value).
-        return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys) if k != '_global_scale'])
+        return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys, strict=False) if k != '_global_scale'])
     def _one(self, ts): return ts[0]
     def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
         "Exactly [start, stop) of the weight, stored as its values; none of its parameters, which are dropped."
@@ -901,8 +925,8 @@ def _into(self: NVFP4Dequantize, ts: list, out: torch.Tensor) -> torch.Tensor:
     g = 1 / g if self.inverse else g
     R, C = out.shape
     step = max(1, _PIECE // max(C, 1))
-    populate_pages(out.data_ptr(), out.numel() * out.element_size())   # pages faulted in at once
     def rows(i: int, j: int):   # rows [i, j): the values times group scale / global scale, rounded once into `out`
+        populate_pages(out[i].data_ptr(), (j - i) * C * out.element_size())   # the piece's pages faulted in at once
         lut, x = _fp4_pairs(codes.device), scratch('nvfp4', ((j - i) * C // 2,), torch.int64)
         idx = scratch('nvfp4_idx', ((j - i) * C // 2,), torch.int32).copy_(codes[i:j].reshape(-1))
         torch.index_select(lut, 0, idx, out=x)
@@ -955,8 +979,8 @@ def _modelopt_algo(qc: dict, module: str) -> str | None:
 def _modelopt_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"modelopt\"`"
     # NVFP4 modules (uint8 `weight` + `weight_scale_2`) and FP8 ones (fp8 `weight` + `weight_scale`).
-    nv = {k[:-len('.weight_scale_2')] for k in src.keys() if k.endswith('.weight_scale_2')}
-    fp8 = {k[:-len('.weight')] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8}
+    nv = {k[:-len('.weight_scale_2')] for k in src.keys() if k.endswith('.weight_scale_2')}  # noqa: SIM118
+    fp8 = {k[:-len('.weight')] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8}  # noqa: SIM118
     units = []
     for m in sorted(nv | fp8):
         got, algo = ('NVFP4' if m in nv else 'FP8'), _modelopt_algo(qc, m)
@@ -1035,7 +1059,7 @@ def mismatch(self: GPTQDequantize, shapes: list):
     N, K = self.out_shape(shapes)
     G, per = shapes[2][0], 32 // self.bits
     want = [(-(-K // per), N), (G, -(-N // per)), (G, N), (K,)]
-    for j, (s, w) in enumerate(zip(shapes, want)):
+    for j, (s, w) in enumerate(zip(shapes, want, strict=False)):
         if tuple(s) != w:
             return (2 if j == 0 else 0), j, f'{self.bits}-bit codes of {K} inputs × {N} outputs, {G} groups: {list(w)}'
     if G != (1 if self.group_size <= 0 else -(-K // self.group_size)):
@@ -1101,7 +1125,7 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
     if fmt not in ('gptq', 'gptq_v2'):
         raise NotImplementedError(f"{what}: GPTQ checkpoint_format {fmt!r} is not supported ('gptq' and 'gptq_v2' are)")
     units = []
-    for m in sorted(k[:-len('.qweight')] for k in src.keys() if k.endswith('.qweight')):
+    for m in sorted(k[:-len('.qweight')] for k in src.keys() if k.endswith('.qweight')):  # noqa: SIM118
         has = f'{m}.g_idx' in src
         act = False
         if has:
@@ -1268,6 +1292,61 @@ def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
         states = [k for k in sorted(src.keys()) if _BNB_STATE in k]
         return [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what) for k in states]
     return [_unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)
-            for m in sorted(k[:-len('.SCB')] for k in src.keys() if k.endswith('.SCB'))]
+            for m in sorted(k[:-len('.SCB')] for k in src.keys() if k.endswith('.SCB'))]  # noqa: SIM118
 
 _FORMATS['bitsandbytes'] = _bnb_tensors
+
+# %% ../nbs/06_quantized.ipynb #f714e27c
+_ST_NAMES = {torch.float8_e4m3fn: 'F8_E4M3', torch.float8_e5m2: 'F8_E5M2', torch.float4_e2m1fn_x2: 'F4',
+             torch.uint8: 'U8', torch.int8: 'I8', torch.int32: 'I32', torch.int64: 'I64', torch.float16: 'F16',
+             torch.bfloat16: 'BF16', torch.float32: 'F32'}   # safetensors' names of the dtypes its headers hold
+
+def stored_layout(src, # a source over the checkpoint (`checkpoint_source(folder)`)
+                  prefix: str, # the keys' common start: a module's (`'...down_proj.'`) or an expert tensor's
+                 ) -> dict:
+    "{name after `prefix`: (dtype, shape)} of the tensors `src` stores under `prefix`, from the headers alone."
+    return {k[len(prefix):]: (src.dtype(k), tuple(src.shape(k))) for k in sorted(src.keys()) if k.startswith(prefix)}
+
+# %% ../nbs/06_quantized.ipynb #50be17a6
+def layout_bits(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
+                weights: int, # how many values the tensors decode to (N·K for one [N, K] weight)
+               ) -> float:
+    "Bits stored per decoded weight: every tensor of `stored`, codes, scales, zero points and records alike."
+    return 8 * sum(math.prod(shape) * dtype.itemsize for dtype, shape in stored.values()) / weights
+
+# %% ../nbs/06_quantized.ipynb #b2d6453c
+def _box(dtype: torch.dtype, shape: tuple, N: int, W: int) -> tuple:
+    "(rows, bytes a row) that tensor `shape` is drawn as: its stored rows, flattened ones wrapped; area its bytes"
+    # beside an [N rows, W bytes] outline. One value per output row is a column, other vectors squares.
+    nbytes = math.prod(shape) * dtype.itemsize
+    if len(shape) == 1 and shape[0] == N: return N, dtype.itemsize
+    if len(shape) < 2: rows = min(N, math.isqrt(nbytes) or 1)   # a vector or a scalar: a square, as near as it goes
+    elif math.prod(shape[1:]) == 1: rows = min(N, shape[0])   # stored flat (bitsandbytes): wrapped to the N rows
+    else: rows = shape[0]
+    return rows, nbytes / rows
+
+def draw_layout(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
+                weight: tuple, # the shape the tensors decode to: [N, K], or [E, N, K] for E experts
+                ax=None, # a matplotlib `Axes`; None: one of a new figure
+                title: str = '', # the panel's title, before its bits per weight
+               ):
+    "Each tensor of `stored` as a box whose area is its bytes, beside the weight in bfloat16; the `Axes`."
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+    N, K = weight[-2:]
+    W, weights = 2 * K, math.prod(weight)
+    ax = ax or plt.subplots(figsize=(9, 2))[1]
+    handles, x = [Patch(fill=False, ls='--', ec='0.4', label=f'BF16 {list(weight)}: the weight in bfloat16')], W * 1.06
+    by_size = sorted(stored.items(), key=lambda kv: -math.prod(kv[1][1]) * kv[1][0].itemsize)   # the codes first
+    boxes = [_box(dtype, shape, N, W) for _, (dtype, shape) in by_size]
+    top = max([N] + [rows for rows, _ in boxes])   # the boxes hang from the top of the tallest
+    for i, ((name, (dtype, shape)), (rows, w)) in enumerate(zip(by_size, boxes, strict=True)):
+        dw, dh = max(w, W * 0.012), max(rows, N * 0.03)   # the smallest still seen
+        ax.add_patch(Rectangle((x, top - dh), dw, dh, color=f'C{i}'))
+        handles.append(Patch(color=f'C{i}', label=f'{name}  {_ST_NAMES.get(dtype, dtype)} {list(shape)}'))
+        x += dw + W * 0.06
+    ax.add_patch(Rectangle((0, top - N), W, N, fill=False, ls='--', ec='0.4'))
+    ax.set(xlim=(0, x), ylim=(0, top * 1.04), xlabel='bytes a row', ylabel='rows',
+           title=f'{title}{": " if title else ""}{layout_bits(stored, weights):.3f} bits/weight')
+    ax.legend(handles=handles, loc='center left', bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    return ax

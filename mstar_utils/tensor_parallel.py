@@ -323,7 +323,7 @@ def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
     cuts = _route_dequantize(node, sl) if callable(getattr(node.op, 'cut', None)) else None
     if cuts is not None:
         for c, d, pos, n in cuts:
-            parts = [_read_part(src, k, p, count, out.is_meta) for k, p in zip(node.kids, c.parts)]
+            parts = [_read_part(src, k, p, count, out.is_meta) for k, p in zip(node.kids, c.parts, strict=True)]
             if not out.is_meta:
                 out.narrow(d, pos, n).copy_(dequantize_cut(c, parts))  # a dry read (meta) computes nothing
         return
@@ -392,7 +392,8 @@ class ShardedSource(WrappedSource):
     def borrowed(self, k): return self.slice(k).dim is None and self.src.borrowed(k)
     def resolve(self, k): return None   # its tensors are slices: it reads them itself
     def _mine(self, k) -> bool: return not k.startswith(tuple(self.sharding.elsewhere))
-    def keys(self): return [k for k in self.src.keys() if self._mine(k)] if self.sharding.elsewhere else self.src.keys()
+    def keys(self):
+        return [k for k in self.src.keys() if self._mine(k)] if self.sharding.elsewhere else self.src.keys()  # noqa: SIM118
     def __contains__(self, k): return k in self.src and self._mine(k)
 
 # %% ../nbs/07_tensor_parallel.ipynb #d237693b
@@ -524,7 +525,7 @@ def _pin_kept(m, path: str, sharding: Sharding):
         if c is None:
             raise ValueError(f'{path}.{p}: {type(op).__name__} cannot cut its scales along dim {sl.dim}; '
                              'load it with quantized="dequantize"')
-        for s, part in zip(op.suffixes, c.parts):
+        for s, part in zip(op.suffixes, c.parts, strict=True):
             sharding.pinned[f'{path}.{p}{s}'] = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
         m.tp_slice = sl   # the weight's slice: what the collectives cut inputs by
         if isinstance(m, QuantizedLinear):

@@ -4,7 +4,8 @@
 
 # %% ../nbs/98_testing.ipynb #fbb6d332
 from __future__ import annotations
-import logging, re
+import logging
+import re
 from typing import NamedTuple
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def save_tiny(name: str, # a key of `tiny_configs()`
               seed: int = 0,
              ) -> Path:
     "Write `tiny_model(name)` with transformers' `save_pretrained` into `folder`; returns it."
-    import contextlib, io
+    import contextlib
+    import io
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -325,7 +327,8 @@ def tiny_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
 def transformers_kv_cache(config, # a decoder-only config, or Whisper's
                           tokens: int = 9):  # decoder tokens to run
     "The cache transformers fills for one request of `tokens` tokens through a random model of `config`."
-    import torch, transformers
+    import torch
+    import transformers
     torch.manual_seed(0)
     if config.is_encoder_decoder:
         model = transformers.AutoModel.from_config(config, dtype=config.dtype).eval()
@@ -351,7 +354,8 @@ def cache_layer_bytes(cache) -> list[tuple[str, int]]:
     return [(type(layer).__name__, held(layer)) for layer in cache.layers]
 
 # %% ../nbs/98_testing.ipynb #13d77108
-import json, tempfile
+import json
+import tempfile
 from pathlib import Path
 
 # %% ../nbs/98_testing.ipynb #5f9ae6b9
@@ -434,11 +438,13 @@ def sentencepiece_model_tokenizer(name: str = 'mistral-v1', # a SentencePiece en
     return BertGenerationTokenizer(vocab_file=str(folder/'tokenizer.model'))
 
 # %% ../nbs/98_testing.ipynb #e51f00c5
-import contextlib, io, json, shutil
+import contextlib
+import io
+import json
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 # %% ../nbs/98_testing.ipynb #4e43020b
@@ -549,7 +555,7 @@ def write_compressed_tensors_checkpoint(model, # a transformers model, quantized
                                         ignore: list = ('lm_head',), # modules left unquantized
                                        ) -> Path:
     "`model` quantized, compressed and saved by the `compressed-tensors` package, with its config."
-    import compressed_tensors, loguru
+    import loguru
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
     from compressed_tensors.compressors import ModelCompressor
@@ -716,7 +722,9 @@ def dequantized_reference(folder, # a quantized checkpoint folder
 def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
     "One spawned rank: join the gloo group through the file `store`, run `fn`"
     # put (rank, ok, pickled result or traceback) on `queue`.
-    import datetime, pickle, traceback
+    import datetime
+    import pickle
+    import traceback
     import torch.distributed as dist
     torch.set_num_threads(1)
     try:
@@ -737,7 +745,11 @@ def run_ranks(fn, # called as fn(rank, world_size, *args) in each process; must 
               timeout: float = 300, # seconds to wait for all ranks
              ) -> list:
     "`fn`'s results on `world_size` new processes joined in a gloo process group, in rank order."
-    import multiprocessing, os, pickle, queue as queues, tempfile
+    import multiprocessing
+    import os
+    import pickle
+    import queue as queues
+    import tempfile
     ctx = multiprocessing.get_context('forkserver')   # ranks fork from one clean process that has done the imports once
     ctx.set_forkserver_preload(['mstar_utils.testing', 'mstar_utils.tensor_parallel', 'transformers.modeling_utils'])
     q, store = ctx.Queue(), os.path.join(tempfile.mkdtemp(prefix='ranks-'), 'store')
@@ -822,7 +834,9 @@ def jfk_resampled(folder, # where to write the file
                   name: str = 'jfk.wav', # its file name; the extension picks the format (.wav, .flac, .ogg)
                  ) -> Path:
     "The JFK clip written as 16-bit `folder/name` at `rate` Hz with `channels` channels."
-    import math, numpy as np, soundfile as sf
+    import math
+    import numpy as np
+    import soundfile as sf
     from scipy.signal import resample_poly
     from mstar_utils.checkpoints import jfk_audio
     data, src_rate = sf.read(str(jfk_audio()), dtype='float32')
@@ -1140,7 +1154,8 @@ def write_bnb_checkpoint(model, # a transformers model in float32
                          nested: bool = False, # 4-bit: double quant (absmax quantized too)
                         ) -> Path:
     "A bitsandbytes checkpoint as transformers writes it, on the CPU."
-    import tempfile, transformers as tf
+    import tempfile
+    import transformers as tf
     q = (
         tf.BitsAndBytesConfig(load_in_8bit=True)
         if kind == 'int8'

@@ -5,7 +5,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from mstar_utils import checkpoints as ck
 
 
@@ -57,10 +56,6 @@ def test_tokenizer_folders_load(name):
 
 # ---------------------------------------------------------------- Whisper from CTranslate2, the JFK clip
 
-def _tiny_model_bin(tmp_path):
-    return ck._whisper_model_bin(ck.WHISPER_MODELS['tiny.en'], tmp_path/'model.bin')
-
-
 def test_whisper_folder_is_single_fp16_file():
     from safetensors import safe_open
     from transformers import AutoConfig, AutoFeatureExtractor, AutoTokenizer, GenerationConfig
@@ -78,46 +73,6 @@ def test_whisper_folder_is_single_fp16_file():
     assert (gen.decoder_start_token_id, gen.eos_token_id) == tuple(tok.convert_tokens_to_ids(['<|startoftranscript|>', '<|endoftext|>']))
     assert gen.is_multilingual is False and not hasattr(gen, 'lang_to_id')
     assert tok.normalize(' Mr. Smith colour') == 'mister smith color'   # normalizer.json is OpenAI's English spelling map
-
-
-def test_whisper_state_dict_splits_fused_attention(tmp_path):
-    ct2 = ck.read_ctranslate2(_tiny_model_bin(tmp_path))
-    sd = ck.whisper_state_dict(ct2)
-    for side, n in (('encoder', 4), ('decoder', 4)):
-        for i in range(n):
-            src, dst = f'{side}/layer_{i}/self_attention/linear_0', f'model.{side}.layers.{i}.self_attn'
-            qkv = torch.cat([sd[f'{dst}.{p}_proj.weight'] for p in 'qkv'])
-            assert torch.equal(qkv, ct2.variables[f'{src}/weight'])
-            bias = ct2.variables[f'{src}/bias'].chunk(3)
-            assert not bias[1].any() and torch.equal(sd[f'{dst}.q_proj.bias'], bias[0]) and f'{dst}.k_proj.bias' not in sd
-    assert sd['model.decoder.embed_tokens.weight'].dtype == torch.float16
-
-
-def test_ct2_reader_refuses_bad_files(tmp_path):
-    raw = _tiny_model_bin(tmp_path).read_bytes()
-    cases = {'cut.bin': (raw[:-10], 'cut short'), 'v7.bin': ((7).to_bytes(4, 'little') + raw[4:], 'binary version 7'),
-             'tail.bin': (raw + b'xx', '2 bytes after its aliases')}
-    for name, (data, msg) in cases.items():
-        (tmp_path/name).write_bytes(data)
-        with pytest.raises(ValueError, match=msg): ck.read_ctranslate2(tmp_path/name)
-    # a dtype code the format does not define: the first variable's dtype byte follows its name, rank and shape
-    ct2 = ck.read_ctranslate2(tmp_path/'model.bin')
-    name, t = next(iter(ct2.variables.items()))
-    at = 4 + 2 + len('WhisperSpec') + 1 + 4 + 4 + 2 + len(name) + 1 + 1 + 4 * t.ndim
-    assert ck.CT2_DTYPES[raw[at]] == str(t.dtype).removeprefix('torch.')
-    (tmp_path/'dtype.bin').write_bytes(raw[:at] + bytes([9]) + raw[at + 1:])
-    with pytest.raises(ValueError, match=f'variable {name} has dtype code 9'): ck.read_ctranslate2(tmp_path/'dtype.bin')
-
-
-def test_whisper_state_dict_refuses_other_models(tmp_path):
-    ct2 = ck.read_ctranslate2(_tiny_model_bin(tmp_path))
-    with pytest.raises(ValueError, match='decoder/pre_norm is 0'):
-        ck.whisper_state_dict(ct2._replace(variables={**ct2.variables, 'decoder/pre_norm': torch.tensor(0, dtype=torch.int8)}))
-    missing = {k: v for k, v in ct2.variables.items() if k != 'decoder/layer_3/ffn/linear_1/bias'}
-    with pytest.raises(ValueError, match='no variable .decoder/layer_3/ffn/linear_1/bias'): ck.whisper_state_dict(ct2._replace(variables=missing))
-    extra = {**ct2.variables, 'decoder/projection/weight': ct2.variables['decoder/embeddings/weight']}
-    with pytest.raises(ValueError, match='aliases'): ck.whisper_state_dict(ct2._replace(variables=extra, aliases={}))
-    with pytest.raises(ValueError, match='revision 2'): ck.whisper_state_dict(ct2._replace(revision=2))
 
 
 def test_changed_model_bin_is_refused(tmp_path, monkeypatch):

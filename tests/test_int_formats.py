@@ -18,7 +18,6 @@ from transformers.utils import logging as hf_logging
 from mstar_utils.model import load_model, load_plan
 from mstar_utils.quantized import AWQ_ORDER, AWQDequantize, GPTQDequantize, _unpack_cols, _unpack_rows, dequantize_cut, quantized_tensors
 from mstar_utils.sources import checkpoint_source
-from mstar_utils.tensor_parallel import take
 from mstar_utils.testing import (_pack, _rewrite, assert_tensors_equal, awq_quantize, formats_config, gptq_quantize, rank_reads,
                                  write_bnb_checkpoint, write_int4_checkpoint)
 

@@ -12,6 +12,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import torch
 import transformers
 from mstar_utils import kv
+from mstar_utils import kv_figures as kf
 from mstar_utils.kv import (KVCachePool, KVPlan, check_kv_pools_fit, kv_pages, kv_max_requests, kv_bytes_per_token,
                             kv_fixed_bytes_per_request, kv_geometry, plan_kv_pools)
 from mstar_utils.checkpoints import smollm2_checkpoint
@@ -435,39 +436,39 @@ def test_geometry_errors(tmp_path):
 def test_kv_report_smollm2():
     ck = smollm2_checkpoint()
     cfg = json.loads((ck/'config.json').read_text())
-    r = kv.kv_report(ck, page_size=16)
+    r = kf.kv_report(ck, page_size=16)
     assert r['kv_bytes_per_token'] == kv_bytes_per_token(cfg) and r['kv_fixed_bytes_per_request'] == 0
     assert r['pages_per_request'] == math.ceil(cfg['max_position_embeddings'] / 16)
     assert r['verdict'] is None and r['plan'] is None
     per = r['pages_per_request']
-    assert kv.kv_report(ck, 16, 4 * per + 1, 4)['verdict'] == 'warning'
-    assert kv.kv_report(ck, 16, 40 * per, 4)['verdict'] == 'fits'
-    refused = kv.kv_report(ck, 16, 4 * per, 4)
+    assert kf.kv_report(ck, 16, 4 * per + 1, 4)['verdict'] == 'warning'
+    assert kf.kv_report(ck, 16, 40 * per, 4)['verdict'] == 'fits'
+    refused = kf.kv_report(ck, 16, 4 * per, 4)
     assert refused['verdict'] == 'refused' and 'fits is 3' in refused['plan']['error'] and refused['plan']['short'] == [ck.name]
-    nocap = kv.kv_report(ck, 16, 40 * per, None)
+    nocap = kf.kv_report(ck, 16, 40 * per, None)
     assert nocap['verdict'] == 'warning' and 'unbounded' in nocap['plan']['warnings'][0]
     assert json.loads(json.dumps(refused)) == refused
-    lines = kv.format_kv_report(refused)
+    lines = kf.format_kv_report(refused)
     assert str(r['kv_bytes_per_token']) in lines[0] and f'{per} pages of 16 tokens' in lines[1] and 'refused' in lines[2]
-    with pytest.raises(ValueError, match='max_concurrent_requests must be at least 1'): kv.kv_report(ck, 16, 4000, 0)
-    with pytest.raises(ValueError, match='page_size must be at least 1'): kv.kv_report(ck, 0)
+    with pytest.raises(ValueError, match='max_concurrent_requests must be at least 1'): kf.kv_report(ck, 16, 4000, 0)
+    with pytest.raises(ValueError, match='page_size must be at least 1'): kf.kv_report(ck, 0)
 
 
 def test_kv_report_shows_both_figures(tmp_path):
     (tmp_path/'config.json').write_text(json.dumps(gemma3_4b_it_config()))
-    r = kv.kv_report(tmp_path, page_size=16, max_num_pages=100000, max_concurrent_requests=4)
+    r = kf.kv_report(tmp_path, page_size=16, max_num_pages=100000, max_concurrent_requests=4)
     g = kv_geometry(tmp_path)
     assert (r['kv_bytes_per_token'], r['kv_fixed_bytes_per_request']) == (g.bytes_per_token, g.fixed_bytes)
     assert r['layers'] == g.kinds and r['max_seq_len'] == g.max_seq_len
-    line = kv.format_kv_report(r)[0]
+    line = kf.format_kv_report(r)[0]
     assert f"{g.bytes_per_token} bytes per token" in line and f"{g.fixed_bytes} bytes fixed per request" in line
 
 
 def test_save_kv_plot(tmp_path):
     import matplotlib.pyplot as plt
-    p = kv.save_kv_plot(smollm2_checkpoint(), tmp_path/'kv.png', page_size=32, max_num_pages=5000)
+    p = kf.save_kv_plot(smollm2_checkpoint(), tmp_path/'kv.png', page_size=32, max_num_pages=5000)
     assert p.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    fig = kv.plot_kv(smollm2_checkpoint(), page_size=32, max_num_pages=5000, budgets_gib=(2,))
+    fig = kf.plot_kv(smollm2_checkpoint(), page_size=32, max_num_pages=5000, budgets_gib=(2,))
     (left,), lines = fig.axes[0].lines, fig.axes[1].lines
     assert len(lines) == 2
     x, y = left.get_data()
@@ -481,7 +482,7 @@ def test_plot_counts_the_fixed_bytes():
     import matplotlib.pyplot as plt
     cfg = released_kv_config('gpt-oss')
     g = kv_geometry(cfg)
-    fig = kv.plot_kv(cfg, page_size=16, budgets_gib=(1,), max_context=4096)
+    fig = kf.plot_kv(cfg, page_size=16, budgets_gib=(1,), max_context=4096)
     x, y = fig.axes[1].lines[0].get_data()
     page = 16 * g.bytes_per_token
     assert all(c == (2**30 - page) // (math.ceil(t / 16) * page + g.fixed_bytes) for t, c in zip(x, y, strict=True))

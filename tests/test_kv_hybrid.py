@@ -9,8 +9,9 @@ import pytest
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import torch
 import transformers
-from mstar_utils.kv import (KVCachePool, check_kv_pools_fit, kv_bytes_per_token, kv_cache_pool, kv_curve,
-                            kv_fixed_bytes_per_request, kv_geometry, plan_kv_pools, plot_kv_curve, vllm_concurrency)
+from mstar_utils.kv import (KVCachePool, check_kv_pools_fit, kv_bytes_per_token, kv_cache_pool,
+                            kv_fixed_bytes_per_request, kv_geometry, plan_kv_pools, vllm_concurrency)
+from mstar_utils.kv_figures import kv_curve, plot_kv_curve
 from mstar_utils.testing import cache_layer_bytes, transformers_kv_cache
 
 transformers.utils.logging.set_verbosity_error()

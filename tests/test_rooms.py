@@ -52,6 +52,16 @@ def test_no_module_imports_another_modules_private_names():
 def test_the_cli_only_formats():
     "cli.py defines no loading, converting or planning of its own: its imports from the package are the rooms that do."
     deps = {d for d, _ in imports(PKG/'cli.py')}
-    assert deps <= {'report', 'speech', 'kv', 'checkpoints', 'explore', '__init__'}, deps
+    assert deps <= {'report', 'speech', 'kv_figures', 'checkpoints', 'explore', '__init__'}, deps
     src = (PKG/'cli.py').read_text(encoding='utf-8')
     for word in ('load_weights', 'read_header', 'init_empty_weights', 'WeightConverter', 'plan_kv_pools'): assert word not in src, word
+
+
+def test_one_concept_rooms_stand_in_layers():
+    """The rooms split out of a larger one sit below or beside it, never above: the CTranslate2 converter and the
+    language codes stand on their own, the checkpoint cache builds on the converter, the KV figures on the KV planner."""
+    g = graph()
+    assert g['ct2_whisper'] == set() and g['languages'] == set(), (g['ct2_whisper'], g['languages'])
+    assert g['checkpoints'] == {'ct2_whisper'}, g['checkpoints']
+    assert g['kv_figures'] == {'kv'} and 'kv_figures' not in g['kv'], (g['kv_figures'], g['kv'])
+    assert not {'languages', 'kv_figures'} & g['generation'], g['generation']

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
-from mstar_utils import checkpoints as ck
+from mstar_utils import checkpoints as ck, ct2_whisper as cw
 from mstar_utils.model import load_model
 from mstar_utils.speech import generate_stream, log_mel, read_audio
 
@@ -90,9 +90,9 @@ def test_ct2_flags_are_ctranslate2s():
     pytest.importorskip('ctranslate2')
     from ctranslate2.specs import common_spec, whisper_spec
     spec = whisper_spec.WhisperSpec(1, 1, 1, 1)
-    assert ck.CT2_WHISPER_FLAGS['decoder/activation'] == common_spec.Activation.GELU
+    assert cw.CT2_WHISPER_FLAGS['decoder/activation'] == common_spec.Activation.GELU
     assert (spec.name, spec.revision) == ('WhisperSpec', 3)
-    assert int(spec.decoder.scale_embeddings) == ck.CT2_WHISPER_FLAGS['decoder/scale_embeddings']
+    assert int(spec.decoder.scale_embeddings) == cw.CT2_WHISPER_FLAGS['decoder/scale_embeddings']
 
 
 @pytest.mark.parametrize('name', MODELS)

@@ -245,6 +245,66 @@ def test_base_language_and_task_equal_transformers(options):
     assert [(s.start, s.end) for s in got.segments] == times
 
 
+
+# ---------------------------------------------------------------- the decoding rules and the per-process cache
+
+def _histories(tb: int, eos: int, n: int, seed: int):
+    "`n` random id histories after the prompt: text ids and timestamps mixed, so that each timestamp rule is reached."
+    rng = np.random.default_rng(seed)
+    for k in range(n):
+        yield [int(tb + rng.integers(0, 1501)) if rng.random() < 0.4 else int(rng.integers(0, eos)) for _ in range(k % 9)]
+
+
+@pytest.mark.parametrize('timestamps', [False, True])
+def test_rules_equal_transformers_processors(timestamps):
+    "Our logits rules mask what transformers' Whisper processors mask, in the order generate lists them."
+    from transformers.generation.logits_process import (LogitsProcessorList, SuppressTokensAtBeginLogitsProcessor,
+                                                        SuppressTokensLogitsProcessor, WhisperTimeStampLogitsProcessor)
+    from mstar_utils.speech import _prompt, _Rules
+    ckpt = ck.whisper_checkpoint('tiny.en')
+    gc, vocab = whisper_decoding_config(ckpt), _model('tiny.en').config.vocab_size
+    prompt, _ = _prompt(gc, ckpt.name, None, None, timestamps)
+    hf = [SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin_index=len(prompt)),
+          SuppressTokensLogitsProcessor(gc.suppress_tokens)]
+    hf = LogitsProcessorList(hf + ([WhisperTimeStampLogitsProcessor(gc, begin_index=len(prompt))] if timestamps else []))
+    ours, g, tb = _Rules(gc, timestamps, vocab), torch.Generator().manual_seed(0), gc.no_timestamps_token_id + 1
+    fired = set()
+    for k, toks in enumerate(_histories(tb, gc.eos_token_id, 120, seed=int(timestamps))):
+        raw = torch.randn(1, vocab, generator=g) * 3
+        raw[:, tb:] += (k % 3 - 1) * 4.0  # timestamps unlikely, even, likely: the log-probability rule both ways
+        want = hf(torch.tensor([prompt + toks]), raw.clone())
+        assert torch.equal(ours(raw.clone(), toks), want), (toks, k)
+        fired.add(bool(torch.isinf(want[0, :tb]).all()))
+    assert fired == ({True, False} if timestamps else {False})
+
+
+def test_cached_rebuilds_when_a_file_changes(tmp_path):
+    from mstar_utils.speech import _cached
+    (tmp_path/'config.json').write_text('{}')
+    built = []
+    build = lambda: built.append(len(built)) or len(built)
+    assert [_cached(tmp_path, 'k', build), _cached(tmp_path, 'k', build), _cached(tmp_path, 'j', build)] == [1, 1, 2]
+    (tmp_path/'config.json').write_text('{"a": 1}')  # a new size
+    assert _cached(tmp_path, 'k', build) == 3
+    os.utime(tmp_path/'config.json', ns=(10**9, 10**9))  # a new mtime, the same size
+    assert _cached(tmp_path, 'k', build) == 4
+    (tmp_path/'tokenizer.json').write_text('{}')  # a new file
+    assert _cached(tmp_path, 'k', build) == 5 and _cached(tmp_path, 'k', build) == 5
+
+
+def test_second_transcription_reuses_the_tokenizer(monkeypatch):
+    "A second call on the same folder loads no tokenizer, and still decodes generate's ids."
+    import transformers
+    from mstar_utils.speech import log_mel
+    ckpt, model = ck.whisper_checkpoint('tiny.en'), _model('tiny.en')
+    transcribe(ckpt, ck.jfk_audio(), model=model)
+    def refuse(*a, **k): raise AssertionError('the tokenizer was loaded again')
+    monkeypatch.setattr(transformers.AutoTokenizer, 'from_pretrained', refuse)
+    got = transcribe(ckpt, ck.jfk_audio(), model=model)
+    with torch.inference_mode(): want = model.generate(log_mel(ckpt, read_audio(ck.jfk_audio())))[0].tolist()
+    assert got.ids == want + [model.generation_config.eos_token_id]
+
+
 # ---------------------------------------------------------------- the command line
 
 def test_inspect_audio_long_clip_json(tmp_path):
