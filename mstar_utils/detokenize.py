@@ -4,7 +4,13 @@
 
 # %% ../nbs/08_detokenize.ipynb #92c55ea2
 from __future__ import annotations
-import functools, itertools, json, numbers, re, reprlib, threading
+import functools
+import itertools
+import json
+import numbers
+import re
+import reprlib
+import threading
 from pathlib import Path
 from collections.abc import Container, Iterable
 from typing import NamedTuple

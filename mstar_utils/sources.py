@@ -4,7 +4,11 @@
 
 # %% ../nbs/01_safetensors.ipynb #a827b658
 from __future__ import annotations
-import gc, json, mmap as _mmap, os, threading
+import gc
+import json
+import mmap as _mmap
+import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -754,7 +758,7 @@ class RenamedSource(WrappedSource):
             )
         if len(self.old) < len(renames):
             raise ValueError(f'{self.what}: two checkpoint keys are renamed to the same key')
-        self._keys = [renames.get(k, k) for k in src.keys()]
+        self._keys = [renames.get(k, k) for k in src.keys()]  # noqa: SIM118
         self._set = set(self._keys)
     def _k(self, k): return self.old.get(k, k)
     def keys(self): return self._keys
