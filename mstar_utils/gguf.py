@@ -211,7 +211,7 @@ def unpermute_rows(w: torch.Tensor, # [rows, ...]: a Llama q_proj or k_proj as l
 
 # %% ../nbs/06b_gguf.ipynb #fmtg017
 class GGUFTensor(NamedTuple):
-    "One tensor of a GGUF file: its GGML `qtype`, `shape` in torch's order, `data` its mapped bytes at `offset`."
+    "A GGUF file's tensor: its GGML `qtype`, `shape` in torch's order, `data` its bytes at `offset`."
     name: str
     qtype: T
     shape: tuple
@@ -389,7 +389,8 @@ class GGUFSource:
         self.unmapped = [n for n in header.tensors if n not in names]   # what transformers skips too (e.g. rope_freqs)
         self.kept = set()   # keys read as their stored blocks, uint8 [rows, row bytes] (`keep_gguf`)
         # the stored bytes, uint8 [rows, row bytes] under the same keys: read, sliced and counted as safetensors are
-        infos = {k: TensorInfo(torch.uint8, _rows(t), t.offset, t.offset + t.data.numel()) for k, t in self.tensors.items()}
+        infos = {k: TensorInfo(torch.uint8, _rows(t), t.offset, t.offset + t.data.numel())
+                 for k, t in self.tensors.items()}
         self.raw = tensor_file_source(self.path, infos, mmap=not dry, dry=dry)
     bytes_read = property(lambda self: self.raw.bytes_read)
     def keys(self): return self.tensors.keys()
@@ -424,7 +425,7 @@ def read_many(self: GGUFSource, pairs: list, # (key, dest): dest of the key's sh
 
 @patch
 def resolve(self: GGUFSource, k: str):
-    "(the stored bytes' source, the tree that dequantizes key `k`), for a slice to read only its blocks; None: kept."
+    "(bytes source, dequantizing tree) of key `k`, so a slice reads only its blocks; None: read whole."
     t = self.tensors[k]
     if k in self.kept or len(t.shape) != 2: return None   # a 1-d tensor is read whole, then cut
     op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
@@ -508,7 +509,7 @@ def cut(self: GGUFDequantize, shapes: list, # [(rows, row bytes)], the stored sh
         start: int, # the range taken: [start, stop)
         stop: int,
        ) -> StoredCut:
-    "The stored bytes that range [start, stop) of `dim` needs: its rows (whole heads), or its columns' whole blocks."
+    "The bytes [start, stop) of `dim` needs: its rows (whole heads), or its columns' whole blocks."
     rows, row_bytes = shapes[0]
     block, size = GGML_QUANT_SIZES[T(self.qtype)]
     n = rows if dim % 2 == 0 else row_bytes // size * block

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from .kv import KVCachePool, KVGeometry, checked_count, kv_bytes_per_token, kv_cache_pool, kv_geometry, kv_pages, plan_kv_pools
+from .kv import (KVCachePool, KVGeometry, checked_count, kv_bytes_per_token, kv_cache_pool, kv_geometry, kv_pages,
+                            plan_kv_pools)
 
 # %% auto #0
 __all__ = ['plot_kv', 'KVCurve', 'kv_curve', 'plot_kv_curve', 'kv_report', 'format_kv_report', 'save_kv_plot']
@@ -103,7 +104,8 @@ def kv_curve(config, # a transformers config, a config.json dict, or a checkpoin
     # even on a log axis, each with the page boundaries around it
     spaced = {round(top ** (i / k)) for i in range(k + 1)}
     ctx = sorted({min(x, top) for t in spaced for x in (t, -(-t // ps) * ps, -(-t // ps) * ps + 1)})
-    cap = None if max_concurrent_requests is None else checked_count(max_concurrent_requests, 'max_concurrent_requests', 1)
+    cap = (None if max_concurrent_requests is None
+           else checked_count(max_concurrent_requests, 'max_concurrent_requests', 1))
     reach = None if cap is None else min(max((max(n - 1, 0) // cap - fp) * ps, 0), pool.max_seq_len)
     return KVCurve(
         g.model_type,

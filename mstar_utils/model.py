@@ -604,8 +604,8 @@ def _prepare_gguf(f: Path, model_class, dtype, quantized, rank, world_size, grou
     from mstar_utils.gguf import GGUFSource, gguf_config, gguf_model_class, keep_gguf, read_gguf
     header = read_gguf(f)
     config, dtype = gguf_config(f, header), dtype or torch.float32   # float32: what from_pretrained(gguf_file=) gives
-    model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class or gguf_model_class(config),
-                                                                         dtype)
+    model_class = model_class or gguf_model_class(config)
+    model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class, dtype)
     sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)
     if quantized == 'keep' and sharding is not None:
         raise NotImplementedError(f"{f.name}: quantized='keep' is not cut for tensor parallelism in a GGUF file; "
@@ -622,7 +622,8 @@ def _prepare_gguf(f: Path, model_class, dtype, quantized, rank, world_size, grou
         src.close()
         raise
     where = '' if sharding is None else f', rank {sharding.rank} of {sharding.world_size}'
-    return _Prepared(f, config, model, src, whole, whole.raw, sharding, untied, f'{f.name} ({type(model).__name__}{where})')
+    what = f'{f.name} ({type(model).__name__}{where})'
+    return _Prepared(f, config, model, src, whole, whole.raw, sharding, untied, what)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c04
 def _read_weights(prep: _Prepared, device, progress=None):
@@ -711,9 +712,9 @@ def load_model_sharded(
 def load_gguf_model(
     path: str | Path,  # a .gguf file, or a folder holding one
     model_class: type | None = None,  # None: transformers' class for the converted config
-    **kw,  # as `load_model`: device, dtype (None: float32, as `from_pretrained(gguf_file=...)`), strict, quantized, rank...
+    **kw,  # as `load_model`: device, dtype (None: float32, as `from_pretrained(gguf_file=...)`), quantized, rank...
 ) -> torch.nn.Module:
-    "The model in GGUF file `path`, as `from_pretrained(folder, gguf_file=...)` builds it: `load_model` of it."
+    "`load_model` of GGUF file `path`: the model `from_pretrained(folder, gguf_file=...)` builds."
     from mstar_utils.gguf import gguf_file
     if gguf_file(path) is None:
         raise FileNotFoundError(f'{path}: no .gguf file there')

@@ -416,7 +416,8 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
     missing = [k for k in keys if k not in src]
     if missing and keys[0] in src:
         module = keys[0].rpartition('.')[0]
-        scales = sorted(k for k in src.keys() if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])  # noqa: SIM118
+        scales = sorted(k for k in src.keys()  # noqa: SIM118
+                        if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])
         beside = (f'the scale keys beside it are {", ".join(map(repr, scales))}' if scales
                   else 'there is no scale key beside it')
         raise ValueError(f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its '
@@ -531,7 +532,8 @@ def _ct_tensors(src, qc: dict, dtype, what: str, names: dict | None = None) -> l
     "`quant_method: \"compressed-tensors\"`: every module with a `weight_packed`, a `weight_scale`"
     # or an fp8 or int8 `weight`; targets match its model name (`names`: the checkpoint's renames).
     mods = {t for k in src.keys() if (t := _strip(k, ['.weight_packed', '.weight_scale'])) is not None}  # noqa: SIM118
-    mods |= {k[:-7] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}  # noqa: SIM118
+    mods |= {k[:-7] for k in src.keys()  # noqa: SIM118
+             if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}
     units = []
     for m in sorted(mods):
         # targets name the model's modules, which a checkpoint may store renamed
@@ -805,7 +807,8 @@ class _DecodedInto(WrappedSource):
             vals = [torch.empty(c.shape, dtype=c.dtype) for c in tree.kids]
             src.read_many([(c.key, v) for c, v in zip(tree.kids, vals, strict=True)], **kw)
             return vals
-        with ThreadPoolExecutor(1, thread_name_prefix='codes') as ex:   # the next weight's codes read during this decode
+        # the next weight's codes are read during this decode
+        with ThreadPoolExecutor(1, thread_name_prefix='codes') as ex:
             ahead = ex.submit(stored, *direct[0][2])
             for i, (k, d, _) in enumerate(direct):
                 vals = ahead.result()
@@ -848,7 +851,7 @@ class DenseQuantized(_BlockScaled):
         return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys, strict=False) if k != '_global_scale'])
     def _one(self, ts): return ts[0]
     def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
-        "Exactly [start, stop) of the weight, stored as its values; none of its parameters, which are dropped."
+        "Exactly [start, stop) of the weight, stored as values; none of the parameters, which are dropped."
         return StoredCut(((dim % len(shapes[0]), start, stop), *((0, 0, 0) if len(s) else None for s in shapes[1:])),
                          self, None)
 
@@ -962,7 +965,8 @@ def cut(self: NVFP4Dequantize, shapes: list, # the stored tensors' shapes: codes
     nd = len(shapes[0]); dim %= nd
     per_expert = len(shapes[2]) > dim and tuple(shapes[2][:dim + 1]) == tuple(shapes[0][:dim + 1])
     if dim < nd - 1:   # experts or rows: exact
-        return StoredCut(((dim, start, stop), (dim, start, stop), (dim, start, stop) if per_expert else None), self, None)
+        part = (dim, start, stop)
+        return StoredCut((part, part, part if per_expert else None), self, None)
     lo, hi = _widen(start, stop, self.group, shapes[0][-1] * 2)
     parts = ((dim, lo // 2, hi // 2), (dim, lo // self.group, -(-hi // self.group)), None)
     return StoredCut(parts, self, _trim(dim, start, stop, lo, hi))
@@ -1304,14 +1308,14 @@ _ST_NAMES = {torch.float8_e4m3fn: 'F8_E4M3', torch.float8_e5m2: 'F8_E5M2', torch
 def stored_layout(src, # a source over the checkpoint (`checkpoint_source(folder)`)
                   prefix: str, # the keys' common start: a module's (`'...down_proj.'`) or an expert tensor's
                  ) -> dict:
-    "{name after `prefix`: (dtype, shape)} of the tensors `src` stores under `prefix`, from the headers alone."
+    "{name after `prefix`: (dtype, shape)} of what `src` stores under `prefix`, from the headers alone."
     return {k[len(prefix):]: (src.dtype(k), tuple(src.shape(k))) for k in sorted(src.keys()) if k.startswith(prefix)}
 
 # %% ../nbs/06_quantized.ipynb #50be17a6
 def layout_bits(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
                 weights: int, # how many values the tensors decode to (N·K for one [N, K] weight)
                ) -> float:
-    "Bits stored per decoded weight: every tensor of `stored`, codes, scales, zero points and records alike."
+    "Bits stored per decoded weight: every tensor of `stored` (codes, scales, zero points, records)."
     return 8 * sum(math.prod(shape) * dtype.itemsize for dtype, shape in stored.values()) / weights
 
 # %% ../nbs/06_quantized.ipynb #b2d6453c

@@ -393,7 +393,8 @@ class ShardedSource(WrappedSource):
     def resolve(self, k): return None   # its tensors are slices: it reads them itself
     def _mine(self, k) -> bool: return not k.startswith(tuple(self.sharding.elsewhere))
     def keys(self):
-        return [k for k in self.src.keys() if self._mine(k)] if self.sharding.elsewhere else self.src.keys()  # noqa: SIM118
+        keys = self.src.keys()
+        return [k for k in keys if self._mine(k)] if self.sharding.elsewhere else keys
     def __contains__(self, k): return k in self.src and self._mine(k)
 
 # %% ../nbs/07_tensor_parallel.ipynb #d237693b
