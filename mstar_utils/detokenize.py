@@ -760,6 +760,31 @@ def step_bytes(self: TextOutput,
     except (TypeError, ValueError, AttributeError, KeyError): pass
     return b''.join(map(detokenizer.token_bytes, self.token_ids(output, request_kwargs)))
 
+# %% ../nbs/08_detokenize.ipynb #cf4f8f6c
+@patch
+def step_fn(self: TextOutput):
+    "A function giving what `step_bytes` gives, with the lookups done once: for a server's decode loop."
+    detokenizer, stop = self
+    general, memo = self.step_bytes, getattr(detokenizer, '_memo', None)
+    if not isinstance(memo, dict) or not isinstance(stop, (set, frozenset)): return general
+    numel, item, tolist, isdisjoint, one = _numel, _item, _tolist, stop.isdisjoint, len(stop) <= 1
+    lo, hi = (min(stop), max(stop)) if stop else (-1, -1)  # -1: the memo lacks it, so the general path refuses it
+    def step(output, request_kwargs=None):
+        try:  # step_bytes' short cut over the same memo; the general path for anything else
+            n = numel(output)
+            if n == 1:
+                i = item(output)
+                # most ids lie outside the stop ids' range; a float or bool tensor fails the type check
+                if type(i) is int and (hi < i or i < lo or i not in stop): return memo[i]
+            elif n:
+                ids = tolist(output)
+                if type(ids[0]) is int and ((lo not in ids) if one else isdisjoint(ids)):  # a list for a 2-d tensor
+                    return memo[ids[0]] + memo[ids[1]] if n == 2 else b''.join([memo[i] for i in ids])  # 2: MTP
+        except (TypeError, KeyError): pass
+        return general(output, request_kwargs)
+    step.__doc__ = TextOutput.step_bytes.__doc__
+    return step
+
 # %% ../nbs/08_detokenize.ipynb #cf4f8f67
 class TextStream:
     "One reply streamed step by step: `step(output)` gives a step's chunk"

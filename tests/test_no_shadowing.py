@@ -1,6 +1,7 @@
 """The method that runs is the documented one: no public method, property or other class attribute of the
 detokenizers, `TextOutput`, `TextStream` or `Reply` is stood in for by an instance attribute of the same name, after
-construction, after use (cold and warm), and in `_replace` and pickle copies."""
+construction, after use (cold and warm), and in `_replace` and pickle copies. The decode loop's function,
+`TextOutput.step_fn()`, is a class method's result, stored on nothing, and reads the detokenizer's one memo."""
 import json, pickle
 
 import pytest
@@ -15,6 +16,11 @@ def shadowed(obj) -> list[str]:
     "The public names of `type(obj)` that `obj`'s own attributes hide."
     own = getattr(obj, '__dict__', {})
     return sorted(n for n in dir(type(obj)) if not n.startswith('_') and n in own)
+
+
+def tables(fn) -> list[dict]:
+    "The dicts a function's closure holds."
+    return [c.cell_contents for c in (getattr(fn, '__closure__', None) or ()) if isinstance(c.cell_contents, dict)]
 
 
 @pytest.fixture(scope='module')
@@ -44,6 +50,10 @@ def use(det, ids):
         for k in (1, 2, 3):
             for j in range(0, len(ids), k):
                 to.step_bytes(torch.tensor(ids[j:j + k])), to.step_bytes(ids[j:j + k], {'ignore_eos': True})
+        fn = to.step_fn()
+        for k in (1, 2, 3):
+            for j in range(0, len(ids), k): fn(torch.tensor(ids[j:j + k])), fn(ids[j:j + k], {'ignore_eos': True})
+        assert tables(fn) in ([det._memo], []), 'step_fn holds an id -> bytes table besides the memo'
         to.output_bytes(torch.tensor(ids)), to.token_ids(ids)
         stream, r = to.stream(), to.reply(stop=['zz'])
         for i in ids: stream.step(torch.tensor([i])), r.step(torch.tensor([i]))
@@ -63,8 +73,15 @@ def test_no_public_name_is_shadowed(tokenizers, kind):
     assert shadowed(pickle.loads(pickle.dumps(det))) == [], f'{kind}: a pickled copy'
     for obj in made: assert shadowed(obj) == [], f'{kind}: a {type(obj).__name__} hides these'
     # and the bound methods are the class's functions
-    for obj, names in ((det, ['token_bytes', 'to_bytes']), (made[0], ['step_bytes', 'output_bytes', 'token_ids'])):
+    for obj, names in ((det, ['token_bytes', 'to_bytes']),
+                       (made[0], ['step_bytes', 'step_fn', 'output_bytes', 'token_ids'])):
         for n in names: assert getattr(obj, n).__func__ is getattr(type(obj), n), (type(obj).__name__, n)
+    # step_fn: a fresh function each call, stored on nothing, over this detokenizer's memo (or step_bytes itself)
+    for to in made[:3]:
+        fn = to.step_fn()
+        assert fn is not to.step_fn() and not hasattr(to, '__dict__'), type(to).__name__
+        assert fn.__name__ in ('step', 'step_bytes') and tables(fn) in ([to.detokenizer._memo], [])
+        assert all(getattr(to, n) is not fn for n in dir(type(to)) if not n.startswith('_'))
 
 
 def test_shadowing_is_seen():
@@ -75,3 +92,7 @@ def test_shadowing_is_seen():
     assert shadowed(a) == []
     a.f = lambda: 2
     assert shadowed(a) == ['f']
+    memo = {1: b'a'}
+    copy = dict(memo)
+    def two(i): return memo.get(i) or copy[i]
+    assert tables(two) == [memo, copy] and tables(len) == []
