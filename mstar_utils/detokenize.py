@@ -767,19 +767,22 @@ def step_fn(self: TextOutput):
     detokenizer, stop = self
     general, memo = self.step_bytes, getattr(detokenizer, '_memo', None)
     if not isinstance(memo, dict) or not isinstance(stop, (set, frozenset)): return general
-    numel, item, tolist, isdisjoint, one = _numel, _item, _tolist, stop.isdisjoint, len(stop) <= 1
+    tolist, isdisjoint, one = _tolist, stop.isdisjoint, len(stop) <= 1
     lo, hi = (min(stop), max(stop)) if stop else (-1, -1)  # -1: the memo lacks it, so the general path refuses it
     def step(output, request_kwargs=None):
         try:  # step_bytes' short cut over the same memo; the general path for anything else
-            n = numel(output)
+            ids = tolist(output)  # a TypeError for a list; an int for a 0-d tensor, which has no len
+            n = len(ids)
+            # most ids lie outside the stop ids' range; a float, bool or 2-d tensor fails the type check
             if n == 1:
-                i = item(output)
-                # most ids lie outside the stop ids' range; a float or bool tensor fails the type check
+                i = ids[0]
                 if type(i) is int and (hi < i or i < lo or i not in stop): return memo[i]
-            elif n:
-                ids = tolist(output)
-                if type(ids[0]) is int and ((lo not in ids) if one else isdisjoint(ids)):  # a list for a 2-d tensor
-                    return memo[ids[0]] + memo[ids[1]] if n == 2 else b''.join([memo[i] for i in ids])  # 2: MTP
+            elif n == 2:  # one MTP token
+                i, j = ids
+                if type(i) is int and (hi < i or i < lo or i not in stop) and (hi < j or j < lo or j not in stop):
+                    return memo[i] + memo[j]
+            elif n and type(ids[0]) is int and ((lo not in ids) if one else isdisjoint(ids)):
+                return b''.join([memo[i] for i in ids])
         except (TypeError, KeyError): pass
         return general(output, request_kwargs)
     step.__doc__ = TextOutput.step_bytes.__doc__
