@@ -53,7 +53,7 @@ def use(det, ids):
         fn = to.step_fn()
         for k in (1, 2, 3):
             for j in range(0, len(ids), k): fn(torch.tensor(ids[j:j + k])), fn(ids[j:j + k], {'ignore_eos': True})
-        assert tables(fn) in ([det._memo], []), 'step_fn holds an id -> bytes table besides the memo'
+        assert all(t is det._memo for t in tables(fn)), 'step_fn holds an id -> bytes table besides the memo'
         to.output_bytes(torch.tensor(ids)), to.token_ids(ids)
         stream, r = to.stream(), to.reply(stop=['zz'])
         for i in ids: stream.step(torch.tensor([i])), r.step(torch.tensor([i]))
@@ -80,7 +80,8 @@ def test_no_public_name_is_shadowed(tokenizers, kind):
     for to in made[:3]:
         fn = to.step_fn()
         assert fn is not to.step_fn() and not hasattr(to, '__dict__'), type(to).__name__
-        assert fn.__name__ in ('step', 'step_bytes') and tables(fn) in ([to.detokenizer._memo], [])
+        assert fn.__name__ in ('step', 'step_bytes') and all(t is to.detokenizer._memo for t in tables(fn))
+        assert tables(fn) or fn.__func__ is type(to).step_bytes, 'step_fn over the memo, or step_bytes itself'
         assert all(getattr(to, n) is not fn for n in dir(type(to)) if not n.startswith('_'))
 
 
@@ -95,4 +96,4 @@ def test_shadowing_is_seen():
     memo = {1: b'a'}
     copy = dict(memo)
     def two(i): return memo.get(i) or copy[i]
-    assert tables(two) == [memo, copy] and tables(len) == []
+    assert tables(len) == [] and sorted(t is memo for t in tables(two)) == [False, True]  # a copy is seen, however equal
