@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Per-token streaming cost: `token_bytes` (memo warm) and the whole step path `TextOutput.step_bytes` (one-token
-and k-token tensors) against tokenizers' `DecodeStream.step` and per-step `decode([id])`, on SmolLM2-135M-Instruct's
-byte-level tokenizer and about 10k tokens of mixed text.
+"""Per-token streaming cost: `token_bytes` (memo warm) and the whole step path as a server calls it, the function
+`TextOutput.step_fn()` returns (it gives what `step_bytes` gives; one-token and k-token tensors), against tokenizers'
+`DecodeStream.step` and per-step `decode([id])`, on SmolLM2-135M-Instruct's byte-level tokenizer and about 10k tokens
+of mixed text. The rows keep the key `step_bytes`.
 
     python benchmarks/bench_detokenize.py                 # 10k tokens, best of 7 passes
     python benchmarks/bench_detokenize.py --tokens 50000 --repeats 11
@@ -9,8 +10,8 @@ byte-level tokenizer and about 10k tokens of mixed text.
     python benchmarks/bench_detokenize.py --publish       # also write benchmarks/detokenize_results.json (committed)
 
 All methods run in the same process on the same ids, each pass a plain `for` loop over the ids (or the steps) calling
-one bound method, so loop overhead is the same for every row. The ids are timed in blocks of 256 whose inputs are made
-just before, untimed: the step rows get fresh tensors, as a server's sampler makes each step's tensor. Each round runs
+one bound method or function, so loop overhead is the same for every row. The ids are timed in blocks of 256 whose
+inputs are made just before, untimed: the step rows get fresh tensors, as a server's sampler makes each step's tensor. Each round runs
 every method twice, in turn, and times the second pass (caches warm again after the method before); the best round
 of each is reported, so load from other processes weighs on all rows alike. Also checks that each
 method's joined output is byte-exact against `tokenizer.decode(ids)`. Exits 1 when token_bytes, step_bytes or
@@ -162,7 +163,7 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
     def step_block(k):  # what a model hands over: a fresh tensor of k ids per step (speculative / MTP steps for k > 1)
         return lambda lo, hi: [torch.tensor(ids[j:min(j + k, hi)]) for j in range(lo, hi, k)]
     def start_step_bytes():
-        step_bytes = to.step_bytes
+        step_bytes = to.step_fn()  # what a server's decode loop calls: step_bytes' short cut, its lookups done once
         def run(block):
             for t in block: step_bytes(t, None)
         return run
@@ -188,16 +189,16 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
         'DecodeStream.step': ''.join(c for c in (ds.step(backend, i) for i in ids) if c is not None).encode(),
         'decode([id])': ''.join(tok.decode([i]) for i in ids).encode(),
         'Tokenizer.decode([id])': ''.join(backend.decode([i]) for i in ids).encode(),
-        'step_bytes': b''.join(to.step_bytes(t, None) for t in steps),
-        **{f'step_bytes_k{k}': b''.join(to.step_bytes(t, None) for t in k_steps[k]) for k in KS},
+        'step_bytes': b''.join(map(to.step_fn(), steps)),
+        **{f'step_bytes_k{k}': b''.join(map(to.step_fn(), k_steps[k])) for k in KS},
         'reply': reply_bytes((), steps), 'reply_stop4': reply_bytes(STOPS, steps),
     }
     rows = [('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', (id_block, lambda: each(token_bytes))),
             ('DecodeStream.step', 'tokenizers DecodeStream.step', (id_block, start_decode_stream)),
             ('decode([id])', 'transformers tokenizer.decode([id])', (id_block, lambda: each(decode_one))),
             ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', (id_block, lambda: each(backend_one))),
-            ('step_bytes', 'TextOutput.step_bytes(tensor([id])) (whole step path)', (step_block(1), start_step_bytes)),
-            *[(f'step_bytes_k{k}', f'TextOutput.step_bytes, {k}-token steps (per token)', (step_block(k), start_step_bytes)) for k in KS],
+            ('step_bytes', 'TextOutput.step_fn()(tensor([id])) (whole step path)', (step_block(1), start_step_bytes)),
+            *[(f'step_bytes_k{k}', f'TextOutput.step_fn(), {k}-token steps (per token)', (step_block(k), start_step_bytes)) for k in KS],
             ('reply', 'Reply.step(tensor([id])), no stop strings', (step_block(1), start_reply(()))),
             ('reply_stop4', 'Reply.step(tensor([id])), 4 stop strings', (step_block(1), start_reply(STOPS)))]
     ns = best_ns({key: method for key, _, method in rows}, len(ids), repeats)

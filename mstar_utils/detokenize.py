@@ -31,9 +31,7 @@ class _TokenMemo:
                    name: str, # how error messages name the vocabulary
                   ):
         self.vocab_size, self._name = int(vocab_size), name
-        self._lock, self._canonical = threading.Lock(), {}
-        # an instance attribute, so it shadows the documented method below; see the text above for why lru_cache
-        self.token_bytes = functools.lru_cache(maxsize=None)(self._miss)
+        self._lock, self._memo = threading.Lock(), {}  # the one id -> bytes map; keys are checked ints
 
 # %% ../nbs/08_detokenize.ipynb #b7d1c001
 @patch
@@ -63,15 +61,18 @@ def _miss(self: _TokenMemo, token_id) -> bytes:
     "A memo miss: check the id, then compute its bytes once, under the lock."
     token_id = self._check_id(token_id)
     with self._lock:
-        b = self._canonical.get(token_id)
-        if b is None: b = self._canonical[token_id] = self._bytes(token_id)
+        b = self._memo.get(token_id)
+        if b is None: b = self._memo[token_id] = self._bytes(token_id)
     return b
 
 # %% ../nbs/08_detokenize.ipynb #b7d1c003
 @patch
 def token_bytes(self: _TokenMemo, token_id: int) -> bytes:
     "`to_bytes([token_id])`, memoized: one token's chunk."
-    return self._miss(token_id)  # instances replace this method by the memo built in _init_memo
+    if type(token_id) is int:  # an equal float, bool or numpy int goes through the check in _miss
+        try: return self._memo[token_id]
+        except KeyError: pass
+    return self._miss(token_id)
 
 @patch
 def to_bytes(self: _TokenMemo,
@@ -82,10 +83,10 @@ def to_bytes(self: _TokenMemo,
     return b''.join(map(self.token_bytes, token_ids))
 
 # %% ../nbs/08_detokenize.ipynb #b7d1c004
-_UNPICKLED = ('_lock', '_canonical', 'token_bytes', 'piece_bytes')
+_UNPICKLED = ('_lock', '_memo')
 
 @patch
-# the lock and the lru_cache wrapper don't pickle: the memo is rebuilt on the other side
+# the lock doesn't pickle: the memo starts empty on the other side
 def __getstate__(self: _TokenMemo):
     return {k: v for k, v in self.__dict__.items() if k not in _UNPICKLED}
 
@@ -328,13 +329,12 @@ class SentencePieceDetokenizer(_TokenMemo):
             max(max(self._pieces, default=-1), max(self._added, default=-1)) + 1,
             f'this tokenizer.json ({self.model_type} model)',
         )
-        self.piece_bytes = self.token_bytes
 
 # %% ../nbs/08_detokenize.ipynb #29b16c64
 @patch
 def piece_bytes(self: SentencePieceDetokenizer, token_id: int) -> bytes:
     "One piece's bytes, memoized: `▁` becomes a space, `<0xNN>` the byte NN; b'' for a skipped id."
-    return self._miss(token_id)  # instances replace this method by the memo
+    return self.token_bytes(token_id)
 
 @patch
 def _bytes(self: SentencePieceDetokenizer, token_id: int) -> bytes:
@@ -712,17 +712,12 @@ class _TextOutputFields(NamedTuple):
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5b
 class TextOutput(_TextOutputFields):
     "How a model's text output, token ids, becomes bytes for the client"
+    __slots__ = ()  # no instance dict: nothing can stand in for the methods below
     def __new__(cls,
                 detokenizer, # a detokenizer with `token_bytes` and `to_bytes`: usually a `TextChunkDetokenizer`
                 stop_token_ids: Container[int] = frozenset(), # the ids that end a reply
                ):
-        self = super().__new__(cls, detokenizer, stop_token_ids)
-        self.step_bytes = _hot_step_bytes(self)  # shadows the method: the hot path, see the text
-        return self
-
-    @classmethod
-    def _make(cls, iterable): return cls(*iterable)  # so that _replace keeps the hot path
-    def __reduce__(self): return (type(self), tuple(self))
+        return super().__new__(cls, detokenizer, stop_token_ids)
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5c
 @patch
@@ -742,48 +737,62 @@ def output_bytes(self: TextOutput,
     return self.detokenizer.to_bytes(self.token_ids(output, request_kwargs))
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5d
+_numel, _item, _tolist = torch.Tensor.numel, torch.Tensor.item, torch.Tensor.tolist
+
 @patch
 def step_bytes(self: TextOutput,
                output, # this step's ids: an integer tensor of any shape, or a sequence of ints
                request_kwargs: dict | None = None, # the request's options; `ignore_eos` keeps stop tokens
               ) -> bytes:
     "One decode step's chunk: the memoized bytes of its ids up to the first stop token."
-    return b''.join(map(self.detokenizer.token_bytes, self.token_ids(output, request_kwargs)))
-
-# %% ../nbs/08_detokenize.ipynb #cf4f8f5e
-_numel, _item, _tolist = torch.Tensor.numel, torch.Tensor.item, torch.Tensor.tolist
-
-def _hot_step_bytes(to: TextOutput):
-    "`to.step_bytes` with a warm path"
-    # a tensor of ids seen before, none of them a stop id, costs one dict lookup per id.
-    warm, general = {}, TextOutput.step_bytes
-    def step_bytes(output, request_kwargs=None):
-        try: n = _numel(output)
-        except TypeError: return general(to, output, request_kwargs)  # not a tensor
+    detokenizer, stop = self
+    # the short cut: a tensor of ints, all in the memo, no stop id; a float or bool tensor fails the type check
+    try:
+        n = _numel(output)
         if n == 1:
             i = _item(output)
-            if type(i) is int:  # a float or bool tensor takes the general path, which refuses it
-                try: return warm[i]
-                except KeyError: pass
+            if type(i) is int and i not in stop: return detokenizer._memo[i]
+        elif n == 2:  # one MTP token
+            i, j = _tolist(output)
+            if type(i) is int and i not in stop and j not in stop:
+                memo = detokenizer._memo
+                return memo[i] + memo[j]
         elif n:
             ids = _tolist(output)
-            if type(ids[0]) is int:  # not a 2-d tensor, nor floats or bools
-                # 2: one MTP token
-                try:
-                    return warm[ids[0]] + warm[ids[1]] if n == 2 else b''.join([warm[i] for i in ids])
-                except KeyError: pass  # a cold or stop id
-        return _cold(to, warm, output, request_kwargs)
-    step_bytes.__doc__ = TextOutput.step_bytes.__doc__
-    return step_bytes
+            if type(ids[0]) is int and stop.isdisjoint(ids):  # ids[0] is a list for a 2-d tensor
+                memo = detokenizer._memo
+                return b''.join([memo[i] for i in ids])
+    # not a tensor, a 2-d tensor of two ids, stop ids that are no set, a detokenizer without the memo, or a cold id
+    except (TypeError, ValueError, AttributeError, KeyError): pass
+    return b''.join(map(detokenizer.token_bytes, self.token_ids(output, request_kwargs)))
 
-def _cold(to: TextOutput, warm: dict, output, request_kwargs) -> bytes:
-    "The general path, then the step's ids that are no stop ids go into `warm`."
-    b = TextOutput.step_bytes(to, output, request_kwargs)  # validates the ids it uses
-    for i in _token_ids(output):
-        if i not in to.stop_token_ids:
-            try: warm[i] = to.detokenizer.token_bytes(i)
-            except ValueError: pass  # past a stop id, where the general path did not look
-    return b
+# %% ../nbs/08_detokenize.ipynb #cf4f8f6c
+@patch
+def step_fn(self: TextOutput):
+    "A function giving what `step_bytes` gives, with the lookups done once: for a server's decode loop."
+    detokenizer, stop = self
+    general, memo = self.step_bytes, getattr(detokenizer, '_memo', None)
+    if not isinstance(memo, dict) or not isinstance(stop, (set, frozenset)): return general
+    tolist, isdisjoint, one = _tolist, stop.isdisjoint, len(stop) <= 1
+    lo, hi = (min(stop), max(stop)) if stop else (-1, -1)  # -1: the memo lacks it, so the general path refuses it
+    def step(output, request_kwargs=None):
+        try:  # step_bytes' short cut over the same memo; the general path for anything else
+            ids = tolist(output)  # a TypeError for a list; an int for a 0-d tensor, which has no len
+            n = len(ids)
+            # most ids lie outside the stop ids' range; a float, bool or 2-d tensor fails the type check
+            if n == 1:
+                i = ids[0]
+                if type(i) is int and (hi < i or i < lo or i not in stop): return memo[i]
+            elif n == 2:  # one MTP token
+                i, j = ids
+                if type(i) is int and (hi < i or i < lo or i not in stop) and (hi < j or j < lo or j not in stop):
+                    return memo[i] + memo[j]
+            elif n and type(ids[0]) is int and ((lo not in ids) if one else isdisjoint(ids)):
+                return b''.join([memo[i] for i in ids])
+        except (TypeError, KeyError): pass
+        return general(output, request_kwargs)
+    step.__doc__ = TextOutput.step_bytes.__doc__
+    return step
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f67
 class TextStream:

@@ -197,6 +197,7 @@ def generate_reply(checkpoint_dir, # a causal LM checkpoint folder with a tokeni
     model, tok = load_model(ckpt), AutoTokenizer.from_pretrained(ckpt)
     text_out = TextOutput.from_checkpoint(ckpt, tokenizer=tok)
     step_in, cache, new = _prompt_ids(tok, prompt), DynamicCache(config=model.config), []
+    step_bytes = text_out.step_fn()  # the decode loop's function: what text_out.step_bytes gives
     if log: print(f'generating up to {max_new_tokens} tokens ...', file=log, flush=True)
     with torch.no_grad():
         for _ in range(max_new_tokens):
@@ -207,7 +208,7 @@ def generate_reply(checkpoint_dir, # a causal LM checkpoint folder with a tokeni
                 .reshape(1)
             )
             if out is not None:
-                out.write(text_out.step_bytes(nxt, None))
+                out.write(step_bytes(nxt, None))
                 out.flush()
             if int(nxt) in text_out.stop_token_ids: break
             new.append(int(nxt))

@@ -473,7 +473,7 @@ def test_memo_is_thread_safe(toks, make):
     for got in results: assert got == want
     # one canonical object per id, whichever thread computed it
     assert all(all(r[i] is results[0][i] for r in results) for i in ids)
-    assert det.token_bytes.cache_info().currsize == len(ids)
+    assert len(det._memo) == len(ids)  # the one memo holds each id once, and no refused id
 
 
 # ---------------------------------------------------------------- stop tokens and TextOutput
@@ -742,15 +742,19 @@ def test_handed_multi_token_step(toks):
 
 @pytest.mark.parametrize('name', ['smollm2', 'qwen', 'mistral-v3'])
 def test_hot_step_path_agrees_with_general_path(toks, name):
-    "The warm one-token path gives what TextOutput.step_bytes (the method) gives, before and after warming, stop ids included."
+    "The memo's short cut in step_bytes gives the general path's bytes, cold and warm, stop ids included."
     tok = toks[name]
     to = TextOutput(TextChunkDetokenizer(tok), frozenset({tok.eos_token_id}))
+    other = TextChunkDetokenizer(tok)  # the general path, spelled out on a memo of its own
+    fn = to.step_fn()  # the decode loop's function: the same short cut over the same memo
+    def general(t, kw): return b''.join(map(other.token_bytes, drop_stop_tokens(t, to.stop_token_ids, kw)))
     ids = sorted({i for t in CORPUS[::3] for i in tok.encode(t, add_special_tokens=False)} | {tok.eos_token_id})
     for _ in range(2):  # cold, then warm
         for i in ids:
             for kw in (None, {}, {'ignore_eos': True}):
                 for t in (torch.tensor([i]), torch.tensor(i), torch.tensor([[i]]), torch.tensor([i], dtype=torch.int32)):
-                    assert to.step_bytes(t, kw) == TextOutput.step_bytes(to, t, kw), (i, kw, t)
+                    assert to.step_bytes(t, kw) == general(t, kw), (i, kw, t)
+                    assert fn(t, kw) == general(t, kw), ('step_fn', i, kw, t)
     assert to.step_bytes(torch.tensor([tok.eos_token_id])) == b''
     # multi-token steps (speculative, MTP): 2 and 3 tokens, a stop id anywhere, cold then warm, 1-d and 2-d
     rng = random.Random(name)
@@ -760,16 +764,26 @@ def test_hot_step_path_agrees_with_general_path(toks, name):
                 step = [rng.choice(ids) for _ in range(k)]
                 for t in (torch.tensor(step), torch.tensor([step]), torch.tensor(step, dtype=torch.int32)):
                     for kw in (None, {'ignore_eos': True}):
-                        assert to.step_bytes(t, kw) == TextOutput.step_bytes(to, t, kw), (step, kw)
-    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([True, False]), torch.tensor([ids[1], len(tok)])):  # ids[1]: no stop id
-        with pytest.raises(ValueError): to.step_bytes(bad)
-    for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([len(tok)]), torch.tensor([-1])):
-        with pytest.raises(ValueError): to.step_bytes(bad)
-    assert to.step_bytes(torch.tensor([], dtype=torch.long)) == b''
-    # copies keep the hot path: _replace, pickle
-    for other in (to._replace(stop_token_ids=frozenset()), pickle.loads(pickle.dumps(to))):
+                        assert to.step_bytes(t, kw) == general(t, kw), (step, kw)
+                        assert fn(t, kw) == general(t, kw), ('step_fn', step, kw)
+    for f in (to.step_bytes, fn):
+        for bad in (torch.tensor([1.0, 2.0]), torch.tensor([True, False]), torch.tensor([ids[1], len(tok)])):  # ids[1]: no stop id
+            with pytest.raises(ValueError): f(bad)
+        for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([len(tok)]), torch.tensor([-1]), torch.tensor([-1, 5, 6])):
+            with pytest.raises(ValueError): f(bad)
+        assert f(torch.tensor([], dtype=torch.long)) == b''
+    # more stop ids, none, and a stop set that is no set: the short cut's stop checks, against the general path
+    for stops in (frozenset({tok.eos_token_id, ids[1], ids[-1]}), frozenset(), [tok.eos_token_id]):
+        s_to = TextOutput(to.detokenizer, stops)
+        s_fn = s_to.step_fn()
+        for step in [[i] for i in ids[:50]] + [ids[j:j + k] for k in (2, 3, 5) for j in range(0, len(ids), 7)]:
+            for kw in (None, {'ignore_eos': True}):
+                want = b''.join(map(other.token_bytes, drop_stop_tokens(step, stops, kw)))
+                assert s_fn(torch.tensor(step), kw) == s_to.step_bytes(torch.tensor(step), kw) == want, (stops, step, kw)
+    # copies give the same bytes: _replace, pickle
+    for copy in (to._replace(stop_token_ids=frozenset()), pickle.loads(pickle.dumps(to))):
         j = next(i for i in ids if i != tok.eos_token_id)
-        assert 'step_bytes' in vars(other) and other.step_bytes(torch.tensor([j])) == to.step_bytes(torch.tensor([j]))
+        assert type(copy) is TextOutput and copy.step_bytes(torch.tensor([j])) == to.step_bytes(torch.tensor([j]))
     assert to._replace(stop_token_ids=frozenset()).step_bytes(torch.tensor([tok.eos_token_id])) == TextChunkDetokenizer(tok).token_bytes(tok.eos_token_id)
 
 
