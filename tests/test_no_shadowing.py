@@ -2,7 +2,8 @@
 detokenizers, `TextOutput`, `TextStream` or `Reply` is stood in for by an instance attribute of the same name, after
 construction, after use (cold and warm), and in `_replace` and pickle copies. The decode loop's function,
 `TextOutput.step_fn()`, is a class method's result, stored on nothing, and reads the detokenizer's one memo."""
-import json, pickle
+import json
+import pickle
 
 import pytest
 import torch
