@@ -583,6 +583,12 @@ def _prepare(
         raw.close()
         raise
     src = model_source(ckpt, config, model, conv, renames, quantized, raw)
+    return _prepared(ckpt, config, model, src, raw, sharding, group)
+
+
+# %% ../nbs/03_load_model.ipynb #dc01eb66
+def _prepared(ckpt: Path, config, model, src, raw, sharding, group) -> _Prepared:
+    "What every `_prepare` ends with: ties the checkpoint breaks undone, the model cut, the source sliced."
     whole = src
     try:
         untied = _untie_stored(model, src)
@@ -593,9 +599,8 @@ def _prepare(
         src.close()
         raise
     where = '' if sharding is None else f', rank {sharding.rank} of {sharding.world_size}'
-    return _Prepared(
-        ckpt, config, model, src, whole, raw, sharding, untied, f'{ckpt.name} ({type(model).__name__}{where})'
-    )
+    what = f'{ckpt.name} ({type(model).__name__}{where})'
+    return _Prepared(ckpt, config, model, src, whole, raw, sharding, untied, what)
 
 # %% ../nbs/03_load_model.ipynb #78edd5c0
 def _prepare_gguf(f: Path, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules,
@@ -611,19 +616,13 @@ def _prepare_gguf(f: Path, model_class, dtype, quantized, rank, world_size, grou
         raise NotImplementedError(f"{f.name}: quantized='keep' is not cut for tensor parallelism in a GGUF file; "
                                   "pass quantized='dequantize'")
     src = GGUFSource(f, model, config, header, dry=dry)
-    try:
-        if quantized == 'keep':
+    if quantized == 'keep':
+        try:
             keep_gguf(model, src, dtype)   # block-type Linear weights stay the file's bytes
-        whole, untied = src, _untie_stored(model, src)
-        if sharding is not None:
-            shard_module(model, sharding, group)
-            src = ShardedSource(src, sharding, str(f))
-    except BaseException:
-        src.close()
-        raise
-    where = '' if sharding is None else f', rank {sharding.rank} of {sharding.world_size}'
-    what = f'{f.name} ({type(model).__name__}{where})'
-    return _Prepared(f, config, model, src, whole, whole.raw, sharding, untied, what)
+        except BaseException:
+            src.close()
+            raise
+    return _prepared(f, config, model, src, src.raw, sharding, group)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c04
 def _read_weights(prep: _Prepared, device, progress=None):
