@@ -344,17 +344,34 @@ class _Frames:
     "Whisper's log10 mel frames of an audio file, a range at a time from `audio_blocks`, ranges in order."
     def __init__(self, fe, path, samples: int):
         self.fe, self.n, self.blocks = fe, samples, audio_blocks(path, fe.sampling_rate, seconds=5.0)
-        self.buf, self.start = np.zeros(0, np.float32), 0  # buf holds the samples from `start` on
+        size = fe.n_samples + fe.n_fft + 12 * fe.sampling_rate  # a window and two 5 s blocks
+        self.bufs = [np.empty(size, np.float32), np.empty(size, np.float32)]  # reused: compacted one into the other
+        self.buf, self.start, self.len = self.bufs[0], 0, 0  # buf[:len] holds the samples from `start` on
         self.frames = samples // fe.hop_length  # as the feature extractor: the STFT's last frame is dropped
         self.mel, self.window = torch.from_numpy(fe.mel_filters).to(torch.float32).T, torch.hann_window(fe.n_fft)
 
+    def hold(self, a: int, b: int):
+        "Make `buf` hold samples a..b, dropping those before a (a never lower than before), in the same buffers."
+        keep = min(max(0, a - self.start), self.len)
+        while self.start + self.len < b:
+            block = next(self.blocks)
+            if self.len + len(block) > len(self.buf):  # full: the kept samples to the front of the other buffer
+                if self.len - keep + len(block) > len(self.buf):
+                    self.bufs = [np.empty(2 * (self.len - keep + len(block)), np.float32) for _ in range(2)]
+                other = self.bufs[1] if self.buf is self.bufs[0] else self.bufs[0]
+                other[:self.len - keep] = self.buf[keep:self.len]
+                self.buf, self.start, self.len, keep = other, self.start + keep, self.len - keep, 0
+            self.buf[self.len:self.len + len(block)] = block
+            self.len += len(block)
+
     def samples(self, j0: int, j1: int) -> np.ndarray:
         "Samples j0..j1 of the audio, reflected at both ends as torch.stft(center=True) pads them."
+        if 0 <= j0 and j1 <= self.n:  # inside the audio: a view of the held samples, no copy
+            self.hold(j0, j1)
+            return self.buf[j0 - self.start:j1 - self.start]
         idx = np.abs(np.arange(j0, j1))
         idx = np.where(idx >= self.n, 2 * self.n - 2 - idx, idx)
-        while self.start + len(self.buf) <= idx.max(): self.buf = np.concatenate([self.buf, next(self.blocks)])
-        keep = max(0, min(idx.min(), j0) - self.start)
-        self.buf, self.start = self.buf[keep:], self.start + keep
+        self.hold(min(int(idx.min()), max(j0, 0)), int(idx.max()) + 1)
         return self.buf[idx - self.start]
 
     def log_mel(self, f0: int, f1: int) -> torch.Tensor:
