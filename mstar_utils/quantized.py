@@ -28,8 +28,8 @@ __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32
            'scratch', 'Dequantize', 'FP8BlockDequantize', 'FloatQuantizedDequantize', 'PackQuantizedDequantize',
            'MXFP4Dequantize', 'StoredCut', 'dequantize_cut', 'QuantizedTensor', 'quantized_tensors',
            'quantized_conversions', 'QuantizedLinear', 'QuantizedExperts', 'keep_quantized', 'quantized_source',
-           'block_slice', 'DenseQuantized', 'NVFP4Dequantize', 'GPTQDequantize', 'AWQDequantize', 'BnB4bitDequantize',
-           'BnBInt8Dequantize', 'stored_layout', 'layout_bits', 'draw_layout']
+           'block_slice', 'DenseQuantized', 'NVFP4Dequantize', 'nvfp4_table', 'GPTQDequantize', 'AWQDequantize',
+           'BnB4bitDequantize', 'BnBInt8Dequantize', 'stored_layout', 'layout_bits', 'draw_layout']
 
 # %% ../nbs/06_quantized.ipynb #47664196
 # E2M1 value by code 0..15
@@ -902,15 +902,19 @@ def mismatch(self: NVFP4Dequantize, shapes: list):
     if _numel(shapes[2][len(shapes[0]) - 2:]) != 1: return 0, 2, 'one global scale per tensor'
     return None
 
-_PIECE = 1 << 18   # values decoded at a time: 1 MiB of float32, which stays in cache
-_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # torch's own conversion of each byte
 
-def _e4m3_float(s: torch.Tensor) -> torch.Tensor:
-    "F8_E4M3 `s` as float32, as `s.float()` gives it"
-    # one lookup a byte (torch's own conversion is 15 times slower on a CPU).
-    if s.device.type != 'cpu' or s.dtype != torch.float8_e4m3fn: return s.float()
-    return _E4M3.index_select(0, s.reshape(-1).view(torch.uint8).int()).view(s.shape)
+# %% ../nbs/06_quantized.ipynb #de66351e
+def nvfp4_table(global_scale: torch.Tensor, # the tensor's global scale: one float32 value, a divisor
+                dtype: torch.dtype = torch.bfloat16, # the decoded dtype (bfloat16, float16 or float32)
+               ) -> torch.Tensor:
+    "[65536] int32 (int64 for float32): entry s·256 + b is code byte b's two values × E4M3 scale s / `global_scale`."
+    scale = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() / global_scale.float().reshape(())
+    pairs = _fp4_pairs('cpu').view(torch.float32).view(1, 256, 2)   # the byte's (low, high) values
+    out = (scale.view(256, 1, 1) * pairs).to(dtype)                 # [scale, byte, 2], one rounding
+    return out.view(torch.int64 if dtype.itemsize == 4 else torch.int32).reshape(-1)
 
+
+# %% ../nbs/06_quantized.ipynb #2d33b779
 @patch
 def _one(self: NVFP4Dequantize, ts: list) -> torch.Tensor:
     R, C = ts[0].shape[0], ts[0].shape[1] * 2
@@ -920,23 +924,29 @@ def _one(self: NVFP4Dequantize, ts: list) -> torch.Tensor:
         return per_block_(unpack_fp4(ts[0].view(torch.uint8)), scale, (1, self.group))
     return self._into(ts, torch.empty(R, C, dtype=self.target_dtype))
 
+
+# %% ../nbs/06_quantized.ipynb #a749cd19
+_LUT_PIECE = 1 << 19   # code bytes looked up at a time: 2 MiB of int32 indices, which stay in cache
+
 @patch
 def _into(self: NVFP4Dequantize, ts: list, out: torch.Tensor) -> torch.Tensor:
-    "Decode into `out` [R, C] (CPU, contiguous) in pieces of rows on torch's threads."
-    if ts[0].shape[1] * 2 % self.group: return out.copy_(self._one(ts))
-    codes, g = ts[0].view(torch.uint8), ts[2].float().reshape(())
-    g = 1 / g if self.inverse else g
-    R, C = out.shape
-    step = max(1, _PIECE // max(C, 1))
-    def rows(i: int, j: int):   # rows [i, j): the values times group scale / global scale, rounded once into `out`
+    "Decode into `out` [R, C] (CPU, contiguous) by `nvfp4_table`, in pieces of rows on torch's threads."
+    if ts[0].shape[1] * 2 % self.group or out.dtype.itemsize not in (2, 4): return out.copy_(self._one(ts))
+    codes, scales, g = ts[0].view(torch.uint8), ts[1].view(torch.uint8), ts[2].float().reshape(())
+    with _torch_threads_one():   # one thread: a parallel op here would make OpenMP start its threads anew
+        table = nvfp4_table(1 / g if self.inverse else g, out.dtype)
+    (R, C), G, half = out.shape, out.shape[1] // self.group, self.group // 2   # G groups a row of `half` code bytes
+    step = max(1, _LUT_PIECE // max(C // 2, 1))
+    def rows(i: int, j: int):   # rows [i, j): index = scale byte · 256 + code byte, then one lookup a byte
         populate_pages(out[i].data_ptr(), (j - i) * C * out.element_size())   # the piece's pages faulted in at once
-        lut, x = _fp4_pairs(codes.device), scratch('nvfp4', ((j - i) * C // 2,), torch.int64)
-        idx = scratch('nvfp4_idx', ((j - i) * C // 2,), torch.int32).copy_(codes[i:j].reshape(-1))
-        torch.index_select(lut, 0, idx, out=x)
-        v = x.view(torch.float32).view(j - i, C // self.group, self.group)
-        out[i:j].view(v.shape).copy_(v.mul_((_e4m3_float(ts[1][i:j]) / g).unsqueeze(-1)))
+        idx = scratch('nvfp4_idx', (j - i, G, half), torch.int32)
+        idx.view(j - i, C // 2).copy_(codes[i:j])   # strided codes (a column cut) copy as well
+        s = scratch('nvfp4_scale', (j - i, G), torch.int32).copy_(scales[i:j]).mul_(256)
+        idx.add_(s.unsqueeze(-1))
+        torch.index_select(table, 0, idx.view(-1), out=out[i:j].view(table.dtype).view(-1))
     in_threads([lambda i=i: rows(i, min(R, i + step)) for i in range(0, R, step)])
     return out
+
 
 # %% ../nbs/06_quantized.ipynb #fmtq010
 def _ct_nvfp4(src, qc: dict, g: dict, module: str, dtype, what: str) -> NVFP4Dequantize | None:
