@@ -427,7 +427,8 @@ def read_many(self: GGUFSource, pairs: list, # (key, dest): dest of the key's sh
 def resolve(self: GGUFSource, k: str):
     "(bytes source, dequantizing tree) of key `k`, so a slice reads only its blocks; None: read whole."
     t = self.tensors[k]
-    if k in self.kept or len(t.shape) != 2: return None   # a 1-d tensor is read whole, then cut
+    if k in self.kept: return self.raw, k   # the stored bytes as they are: a rank reads its rows or whole blocks
+    if len(t.shape) != 2: return None   # a 1-d tensor is read whole, then cut
     op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
     return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
 

@@ -612,9 +612,6 @@ def _prepare_gguf(f: Path, model_class, dtype, quantized, rank, world_size, grou
     model_class = model_class or gguf_model_class(config)
     model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class, dtype)
     sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)
-    if quantized == 'keep' and sharding is not None:
-        raise NotImplementedError(f"{f.name}: quantized='keep' is not cut for tensor parallelism in a GGUF file; "
-                                  "pass quantized='dequantize'")
     src = GGUFSource(f, model, config, header, dry=dry)
     if quantized == 'keep':
         try:

@@ -183,18 +183,25 @@ def straddled(f, config) -> int:
         for t in read_gguf(f).tensors.values() if len(t.shape) == 2)
 
 
-def check_ranks(f, ws, keys=None):
+def check_ranks(f, ws, keys=None, quantized='dequantize'):
     "Each rank's tensors are slices of the whole load, its plan says what it read, and the ranks read the bound."
+    # kept: a kept layer's dequantized weight is the slice of the whole dequantizing load's weight
     from mstar_utils.model import load_plan
-    from mstar_utils.tensor_parallel import take
+    from mstar_utils.quantized import QuantizedLinear
+    from mstar_utils.tensor_parallel import Sharding, take
     full = load_model(f)
     fsd, read = full.state_dict(), 0
     assert full.bytes_read == load_plan(f, detail=False).total_bytes == sum(t.data.numel() for t in read_gguf(f).tensors.values())
     for r in range(ws):
-        m = load_model(f, rank=r, world_size=ws)
+        m = load_model(f, rank=r, world_size=ws, quantized=quantized)
+        values = Sharding(m.tp_sharding.plan, r, ws)   # the plan's slices of the values, not the kept bytes' pins
+        kept = {f'{n}.weight': q for n, q in m.named_modules() if isinstance(q, QuantizedLinear)}
+        assert (quantized == 'keep') == bool(kept), sorted(kept)
         sd = m.state_dict()
-        for k in keys or sd: same(sd[k], take(fsd[k], m.tp_sharding.slice_for(k, fsd[k].shape)))
-        plan = load_plan(f, r, ws)
+        for k in keys or sd:
+            got = kept[k].dequantized_weight() if k in kept else sd[k]
+            same(got, take(fsd[k], values.slice_for(k, fsd[k].shape)))
+        plan = load_plan(f, r, ws, quantized=quantized)
         assert m.tp_bytes_read == plan.total_bytes
         read += m.tp_bytes_read
         replicated = sum(t.bytes for t in plan.tensors if t.slice is None)   # the same on every rank
@@ -208,12 +215,30 @@ def test_ranks_are_slices_of_the_full_load(name, ws, tiny):
     check_ranks(tiny[name], ws)
 
 
-def test_smollm2_q4_1_ranks_are_slices_of_the_full_load():
+@pytest.mark.parametrize('quantized', ['dequantize', 'keep'])
+def test_smollm2_q4_1_ranks_are_slices_of_the_full_load(quantized):
     "The real Q4_1 file at two ranks, whose 9 heads and 3 key-value heads don't divide by 2."
     check_ranks(smollm2_gguf(), 2, ['model.layers.3.self_attn.q_proj.weight', 'model.layers.3.self_attn.k_proj.weight',
-                                    'model.layers.3.mlp.down_proj.weight', 'model.embed_tokens.weight'])
+                                    'model.layers.3.self_attn.o_proj.weight', 'model.layers.3.mlp.down_proj.weight',
+                                    'model.embed_tokens.weight'], quantized=quantized)
 
 
-def test_keep_under_tensor_parallelism_is_refused(tiny):
-    with pytest.raises(NotImplementedError, match=r"tiny\.gguf: quantized='keep' is not cut for tensor parallelism"):
-        load_model(tiny['q8_0'], rank=0, world_size=2, quantized='keep')
+@pytest.mark.parametrize('ws', [2, 4])
+def test_keep_under_tensor_parallelism_cuts_the_blocks(ws, tmp_path):
+    "Kept Q8_0 and Q4_K layers at 2 and 4 ranks: rows (whole heads of the permuted q and k) or whole blocks of columns."
+    (tmp_path/'k').mkdir()
+    f = write_gguf_checkpoint(tmp_path/'k'/'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'})
+    check_ranks(f, ws, quantized='keep')
+
+
+@pytest.mark.skipif(not os.environ.get('MSTAR_UTILS_SLOW'), reason='spawns two ranks: set MSTAR_UTILS_SLOW=1')
+def test_keep_under_tensor_parallelism_gives_the_logits(tmp_path):
+    "Two ranks with their collectives, Q8_0 and Q4_K kept: each rank's logits equal the whole dequantizing load's."
+    import io
+    from mstar_utils.testing import run_ranks, tp_cells
+    (tmp_path/'k').mkdir()
+    f = write_gguf_checkpoint(tmp_path/'k'/'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'})
+    want = logits(load_model(f))   # large (about 1e4): the ranks' sums in another order differ in the last float32 bits
+    for r, res in enumerate(run_ranks(tp_cells, 2, [(f, {'input_ids': IDS}, False, 'keep')], timeout=600)):
+        torch.testing.assert_close(torch.load(io.BytesIO(res[0]), weights_only=False)['logits'], want, atol=1e-4, rtol=1e-6,
+                                   msg=lambda m, r=r: f'rank {r}: {m}')
