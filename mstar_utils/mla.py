@@ -23,12 +23,14 @@ class MLARMSNorm(nn.Module):
         h = x.float()
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
+# %% ../nbs/05_mla.ipynb #b5f068bc
 def rope_freqs(positions: torch.Tensor, dim: int, theta: float = 10000.0) -> torch.Tensor:
     "Complex rotations [..., dim/2] for integer `positions` [...]"
     inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
     f = positions[..., None].float() * inv
     return torch.polar(torch.ones_like(f), f)
 
+# %% ../nbs/05_mla.ipynb #3965c269
 def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     "Rotate adjacent channel pairs of `x` [B, T, R] or [B, N, T, R] by `freqs_cis` [B, T, R/2] (complex)"
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
@@ -134,6 +136,7 @@ def queries(self: MLAAttention, h):
     q = q.view(B, T, -1, self.qk_nope_head_dim + self.qk_rope_head_dim).transpose(1, 2)
     return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
+# %% ../nbs/05_mla.ipynb #26af2e0e
 @patch
 def latents(self: MLAAttention, h, freqs_cis):
     "(c_kv [B, T, L] normalized, k_pe [B, T, R] rotated)"

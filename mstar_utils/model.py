@@ -152,16 +152,6 @@ def auto_conversions(config) -> list:
     "The WeightConverter recipes `conv='auto'` picks for `config`'s model type (text config included)."
     return [c for t in _model_types(config) if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
 
-# %% ../nbs/03_load_model.ipynb #6b2d0f02
-def transformers_conversions(config) -> list:
-    "Our `WeightConverter` recipes for the fusing rules transformers keeps for `config`'s model types."
-    return _transformers_rules(config)[0]
-
-# %% ../nbs/03_load_model.ipynb #6b2d0f14
-def transformers_conversions_skipped(config) -> list[str]:
-    "The transformers fusing rules for `config`'s types that `transformers_conversions` cannot express."
-    return _transformers_rules(config)[1]
-
 # %% ../nbs/03_load_model.ipynb #6b2d0f05
 _REGEX = re.compile(r'[\\^$+?()\[\]{}|]')   # regular-expression syntax in a pattern beyond the `*` ours know
 
@@ -201,6 +191,16 @@ def _transformers_rules(config) -> tuple[list, list]:
                     why = str(e)
             skipped.append(f'{what} ({why})')
     return out, skipped
+
+# %% ../nbs/03_load_model.ipynb #6b2d0f02
+def transformers_conversions(config) -> list:
+    "Our `WeightConverter` recipes for the fusing rules transformers keeps for `config`'s model types."
+    return _transformers_rules(config)[0]
+
+# %% ../nbs/03_load_model.ipynb #6b2d0f14
+def transformers_conversions_skipped(config) -> list[str]:
+    "The transformers fusing rules for `config`'s types that `transformers_conversions` cannot express."
+    return _transformers_rules(config)[1]
 
 # %% ../nbs/03_load_model.ipynb #6a1c0e02
 def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-built one will do)
@@ -535,24 +535,10 @@ class _Prepared(NamedTuple):
     untied: list   # (kept, untied) names, for `_retie_equal`
     what: str   # names the model in messages
 
-def _prepare(
-    checkpoint_dir,
-    model_class=None,
-    dtype=None,
-    conv='auto',
-    quantized='dequantize',
-    renames=True,
-    rank=None,
-    world_size=None,
-    group=None,
-    plan=None,
-    expert_parallel=False,
-    rules=(),
-    dry=False,
-    mmap=False,
-    device='cpu',
-    built=None,
-) -> _Prepared:
+# %% ../nbs/03_load_model.ipynb #861597e5
+def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantized='dequantize', renames=True,
+             rank=None, world_size=None, group=None, plan=None, expert_parallel=False, rules=(), dry=False,
+             mmap=False, device='cpu', built=None) -> _Prepared:
     "Every step of `load_model` before a weight is read (see `load_model` for the arguments)."
     # `dry`: a source that only records reads; `built`: a meta model to copy.
     if quantized not in ('dequantize', 'keep'):
@@ -584,7 +570,6 @@ def _prepare(
         raise
     src = model_source(ckpt, config, model, conv, renames, quantized, raw)
     return _prepared(ckpt, config, model, src, raw, sharding, group)
-
 
 # %% ../nbs/03_load_model.ipynb #dc01eb66
 def _prepared(ckpt: Path, config, model, src, raw, sharding, group) -> _Prepared:
@@ -632,6 +617,22 @@ def _read_weights(prep: _Prepared, device, progress=None):
             check_loaded(model, res[0], prep.what)
     return res, kept
 
+# %% ../nbs/03_load_model.ipynb #b1f7fc71
+def _finish(prep: _Prepared, res, kept: list, device, strict: bool) -> torch.nn.Module:
+    "The prepared model after `_read_weights`: re-tied, initialized, finalized, checked, in eval mode."
+    model, name = prep.model, prep.ckpt.name
+    _retie_equal(model, prep.untied, name)
+    _initialize_unloaded(model, res[0])
+    _report_kept_buffers(model, kept, name)
+    model.to(device)   # the buffers built real on the CPU
+    process_weights_after_loading(model, device)
+    _report_unexpected(model, res.unexpected_keys, name, strict)
+    _attach_generation_config(model, prep.ckpt, prep.config)
+    model.bytes_read = prep.source.bytes_read
+    if prep.sharding is not None:
+        model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
+    return model.eval()
+
 # %% ../nbs/03_load_model.ipynb #512231b4
 def load_model(
     checkpoint_dir: str | Path,  # an HF checkpoint folder (config.json, safetensors), or a .gguf file
@@ -652,40 +653,15 @@ def load_model(
     mmap: bool = False,  # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
 ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, or rank `rank`'s part of it, loaded, checked and in eval mode."
-    prep = _prepare(
-        checkpoint_dir,
-        model_class,
-        dtype,
-        conv,
-        quantized,
-        renames,
-        rank,
-        world_size,
-        group,
-        plan,
-        expert_parallel,
-        rules,
-        mmap=mmap,
-        device=device,
-    )
-    model, name = prep.model, prep.ckpt.name
+    prep = _prepare(checkpoint_dir, model_class, dtype, conv, quantized, renames, rank, world_size, group, plan,
+                    expert_parallel, rules, mmap=mmap, device=device)
     try:
         res, kept = _read_weights(prep, device)
     except KeyError as e:
         raise _with_skipped_rules(e, prep.config, conv) from None
     finally:
         prep.source.close()
-    _retie_equal(model, prep.untied, name)
-    _initialize_unloaded(model, res[0])
-    _report_kept_buffers(model, kept, name)
-    model.to(device)   # the buffers built real on the CPU
-    process_weights_after_loading(model, device)
-    _report_unexpected(model, res.unexpected_keys, name, strict)
-    _attach_generation_config(model, prep.ckpt, prep.config)
-    model.bytes_read = prep.source.bytes_read
-    if prep.sharding is not None:
-        model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
-    return model.eval()
+    return _finish(prep, res, kept, device, strict)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c05
 def load_model_sharded(
@@ -858,6 +834,28 @@ def _touches(raw, key: str, merged: dict) -> bool:
     i = bisect.bisect_right([a for a, _ in rs], start + ti.end - 1) - 1
     return i >= 0 and rs[i][1] > start + ti.begin
 
+# %% ../nbs/03_load_model.ipynb #bf47dc50
+_STORED_CODES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.uint8, torch.int8}
+_SCALES = ('_scale_inv', '_scale', '_zero_point', '_scales', '_shape')
+
+def _planned(prep: _Prepared, k: str, quantized) -> PlannedTensor:
+    "The `PlannedTensor` of key `k` of a dry `prep`: its own reads, the keys they touch, its transforms and slice."
+    src, raw = prep.source, prep.raw
+    mark = len(raw.reads)
+    # the load's reads, one key at a time
+    src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k), device='meta'))])
+    mine, steps = raw.reads[mark:], []
+    merged = _merged(mine)
+    keys = [c for c in _lineage(prep.whole, k, steps) if _touches(raw, c, merged)]  # those this rank reads
+    if quantized and (src.dtype(k) in _STORED_CODES or k.endswith(_SCALES)):
+        steps.insert(0, 'keep (as stored)')
+    sl = src.slice(k) if prep.sharding is not None else None
+    if sl is not None and sl.dim is not None:
+        steps.append(f'slice dim {sl.dim} {list(sl.ranges)}')
+    return PlannedTensor(k, tuple(src.shape(k)), str(src.dtype(k)).replace('torch.', ''), keys, steps,
+                         None if sl is None or sl.dim is None else sl, sum(r[2] for r in mine),
+                         [(f, a, b) for f, rs in merged.items() for a, b in rs])
+
 # %% ../nbs/03_load_model.ipynb #0a1b2c16
 def load_plan(
     checkpoint_dir: str | Path,  # an HF checkpoint folder
@@ -881,20 +879,7 @@ def load_plan(
         tensors, unused = [], set(res.unexpected_keys)
         held = sum(t.numel() * t.element_size() for t in {id(t): t for _, t, _ in named_tensors(prep.model)}.values())
         for k in [k for k in src.keys() if k not in unused] if detail else []:  # noqa: SIM118
-            mark = len(raw.reads)
-            # the load's reads, one key at a time
-            src.read_many([(k, torch.empty(src.shape(k), dtype=src.dtype(k), device='meta'))])
-            mine, steps = raw.reads[mark:], []
-            merged = _merged(mine)
-            keys = [c for c in _lineage(prep.whole, k, steps) if _touches(raw, c, merged)]  # those this rank reads
-            if quantized and (src.dtype(k) in _STORED_CODES or k.endswith(_SCALES)):
-                steps.insert(0, 'keep (as stored)')
-            sl = src.slice(k) if prep.sharding is not None else None
-            if sl is not None and sl.dim is not None:
-                steps.append(f'slice dim {sl.dim} {list(sl.ranges)}')
-            tensors.append(PlannedTensor(k, tuple(src.shape(k)), str(src.dtype(k)).replace('torch.', ''), keys, steps,
-                                         None if sl is None or sl.dim is None else sl, sum(r[2] for r in mine),
-                                         [(f, a, b) for f, rs in merged.items() for a, b in rs]))
+            tensors.append(_planned(prep, k, quantized))
         ck = sum(raw.info(k)[2].end - raw.info(k)[2].begin for k in raw.keys())  # noqa: SIM118
     finally:
         src.close()
@@ -904,6 +889,3 @@ def load_plan(
             by_file[_name(path)] = by_file.get(_name(path), 0) + sum(n for _, n in rs)
         files = [FileReads(f, [tuple(r) for r in rs], by_file[f]) for f, rs in sorted(_merged(reads).items())]
     return LoadPlan(str(prep.ckpt), rank, world_size, tensors, files, total, ck, dict(kw), held)
-
-_STORED_CODES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.uint8, torch.int8}
-_SCALES = ('_scale_inv', '_scale', '_zero_point', '_scales', '_shape')

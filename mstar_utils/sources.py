@@ -418,6 +418,7 @@ def _file(self: FileSource, path):
 def _fd(self: FileSource, path) -> int:
     return self._file(path).fileno()
 
+# %% ../nbs/01_safetensors.ipynb #e93a0992
 @patch
 def info(self: FileSource, k) -> tuple[Path, int, TensorInfo]:
     "(file, data offset, `TensorInfo`) of key `k`; the file's header is read once."
@@ -442,6 +443,7 @@ def info(self: FileSource, k) -> tuple[Path, int, TensorInfo]:
     r = self._info[k] = (path, h[0], ti)
     return r
 
+# %% ../nbs/01_safetensors.ipynb #0a3d8b1e
 @patch
 def stored_in(self: FileSource, keys) -> dict:
     "{key: [files whose header holds it]} for the `keys` some file of the source holds, listed or not."
@@ -465,6 +467,20 @@ def _note(self: FileSource, path, offset: int, n: int):
         if self.reads is not None:
             self.reads.append((path, offset, n))
 
+@patch
+def _mapped(self: FileSource, path) -> torch.Tensor:
+    "The whole file as a uint8 tensor: a private copy-on-write mapping, or the buffer it was read ahead into."
+    # The mapping is of the handle its header was read through.
+    if self.ahead is not None and path in self.ahead:
+        return self.ahead.buffer(path)
+    m = self._maps.get(path)
+    if m is None:
+        m = self._maps[path] = torch.frombuffer(
+            _mmap.mmap(self._file(path).fileno(), 0, access=_mmap.ACCESS_COPY), dtype=torch.uint8
+        )
+    return m
+
+# %% ../nbs/01_safetensors.ipynb #df0a4a83
 @patch
 def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     "The tensor `k`, read into `out` when given: a contiguous CPU tensor of its dtype and shape."
@@ -500,28 +516,10 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
         self._note(path, start + begin, end - begin)
     return t
 
+# %% ../nbs/01_safetensors.ipynb #983ba24b
 @patch
-def _mapped(self: FileSource, path) -> torch.Tensor:
-    "The whole file as a uint8 tensor: a private copy-on-write mapping, or the buffer it was read ahead into."
-    # The mapping is of the handle its header was read through.
-    if self.ahead is not None and path in self.ahead:
-        return self.ahead.buffer(path)
-    m = self._maps.get(path)
-    if m is None:
-        m = self._maps[path] = torch.frombuffer(
-            _mmap.mmap(self._file(path).fileno(), 0, access=_mmap.ACCESS_COPY), dtype=torch.uint8
-        )
-    return m
-
-# %% ../nbs/01_safetensors.ipynb #7b4f0c19
-@patch
-def read_many(
-    self: FileSource,
-    pairs: list,  # (key, dest): dest a contiguous tensor of the key's shape, any dtype, any device
-    progress=None,  # called on this thread as progress(bytes, tensors) as chunks complete
-    chunk_bytes: int = 8 << 20,  # bytes of one staging chunk
-) -> None:
-    "Fill each `dest` with its key's tensor, read straight into it or through the staging ring."
+def _sort_reads(self: FileSource, pairs: list) -> tuple:
+    "({'direct' or device: `Reads`}, tensors that need no read, bytes copied from a read ahead) for checked `pairs`."
     groups, empty, held = {}, 0, 0
     for k, d in pairs:
         path, start, (dt, shape, begin, end) = self._info.get(k) or self.info(k)
@@ -546,6 +544,18 @@ def read_many(
         gk = 'direct' if d.is_cpu and d.dtype == dt else d.device
         g = groups.get(gk) or groups.setdefault(gk, Reads())
         g.add(k, d, Span(path, start + begin, end - begin), dt)
+    return groups, empty, held
+
+# %% ../nbs/01_safetensors.ipynb #7b4f0c19
+@patch
+def read_many(
+    self: FileSource,
+    pairs: list,  # (key, dest): dest a contiguous tensor of the key's shape, any dtype, any device
+    progress=None,  # called on this thread as progress(bytes, tensors) as chunks complete
+    chunk_bytes: int = 8 << 20,  # bytes of one staging chunk
+) -> None:
+    "Fill each `dest` with its key's tensor, read straight into it or through the staging ring."
+    groups, empty, held = self._sort_reads(pairs)
     if empty and progress:
         progress(held, empty)
     spans = [sp for g in groups.values() for sp in g.spans]
