@@ -204,6 +204,32 @@ def _default_checkpoint(log) -> Path:
         )
     return smollm2_checkpoint()
 
+# %% ../nbs/14_cli.ipynb #08c1dc90
+def _inspect_output(ckpt, rep: dict, ex, prompt, audio, max_new_tokens: int, as_json: bool) -> int:
+    "Print the report (or one JSON document), the transcription or the streamed reply; the exit status."
+    # the report ends its line before the progress lines on stderr; the label waits for the first reply bytes
+    head = '\nreply         ' if prompt is not None else '\ntranscription ' if audio is not None else ''
+    if not as_json:
+        print(
+            format_report(rep)
+            + ('' if ex is None else '\n\n' + str(ex))
+            + '\n',
+            end='',
+            flush=True,
+        )
+    if audio is not None:
+        _transcribe(ckpt, audio, rep, as_json, head)
+    if prompt is not None:
+        out = io.BytesIO() if as_json else _StdoutBytes(head)
+        ids = generate_reply(ckpt, prompt, max_new_tokens, out=out, log=sys.stderr)
+        if as_json:
+            rep['reply'] = {'prompt': prompt, 'text': out.getvalue().decode('utf-8', 'replace'), 'token_ids': ids}
+        else:
+            out.write(b'\n')
+    if as_json:
+        print(_json.dumps({k: v for k, v in rep.items() if k != 'kv_lines'}, indent=2, default=str))
+    return 1 if (rep.get('kv') or {}).get('verdict') == 'refused' else 0
+
 # %% ../nbs/14_cli.ipynb #c4ce3270
 def inspect(
     checkpoint_dir: Param(
@@ -232,28 +258,7 @@ def inspect(
     ex = _explored(ckpt) if stats else None
     if ex is not None:
         rep['explore'] = ex.to_dict()
-    # the report ends its line before the progress lines on stderr; the label waits for the first reply bytes
-    head = '\nreply         ' if prompt is not None else '\ntranscription ' if audio is not None else ''
-    if not json:
-        print(
-            format_report(rep)
-            + ('' if ex is None else '\n\n' + str(ex))
-            + '\n',
-            end='',
-            flush=True,
-        )
-    if audio is not None:
-        _transcribe(ckpt, audio, rep, json, head)
-    if prompt is not None:
-        out = io.BytesIO() if json else _StdoutBytes(head)
-        ids = generate_reply(ckpt, prompt, max_new_tokens, out=out, log=sys.stderr)
-        if json:
-            rep['reply'] = {'prompt': prompt, 'text': out.getvalue().decode('utf-8', 'replace'), 'token_ids': ids}
-        else:
-            out.write(b'\n')
-    if json:
-        print(_json.dumps({k: v for k, v in rep.items() if k != 'kv_lines'}, indent=2, default=str))
-    return 1 if (rep.get('kv') or {}).get('verdict') == 'refused' else 0
+    return _inspect_output(ckpt, rep, ex, prompt, audio, max_new_tokens, json)
 
 # %% ../nbs/14_cli.ipynb #a08a19a1
 def _explored(ckpt):

@@ -507,7 +507,7 @@ _STEPS = {
     'CTC': _ctc_step,
 }
 
-# %% ../nbs/08_detokenize.ipynb #a81e7e30
+# %% ../nbs/08_detokenize.ipynb #ac30fb92
 _MODES = (
     ('BPEDecoder', 'bpe_suffix'),
     ('WordPiece', 'wordpiece'),
@@ -517,6 +517,7 @@ _MODES = (
     ('none', 'joined'),
 )
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e30
 def _plan_decoder(tokenizer_json: dict) -> _Plan:
     "Compile tokenizer.json's decoder for streaming, the vocabulary's byte fallback and end-of-word suffix included"
     # `_Unstreamable` says why not.
@@ -551,24 +552,6 @@ def _plan_decoder(tokenizer_json: dict) -> _Plan:
     plan.mode = next((m for k, m in _MODES if k in plan.kinds), 'decoder')
     return plan
 
-# %% ../nbs/08_detokenize.ipynb #d9626cfd
-class TextChunkDetokenizer(_TokenMemo):
-    "One decode step's chunk, as bytes, for any tokenizer"
-    def __init__(
-        self,
-        tokenizer,  # a transformers tokenizer, fast or slow
-        keep_special: bool = True,  # keep the text of special tokens (those flagged `special` in tokenizer.json)
-        extra_skip_ids: Iterable[int] = (),  # more ids that give b''
-        keep_timestamps: bool = False,  # keep Whisper's timestamp tokens' text, which `decode` deletes (default: b'')
-    ):
-        self.tokenizer, self.keep_special, self.extra_skip_ids = tokenizer, keep_special, frozenset(extra_skip_ids)
-        self.keep_timestamps = keep_timestamps
-        self.mode, self.reason, self._plan = _choose_mode(tokenizer)
-        self.edges = tuple(self._plan.edges) if isinstance(self._plan, _Plan) else ()
-        self._read_vocabulary()
-        if self.timestamp_ids and not keep_timestamps:
-            self.reason += "; Whisper's timestamp tokens give no bytes, as decode deletes them"
-
 # %% ../nbs/08_detokenize.ipynb #d9626cfe
 def _choose_mode(tokenizer) -> tuple[str, str, object]:
     "(mode, reason, how): `how` is a `ByteLevelDetokenizer` keeping specials, a `_Plan`, or None for per-token decode."
@@ -591,6 +574,24 @@ def _choose_mode(tokenizer) -> tuple[str, str, object]:
     try: plan = _plan_decoder(json.loads(backend.to_str()))
     except _Unstreamable as e: return 'decode', f'per-token decode: {e}', None
     return plan.mode, '; '.join([plan.why, *plan.notes]) + cleanup, plan
+
+# %% ../nbs/08_detokenize.ipynb #d9626cfd
+class TextChunkDetokenizer(_TokenMemo):
+    "One decode step's chunk, as bytes, for any tokenizer"
+    def __init__(
+        self,
+        tokenizer,  # a transformers tokenizer, fast or slow
+        keep_special: bool = True,  # keep the text of special tokens (those flagged `special` in tokenizer.json)
+        extra_skip_ids: Iterable[int] = (),  # more ids that give b''
+        keep_timestamps: bool = False,  # keep Whisper's timestamp tokens' text, which `decode` deletes (default: b'')
+    ):
+        self.tokenizer, self.keep_special, self.extra_skip_ids = tokenizer, keep_special, frozenset(extra_skip_ids)
+        self.keep_timestamps = keep_timestamps
+        self.mode, self.reason, self._plan = _choose_mode(tokenizer)
+        self.edges = tuple(self._plan.edges) if isinstance(self._plan, _Plan) else ()
+        self._read_vocabulary()
+        if self.timestamp_ids and not keep_timestamps:
+            self.reason += "; Whisper's timestamp tokens give no bytes, as decode deletes them"
 
 # %% ../nbs/08_detokenize.ipynb #d9626cff
 @patch
@@ -1087,28 +1088,6 @@ def _release(self: Reply) -> bytes:
     self._state = 0
     return held
 
-# %% ../nbs/08_detokenize.ipynb #rp000016
-@patch
-def step(self: Reply,
-         output, # this step's ids: an integer tensor of any shape, or a sequence of ints
-        ) -> bytes:
-    "The bytes of this step that may go to the client now; b'' once the reply has stopped."
-    row = self._row
-    if row is not None:
-        try: n = _numel(output)
-        except TypeError: n = 0  # not a tensor: the general path
-        if n == 1:
-            i = _item(output)
-            if type(i) is int:  # not a float or bool tensor, which the general path refuses
-                try: hit = row[i]
-                except KeyError: pass  # a cold id or a stop id
-                else:
-                    self._row = hit[0]
-                    return hit[1]
-        elif n:
-            return self._warm(_tolist(output))
-    return self._step(_token_ids(output))
-
 # %% ../nbs/08_detokenize.ipynb #rp000017
 @patch
 def _warm(self: Reply, ids: list) -> bytes:
@@ -1148,6 +1127,28 @@ def _step(self: Reply, ids: list[int]) -> bytes:
             self._memo[state][i] = (self._memo[self._state], out)
     self._open()
     return b''.join(outs)
+
+# %% ../nbs/08_detokenize.ipynb #rp000016
+@patch
+def step(self: Reply,
+         output, # this step's ids: an integer tensor of any shape, or a sequence of ints
+        ) -> bytes:
+    "The bytes of this step that may go to the client now; b'' once the reply has stopped."
+    row = self._row
+    if row is not None:
+        try: n = _numel(output)
+        except TypeError: n = 0  # not a tensor: the general path
+        if n == 1:
+            i = _item(output)
+            if type(i) is int:  # not a float or bool tensor, which the general path refuses
+                try: hit = row[i]
+                except KeyError: pass  # a cold id or a stop id
+                else:
+                    self._row = hit[0]
+                    return hit[1]
+        elif n:
+            return self._warm(_tolist(output))
+    return self._step(_token_ids(output))
 
 # %% ../nbs/08_detokenize.ipynb #rp000021
 @patch

@@ -19,7 +19,7 @@ from .io import populate_pages
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUFTensor', 'gguf_names', 'Skipped', 'GGUFHeader',
-           'read_gguf', 'gguf_config', 'GGUFSource', 'gguf_model_class', 'GGUFDequantize', 'keep_gguf', 'GGUFStored',
+           'read_gguf', 'gguf_config', 'gguf_model_class', 'GGUFSource', 'GGUFDequantize', 'keep_gguf', 'GGUFStored',
            'GGUFTree']
 
 # %% ../nbs/06b_gguf.ipynb #fmtg005
@@ -362,6 +362,14 @@ def gguf_config(f: Path, # the GGUF file
     config._name_or_path = str(f.parent)   # as from_pretrained names it
     return config
 
+# %% ../nbs/06b_gguf.ipynb #fmtg029
+def gguf_model_class(config) -> type:
+    "The class `AutoModelForCausalLM` picks for `config`: a GGUF config names no architectures."
+    from transformers import AutoModelForCausalLM
+    try: return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
+
 # %% ../nbs/06b_gguf.ipynb #fmtg026
 # architectures whose tensors transformers reshapes or rescales beyond renaming: not read here
 _RESHAPED = ('qwen2moe', 'qwen3moe', 'gpt-oss', 'bloom', 't5', 't5encoder', 'gpt2', 'mamba', 'nemotron', 'gemma2',
@@ -444,14 +452,6 @@ def get(self: GGUFSource, k: str, out: torch.Tensor | None = None) -> torch.Tens
     out = torch.empty(self.shape(k), dtype=self.dtype(k)) if out is None else out
     self.read_many([(k, out)])
     return out
-
-# %% ../nbs/06b_gguf.ipynb #fmtg029
-def gguf_model_class(config) -> type:
-    "The class `AutoModelForCausalLM` picks for `config`: a GGUF config names no architectures."
-    from transformers import AutoModelForCausalLM
-    try: return AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
-        raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
 
 # %% ../nbs/06b_gguf.ipynb #fmtgk01
 @dataclass(frozen=True)

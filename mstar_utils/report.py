@@ -15,10 +15,6 @@ from .generation import load_generation_defaults
 # %% auto #0
 __all__ = ['NotACheckpoint', 'tokenizer_kind', 'checkpoint_report', 'check_can_answer', 'generate_reply']
 
-# %% ../nbs/12_report.ipynb #0b535622
-class NotACheckpoint(ValueError):
-    "The path is not a HuggingFace safetensors checkpoint folder; the message says what it is instead."
-
 # %% ../nbs/12_report.ipynb #ed3af0fd
 def _require_checkpoint(path) -> Path:
     "`path` once it is a checkpoint folder with a config.json; `NotACheckpoint` otherwise."
@@ -27,6 +23,10 @@ def _require_checkpoint(path) -> Path:
     if not (p/'config.json').is_file():
         raise NotACheckpoint(f'{p} is not a checkpoint folder: no config.json')
     return p
+
+# %% ../nbs/12_report.ipynb #0b535622
+class NotACheckpoint(ValueError):
+    "The path is not a HuggingFace safetensors checkpoint folder; the message says what it is instead."
 
 # %% ../nbs/12_report.ipynb #b3ebc810
 def tokenizer_kind(tokenizer_json: dict, # a parsed tokenizer.json (HF tokenizers format)
