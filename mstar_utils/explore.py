@@ -48,15 +48,8 @@ class Finding:
     fix: str = '' # what to do about it
 
 # %% ../nbs/12b_explore.ipynb #b3d09515
-_JSON_FILES = (
-    'config.json',
-    'generation_config.json',
-    'tokenizer.json',
-    'tokenizer_config.json',
-    'special_tokens_map.json',
-    'preprocessor_config.json',
-    INDEX_FILE,
-)
+_JSON_FILES = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
+    'special_tokens_map.json', 'preprocessor_config.json', INDEX_FILE)
 
 def _parse_json(path: Path) -> tuple:
     "(the JSON object in `path`, None), or (None, the parser's message)."
@@ -94,29 +87,17 @@ def check_files(ckpt: Path, # a checkpoint folder
                 Tokenizer.from_file(str(p))
             except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
                 out.append(
-                    Finding(
-                        'files',
-                        'error',
-                        name,
-                        f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
+                    Finding('files', 'error', name, f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
                         'upgrade tokenizers to the release that wrote the file, '
-                        'or save the tokenizer again with this one',
-                    )
-                )
+                        'or save the tokenizer again with this one'))
         if name == 'generation_config.json':
             from transformers import GenerationConfig
             try:
                 GenerationConfig.from_dict(d)
             except Exception as e:
                 out.append(
-                    Finding(
-                        'files',
-                        'error',
-                        name,
-                        f'transformers cannot read it: {e}',
-                        'fix or remove the setting it names',
-                    )
-                )
+                    Finding('files', 'error', name, f'transformers cannot read it: {e}',
+                        'fix or remove the setting it names'))
     return out
 
 # %% ../nbs/12b_explore.ipynb #a6444383
@@ -135,14 +116,8 @@ def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
         wm = read_weight_map(ckpt)
     except (ValueError, FileNotFoundError) as e:
         findings.append(
-            Finding(
-                'files',
-                'error',
-                INDEX_FILE,
-                str(e).replace(str(ckpt) + '/', ''),
-                'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)',
-            )
-        )
+            Finding('files', 'error', INDEX_FILE, str(e).replace(str(ckpt) + '/', ''),
+                'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)'))
         wm = None
     files = sorted(set(wm.values()) if wm else ckpt.glob('*.safetensors'))
     headers = {}
@@ -152,14 +127,8 @@ def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
         except (ValueError, OSError) as e:
             headers[f] = None
             findings.append(
-                Finding(
-                    'files',
-                    'error',
-                    f.name,
-                    str(e).replace(str(f), f.name),
-                    f'{f.name} is damaged or cut short: fetch it again',
-                )
-            )
+                Finding('files', 'error', f.name, str(e).replace(str(f), f.name),
+                    f'{f.name} is damaged or cut short: fetch it again'))
     if wm is None:
         wm = {k: f for f, h in headers.items() for k in (h or {})}
     return wm, headers
@@ -182,41 +151,25 @@ def stored_tensors(ckpt: Path, # a checkpoint folder
         if ti is None:
             held = f' ({where[k].name} holds it)' if k in where else ''
             findings.append(
-                Finding(
-                    'files',
-                    'error',
-                    k,
+                Finding('files', 'error', k,
                     f'the index assigns it to {f.name}, whose header has no such tensor{held}',
                     'regenerate model.safetensors.index.json from the shards '
-                    '(transformers: from_pretrained, then save_pretrained)',
-                )
-            )
+                    '(transformers: from_pretrained, then save_pretrained)'))
             continue
         out[k] = Stored(f.name, ti.dtype, tuple(ti.shape), ti.end - ti.begin)
     if indexed:
         extra = sorted(k for k, f in where.items() if k not in wm)
         for k in extra:
             findings.append(
-                Finding(
-                    'files',
-                    'warning',
-                    k,
+                Finding('files', 'warning', k,
                     f'{where[k].name} holds it, but the index does not list it, so no loader reads it',
-                    'add it to the weight_map of model.safetensors.index.json, or drop it from the shard',
-                )
-            )
+                    'add it to the weight_map of model.safetensors.index.json, or drop it from the shard'))
         named = {f.name for f in headers}
         loose = sorted(p.name for p in ckpt.glob('*.safetensors') if p.name not in named)
         if loose:
             findings.append(
-                Finding(
-                    'files',
-                    'note',
-                    ', '.join(loose),
-                    'safetensors files the index names no key in',
-                    'left over from another save: remove them',
-                )
-            )
+                Finding('files', 'note', ', '.join(loose), 'safetensors files the index names no key in',
+                    'left over from another save: remove them'))
     return out
 
 # %% ../nbs/12b_explore.ipynb #8cbdc51b
@@ -411,27 +364,17 @@ def _fp8_findings(qc: dict, tensors: dict, findings: list):
             if tuple(s.shape) != want:
                 fits = [-(-d // n) for d, n in zip(st.shape[-2:], s.shape[-2:], strict=False)]
                 findings.append(
-                    Finding(
-                        'formats',
-                        'error',
-                        k + suffix,
+                    Finding('formats', 'error', k + suffix,
                         f'has shape {list(s.shape)}, but weight_block_size {list(bs)} over the '
                         f'{list(st.shape)} weight needs {list(want)} scales',
-                        f'the scales fit blocks of {fits}: set weight_block_size to that',
-                    )
-                )
+                        f'the scales fit blocks of {fits}: set weight_block_size to that'))
         if suffix == '_scale' and 'embed' not in k:
             findings.append(
-                Finding(
-                    'formats',
-                    'warning',
-                    k + suffix,
+                Finding('formats', 'warning', k + suffix,
                     "quant_method fp8 stores a linear layer's scale as weight_scale_inv; load_model multiplies "
                     "by this weight_scale all the same, but transformers' FP8Linear reads only weight_scale_inv, "
                     "so from_pretrained leaves it unset",
-                    f'rename it to {k}_scale_inv (the values stay: both multiply the codes)',
-                )
-            )
+                    f'rename it to {k}_scale_inv (the values stay: both multiply the codes)'))
 
 # %% ../nbs/12b_explore.ipynb #e2cb32f2
 def format_findings(config: dict, # config.json
@@ -447,15 +390,10 @@ def format_findings(config: dict, # config.json
         p = _ignored(m, ignore)
         if p:
             out.append(
-                Finding(
-                    'formats',
-                    'error',
-                    k,
+                Finding('formats', 'error', k,
                     f'is stored quantized, but quantization_config.{which} names its module {m!r} ({p!r}), '
                     'so transformers builds it unquantized and will not take its codes or scales',
-                    f'drop {p!r} from {which}, or store {m} unquantized',
-                )
-            )
+                    f'drop {p!r} from {which}, or store {m} unquantized'))
     if qc.get('quant_method') == 'fp8':
         _fp8_findings(qc, tensors, out)
     return out
@@ -480,14 +418,9 @@ def quantized_units(ckpt: Path, # a checkpoint folder
         return quantized_tensors(src, config, dtype)
     except (ValueError, NotImplementedError, KeyError) as e:
         findings.append(
-            Finding(
-                'formats',
-                'error',
-                _quoted(str(e)) or 'quantization_config',
+            Finding('formats', 'error', _quoted(str(e)) or 'quantization_config',
                 f'load_model refuses the checkpoint: {e}',
-                'make the stored tensors and quantization_config agree, as the message says',
-            )
-        )
+                'make the stored tensors and quantization_config agree, as the message says'))
         return []
     finally:
         src.close()
@@ -507,12 +440,8 @@ def format_families(tensors: dict, # {key: `Stored`}
         f.stored_bytes += nbytes
 
     for u in units:
-        add(
-            u.target,
-            describe_format(u.op, u.dtypes),
-            math.prod(u.op.out_shape(u.shapes)),
-            sum(tensors[k].nbytes for k in u.sources if k in tensors),
-        )
+        add(u.target, describe_format(u.op, u.dtypes), math.prod(u.op.out_shape(u.shapes)),
+            sum(tensors[k].nbytes for k in u.sources if k in tensors))
         consumed.update(u.sources)
     for k, st in tensors.items():
         if k not in consumed:
@@ -530,27 +459,15 @@ def _build(ckpt: Path, findings: list):
         config = AutoConfig.from_pretrained(ckpt)
     except Exception as e:
         findings.append(
-            Finding(
-                'load',
-                'error',
-                'config.json',
-                f'transformers cannot read it: {e}',
-                'fix config.json as the message says',
-            )
-        )
+            Finding('load', 'error', 'config.json', f'transformers cannot read it: {e}',
+                'fix config.json as the message says'))
         return None, None
     try:
         return config, build_on_meta(config, None, model_dtype(config, ckpt))
     except Exception as e:
         findings.append(
-            Finding(
-                'load',
-                'error',
-                'config.json',
-                f'the model cannot be built from it: {type(e).__name__}: {e}',
-                'pass model_class= to load_model, or install the transformers release the architecture needs',
-            )
-        )
+            Finding('load', 'error', 'config.json', f'the model cannot be built from it: {type(e).__name__}: {e}',
+                'pass model_class= to load_model, or install the transformers release the architecture needs'))
         return config, None
 
 # %% ../nbs/12b_explore.ipynb #0ca8b04b
@@ -560,6 +477,18 @@ def _slots(model) -> list:
     for n, t, is_param in named_tensors(model):
         slots.setdefault(id(t), ([], t, is_param))[0].append(n)
     return list(slots.values())
+
+# %% ../nbs/12b_explore.ipynb #c12010
+def _unexpected_findings(model, src, names: set, findings: list):
+    "A warning for each key of `src` that no tensor of `model` (`names`), buffer or ignore pattern takes."
+    pats = [re.compile(p) for p in getattr(model, '_keys_to_ignore_on_load_unexpected', None) or []]
+    buffers = {n for n, _ in model.named_buffers()}
+    for k in src.keys():  # noqa: SIM118 (a source has no __iter__)
+        if k not in names and k not in buffers and not any(p.search(k) for p in pats):
+            findings.append(
+                Finding('load', 'warning', k,
+                    f'unexpected: no tensor of {type(model).__name__} takes it, so load_model warns and leaves it',
+                    'drop it from the checkpoint, or load with the class it was saved from (model_class=)'))
 
 # %% ../nbs/12b_explore.ipynb #8b66dd9c
 def _key_findings(model, src, findings: list):
@@ -572,65 +501,31 @@ def _key_findings(model, src, findings: list):
         if len(ns) > 1:
             stored = f'the checkpoint stores {", ".join(have)}' if have else 'the checkpoint stores none of them'
             findings.append(
-                Finding(
-                    'load',
-                    'note',
-                    ns[0],
+                Finding('load', 'note', ns[0],
                     f'tied: {", ".join(ns)} are one tensor; {stored}'
-                    + ('; load_model loads both and unties them if their values differ' if len(have) > 1 else ''),
-                    '',
-                )
-            )
+                    + ('; load_model loads both and unties them if their values differ' if len(have) > 1 else ''), ''))
         if not have:
             if not is_param and not t.is_meta:
                 findings.append(
-                    Finding(
-                        'load',
-                        'note',
-                        ns[0],
-                        'buffer the checkpoint lacks: load_model keeps it as the model builds it',
-                        '',
-                    )
-                )
+                    Finding('load', 'note', ns[0],
+                        'buffer the checkpoint lacks: load_model keeps it as the model builds it', ''))
             else:
                 findings.append(
-                    Finding(
-                        'load',
-                        'error',
-                        ns[0],
+                    Finding('load', 'error', ns[0],
                         f'missing: {type(model).__name__} has it, the checkpoint has no key for it',
                         'use the checkpoint this config belongs to; '
-                        'if it was saved from a base model, load that submodule',
-                    )
-                )
+                        'if it was saved from a base model, load that submodule'))
             continue
         for n in have:
             got = tuple(src.shape(n))
             if got != tuple(t.shape):
                 findings.append(
-                    Finding(
-                        'load',
-                        'error',
-                        n,
+                    Finding('load', 'error', n,
                         f'shape mismatch: the checkpoint has {list(got)}, '
                         f'{type(model).__name__} expects {list(t.shape)}',
                         'the config does not describe this checkpoint: '
-                        'fix its sizes (hidden_size, vocab_size, ...) to the tensors',
-                    )
-                )
-    pats = [re.compile(p) for p in getattr(model, '_keys_to_ignore_on_load_unexpected', None) or []]
-    buffers = {n for n, _ in model.named_buffers()}
-    for k in src.keys():  # noqa: SIM118 (a source has no __iter__)
-        if k not in names and k not in buffers and not any(p.search(k) for p in pats):
-            findings.append(
-                Finding(
-                    'load',
-                    'warning',
-                    k,
-                    f'unexpected: no tensor of {type(model).__name__} takes it, so load_model warns and leaves it',
-                    'drop it from the checkpoint, or load with the class it was saved from (model_class=)',
-                )
-            )
+                        'fix its sizes (hidden_size, vocab_size, ...) to the tensors'))
+    _unexpected_findings(model, src, names, findings)
 
 # %% ../nbs/12b_explore.ipynb #bf21fc4c
 def load_findings(ckpt: Path, # a checkpoint folder
@@ -640,13 +535,8 @@ def load_findings(ckpt: Path, # a checkpoint folder
     "(findings, loader source or None): what `load_model` would raise or warn, without reading weights."
     from mstar_utils.model import model_source, transformers_conversions_skipped
     out = [
-        Finding(
-            'load',
-            'warning',
-            r.partition(' ->')[0],
-            f"transformers fuses {r}, a rule load_model cannot apply",
-            'give load_model conv= recipes for it, or expect the keys it fuses to be missing',
-        )
+        Finding('load', 'warning', r.partition(' ->')[0], f"transformers fuses {r}, a rule load_model cannot apply",
+            'give load_model conv= recipes for it, or expect the keys it fuses to be missing')
         for r in transformers_conversions_skipped(config)
     ]
     try:
@@ -654,14 +544,8 @@ def load_findings(ckpt: Path, # a checkpoint folder
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         out.append(
-            Finding(
-                'load',
-                'error',
-                _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
-                'as the message says',
-            )
-        )
+            Finding('load', 'error', _quoted(msg) or ckpt.name,
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
         return out, None
     try:
         _key_findings(model, src, out)
@@ -669,14 +553,8 @@ def load_findings(ckpt: Path, # a checkpoint folder
         src.close()
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         out.append(
-            Finding(
-                'load',
-                'error',
-                _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
-                'as the message says',
-            )
-        )
+            Finding('load', 'error', _quoted(msg) or ckpt.name,
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
         return out, None
     return out, src
 
@@ -734,14 +612,9 @@ def rank_table(checkpoint_dir: Path, # a checkpoint folder
                 if ' ' in key:
                     key, why = Path(checkpoint_dir).name, what  # a message that does not start with a key
                 out.append(
-                    Finding(
-                        'ranks',
-                        'warning',
-                        key,
+                    Finding('ranks', 'warning', key,
                         f"{'EP' if ep else 'TP'} {ws}: load_model_sharded refuses it: {why}",
-                        fix or 'use a world size it divides',
-                    )
-                )
+                        fix or 'use a world size it divides'))
     return rows, out
 
 # %% ../nbs/12b_explore.ipynb #b0d05171
@@ -796,7 +669,26 @@ class _Moments:
         self.mean += d * n / N
         self.n = N
 
+# %% ../nbs/12b_explore.ipynb #34f3481f
+@dataclass
+class TensorStats:
+    "Statistics of one tensor's values, dequantized: moments, outliers, and the scales of quantized ones."
+    key: str
+    shape: tuple
+    dtype: str # the stored dtype, or the quantized format's codes
+    absmax: float
+    mean: float
+    std: float # with Bessel's correction, as torch.std
+    kurtosis: float # excess kurtosis (0 for a normal distribution): heavy tails score high
+    nan: int
+    inf: int
+    all_zero: bool
+    outlier_channels: float | None  # fraction of rows whose absmax > OUTLIER_FACTOR x the median row's; None for 1-d
+    scale_min: float | None = None # quantized tensors: their scales' range
+    scale_max: float | None = None
+    scale_outliers: float | None = None # fraction of scales > OUTLIER_FACTOR x the median scale
 
+# %% ../nbs/12b_explore.ipynb #c12012
 def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor, lo: torch.Tensor) -> tuple:
     "(`_Moments`, NaN count, Inf count) of rows [r0, r1) of the 2-d `x2`, chunk by chunk"
     # each row's max and min go into `hi`, `lo`.
@@ -820,25 +712,6 @@ def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor
             inf += int(torch.isinf(c).sum())
     return mom, nan, inf
 
-# %% ../nbs/12b_explore.ipynb #34f3481f
-@dataclass
-class TensorStats:
-    "Statistics of one tensor's values, dequantized: moments, outliers, and the scales of quantized ones."
-    key: str
-    shape: tuple
-    dtype: str # the stored dtype, or the quantized format's codes
-    absmax: float
-    mean: float
-    std: float # with Bessel's correction, as torch.std
-    kurtosis: float # excess kurtosis (0 for a normal distribution): heavy tails score high
-    nan: int
-    inf: int
-    all_zero: bool
-    outlier_channels: float | None  # fraction of rows whose absmax > OUTLIER_FACTOR x the median row's; None for 1-d
-    scale_min: float | None = None # quantized tensors: their scales' range
-    scale_max: float | None = None
-    scale_outliers: float | None = None # fraction of scales > OUTLIER_FACTOR x the median scale
-
 # %% ../nbs/12b_explore.ipynb #238b55a8
 def reduce_tensor(key: str, # names the result
                   t: torch.Tensor, # any float dtype; reduced in float32, `_CHUNK` elements at a time
@@ -860,19 +733,10 @@ def reduce_tensor(key: str, # names the result
     row_max = torch.maximum(hi, lo.neg_())
     n, absmax = mom.n, float(row_max.max()) if rows and cols else float('nan')
     med = float(row_max.median()) if rows and cols else float('nan')
-    return TensorStats(
-        key,
-        tuple(t.shape),
-        dtype or str(t.dtype).removeprefix('torch.'),
-        absmax,
-        mom.mean if n else float('nan'),
-        math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
-        n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'),
-        nan,
-        inf,
-        absmax == 0,
-        float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None,
-    )
+    return TensorStats(key, tuple(t.shape), dtype or str(t.dtype).removeprefix('torch.'), absmax,
+        mom.mean if n else float('nan'), math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
+        n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'), nan, inf, absmax == 0,
+        float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None)
 
 # %% ../nbs/12b_explore.ipynb #e0069529
 class _Buffers:
@@ -896,6 +760,7 @@ class _OneThread:
 
     def __exit__(self, *exc): torch.set_num_threads(self.n)
 
+# %% ../nbs/12b_explore.ipynb #c12015
 def _each(src, keys: list, fn, failed=None):
     "`fn(key, tensor)` for each of `keys` in order, the next tensor read on a thread meanwhile"
     # at most two tensors held; `failed(key, error)` for a read that fails.
@@ -994,20 +859,8 @@ def layer_stats(stats: list, # [`TensorStats`]
         fin = [s for s in ss if math.isfinite(s.kurtosis) and len(s.shape) >= 2] or ss   # weights, not norm vectors
         heavy = max(fin, key=lambda s: s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
         out.append(
-            LayerStats(
-                name,
-                i,
-                len(ss),
-                big.absmax,
-                big.key,
-                heavy.kurtosis,
-                heavy.key,
-                sum(s.nan for s in ss),
-                sum(s.inf for s in ss),
-                sum(s.all_zero for s in ss),
-                max((s.outlier_channels or 0.0) for s in ss),
-            )
-        )
+            LayerStats(name, i, len(ss), big.absmax, big.key, heavy.kurtosis, heavy.key, sum(s.nan for s in ss),
+                sum(s.inf for s in ss), sum(s.all_zero for s in ss), max((s.outlier_channels or 0.0) for s in ss)))
     return out
 
 # %% ../nbs/12b_explore.ipynb #144cdd93
@@ -1149,14 +1002,8 @@ def _layer_diffs(diffs: list) -> list[LayerDiff]:
     for name, ds in groups.items():
         dd, aa = sum((d.rel_l2 * d.norm_a) ** 2 for d in ds if math.isfinite(d.rel_l2)), sum(d.norm_a ** 2 for d in ds)
         out.append(
-            LayerDiff(
-                name,
-                len(ds),
-                sum(not d.identical for d in ds),
-                math.sqrt(dd / aa) if aa else 0.0,
-                max(d.max_abs for d in ds),
-            )
-        )
+            LayerDiff(name, len(ds), sum(not d.identical for d in ds), math.sqrt(dd / aa) if aa else 0.0,
+                max(d.max_abs for d in ds)))
     return sorted(out, key=lambda l: (-l.rel_l2, -l.max_abs, l.layer))
 
 def _read_hashed(src, k: str, out: torch.Tensor) -> tuple:
@@ -1246,14 +1093,8 @@ def plot_depth(ws: WeightStats, # from `weight_stats`
     for j, (fam, pts) in enumerate(sorted(fams.items())):
         pts.sort()
         for ax, col in zip(axes, (1, 2), strict=True):
-            ax.plot(
-                [p[0] for p in pts],
-                [p[col] for p in pts],
-                marker='.',
-                color=f'C{j % 10}',
-                ls='-' if j < 10 else '--',
-                label=fam,
-            )
+            ax.plot([p[0] for p in pts], [p[col] for p in pts], marker='.', color=f'C{j % 10}',
+                ls='-' if j < 10 else '--', label=fam)
     axes[0].set(xlabel='layer', ylabel='absmax', yscale='log', title='largest |weight| by layer')
     axes[1].set(xlabel='layer', ylabel='std', yscale='log', title='standard deviation by layer')
     for ax in axes:
@@ -1272,12 +1113,8 @@ def plot_worst(ws: WeightStats, # from `weight_stats`
     fig, ax = plt.subplots(figsize=(11, 3.6), layout='constrained')
     for layer, (key, edges, counts) in ws.histograms.items():
         ax.stairs([max(c, 0.5) for c in counts], edges, label=f'{key} (kurtosis {ws.by_key()[key].kurtosis:.1f})')
-    ax.set(
-        yscale='log',
-        xlabel='(w − mean) / std',
-        ylabel='weights',
-        title='worst layers: value distribution of their heaviest-tailed weight',
-    )
+    ax.set(yscale='log', xlabel='(w − mean) / std', ylabel='weights',
+        title='worst layers: value distribution of their heaviest-tailed weight')
     ax.legend(fontsize='x-small')
     ax.grid(alpha=0.3)
     return fig
@@ -1406,13 +1243,10 @@ def _formats(self: Exploration) -> tuple:
     params, nbytes = sum(f.params for f in self.formats), sum(f.stored_bytes for f in self.formats)
     head = ['family', 'format', 'tensors', 'weights', 'stored', 'bits/weight']
     kinds = sorted({f.format for f in self.formats})
-    return (
-        f'{len(kinds)} format(s), {8 * nbytes / max(params, 1):.2f} bits per weight overall',
-        _html_table(head, rows),
-        _text_table(head, rows),
-    )
+    return (f'{len(kinds)} format(s), {8 * nbytes / max(params, 1):.2f} bits per weight overall',
+        _html_table(head, rows), _text_table(head, rows))
 
-
+# %% ../nbs/12b_explore.ipynb #c12024
 def _spread(v: list) -> str:
     "Per-rank bytes: one size when the ranks agree, else the least and most and then every rank's."
     if not v:
@@ -1433,10 +1267,8 @@ def _ranks(self: Exploration) -> tuple:
     if not rows:
         return ('not computed', '', [])
     loads = [r for r in self.ranks if not r.refused]   # the sizes listed are those load_model accepts
-    tp, ep = (
-        [str(r.world_size) for r in loads if not r.expert_parallel],
-        [str(r.world_size) for r in loads if r.expert_parallel],
-    )
+    tp, ep = ([str(r.world_size) for r in loads if not r.expert_parallel],
+        [str(r.world_size) for r in loads if r.expert_parallel])
     refused = [_par(r) for r in self.ranks if r.refused]
     summary = (
         f'TP {", ".join(tp) or "none"}'
@@ -1449,53 +1281,20 @@ def _kv(self: Exploration) -> tuple:
     if self.kv is None:
         return ('not computed', '', [])
     k = self.kv
-    return (
-        f"{k['kv_bytes_per_token']:,} bytes per token, {k['kv_fixed_bytes_per_request']:,} fixed per request",
+    return (f"{k['kv_bytes_per_token']:,} bytes per token, {k['kv_fixed_bytes_per_request']:,} fixed per request",
         ''.join(f'<div>{_E(l)}</div>' for l in self.kv_lines) + _img(self.plots.get('kv')),
-        ['  ' + l for l in self.kv_lines],
-    )
+        ['  ' + l for l in self.kv_lines])
 
 # %% ../nbs/12b_explore.ipynb #bba0a152
-_T_HEAD = [
-    'tensor',
-    'shape',
-    'dtype',
-    'absmax',
-    'mean',
-    'std',
-    'kurtosis',
-    'NaN',
-    'Inf',
-    'zero',
-    'outlier rows',
-    'scales min',
-    'max',
-    'outliers',
-]
+_T_HEAD = ['tensor', 'shape', 'dtype', 'absmax', 'mean', 'std', 'kurtosis', 'NaN', 'Inf', 'zero', 'outlier rows',
+    'scales min', 'max', 'outliers']
 
 
 def _t_row(s: TensorStats) -> list:
-    return [
-        s.key,
-        list(s.shape),
-        s.dtype,
-        *map(
-            _num,
-            (
-                s.absmax,
-                s.mean,
-                s.std,
-                s.kurtosis,
-                s.nan or None,
-                s.inf or None,
-                s.all_zero,
-                s.outlier_channels,
-                s.scale_min,
-                s.scale_max,
-                s.scale_outliers,
-            ),
-        ),
-    ]
+    return [s.key, list(s.shape), s.dtype,
+        *map(_num,
+            (s.absmax, s.mean, s.std, s.kurtosis, s.nan or None, s.inf or None, s.all_zero, s.outlier_channels,
+                s.scale_min, s.scale_max, s.scale_outliers))]
 
 def _stats(self: Exploration) -> tuple:
     ws = self.stats
@@ -1505,18 +1304,8 @@ def _stats(self: Exploration) -> tuple:
     worst = ', '.join(l.layer for l in ws.worst())
     lhead = ['layer', 'tensors', 'absmax', 'of', 'max weight kurtosis', 'of', 'NaN', 'Inf', 'zero', 'outlier rows']
     lrows = [
-        (
-            l.layer,
-            l.tensors,
-            _num(l.absmax),
-            l.absmax_key[len(l.layer) + 1 :],
-            _num(l.kurtosis),
-            l.kurtosis_key[len(l.layer) + 1 :],
-            l.nan or '',
-            l.inf or '',
-            l.all_zero or '',
-            _num(l.outlier_channels),
-        )
+        (l.layer, l.tensors, _num(l.absmax), l.absmax_key[len(l.layer) + 1 :], _num(l.kurtosis),
+            l.kurtosis_key[len(l.layer) + 1 :], l.nan or '', l.inf or '', l.all_zero or '', _num(l.outlier_channels))
         for l in ws.layers
     ]
     top = sorted(ws.tensors, key=lambda s: -s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
@@ -1540,15 +1329,10 @@ def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
                f'{len(d.added)} added, {len(d.removed)} removed, {len(d.reshaped)} reshaped')
     head = ['tensor', 'identical', 'max |a−b|', 'rel L2', 'cosine']
     rows = [(t.key, _num(t.identical), _num(t.max_abs), _num(t.rel_l2), _num(t.cosine)) for t in d.changed[:n]]
-    lh, lr = (
-        ['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'],
-        [(l.layer, l.tensors, l.changed, _num(l.rel_l2), _num(l.max_abs)) for l in d.layers[:n]],
-    )
-    keys = [
-        ('added', d.added),
-        ('removed', d.removed),
-        ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped]),
-    ]
+    lh, lr = (['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'],
+        [(l.layer, l.tensors, l.changed, _num(l.rel_l2), _num(l.max_abs)) for l in d.layers[:n]])
+    keys = [('added', d.added), ('removed', d.removed),
+        ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped])]
     lines = [f'  {w}: {listed(v, 8)}' for w, v in keys if v]
     body = ''.join(f'<div>{_E(l.strip())}</div>' for l in lines) + _html_table(head, rows) + _html_table(lh, lr)
     return summary, body, lines + _text_table(head, rows) + [''] + _text_table(lh, lr)
@@ -1558,16 +1342,9 @@ def _files(self: Exploration) -> tuple:
     return (f'{n} file(s) that cannot be parsed' if n else 'every file parses', '', [])
 
 # %% ../nbs/12b_explore.ipynb #933d0b63
-_SECTIONS = [
-    ('files', '0. Files', _files),
-    ('structure', '1. Structure', _structure),
-    ('formats', '2. Formats', _formats),
-    ('load', '3. Will it load', None),
-    ('ranks', '4. Bytes per rank', _ranks),
-    ('kv', '5. KV cache', _kv),
-    ('stats', '6. Weight statistics', _stats),
-    ('diff', '7. Diff', None),
-]
+_SECTIONS = [('files', '0. Files', _files), ('structure', '1. Structure', _structure),
+    ('formats', '2. Formats', _formats), ('load', '3. Will it load', None), ('ranks', '4. Bytes per rank', _ranks),
+    ('kv', '5. KV cache', _kv), ('stats', '6. Weight statistics', _stats), ('diff', '7. Diff', None)]
 
 def _parts(self: Exploration) -> list:
     "[(title, summary, html, lines)] for every section, its findings first."
@@ -1640,17 +1417,16 @@ def diff_dict(d: CheckpointDiff) -> dict:
     "A `CheckpointDiff` as JSON-ready data."
     return _clean(
         {
-            'a': d.a,
-            'b': d.b,
-            'added': d.added,
-            'removed': d.removed,
-            'reshaped': d.reshaped,
-            'changed': d.changed,
-            'identical': [t.key for t in d.tensors if t.identical],
-            'layers': d.layers,
-            'findings': d.findings,
-        }
-    )
+        'a': d.a,
+        'b': d.b,
+        'added': d.added,
+        'removed': d.removed,
+        'reshaped': d.reshaped,
+        'changed': d.changed,
+        'identical': [t.key for t in d.tensors if t.identical],
+        'layers': d.layers,
+        'findings': d.findings,
+        })
 
 # %% ../nbs/12b_explore.ipynb #a078a65a
 @patch

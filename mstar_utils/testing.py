@@ -16,10 +16,10 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal', 'tiny_configs', 'tiny_model', 'save_tiny',
            'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
            'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder',
-           'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'fp8_block_quantize', 'mxfp4_quantize',
-           'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'quantized_configs',
+           'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'quantized_configs', 'fp8_block_quantize',
+           'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint',
            'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
-           'jfk_resampled', 'write_ct_preset_checkpoint', 'formats_config', 'ct_nvfp4_reference', 'ct_preset_reference',
+           'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference',
            'tiny_llama_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint',
            'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
@@ -73,10 +73,18 @@ def assert_state_dict_equal(
         w = want[prefix + k]
         assert_tensors_equal(v, w.to(v.dtype) if cast else w, prefix + k, atol)
 
-# %% ../nbs/98_testing.ipynb #861b5945
+# %% ../nbs/98_testing.ipynb #c98002
 _TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
 _EXPERTS = 16  # string order (0, 1, 10, ...) differs from integer order
+_TINY_WHISPER = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_mel_bins=16,
+                     max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     decoder_start_token_id=1)
+_TINY_DSV2 = dict(intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=_EXPERTS,
+                  n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                  q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 
+# %% ../nbs/98_testing.ipynb #861b5945
 def tiny_configs() -> dict:
     "Small configs of real architectures, by name: decoder-only, encoder-decoder, speech and MoE."
     import transformers as tf
@@ -87,58 +95,17 @@ def tiny_configs() -> dict:
         'gpt_neox': tf.GPTNeoXConfig(**_TINY, intermediate_size=48),
         'gemma2': tf.Gemma2Config(**_TINY, intermediate_size=48, num_key_value_heads=2, head_dim=8),
         't5': tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4),
-        'whisper': tf.WhisperConfig(
-            vocab_size=96,
-            d_model=32,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=48,
-            decoder_ffn_dim=48,
-            num_mel_bins=16,
-            max_source_positions=16,
-            max_target_positions=32,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-            decoder_start_token_id=1,
-            suppress_tokens=[],
-            begin_suppress_tokens=[],
-        ),
+        'whisper': tf.WhisperConfig(**_TINY_WHISPER, suppress_tokens=[], begin_suppress_tokens=[]),
         'mixtral': tf.MixtralConfig(**_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe),
-        'qwen2_moe': tf.Qwen2MoeConfig(
-            **_TINY,
-            intermediate_size=24,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=24,
-            num_experts=_EXPERTS,
-            **moe,
-        ),
-        'qwen3_moe': tf.Qwen3MoeConfig(
-            **_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8, num_experts=_EXPERTS, **moe
-        ),
+        'qwen2_moe': tf.Qwen2MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=24, num_experts=_EXPERTS, **moe),
+        'qwen3_moe': tf.Qwen3MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8,
+                                       num_experts=_EXPERTS, **moe),
         # fused by transformers' own rules
         'olmoe': tf.OlmoeConfig(**_TINY, intermediate_size=16, num_experts=_EXPERTS, **moe),
         # renamed, then fused
         'phimoe': tf.PhimoeConfig(**_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe),
-        'deepseek_v2': tf.DeepseekV2Config(
-            **_TINY,
-            intermediate_size=48,
-            moe_intermediate_size=16,
-            num_key_value_heads=4,
-            n_routed_experts=_EXPERTS,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            q_lora_rank=12,
-            kv_lora_rank=16,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=8,
-            v_head_dim=8,
-        ),
+        'deepseek_v2': tf.DeepseekV2Config(**_TINY, **_TINY_DSV2),
     }
 
 # %% ../nbs/98_testing.ipynb #bdee0cd5
@@ -265,58 +232,24 @@ _KV_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 _KV_SHAPES = {  # per architecture: small shapes, the class's own mix of layer kinds
     'Llama': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=2),
     'Gemma-3': lambda: dict(text_config=dict(**_KV_TINY, head_dim=16, num_hidden_layers=7, sliding_window=4)),
-    'gpt-oss': lambda: dict(
-        **_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4, num_experts_per_tok=2
-    ),
-    'Qwen3-Next': lambda: dict(
-        **_KV_TINY,
-        **_KV_MOE,
-        head_dim=16,
-        num_hidden_layers=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        num_experts=4,
-        shared_expert_intermediate_size=32,
-    ),
-    'DeepSeek-V3': lambda: dict(
-        _KV_TINY,
-        **_KV_MOE,
-        num_key_value_heads=4,
-        num_hidden_layers=2,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_routed_experts=4,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-    ),
-    'Whisper': lambda: dict(
-        vocab_size=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=1,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=3,
-        encoder_attention_heads=2,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_source_positions=8,
-        max_target_positions=32,
-        num_mel_bins=8,
-    ),
+    'gpt-oss': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4,
+                            num_experts_per_tok=2),
+    'Qwen3-Next': lambda: dict(**_KV_TINY, **_KV_MOE, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                               num_experts=4, shared_expert_intermediate_size=32),
+    'DeepSeek-V3': lambda: dict(_KV_TINY, **_KV_MOE, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=16,
+                                q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1),
+    'Whisper': lambda: dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                            d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=2,
+                            decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                            max_source_positions=8, max_target_positions=32, num_mel_bins=8),
     'Qwen2-VL': lambda: dict(
         text_config=dict(**_KV_TINY, num_hidden_layers=2, rope_scaling=dict(type='mrope', mrope_section=[2, 3, 3]))
     ),
 }
 
+# %% ../nbs/98_testing.ipynb #c98008
 def tiny_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
                    dtype='bfloat16'):
     "A config of `arch`'s class that runs on CPU in milliseconds, with the same kinds of layers."
@@ -447,6 +380,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+# %% ../nbs/98_testing.ipynb #a9ad5d25
+def quantized_configs() -> dict:
+    "Tiny configs of the architectures each format ships for, by format."
+    import transformers as tf
+    qwen3 = tf.Qwen3Config(vocab_size=256, hidden_size=96, intermediate_size=100, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=48)
+    dsv3 = tf.DeepseekV3Config(
+        vocab_size=256, hidden_size=160, intermediate_size=200, moe_intermediate_size=72, num_hidden_layers=2,
+        first_k_dense_replace=1, n_routed_experts=3, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=136, kv_lora_rank=144, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=24, max_position_embeddings=64)
+    gpt_oss = tf.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=3,
+                              num_experts_per_tok=2, sliding_window=8,
+                              layer_types=['sliding_attention', 'full_attention'])
+    return {'fp8': dsv3, 'ct_float': qwen3, 'ct_pack': qwen3, 'mxfp4': gpt_oss}
+
 # %% ../nbs/98_testing.ipynb #4e43020b
 def fp8_block_quantize(w: torch.Tensor, # float [R, C]
                        block: tuple = (128, 128), # rows, cols one scale covers
@@ -548,35 +498,6 @@ def _minmax(w: torch.Tensor, args) -> tuple:
     b = torch.nn.functional.pad(w, (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
     return b.amin((1, 3)), b.amax((1, 3))
 
-# %% ../nbs/98_testing.ipynb #bc23fa85
-def write_compressed_tensors_checkpoint(model, # a transformers model, quantized in place
-                                        dest, # the checkpoint folder to write
-                                        config_groups: dict, # compressed-tensors config groups: targets and weight args
-                                        ignore: list = ('lm_head',), # modules left unquantized
-                                       ) -> Path:
-    "`model` quantized, compressed and saved by the `compressed-tensors` package, with its config."
-    import loguru
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from compressed_tensors.compressors import ModelCompressor
-    loguru.logger.disable('compressed_tensors')
-    qcfg = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), quantization_status='frozen')
-    apply_quantization_config(model, qcfg, show_progress=False)
-    for m in model.modules():
-        if not hasattr(m, 'weight_scale'):
-            continue
-        args = m.quantization_scheme.weights
-        s, z = calculate_qparams(*_minmax(m.weight.data.float(), args), args)
-        m.weight_scale.data = s.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
-        if hasattr(m, 'weight_zero_point'):
-            m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
-    comp = ModelCompressor.from_pretrained_model(model)
-    with contextlib.redirect_stderr(io.StringIO()):
-        comp.compress_model(model)
-    dest, _ = _saved(model, dest)
-    comp.update_config(str(dest))
-    return dest
-
 # %% ../nbs/98_testing.ipynb #a7451897
 _DYNAMIC_FP8 = {'num_bits': 8, 'type': 'float', 'strategy': 'token', 'dynamic': True, 'symmetric': True}
 CT_FLOAT_GROUPS = {  # fp8 weights (FP8_DYNAMIC style): one scale per channel, per tensor, per 64x64 block
@@ -611,58 +532,34 @@ CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 pe
     },
 }
 
-# %% ../nbs/98_testing.ipynb #a9ad5d25
-def quantized_configs() -> dict:
-    "Tiny configs of the architectures each format ships for, by format."
-    import transformers as tf
-
-    qwen3 = tf.Qwen3Config(
-        vocab_size=256,
-        hidden_size=96,
-        intermediate_size=100,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=48,
-    )
-    return {
-        'fp8': tf.DeepseekV3Config(
-            vocab_size=256,
-            hidden_size=160,
-            intermediate_size=200,
-            moe_intermediate_size=72,
-            num_hidden_layers=2,
-            first_k_dense_replace=1,
-            n_routed_experts=3,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            q_lora_rank=136,
-            kv_lora_rank=144,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=24,
-            max_position_embeddings=64,
-        ),
-        'ct_float': qwen3,
-        'ct_pack': qwen3,
-        'mxfp4': tf.GptOssConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            num_local_experts=3,
-            num_experts_per_tok=2,
-            sliding_window=8,
-            layer_types=['sliding_attention', 'full_attention'],
-        ),
-    }
+# %% ../nbs/98_testing.ipynb #bc23fa85
+def write_compressed_tensors_checkpoint(model, # a transformers model, quantized in place
+                                        dest, # the checkpoint folder to write
+                                        config_groups: dict, # compressed-tensors config groups: targets and weight args
+                                        ignore: list = ('lm_head',), # modules left unquantized
+                                       ) -> Path:
+    "`model` quantized, compressed and saved by the `compressed-tensors` package, with its config."
+    import loguru
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.compressors import ModelCompressor
+    loguru.logger.disable('compressed_tensors')
+    qcfg = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), quantization_status='frozen')
+    apply_quantization_config(model, qcfg, show_progress=False)
+    for m in model.modules():
+        if not hasattr(m, 'weight_scale'):
+            continue
+        args = m.quantization_scheme.weights
+        s, z = calculate_qparams(*_minmax(m.weight.data.float(), args), args)
+        m.weight_scale.data = s.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
+        if hasattr(m, 'weight_zero_point'):
+            m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+    comp = ModelCompressor.from_pretrained_model(model)
+    with contextlib.redirect_stderr(io.StringIO()):
+        comp.compress_model(model)
+    dest, _ = _saved(model, dest)
+    comp.update_config(str(dest))
+    return dest
 
 # %% ../nbs/98_testing.ipynb #8a331775
 def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp4'
@@ -847,29 +744,19 @@ def jfk_resampled(folder, # where to write the file
     sf.write(str(path), np.repeat(out[:, None], channels, axis=1), rate, subtype='PCM_16')
     return path
 
-# %% ../nbs/98_testing.ipynb #fmtt001
-def write_ct_preset_checkpoint(
-    model,  # a transformers model, quantized in place
-    dest,  # the checkpoint folder to write
-    preset: str,  # a compressed-tensors preset scheme: 'NVFP4A16', 'MXFP8A16', 'W4A16', ...
-    ignore: list = ('lm_head',),  # modules left unquantized
-    compress: bool = True,  # False: saved as llm-compressor's `save_compressed=False` does (format dense)
-) -> Path:
-    "`model` quantized by compressed-tensors preset `preset` on every Linear, saved by it."
-    import loguru
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+# %% ../nbs/98_testing.ipynb #fmtt002
+def formats_config():
+    "A tiny Qwen3 whose Linear dimensions are multiples of 128, for compressed-tensors' group quantizers."
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+# %% ../nbs/98_testing.ipynb #c98c007
+def _preset_qparams(model, compress: bool):
+    "Set each quantized Linear's min-max scales (and global scale); fake-quantize it when not `compress`."
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
-    from compressed_tensors.compressors import ModelCompressor
-    loguru.logger.disable('compressed_tensors')
-    groups = {'group_0': preset_name_to_scheme(preset, ['Linear'])}
-    qcfg = QuantizationConfig(
-        config_groups=groups,
-        ignore=list(ignore),
-        quantization_status='frozen',
-        **({} if compress else {'format': 'dense'}),
-    )
-    apply_quantization_config(model, qcfg, show_progress=False)
     for m in model.modules():
         if not hasattr(m, 'weight_scale'):
             continue
@@ -890,6 +777,29 @@ def write_ct_preset_checkpoint(
             m.weight.data = fake_quantize(
                 m.weight.data, m.weight_scale, getattr(m, 'weight_zero_point', None), args, gs
             )
+
+# %% ../nbs/98_testing.ipynb #fmtt001
+def write_ct_preset_checkpoint(
+    model,  # a transformers model, quantized in place
+    dest,  # the checkpoint folder to write
+    preset: str,  # a compressed-tensors preset scheme: 'NVFP4A16', 'MXFP8A16', 'W4A16', ...
+    ignore: list = ('lm_head',),  # modules left unquantized
+    compress: bool = True,  # False: saved as llm-compressor's `save_compressed=False` does (format dense)
+) -> Path:
+    "`model` quantized by compressed-tensors preset `preset` on every Linear, saved by it."
+    import loguru
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.compressors import ModelCompressor
+    loguru.logger.disable('compressed_tensors')
+    groups = {'group_0': preset_name_to_scheme(preset, ['Linear'])}
+    qcfg = QuantizationConfig(
+        config_groups=groups,
+        ignore=list(ignore),
+        quantization_status='frozen',
+        **({} if compress else {'format': 'dense'}),
+    )
+    apply_quantization_config(model, qcfg, show_progress=False)
+    _preset_qparams(model, compress)
     comp = ModelCompressor.from_pretrained_model(model, quantization_format=None if compress else 'dense')
     if compress:
         with contextlib.redirect_stderr(io.StringIO()):
@@ -897,21 +807,6 @@ def write_ct_preset_checkpoint(
     dest, _ = _saved(model, dest)
     comp.update_config(str(dest))
     return dest
-
-# %% ../nbs/98_testing.ipynb #fmtt002
-def formats_config():
-    "A tiny Qwen3 whose Linear dimensions are multiples of 128, for compressed-tensors' group quantizers."
-    import transformers as tf
-    torch.manual_seed(0)
-    return tf.Qwen3Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-    )
 
 # %% ../nbs/98_testing.ipynb #fmtt003
 def ct_nvfp4_reference(packed: torch.Tensor, # uint8 [R, C/2]
@@ -927,6 +822,7 @@ def ct_nvfp4_reference(packed: torch.Tensor, # uint8 [R, C/2]
     x = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
     return dequantize(x, scale.float(), args=args, global_scale=global_scale.float(), dtype=torch.float32).to(dtype)
 
+# %% ../nbs/98_testing.ipynb #c98c009
 def ct_preset_reference(folder, # a checkpoint of `write_ct_preset_checkpoint`: nvfp4-pack-quantized or mxfp8-quantized
                         dest, # where to write the dequantized copy
                         dtype=torch.bfloat16, # the dequantized weights' dtype
@@ -976,26 +872,27 @@ def _gguf_codes(x, qtype, rng):
 def tiny_llama_gguf_config(**kw):
     "A tiny Llama whose rows are whole K-quant blocks (256)."
     import transformers as tf
+    base = dict(vocab_size=333, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                tie_word_embeddings=False)
+    return tf.LlamaConfig(**{**base, **kw})
 
-    return tf.LlamaConfig(
-        **{
-            **dict(
-                vocab_size=333,
-                hidden_size=256,
-                intermediate_size=512,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
-                max_position_embeddings=128,
-                rms_norm_eps=1e-5,
-                rope_theta=10000.0,
-                tie_word_embeddings=False,
-            ),
-            **kw,
-        }
-    )
+# %% ../nbs/98_testing.ipynb #c98c013
+def _gguf_header(w, config):
+    "Write a Llama `config`'s metadata to gguf-py writer `w`, as llama.cpp's converter does."
+    w.add_name('tiny-llama')
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_freq_base(config.rope_parameters['rope_theta'])
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
 
+# %% ../nbs/98_testing.ipynb #c98c014
 def write_gguf_checkpoint(dest, # the .gguf file to write
                           qtypes, # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
                           default='Q8_0', # the type of 2-d weights no entry matches
@@ -1012,17 +909,7 @@ def write_gguf_checkpoint(dest, # the .gguf file to write
     model = LlamaForCausalLM(config)
     names = {v: k for k, v in gguf_names(model, config).items()}
     w = gguf.GGUFWriter(str(dest), 'llama')
-    w.add_name('tiny-llama')
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_rope_dimension_count(config.head_dim)
-    w.add_rope_freq_base(config.rope_parameters['rope_theta'])
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_vocab_size(config.vocab_size)
+    _gguf_header(w, config)
     for k, t in model.state_dict().items():
         g = names.get(k)
         if g is None or (g == 'output.weight' and config.tie_word_embeddings):
