@@ -520,6 +520,8 @@ def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
     raise NotImplementedError(f'{what}: compressed-tensors format {fmt!r} of {module!r} is not supported '
                               f'({", ".join(("pack-quantized",) + _CT_FLOAT)} are)')
 
+
+# %% ../nbs/06_quantized.ipynb #f7671dfb
 def _model_name(module: str, names: dict) -> str:
     "`module`, a checkpoint's module name, as the model names it"
     # through the rename (`names`: checkpoint key -> model key) of its weight, packed weight or scale.
@@ -594,6 +596,22 @@ def quantized_conversions(src, # a loader source, e.g. `checkpoint_source(folder
     # [] for an unquantized checkpoint. Raises as `quantized_tensors`.
     units = quantized_tensors(src, config, dtype)
     return [WeightConverter(pats, target, [op]) for pats, target, op in _fragments(units, src.keys())]
+
+# %% ../nbs/06_quantized.ipynb #c5fd7be5
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try: return model.get_submodule(path)
+    except AttributeError: return None
+
+def _place(model: nn.Module, u: QuantizedTensor, path: str, lin: list, whole: dict, per: dict) -> None:
+    "File `u` (at module `path`) under the swap it needs: a Linear, a whole parameter"
+    # or a per-expert weight of an ancestor.
+    m, p = _submodule(model, path), u.target.rpartition('.')[2]
+    if isinstance(m, nn.Linear) and p == 'weight': lin.append((path, m, u)); return
+    if m is not None and p in m._parameters: whole.setdefault(path, {})[p] = u; return
+    parts = path.split('.')
+    i = next((i for i in range(len(parts) - 1, 0, -1) if _submodule(model, '.'.join(parts[:i])) is not None), None)
+    if i is None: raise ValueError(f'{u.sources[0]!r}: no module of {type(model).__name__} holds {path + "." + p!r}')
+    per.setdefault('.'.join(parts[:i]), {})['.'.join(parts[i:])] = u
 
 # %% ../nbs/06_quantized.ipynb #0e2e96bd
 def _stored(m: nn.Module, u: QuantizedTensor, name: str, device) -> None:
@@ -703,22 +721,6 @@ def forward(self: QuantizedExperts, *args, **kwargs):
 @patch
 def extra_repr(self: QuantizedExperts) -> str:
     return f'inner={type(self.inner).__name__}, ops={self.ops}' if self.ops else f'inner={type(self.inner).__name__}'
-
-# %% ../nbs/06_quantized.ipynb #c5fd7be5
-def _submodule(model: nn.Module, path: str) -> nn.Module | None:
-    try: return model.get_submodule(path)
-    except AttributeError: return None
-
-def _place(model: nn.Module, u: QuantizedTensor, path: str, lin: list, whole: dict, per: dict) -> None:
-    "File `u` (at module `path`) under the swap it needs: a Linear, a whole parameter"
-    # or a per-expert weight of an ancestor.
-    m, p = _submodule(model, path), u.target.rpartition('.')[2]
-    if isinstance(m, nn.Linear) and p == 'weight': lin.append((path, m, u)); return
-    if m is not None and p in m._parameters: whole.setdefault(path, {})[p] = u; return
-    parts = path.split('.')
-    i = next((i for i in range(len(parts) - 1, 0, -1) if _submodule(model, '.'.join(parts[:i])) is not None), None)
-    if i is None: raise ValueError(f'{u.sources[0]!r}: no module of {type(model).__name__} holds {path + "." + p!r}')
-    per.setdefault('.'.join(parts[:i]), {})['.'.join(parts[i:])] = u
 
 # %% ../nbs/06_quantized.ipynb #45ae8d92
 def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped in place
