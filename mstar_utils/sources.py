@@ -190,7 +190,10 @@ def _not_a_checkpoint(p: Path) -> str | None:
             'because unpickling runs code from the file; convert it to safetensors once '
             '(transformers: from_pretrained then save_pretrained(safe_serialization=True))'
         )
-    return f'{p}: neither {INDEX_FILE} nor {SINGLE_FILE} found'
+    ggufs = sorted(x.name for x in p.glob('*.gguf'))
+    hint = (f'; it holds GGUF {ggufs[0]}, which load_model and load_plan read (inspect and diff read safetensors)'
+            if ggufs else '')
+    return f'{p}: neither {INDEX_FILE} nor {SINGLE_FILE} found{hint}'
 
 # %% ../nbs/01_safetensors.ipynb #8bfd3f9c
 def checkpoint_dir(path: str | Path) -> Path:

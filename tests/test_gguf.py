@@ -242,3 +242,11 @@ def test_keep_under_tensor_parallelism_gives_the_logits(tmp_path):
     for r, res in enumerate(run_ranks(tp_cells, 2, [(f, {'input_ids': IDS}, False, 'keep')], timeout=600)):
         torch.testing.assert_close(torch.load(io.BytesIO(res[0]), weights_only=False)['logits'], want, atol=1e-4, rtol=1e-6,
                                    msg=lambda m, r=r: f'rank {r}: {m}')
+
+
+def test_a_gguf_folder_is_named_where_only_safetensors_are_read(tmp_path):
+    "inspect and diff read safetensors: a folder of one GGUF file says so, naming the file and what reads it."
+    from mstar_utils.sources import checkpoint_dir
+    write_gguf_checkpoint(tmp_path/'tiny.gguf', {})
+    with pytest.raises(FileNotFoundError, match=r'holds GGUF tiny\.gguf, which load_model and load_plan read'):
+        checkpoint_dir(tmp_path)
