@@ -11,6 +11,10 @@ Rows:
   output bytes, against `load_model` of the same model saved as bf16 safetensors; target >= 0.5x.
 - NVFP4 dequantizing load: the same for a synthetic Llama of random NVFP4 codes in compressed-tensors' `nvfp4-pack-quantized`
   layout (every `*_proj`; embeddings, norms and lm_head in bf16, a 4096-token vocabulary so that the codes dominate).
+- GPTQ act-order, AWQ and bitsandbytes NF4 dequantizing loads (`--int_gb`, default 0.1 GB): the same rows for a synthetic
+  Llama of random 4-bit codes in GPTQ's layout (groups of 128, a permuted `g_idx`) and AutoAWQ's GEMM layout, with the
+  quantization_config `mstar_utils.testing.write_int4_checkpoint` writes; NF4 is bitsandbytes' own CPU quantization saved by
+  transformers (`write_bnb_checkpoint`). No peer on the CPU: transformers dequantizes GPTQ/AWQ/bnb only in GPU kernels.
 """
 from __future__ import annotations
 import contextlib
@@ -80,9 +84,63 @@ def dequantizing_row(name: str, load, tmp: Path, repeat: int) -> tuple:
             f'{gq / gb:.2f}x', '>= 0.5x')
 
 
+def write_int4(dest: Path, cfg, method: str, seed: int = 0) -> Path:
+    "A Llama of random 4-bit codes in GPTQ's (act-order, groups of 128) or AWQ's GEMM layout, float16 elsewhere."
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from mstar_utils.model import build_on_meta
+    cls, g, out = AutoModelForCausalLM._model_mapping[type(cfg)], torch.Generator().manual_seed(seed), {}
+    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=g)
+    for k, t in build_on_meta(cfg, cls, torch.float16).state_dict().items():
+        if t.ndim == 2 and '_proj' in k:
+            m, (N, K) = k[:-len('.weight')], t.shape
+            out[m + '.scales'] = (torch.rand(K // 128, N, generator=g) * 0.01).half()
+            if method == 'gptq':
+                out[m + '.qweight'], out[m + '.qzeros'] = words(K // 8, N), words(K // 128, N // 8)
+                out[m + '.g_idx'] = (torch.randperm(K, generator=g) // 128).int()
+            else: out[m + '.qweight'], out[m + '.qzeros'] = words(K, N // 8), words(K // 128, N // 8)
+        else: out[k] = (torch.randn(t.shape, generator=g) * 0.02).half()
+    qc = (dict(quant_method='gptq', bits=4, group_size=128, sym=True, desc_act=True, checkpoint_format='gptq')
+          if method == 'gptq' else dict(quant_method='awq', bits=4, group_size=128, zero_point=True, version='gemm'))
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest/'config.json').write_text(json.dumps({**cfg.to_dict(), 'architectures': [cls.__name__], 'dtype': 'float16',
+                                                'quantization_config': qc}, indent=2))
+    save_file(out, str(dest/'model.safetensors'), metadata={'format': 'pt'})
+    return dest
+
+
+def int_rows(cfg, int_gb: float, tmp: Path, repeat: int) -> list:
+    "The GPTQ act-order, AWQ and bitsandbytes NF4 rows, on Llamas of about `int_gb` GB of codes."
+    from transformers import AutoModelForCausalLM
+    from mstar_utils.model import load_model
+    from mstar_utils.testing import write_bnb_checkpoint
+    layer = (4 * 2048 * 2048 // 2 + 3 * 2048 * 5632) // 2   # half a byte a weight
+    cfg.vocab_size, cfg.num_hidden_layers = 4096, max(1, round(int_gb * 1e9 / layer))
+    rows = []
+    for name, method in [('GPTQ act-order int4', 'gptq'), ('AWQ int4 (GEMM)', 'awq')]:
+        d = write_int4(tmp/method, cfg, method)
+        size = (d/'model.safetensors').stat().st_size / 1e9
+        rows.append(dequantizing_row(f'{name} {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat))
+        shutil.rmtree(d)
+    torch.manual_seed(0)
+    d = write_bnb_checkpoint(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), tmp/'nf4', 'nf4')
+    size = (d/'model.safetensors').stat().st_size / 1e9
+    rows.append(dequantizing_row(f'bitsandbytes NF4 {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat))
+    return rows
+
+
+def table(rows: list) -> None:
+    "Print `rows` under the header, columns padded."
+    w = [max(len(r[i]) for r in rows + [('row', 'ours', 'reference', 'ratio', 'target')]) for i in range(5)]
+    for r in [('row', 'ours', 'reference', 'ratio', 'target')] + rows: print(' | '.join(c.ljust(n) for c, n in zip(r, w, strict=True)))
+    print(f'torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}')
+
+
 @call_parse
 def main(repeat: int = 3, # runs of each of our loads (the best is kept)
          q4k_gb: float = 0.25, # size of the synthetic Q4_K GGUF and NVFP4 files, in GB
+         int_gb: float = 0.1, # size of the GPTQ, AWQ and NF4 codes, in GB (0: skip those rows)
+         only_int: bool = False, # only the GPTQ, AWQ and NF4 rows
         ):
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.utils import logging as hf_logging
@@ -91,6 +149,11 @@ def main(repeat: int = 3, # runs of each of our loads (the best is kept)
     from mstar_utils.testing import write_gguf_checkpoint
     hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()
     rows = []
+    if only_int:
+        with tempfile.TemporaryDirectory(dir=os.environ.get('MSTAR_BENCH_TMP')) as tmp:
+            rows += int_rows(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False), int_gb, Path(tmp), repeat)
+        return table(rows)
     f = smollm2_gguf()
     load_model(f)   # warm: imports, page cache
     ours, _ = best(lambda: load_model(f), repeat)
@@ -114,6 +177,7 @@ def main(repeat: int = 3, # runs of each of our loads (the best is kept)
         d = write_nvfp4(tmp/'nvfp4', cfg)
         size = (d/'model.safetensors').stat().st_size / 1e9
         rows.append(dequantizing_row(f'NVFP4 (compressed-tensors) {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat))
-    w = [max(len(r[i]) for r in rows + [('row', 'ours', 'reference', 'ratio', 'target')]) for i in range(5)]
-    for r in [('row', 'ours', 'reference', 'ratio', 'target')] + rows: print(' | '.join(c.ljust(n) for c, n in zip(r, w, strict=True)))
-    print(f'torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}')
+        shutil.rmtree(d)
+        if int_gb: rows += int_rows(cfg, int_gb, tmp, repeat)
+    table(rows)
+

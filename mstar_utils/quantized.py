@@ -1058,6 +1058,9 @@ class GPTQDequantize(Dequantize):
     target_dtype: torch.dtype = torch.bfloat16
     g_idx: bool = True   # the op takes the stored `g_idx`
     inputs: int = 0   # K when it takes none; 0: the codes' rows × 32/b
+    # act-order without the stored key: the `g_idx` read at detection, held so the load reads it no more
+    order: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    order_key: str = ''   # the stored key `order` came from: the ops of two modules differ
     module_keys: ClassVar[bool] = True   # suffixes name tensors of the weight's module
     keepable: ClassVar[bool] = False
     codes: ClassVar[tuple] = (torch.int32,)
@@ -1087,7 +1090,8 @@ def _one(self: GPTQDequantize, ts: list) -> torch.Tensor:
     N, K = self.out_shape([t.shape for t in ts])
     q = _unpack_rows(ts[0], self.bits)[:K]
     z = _unpack_cols(ts[1], self.bits)[:, :N] + (1 if self.v1 else 0)
-    g = _groups(K, ts[2].shape[0], self.group_size, ts[3] if self.act_order else None, q.device)
+    gi = (ts[3] if self.g_idx else self.order.to(q.device)) if self.act_order else None
+    g = _groups(K, ts[2].shape[0], self.group_size, gi, q.device)
     return ((q - z[g]).float() * ts[2].float()[g]).T
 
 # %% ../nbs/06_quantized.ipynb #gab011
@@ -1150,10 +1154,11 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
             if act and not qc.get('desc_act', True):
                 raise ValueError(f"{what}: {m + '.g_idx'!r} is not k // group_size ({gs}): it orders the inputs by "
                                  "activation, but quantization_config says desc_act false")
-        plain = has and not act   # groups k // group_size: the op takes no g_idx, and the load reads it no more
-        op = GPTQDequantize(bits, gs, fmt == 'gptq', act, dtype, has and act, len(g) if plain else 0)
+        # the op takes no stored g_idx: plain groups are k // group_size, act-order holds the g_idx just read
+        held = dict(order=g, order_key=f'{m}.g_idx') if act else {}
+        op = GPTQDequantize(bits, gs, fmt == 'gptq', act, dtype, False, len(g) if has else 0, **held)
         units.append(_unit(src, m + '.weight', op, what))
-        if plain: units[-1].dropped = (f'{m}.g_idx',)
+        if has: units[-1].dropped = (f'{m}.g_idx',)   # so the load reads it no more
     return units
 
 def _awq_tensors(src, qc: dict, dtype, what: str) -> list:

@@ -170,6 +170,20 @@ def test_contradictions_are_named(ckpts, tmp_path):
     with pytest.raises(NotImplementedError, match="version 'gemv'"): load_model(a)
 
 
+def stored_bytes(d) -> int:
+    "Bytes of tensor data the checkpoint's file holds, from its safetensors header."
+    with open(d/'model.safetensors', 'rb') as f: head = json.loads(f.read(int.from_bytes(f.read(8), 'little')))
+    return sum(v['data_offsets'][1] - v['data_offsets'][0] for k, v in head.items() if k != '__metadata__')
+
+
+@pytest.mark.parametrize('name', ['gptq', 'gptq_act', 'gptq8_v2'])
+def test_one_device_reads_every_byte_once(name, ckpts):
+    "The `g_idx` read to tell act-order from plain groups is not read again by the load, nor counted twice by its plan."
+    d, _ = ckpts[name]
+    assert load_model(d, dtype=torch.float32).bytes_read == stored_bytes(d)
+    assert load_plan(d, 0, 1, dtype=torch.float32).total_bytes == stored_bytes(d)
+
+
 # ---- tensor parallelism: each rank's tensors are the full load's slices, and it reads what its plan says
 
 ONE_GROUP = {'gptq8_v2', 'awq_one_group'}
