@@ -320,11 +320,71 @@ def __call__(self: _Rules,
         if logprobs[:, tb:].logsumexp(dim=-1) > logprobs[:, :tb].max(dim=-1).values: scores[:, :tb] = ninf
     return scores
 
+# %% ../nbs/11_speech.ipynb #b7c1e2a1
+class _SelfKV:
+    "A self-attention cache layer: keys and values written in place into one buffer of `max_length` positions."
+    is_sliding = is_compileable = is_croppable = False
+    def __init__(self, max_length: int):
+        self.max_length, self.n, self.bufs = max_length, 0, None
+        self.keys = self.values = None
+        self.is_initialized = False
+    def lazy_initialization(self, key_states, value_states):
+        (b, h, _, d), k = key_states.shape, key_states
+        have = None if self.bufs is None else (self.bufs[0].shape[:2], self.bufs[0].dtype, self.bufs[0].device)
+        if have != ((b, h), k.dtype, k.device):
+            self.bufs = [k.new_empty(b, h, self.max_length, d), value_states.new_empty(b, h, self.max_length, d)]
+        self.device, self.is_initialized = k.device, True
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        n = self.n + key_states.shape[-2]
+        self.bufs[0][:, :, self.n:n].copy_(key_states)
+        self.bufs[1][:, :, self.n:n].copy_(value_states)
+        self.n, self.keys, self.values = n, self.bufs[0][:, :, :n], self.bufs[1][:, :, :n]
+        return self.keys, self.values
+    def get_mask_sizes(self, query_length: int): return self.n + query_length, 0
+    def get_seq_length(self): return self.n
+    def get_max_length(self): return self.max_length
+    def reset(self): self.n, self.keys, self.values, self.is_initialized = 0, None, None, False
+
+
+# %% ../nbs/11_speech.ipynb #b7c1e2a2
+class _CrossKV:
+    "A cross-attention cache layer: each window's keys and values copied into buffers kept between windows."
+    is_sliding = is_compileable = is_croppable = False
+    def __init__(self): self.bufs, self.keys, self.values, self.is_initialized = None, None, None, False
+    def lazy_initialization(self, key_states, value_states):
+        k = key_states
+        have = None if self.bufs is None else (self.bufs[0].shape, self.bufs[0].dtype, self.bufs[0].device)
+        if have != (k.shape, k.dtype, k.device):
+            self.bufs = [torch.empty_like(k), torch.empty_like(value_states)]
+        self.device, self.is_initialized = k.device, True
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = self.bufs[0].copy_(key_states), self.bufs[1].copy_(value_states)
+        return self.keys, self.values
+    def get_mask_sizes(self, query_length: int): return self.get_seq_length() + query_length, 0
+    def get_seq_length(self): return self.keys.shape[-2] if self.is_initialized else 0
+    def get_max_length(self): return -1
+    def reset(self): self.keys, self.values, self.is_initialized = None, None, False
+
+
+# %% ../nbs/11_speech.ipynb #b7c1e2a3
+def _window_cache(model, max_length: int):
+    "An `EncoderDecoderCache` for one window at a time of `model`'s decoder, its buffers reused after `reset`."
+    from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache
+    for kind in (_SelfKV, _CrossKV): CacheLayerMixin.register(kind)  # attention layers, as `Cache` checks
+    layers = model.config.decoder_layers
+    return EncoderDecoderCache(Cache(layers=[_SelfKV(max_length) for _ in range(layers)]),
+                               Cache(layers=[_CrossKV() for _ in range(layers)]))
+
+
 # %% ../nbs/11_speech.ipynb #601215a3
-def _greedy(model, encoded: torch.Tensor, prompt: list[int], rules: _Rules, max_length: int, eos: int) -> Iterator[int]:
+def _greedy(model, encoded: torch.Tensor, prompt: list[int], rules: _Rules, max_length: int, eos: int,
+            cache=None, # a `_window_cache` of at least `max_length` positions, reset here; None: a new one
+           ) -> Iterator[int]:
     "Greedy decode of one window: each new id, eos included, up to `max_length` ids with the prompt."
-    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-    cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+    if cache is None: cache = _window_cache(model, max_length)
+    cache.reset()
     params = inspect.signature(type(model).forward).parameters
     key = 'cache' if 'cache' in params else 'past_key_values'  # renamed in 5.x
     dev, toks, n = encoded.device, [], len(prompt)
@@ -430,6 +490,7 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
     limit = model.config.max_target_positions
     max_length = min(len(prompt) + max_new_tokens, limit) if max_new_tokens else min(gc.max_length or limit, limit)
     rules, seek, last = _Rules(gc, timestamps, model.config.vocab_size), 0, None
+    kv = _window_cache(model, max_length)  # one window's cache, its buffers reused window after window
     while seek < frames:
         offset, n = seek * tp / stride, min(frames - seek, size)
         encoded = enc(window(seek, n).to(model.device, model.dtype)).last_hidden_state
@@ -438,7 +499,7 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
             prompt[1] = gc.lang_to_id[f'<|{lang.code}|>']
             yield lang
         toks, out, cut, pairs = [], 0, 0, False  # the window's ids, how many went out, where the open segment starts
-        for t in _greedy(model, encoded, prompt, rules, max_length, eos):
+        for t in _greedy(model, encoded, prompt, rules, max_length, eos, kv):
             last = t
             if t == eos: break
             toks.append(t)
