@@ -347,44 +347,20 @@ class _SelfKV:
     def reset(self): self.n, self.keys, self.values, self.is_initialized = 0, None, None, False
 
 
-# %% ../nbs/11_speech.ipynb #b7c1e2a2
-class _CrossKV:
-    "A cross-attention cache layer: each window's keys and values copied into buffers kept between windows."
-    is_sliding = is_compileable = is_croppable = False
-    def __init__(self): self.bufs, self.keys, self.values, self.is_initialized = None, None, None, False
-    def lazy_initialization(self, key_states, value_states):
-        k = key_states
-        have = None if self.bufs is None else (self.bufs[0].shape, self.bufs[0].dtype, self.bufs[0].device)
-        if have != (k.shape, k.dtype, k.device):
-            self.bufs = [torch.empty_like(k), torch.empty_like(value_states)]
-        self.device, self.is_initialized = k.device, True
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = self.bufs[0].copy_(key_states), self.bufs[1].copy_(value_states)
-        return self.keys, self.values
-    def get_mask_sizes(self, query_length: int): return self.get_seq_length() + query_length, 0
-    def get_seq_length(self): return self.keys.shape[-2] if self.is_initialized else 0
-    def get_max_length(self): return -1
-    def reset(self): self.keys, self.values, self.is_initialized = None, None, False
-
-
 # %% ../nbs/11_speech.ipynb #b7c1e2a3
 def _window_cache(model, max_length: int):
-    "An `EncoderDecoderCache` for one window at a time of `model`'s decoder, its buffers reused after `reset`."
-    from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache
-    for kind in (_SelfKV, _CrossKV): CacheLayerMixin.register(kind)  # attention layers, as `Cache` checks
+    "An `EncoderDecoderCache` for one window of `model`'s decoder: self-attention in `_SelfKV` buffers."
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
+    CacheLayerMixin.register(_SelfKV)  # an attention layer, as `Cache` checks
     layers = model.config.decoder_layers
     return EncoderDecoderCache(Cache(layers=[_SelfKV(max_length) for _ in range(layers)]),
-                               Cache(layers=[_CrossKV() for _ in range(layers)]))
+                               Cache(layers=[DynamicLayer() for _ in range(layers)]))
 
 
 # %% ../nbs/11_speech.ipynb #601215a3
-def _greedy(model, encoded: torch.Tensor, prompt: list[int], rules: _Rules, max_length: int, eos: int,
-            cache=None, # a `_window_cache` of at least `max_length` positions, reset here; None: a new one
-           ) -> Iterator[int]:
+def _greedy(model, encoded: torch.Tensor, prompt: list[int], rules: _Rules, max_length: int, eos: int) -> Iterator[int]:
     "Greedy decode of one window: each new id, eos included, up to `max_length` ids with the prompt."
-    if cache is None: cache = _window_cache(model, max_length)
-    cache.reset()
+    cache = _window_cache(model, max_length)
     params = inspect.signature(type(model).forward).parameters
     key = 'cache' if 'cache' in params else 'past_key_values'  # renamed in 5.x
     dev, toks, n = encoded.device, [], len(prompt)
@@ -490,7 +466,6 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
     limit = model.config.max_target_positions
     max_length = min(len(prompt) + max_new_tokens, limit) if max_new_tokens else min(gc.max_length or limit, limit)
     rules, seek, last = _Rules(gc, timestamps, model.config.vocab_size), 0, None
-    kv = _window_cache(model, max_length)  # one window's cache, its buffers reused window after window
     while seek < frames:
         offset, n = seek * tp / stride, min(frames - seek, size)
         encoded = enc(window(seek, n).to(model.device, model.dtype)).last_hidden_state
@@ -499,7 +474,7 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
             prompt[1] = gc.lang_to_id[f'<|{lang.code}|>']
             yield lang
         toks, out, cut, pairs = [], 0, 0, False  # the window's ids, how many went out, where the open segment starts
-        for t in _greedy(model, encoded, prompt, rules, max_length, eos, kv):
+        for t in _greedy(model, encoded, prompt, rules, max_length, eos):
             last = t
             if t == eos: break
             toks.append(t)
