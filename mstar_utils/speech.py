@@ -320,11 +320,47 @@ def __call__(self: _Rules,
         if logprobs[:, tb:].logsumexp(dim=-1) > logprobs[:, :tb].max(dim=-1).values: scores[:, :tb] = ninf
     return scores
 
+# %% ../nbs/11_speech.ipynb #b7c1e2a1
+class _SelfKV:
+    "A self-attention cache layer: keys and values written in place into one buffer of `max_length` positions."
+    is_sliding = is_compileable = is_croppable = False
+    def __init__(self, max_length: int):
+        self.max_length, self.n, self.bufs = max_length, 0, None
+        self.keys = self.values = None
+        self.is_initialized = False
+    def lazy_initialization(self, key_states, value_states):
+        (b, h, _, d), k = key_states.shape, key_states
+        have = None if self.bufs is None else (self.bufs[0].shape[:2], self.bufs[0].dtype, self.bufs[0].device)
+        if have != ((b, h), k.dtype, k.device):
+            self.bufs = [k.new_empty(b, h, self.max_length, d), value_states.new_empty(b, h, self.max_length, d)]
+        self.device, self.is_initialized = k.device, True
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        n = self.n + key_states.shape[-2]
+        self.bufs[0][:, :, self.n:n].copy_(key_states)
+        self.bufs[1][:, :, self.n:n].copy_(value_states)
+        self.n, self.keys, self.values = n, self.bufs[0][:, :, :n], self.bufs[1][:, :, :n]
+        return self.keys, self.values
+    def get_mask_sizes(self, query_length: int): return self.n + query_length, 0
+    def get_seq_length(self): return self.n
+    def get_max_length(self): return self.max_length
+    def reset(self): self.n, self.keys, self.values, self.is_initialized = 0, None, None, False
+
+
+# %% ../nbs/11_speech.ipynb #b7c1e2a3
+def _window_cache(model, max_length: int):
+    "An `EncoderDecoderCache` for one window of `model`'s decoder: self-attention in `_SelfKV` buffers."
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
+    CacheLayerMixin.register(_SelfKV)  # an attention layer, as `Cache` checks
+    layers = model.config.decoder_layers
+    return EncoderDecoderCache(Cache(layers=[_SelfKV(max_length) for _ in range(layers)]),
+                               Cache(layers=[DynamicLayer() for _ in range(layers)]))
+
+
 # %% ../nbs/11_speech.ipynb #601215a3
 def _greedy(model, encoded: torch.Tensor, prompt: list[int], rules: _Rules, max_length: int, eos: int) -> Iterator[int]:
     "Greedy decode of one window: each new id, eos included, up to `max_length` ids with the prompt."
-    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-    cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+    cache = _window_cache(model, max_length)
     params = inspect.signature(type(model).forward).parameters
     key = 'cache' if 'cache' in params else 'past_key_values'  # renamed in 5.x
     dev, toks, n = encoded.device, [], len(prompt)
