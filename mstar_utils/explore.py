@@ -1358,7 +1358,7 @@ def _parts(self: Exploration) -> list:
                 (
                     f'no: {len(errs)} error(s)'
                     if errs
-                    else 'yes' + (f' ({len(self.of("load"))} notes and warnings)' if len(self.of('load')) > 1 else ' (1 note or warning)' if self.of('load') else '')
+                    else 'yes' + _notes(len(self.of('load')))
                 ),
                 '',
                 [],
@@ -1370,6 +1370,9 @@ def _parts(self: Exploration) -> list:
         fh, fl = _findings_part(self.of(sec))
         out.append((title, summary, fh + body, fl + lines))
     return out
+
+def _notes(n: int) -> str: return f' ({n} notes and warnings)' if n > 1 else ' (1 note or warning)' if n else ''
+
 
 # %% ../nbs/12b_explore.ipynb #2a230e50
 @patch

@@ -909,7 +909,7 @@ def mismatch(self: NVFP4Dequantize, shapes: list):
 def nvfp4_table(global_scale: torch.Tensor, # the tensor's global scale: one float32 value, a divisor
                 dtype: torch.dtype = torch.bfloat16, # the decoded dtype (bfloat16, float16 or float32)
                ) -> torch.Tensor:
-    "[65536] int32 (int64 for float32): entry s·256 + b is code byte b's two values × E4M3 scale s / `global_scale`."
+    "[65536] int32 (int64 for float32): entry s·256 + b is byte b's two values × E4M3 s / `global_scale`."
     scale = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() / global_scale.float().reshape(())
     pairs = _fp4_pairs('cpu').view(torch.float32).view(1, 256, 2)   # the byte's (low, high) values
     out = (scale.view(256, 1, 1) * pairs).to(dtype)                 # [scale, byte, 2], one rounding
