@@ -4,6 +4,10 @@
 
 # %% ../nbs/06b_gguf.ipynb #fmtg002
 from __future__ import annotations
+import ctypes
+import functools
+import mmap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import ClassVar, NamedTuple
@@ -165,6 +169,35 @@ def _pieces(data: torch.Tensor, # uint8 [rows, row bytes]
     return [(data[2 * (h * half + i):2 * (h * half + min(half, i + step))], v[h, :, i:i + step].transpose(0, 1))
             for h in range(heads) for i in range(0, half, step)]
 
+
+# %% ../nbs/06b_gguf.ipynb #b42d173e
+_LIBC, _PAGE = ctypes.CDLL(None, use_errno=True), mmap.PAGESIZE
+
+def _resident(t: torch.Tensor) -> bool:
+    "Whether the pages of `t`'s middle and last bytes are in memory (`mincore`); True where it cannot tell."
+    a, n, vec = t.data_ptr(), t.numel() * t.element_size(), ctypes.c_ubyte()
+    for p in (a + n // 2, a + n - 1):   # not the first: an allocator writes its header there
+        if _LIBC.mincore(ctypes.c_void_p(p // _PAGE * _PAGE), _PAGE, ctypes.byref(vec)) != 0: return True
+        if not vec.value & 1: return False
+    return True
+
+
+# %% ../nbs/06b_gguf.ipynb #01ac2c23
+@functools.cache
+def _faulter() -> ThreadPoolExecutor:
+    "The one thread that faults in fresh output while another decodes into it."
+    return ThreadPoolExecutor(1, thread_name_prefix='fault-in')
+
+def _decode_pieces(qtype: T, pieces: list, dest: torch.Tensor) -> None:
+    "Decode `pieces` into `dest` on torch's threads; into fresh memory, on one while another faults `dest` in."
+    jobs = [lambda s=s, v=v: _decode(qtype, s, v) for s, v in pieces]
+    if len(jobs) < 2 or torch.get_num_threads() < 2 or _resident(dest): return in_threads(jobs)
+    fut = _faulter().submit(_fault_in, dest)
+    try: in_threads(jobs, threads=1)
+    finally: fut.result()
+
+
+# %% ../nbs/06b_gguf.ipynb #3c6ddb92
 def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's bytes as stored, rows of whole blocks
                     qtype: int, # its GGML type (`gguf.GGMLQuantizationType`)
                     out: torch.Tensor | None = None, # [..., row values], any float dtype, contiguous; None: float32
@@ -185,7 +218,7 @@ def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's byt
         raise ValueError(f'GGUF {qtype.name}: out must be contiguous {list(shape)}, not {list(out.shape)}')
     dest = out if out.device.type == 'cpu' else torch.empty(shape, dtype=out.dtype)
     pieces = _pieces(data.reshape(-1, data.shape[-1]), qtype, dest.view(-1, shape[-1]), heads)
-    in_threads([lambda s=s, v=v: _decode(qtype, s, v) for s, v in pieces])
+    _decode_pieces(qtype, pieces, dest)
     return out if dest is out else out.copy_(dest)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg014

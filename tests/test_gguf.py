@@ -66,6 +66,24 @@ def test_out_and_refusals():
     assert T.Q4_K in GGUF_TYPES and T.IQ2_XXS not in GGUF_TYPES
 
 
+@pytest.mark.parametrize('qtype', [T.Q4_K, T.Q8_0, T.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize('heads', [None, 4])
+def test_fresh_and_resident_outputs_decode_alike(qtype, heads):
+    "Into fresh memory one thread decodes while another faults the output in; into resident memory, all threads decode."
+    from mstar_utils.gguf import _resident
+    rows = 64   # 16M values in all: 64 MB of float32, above glibc's largest mmap threshold, so a fresh mapping of its own
+    n = (1 << 24) // rows // GGML_QUANT_SIZES[qtype][0]
+    b = torch.from_numpy(random_blocks(np.random.default_rng(int(qtype)), qtype, (rows, n)))
+    ref = torch.from_numpy(gguf.quants.dequantize(b.numpy(), qtype))
+    if heads: ref = unpermute_rows(ref, heads)
+    fresh = torch.empty(rows, n * GGML_QUANT_SIZES[qtype][0])
+    assert not _resident(fresh)
+    same(dequantize_gguf(b, qtype, fresh, heads), ref)
+    assert _resident(fresh)
+    fresh.zero_()
+    same(dequantize_gguf(b, qtype, fresh, heads), ref)   # resident now: the other path
+
+
 def test_unpermute_undoes_llamacpp_and_matches_transformers():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
     w = torch.randn(24, 5)
