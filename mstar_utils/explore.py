@@ -441,8 +441,8 @@ def format_families(tensors: dict, # {key: `Stored`}
 
     for u in units:
         add(u.target, describe_format(u.op, u.dtypes), math.prod(u.op.out_shape(u.shapes)),
-            sum(tensors[k].nbytes for k in u.sources if k in tensors))
-        consumed.update(u.sources)
+            sum(tensors[k].nbytes for k in (*u.sources, *u.dropped) if k in tensors))
+        consumed.update((*u.sources, *u.dropped))   # with what was read to build the op: a g_idx, a quant state
     for k, st in tensors.items():
         if k not in consumed:
             add(k, str(st.dtype).removeprefix('torch.'), math.prod(st.shape), st.nbytes)

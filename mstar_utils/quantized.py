@@ -1220,11 +1220,11 @@ def _blockwise(x: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.T
 
 @dataclass(frozen=True)
 class BnB4bitDequantize(Dequantize):
-    "(`.absmax` [, nested], `.quant_map`, `.quant_state.bitsandbytes__*`, codes) → qmap[code] × absmax."
+    "(`.absmax` [, nested], `.quant_map`, codes) → qmap[code] × absmax."
     # bitsandbytes' NF4 and FP4 as transformers saves them: codes uint8, flattened, two a byte (high nibble first), one
     # absmax per `blocksize`; nested (double quant, `.nested_absmax` and `.nested_quant_map`): the absmax themselves
-    # uint8
-    # codes of `nested_quant_map`, one float per `nested_blocksize`, plus `nested_offset`.
+    # uint8 codes of `nested_quant_map`, one float per `nested_blocksize`, plus `nested_offset`. The JSON quant state
+    # beside them is read once, to build the op (`_bnb_op`), and is not among the op's inputs.
     quant_type: str = 'nf4'
     shape: tuple = ()
     blocksize: int = 64
@@ -1239,7 +1239,7 @@ class BnB4bitDequantize(Dequantize):
     # the weight last: its key is a prefix of the others, and a source pattern takes the first it matches
     def suffixes(self):
         nested = ('.nested_absmax', '.nested_quant_map') if self.nested_blocksize else ()
-        return ('.absmax', *nested, '.quant_map', f'.quant_state.bitsandbytes__{self.quant_type}', '')
+        return ('.absmax', *nested, '.quant_map', '')
     def out_dtype(self, dtypes: list) -> torch.dtype: return Dequantize.out_dtype(self, dtypes[-1:])
     def out_shape(self, shapes: list) -> tuple: return tuple(self.shape)
     def mismatch(self, shapes: list):
@@ -1251,7 +1251,7 @@ class BnB4bitDequantize(Dequantize):
             return len(shapes) - 1, 0, f'one absmax per {self.blocksize} values: {-(-n // self.blocksize)}'
         return None
     def _one(self, ts):
-        absmax, qmap, w = ts[0], ts[-3].float(), ts[-1].view(torch.uint8).flatten()
+        absmax, qmap, w = ts[0], ts[-2].float(), ts[-1].view(torch.uint8).flatten()
         if self.nested_blocksize:
             absmax = _blockwise(ts[2].float()[absmax.long()], ts[1].float().flatten(), self.nested_blocksize)
             absmax = absmax + torch.tensor(self.nested_offset)
@@ -1311,7 +1311,9 @@ def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
         raise ValueError(f'{what}: quantization_config (bitsandbytes) sets neither load_in_4bit nor load_in_8bit')
     if four:
         states = [k for k in sorted(src.keys()) if _BNB_STATE in k]
-        return [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what) for k in states]
+        units = [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what) for k in states]
+        for u, k in zip(units, states, strict=True): u.dropped = (k,)   # the quant state, read once to build the op
+        return units
     return [_unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)
             for m in sorted(k[:-len('.SCB')] for k in src.keys() if k.endswith('.SCB'))]  # noqa: SIM118
 

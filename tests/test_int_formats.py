@@ -176,9 +176,9 @@ def stored_bytes(d) -> int:
     return sum(v['data_offsets'][1] - v['data_offsets'][0] for k, v in head.items() if k != '__metadata__')
 
 
-@pytest.mark.parametrize('name', ['gptq', 'gptq_act', 'gptq8_v2'])
+@pytest.mark.parametrize('name', ['gptq', 'gptq_act', 'gptq8_v2', 'nf4', 'nf4_nested', 'fp4_nested', 'int8'])
 def test_one_device_reads_every_byte_once(name, ckpts):
-    "The `g_idx` read to tell act-order from plain groups is not read again by the load, nor counted twice by its plan."
+    "What detection reads (a `g_idx`, a quant state blob) is not read again by the load, nor counted twice by its plan."
     d, _ = ckpts[name]
     assert load_model(d, dtype=torch.float32).bytes_read == stored_bytes(d)
     assert load_plan(d, 0, 1, dtype=torch.float32).total_bytes == stored_bytes(d)
