@@ -136,16 +136,19 @@ def cached_folder(kind: str, name: str, build) -> Path:
     "`cache_dir()/kind/name`, made by `build(tmp_folder)` the first time."
     out = cache_dir()/kind/name
     if (out/'.complete').exists(): return out
+    from filelock import FileLock   # here, not at import: only a build needs it (28 ms)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f'.{name}-', dir=out.parent))
-    try:
-        build(tmp)
-        (tmp/'.complete').write_text('ok\n', encoding='utf-8')
-        if out.exists(): shutil.rmtree(out)
-        tmp.chmod(0o755)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
+    with FileLock(out.parent/f'.{name}.lock'):   # one process builds; the others wait, then find it complete
+        if (out/'.complete').exists(): return out
+        tmp = Path(tempfile.mkdtemp(prefix=f'.{name}-', dir=out.parent))
+        try:
+            build(tmp)
+            (tmp/'.complete').write_text('ok\n', encoding='utf-8')
+            if out.exists(): shutil.rmtree(out)   # a build interrupted before it was complete
+            tmp.chmod(0o755)
+            os.replace(tmp, out)
+        finally:
+            if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 # %% ../nbs/00_checkpoints.ipynb #2ce0857e

@@ -18,6 +18,34 @@ def test_cache_hit_is_fast():
         assert (p/f).exists(), f
 
 
+BUILD_ONCE = r"""
+import os, sys, time
+from pathlib import Path
+from mstar_utils.checkpoints import cached_folder
+def build(out):
+    with open(sys.argv[1], 'a') as log: log.write(f'{os.getpid()}\n')
+    time.sleep(0.5)   # long enough that every process asks while the first still builds
+    (out/'w.bin').write_bytes(b'x' * 1000)
+p = cached_folder('demo', 'raced', build)
+print(p, (p/'w.bin').stat().st_size)
+"""
+
+
+def test_processes_that_race_build_once(tmp_path):
+    "Four processes ask for one missing folder at once: one builds, each gets the complete folder."
+    import subprocess
+    import sys
+    env = {**os.environ, 'MSTAR_UTILS_CACHE': str(tmp_path/'cache')}
+    log = tmp_path/'builds.log'
+    ps = [subprocess.Popen([sys.executable, '-c', BUILD_ONCE, str(log)], env=env, stdout=subprocess.PIPE, text=True)
+          for _ in range(4)]
+    outs = [p.communicate(timeout=120)[0].split() for p in ps]
+    assert [p.returncode for p in ps] == [0] * 4
+    assert outs == [[str(tmp_path/'cache'/'demo'/'raced'), '1000']] * 4
+    assert len(log.read_text().split()) == 1   # built once
+    assert sorted(q.name for q in (tmp_path/'cache'/'demo').iterdir()) == ['.raced.lock', 'raced']
+
+
 def test_minilm_is_single_file():
     p = ck.minilm_checkpoint()
     assert (p/'model.safetensors').exists() and not (p/'model.safetensors.index.json').exists()
