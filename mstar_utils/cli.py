@@ -84,6 +84,7 @@ def format_report(rep: dict, # from `checkpoint_report`, with optional `kv_lines
 class _Usage(ValueError):
     "An option or input the command refuses: one line on stderr, exit status 2."
 
+# %% ../nbs/14_cli.ipynb #92e1c36b-1
 def _check_kv_options(page_size, kv_pages, max_concurrent_requests, plot):
     "`_Usage` for KV options that contradict each other or cannot work."
     if page_size is not None and page_size < 1:
@@ -267,6 +268,7 @@ def _explored(ckpt):
     print(f'exploring {Path(ckpt).name}: reading every weight for the statistics ...', file=sys.stderr, flush=True)
     return explore(ckpt, stats=True)
 
+# %% ../nbs/14_cli.ipynb #a08a19a1-1
 def diff(a: Param('the base checkpoint folder', str, opt=False),
          b: Param('the checkpoint compared with it (a fine-tune, a requantization, ...)', str, opt=False),
          json: bool = False,  # Print one JSON document: the changed tensors most changed first, each with its key
@@ -308,6 +310,7 @@ def _parser(fn, name: str):
         a.option_strings = [o.replace('_', '-') if o.startswith('--') else o for o in a.option_strings]
     return p
 
+# %% ../nbs/14_cli.ipynb #bb475b0c-1
 def _run(fn, name: str, argv: list) -> int:
     "Parse `argv` for command `fn` and run it; refusals and unexpected errors become one stderr line and exit 2."
     args = vars(_parser(fn, name).parse_args(_dashes_to_underscores(argv)))

@@ -118,6 +118,7 @@ class Operation:
 # %% ../nbs/04_convert.ipynb #a10fdb89
 def _literal(p): return max(p.split('*'), key=len)
 
+# %% ../nbs/04_convert.ipynb #a10fdb89-1
 def _compile(p: str) -> re.Pattern:
     "Regex for source fragment `p`: `*` is one integer index (captured), the fragment spans whole dot-separated parts."
     body = r'(\d+)'.join(re.escape(s) for s in p.split('*'))
@@ -137,6 +138,7 @@ def _as_op(op, what) -> ConversionOp:
         raise ValueError(f'{what}: {op.operation} dim must be an int, got {op.dim!r}')
     return op.op
 
+# %% ../nbs/04_convert.ipynb #f7fd5a12-1
 def _walk(patterns, ops, what):
     "Check that `ops` take the patterns' tensors (a list per `*` pattern, else one) down to exactly one tensor."
     state = ['*' in p for p in patterns]
@@ -271,6 +273,7 @@ def _add_member(m: list, pi, idx, key, target, pattern, what):
             raise ValueError(f'{what}: target {target!r}: index {idx} given twice, by {m[pi][idx]!r} and {key!r}')
         m[pi][idx] = key
 
+# %% ../nbs/04_convert.ipynb #b50cec21-1
 def _check_complete(target, g, members, what):
     "`ValueError` when a pattern of target's group has no key, or its indices are not exactly 0..E-1."
     for p, m in zip(g.converter.source_patterns, members, strict=True):
@@ -326,13 +329,16 @@ class _Leaf:
     def __init__(self, key, shape, dtype):
         self.key, self.shape, self.dtype = key, tuple(shape), dtype
 
+# %% ../nbs/04_convert.ipynb #b290f8e9-1
 class _Node:
     "Operation `op` over `kids`, with the result's `shape` and `dtype`."
     def __init__(self, op, kids, shape, dtype):
         self.op, self.kids, self.shape, self.dtype = op, kids, tuple(shape), dtype
 
+# %% ../nbs/04_convert.ipynb #b290f8e9-2
 def _first_key(n): return n.key if isinstance(n, _Leaf) else _first_key(n.kids[0])
 
+# %% ../nbs/04_convert.ipynb #b290f8e9-3
 def _leaves(n):
     if isinstance(n, _Leaf): yield n
     else:
@@ -417,6 +423,7 @@ class _Batch:
     # (key, dest) pairs for the source below, the steps to run after it, the bytes of its buffers.
     def __init__(self): self.pairs, self.after, self.scratch, self.n = [], [], 0, 0
 
+# %% ../nbs/04_convert.ipynb #8f15d4b4-1
 def _plan_node(node, out: torch.Tensor, batch: _Batch):
     "Add to `batch` the reads and steps that fill `out` with the value of tree `node`."
     if isinstance(node, _Leaf):

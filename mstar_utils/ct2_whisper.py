@@ -46,6 +46,7 @@ class CT2Model(NamedTuple):
     variables: dict
     aliases: dict
 
+# %% ../nbs/00b_ct2_whisper.ipynb #199c19ba-1
 def _ct2_variable(cur: _Cursor, i: int, buf: bytearray):
     "The name and tensor (a view into `buf`) of the variable at `cur`, the `i`-th of the file."
     import torch
@@ -90,10 +91,12 @@ def _take(v: dict, name: str):
     if name not in v: raise ValueError(f'the CTranslate2 Whisper model has no variable {name!r}')
     return v.pop(name)
 
+# %% ../nbs/00b_ct2_whisper.ipynb #021e5fc2-1
 def _ct2_norm(v: dict, src: str, out: dict, dst: str):
     "LayerNorm `src` (gamma, beta) as HF `dst` (weight, bias)."
     out[f'{dst}.weight'], out[f'{dst}.bias'] = _take(v, f'{src}/gamma'), _take(v, f'{src}/beta')
 
+# %% ../nbs/00b_ct2_whisper.ipynb #021e5fc2-2
 def _ct2_linear(v: dict, src: str, out: dict, *dsts: str):
     "Linear (or conv) `src` as HF `dsts`; several `dsts` split a fused matrix by rows."
     # A k_proj's bias must be zero and is dropped.
@@ -129,6 +132,7 @@ def _ct2_layers(v: dict, side: str) -> int:
     "How many `side/layer_N` groups `v` holds."
     return len({m[1] for k in v if (m := re.match(rf'{side}/layer_(\d+)/', k))})
 
+# %% ../nbs/00b_ct2_whisper.ipynb #c65fdb23-1
 def _check_ct2_whisper(ct2: CT2Model):
     "Raise `ValueError` unless `ct2` is a `WhisperSpec` of revision 3 with `CT2_WHISPER_FLAGS` and a tied output head."
     if (ct2.spec, ct2.revision) != ('WhisperSpec', 3):

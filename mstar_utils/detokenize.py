@@ -74,6 +74,7 @@ def token_bytes(self: _TokenMemo, token_id: int) -> bytes:
         except KeyError: pass
     return self._miss(token_id)
 
+# %% ../nbs/08_detokenize.ipynb #b7d1c003-1
 @patch
 def to_bytes(self: _TokenMemo,
              token_ids, # a sequence of ints, or a 1-d integer tensor
@@ -90,6 +91,7 @@ _UNPICKLED = ('_lock', '_memo')
 def __getstate__(self: _TokenMemo):
     return {k: v for k, v in self.__dict__.items() if k not in _UNPICKLED}
 
+# %% ../nbs/08_detokenize.ipynb #b7d1c004-1
 @patch
 def __setstate__(self: _TokenMemo, state):
     self.__dict__.update(state)
@@ -218,6 +220,7 @@ def _setup(self: ByteLevelDetokenizer, tokenizer, keep_special: bool, keep_times
     )
     self._init_memo(_vocab_bound(tokenizer), _tokenizer_name(tokenizer))
 
+# %% ../nbs/08_detokenize.ipynb #39b785a6-1
 @patch
 def _bytes(self: ByteLevelDetokenizer, token_id: int) -> bytes:
     if token_id in self._skip: return b''
@@ -226,6 +229,7 @@ def _bytes(self: ByteLevelDetokenizer, token_id: int) -> bytes:
     token = self._id_to_token(token_id)
     return b'' if token is None else _byte_level_bytes(token)
 
+# %% ../nbs/08_detokenize.ipynb #39b785a6-2
 def _byte_level_bytes(token: str) -> bytes:
     "A byte-level token's bytes: its characters through GPT-2's byte map, or its UTF-8 when one is not in the map."
     try: return bytes([_BYTE_DECODER[c] for c in token])
@@ -336,6 +340,7 @@ def piece_bytes(self: SentencePieceDetokenizer, token_id: int) -> bytes:
     "One piece's bytes, memoized: `▁` becomes a space, `<0xNN>` the byte NN; b'' for a skipped id."
     return self.token_bytes(token_id)
 
+# %% ../nbs/08_detokenize.ipynb #29b16c64-1
 @patch
 def _bytes(self: SentencePieceDetokenizer, token_id: int) -> bytes:
     if token_id in self._skip: return b''
@@ -347,6 +352,7 @@ def _bytes(self: SentencePieceDetokenizer, token_id: int) -> bytes:
 # %% ../nbs/08_detokenize.ipynb #a81e7e21
 class _Unstreamable(ValueError): "A decoder whose text for a token depends on its neighbours; the message says why."
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e21-1
 class _Plan:
     "A tokenizer.json decoder compiled for streaming"
     # `steps` turn one token's piece into its bytes mid-reply (`text_steps`, the same less the byte map, an added
@@ -378,6 +384,7 @@ def _per_token(plan: _Plan, kind: str):
         raise _Unstreamable(f'its {kind} step comes after the tokens are joined, '
                             'where it sees the whole reply as one token')
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e22-1
 def _unsplit(plan: _Plan, kind: str, s: str):
     "Refuse a step that matches `s`, two or more bytes, after a step that can leave part of a character in a token"
     # a match could straddle two tokens.
@@ -400,12 +407,14 @@ def _replace_step(plan: _Plan, s: dict):
     a, b = a.encode(), b.encode()
     plan.add('Replace', lambda t: t.replace(a, b))
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e23-1
 def _byte_fallback_step(plan: _Plan, s: dict):
     _per_token(plan, 'ByteFallback')
     plan.add('ByteFallback', _byte_fallback)
     # decode turns a run of byte pieces into one token; the stream, each piece into a byte
     plan.splits = plan.splits or 'ByteFallback'
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e23-2
 def _byte_fallback(t: bytes) -> bytes:
     b = _byte_piece(t)
     return t if b is None else bytes((b,))
@@ -458,6 +467,7 @@ def _wordpiece_step(plan: _Plan, s: dict):
         f"decode gives the reply's first token no leading space, and keeps a {prefix.decode()!r} that opens it",
     )
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e26-1
 def _wordpiece_cleanup(t: bytes) -> bytes:
     "The WordPiece decoder's cleanup of one token"
     # run by HF tokenizers itself (a first token gets its cleanup and nothing else).
@@ -471,6 +481,7 @@ def _suffix_step(plan: _Plan, suffix: str):
     plan.add('BPEDecoder', lambda t: t.replace(a, b' '),
              f"decode turns the {suffix!r} of the reply's last token into nothing: no trailing space")
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e27-1
 def _byte_level_step(plan: _Plan, s: dict):
     _per_token(plan, 'ByteLevel')
     if 'ByteFallback' in plan.kinds:
@@ -485,11 +496,13 @@ def _fuse_step(plan: _Plan, s: dict):
     plan.add('Fuse')
     plan.joined = True
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e28-1
 def _ctc_step(plan: _Plan, s: dict):
     raise _Unstreamable(
         "its CTC step merges a repeated token with the one before it, so a token's text depends on its neighbour"
     )
 
+# %% ../nbs/08_detokenize.ipynb #a81e7e28-2
 def _bpe_decoder_step(plan: _Plan, s: dict):
     _per_token(plan, 'BPEDecoder')
     _unsplit(plan, 'BPEDecoder', s.get('suffix', '</w>'))
@@ -638,6 +651,7 @@ def __getstate__(self: TextChunkDetokenizer):  # the plan holds closures: the ot
         'keep_timestamps': self.keep_timestamps,
     }
 
+# %% ../nbs/08_detokenize.ipynb #d9626d02-1
 @patch
 def __setstate__(self: TextChunkDetokenizer, state): self.__init__(**state)
 
@@ -729,6 +743,7 @@ def token_ids(self: TextOutput,
     "The ids of `output` that reach the client"
     return drop_stop_tokens(output, self.stop_token_ids, request_kwargs)
 
+# %% ../nbs/08_detokenize.ipynb #cf4f8f5c-1
 @patch
 def output_bytes(self: TextOutput,
                  output, # all the reply's ids: an integer tensor of any shape, or a sequence of ints
@@ -819,6 +834,7 @@ def step(self: TextStream,
         if cut is not None: ids, self.ended = ids[:cut], True
     return b''.join(map(to.detokenizer.token_bytes, ids))
 
+# %% ../nbs/08_detokenize.ipynb #cf4f8f68-1
 @patch
 def stream(
     self: TextOutput,
@@ -959,6 +975,7 @@ def _decided(self: _DecodeWindow, new: str) -> int:
         if k >= 0: n = k
     return n
 
+# %% ../nbs/08_detokenize.ipynb #rp000010-1
 @patch
 def _emit(self: _DecodeWindow, final: bool = False) -> bytes:
     "The new text's decided part not sent yet; the window moves on once all of it is sent."
@@ -981,6 +998,7 @@ def push(self: _DecodeWindow, token_id: int) -> bytes:
     self.ids.append(i)
     return self._emit()
 
+# %% ../nbs/08_detokenize.ipynb #rp000022-1
 @patch
 def flush(self: _DecodeWindow) -> bytes:
     "What the window still holds back, at the end of the reply."
@@ -1054,6 +1072,7 @@ def _chunk(self: Reply, token_id: int, stop_id: bool) -> bytes:
     if self._begun: return self.text_output.detokenizer.token_bytes(token_id)
     return self._start(token_id)
 
+# %% ../nbs/08_detokenize.ipynb #rp000019-1
 @patch
 def _start(self: Reply, token_id: int) -> bytes:
     "Before the reply's first character: decode the ids so far, and let it all out once the joined bytes end with it."
@@ -1072,6 +1091,7 @@ def _decoded(self: Reply) -> bytes:
     ids = [i for i in self._start_ids if i not in det._skip]
     return det.tokenizer.decode(ids, skip_special_tokens=False).encode() if ids else b''
 
+# %% ../nbs/08_detokenize.ipynb #rp000020-1
 @patch
 def _match(self: Reply, chunk: bytes, active: bool) -> bytes:
     "`chunk` through the stop strings: what may go out; a completed stop string stops the reply."
@@ -1081,6 +1101,7 @@ def _match(self: Reply, chunk: bytes, active: bool) -> bytes:
     if a.stop is not None: self.stopped, self.stop_reason = True, a.stop
     return a.out
 
+# %% ../nbs/08_detokenize.ipynb #rp000020-2
 @patch
 def _release(self: Reply) -> bytes:
     "The held prefix, given up at the end of the reply."
@@ -1166,6 +1187,7 @@ def finish(self: Reply) -> bytes:
     self.finished, self._row = True, None
     return out
 
+# %% ../nbs/08_detokenize.ipynb #rp000021-1
 @patch
 def reply(self: TextOutput,
           stop: str | Iterable[str] = (), # stop strings: the reply ends at the first to occur, matched on its bytes

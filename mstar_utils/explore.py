@@ -61,6 +61,7 @@ def _parse_json(path: Path) -> tuple:
         return None, f'not valid JSON ({e})'
     return (d, None) if isinstance(d, dict) else (None, f'holds a JSON {type(d).__name__}, expected an object')
 
+# %% ../nbs/12b_explore.ipynb #b3d09515-1
 def _version(pkg: str) -> str:
     from importlib.metadata import version, PackageNotFoundError
     try:
@@ -201,10 +202,12 @@ def _nest(tensors: dict) -> dict:
         d[leaf if not isinstance(d.get(leaf), dict) else leaf + '/'] = st
     return root
 
+# %% ../nbs/12b_explore.ipynb #e158e2e2-1
 def _sig(d) -> tuple:
     "What a subtree holds (names, dtypes, shapes): equal for blocks that repeat."
     return tuple(sorted((k, (v.dtype, v.shape) if isinstance(v, Stored) else _sig(v)) for k, v in d.items()))
 
+# %% ../nbs/12b_explore.ipynb #e158e2e2-2
 def _order(name: str): return (0, int(name), '') if name.isdigit() else (1, 0, name)
 
 # %% ../nbs/12b_explore.ipynb #4686fbe7
@@ -266,6 +269,7 @@ class FormatFamily:
     @property
     def bits_per_weight(self) -> float: return 8 * self.stored_bytes / self.params if self.params else float('nan')
 
+# %% ../nbs/12b_explore.ipynb #4e312912-1
 def _family(key: str) -> str: return re.sub(r'(?<=\.)\d+(?=\.|$)', '*', key)
 
 # %% ../nbs/12b_explore.ipynb #58efe83b
@@ -282,6 +286,7 @@ def _granularity(block) -> str:
         return f'groups of {bc}'
     return f'block {br}x{bc}'
 
+# %% ../nbs/12b_explore.ipynb #58efe83b-1
 def describe_format(op, # a dequantizing operation of the quantized page (`QuantizedTensor.op`)
                     dtypes: list, # the stored tensors' dtypes, in `op.suffixes` order
                    ) -> str:
@@ -328,6 +333,7 @@ def _quantized_modules(tensors: dict) -> dict:
             out.setdefault(k.rpartition('.')[0], k)
     return out
 
+# %% ../nbs/12b_explore.ipynb #9817bd9b-1
 def _ignored(module: str, patterns) -> str | None:
     "The entry of an ignore list that names `module` or a module above it."
     # Entries are names, globs, compressed-tensors' `re:` regexes, or class names left out.
@@ -404,6 +410,7 @@ def _quoted(msg: str) -> str | None:
     m = re.search(r"'([^']+)'", msg)
     return m[1] if m else None
 
+# %% ../nbs/12b_explore.ipynb #c22ac379-1
 def quantized_units(ckpt: Path, # a checkpoint folder
                     config: dict, # its config.json
                     tensors: dict, # {key: `Stored`}: the readable tensors
@@ -628,6 +635,7 @@ def _png(fig) -> str:
         plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode('ascii')
 
+# %% ../nbs/12b_explore.ipynb #b0d05171-1
 def kv_section(ckpt: Path, findings: list) -> tuple:
     "(`kv_report` dict, its lines, the `plot_kv` figure as a base64 PNG)."
     from mstar_utils.kv_figures import kv_report, format_kv_report, plot_kv
@@ -750,6 +758,7 @@ class _Buffers:
             self.bufs[j] = torch.empty(n, dtype=torch.uint8)
         return self.bufs[j][:n].view(dtype).view(shape)
 
+# %% ../nbs/12b_explore.ipynb #e0069529-1
 class _OneThread:
     "torch's intra-op threads set to one for the block"
     # reductions of cache-sized chunks run on this thread, reads on another core.
@@ -788,6 +797,7 @@ def _scale_key(u) -> str | None:
     "The key of a `QuantizedTensor`'s scales."
     return next((k for k in u.sources[1:] if re.search(r'scales?(_inv)?$', k)), None)
 
+# %% ../nbs/12b_explore.ipynb #2a2d44f8-1
 def _scale_stats(raw, u, st: TensorStats):
     "Fill `st`'s scale range and outlier fraction from quantized tensor `u`'s scales (E8M0 exponents decoded)."
     k = _scale_key(u)
@@ -815,6 +825,7 @@ def value_source(ckpt: Path, # a checkpoint folder
         raise
     return src, raw, units
 
+# %% ../nbs/12b_explore.ipynb #853ce6f9-1
 def _order_key(tensors: dict, units: dict, k: str) -> tuple:
     "Where key `k`'s bytes lie (shard, offset order by key), so that a pass reads the shards in order."
     first = units[k].sources[0] if k in units else k
@@ -829,6 +840,7 @@ def layer_of(key: str) -> tuple:
     m = _LAYER.match(key)
     return (m[1], int(m[2])) if m else (None, None)
 
+# %% ../nbs/12b_explore.ipynb #86523f42-1
 @dataclass
 class LayerStats:
     "A layer's tensors summarized: the worst value of each statistic, and the tensor it comes from."
@@ -949,6 +961,7 @@ class TensorDiff:
     hash_a: str
     hash_b: str
 
+# %% ../nbs/12b_explore.ipynb #dfc1e50e-1
 def _hash(t: torch.Tensor) -> str: return xxhash.xxh3_128(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 # %% ../nbs/12b_explore.ipynb #5daab305
@@ -993,6 +1006,7 @@ class LayerDiff:
     rel_l2: float
     max_abs: float
 
+# %% ../nbs/12b_explore.ipynb #4b149476-1
 def _layer_diffs(diffs: list) -> list[LayerDiff]:
     "Per layer (tensors outside the numbered blocks under their own key), most changed first."
     groups = {}
@@ -1006,6 +1020,7 @@ def _layer_diffs(diffs: list) -> list[LayerDiff]:
                 max(d.max_abs for d in ds)))
     return sorted(out, key=lambda l: (-l.rel_l2, -l.max_abs, l.layer))
 
+# %% ../nbs/12b_explore.ipynb #4b149476-2
 def _read_hashed(src, k: str, out: torch.Tensor) -> tuple:
     "(tensor `k` of `src` read into `out`, its hash): run on a reader thread"
     # into memory the caller's thread allocated.
@@ -1028,6 +1043,7 @@ class CheckpointDiff:
     @property
     def changed(self) -> list: return [d for d in self.tensors if not d.identical]
 
+# %% ../nbs/12b_explore.ipynb #6d05c2e1-1
 def _rank(d: TensorDiff) -> tuple:
     return (d.identical, -(d.rel_l2 if math.isfinite(d.rel_l2) else math.inf), -d.max_abs, d.key)
 
@@ -1077,6 +1093,7 @@ def _depth_label(key: str, layer: str, stacks: int) -> str:
     rest = key[len(layer) + 1:].removesuffix('.weight')
     return f'{stack[-2]} {rest}' if stacks > 1 and len(stack) > 1 else rest
 
+# %% ../nbs/12b_explore.ipynb #48f1601d-1
 def plot_depth(ws: WeightStats, # from `weight_stats`
               ):
     "A matplotlib `Figure`: each weight family's absmax and std over depth; None without numbered layers."
@@ -1127,6 +1144,7 @@ def _size(n: float) -> str:
             return f'{n:.0f} {p}' if p == 'B' else f'{n:.1f} {p}'
         n /= 1000
 
+# %% ../nbs/12b_explore.ipynb #1b4e560f-1
 def _num(x) -> str:
     "A statistic for a table: 4 significant digits, '–' for None."
     if x is None:
@@ -1137,10 +1155,11 @@ def _num(x) -> str:
         return f'{x:,}'
     return f'{x:.4g}'
 
+# %% ../nbs/12b_explore.ipynb #1b4e560f-2
 def _bytes_line(nbytes: dict) -> str:
     return ', '.join(f'{_size(v)} {k}' for k, v in sorted(nbytes.items(), key=lambda kv: -kv[1]))
 
-
+# %% ../nbs/12b_explore.ipynb #1b4e560f-3
 def _clean(o):
     "`o` for JSON: non-finite floats as strings, tuples as lists, dataclasses as dicts."
     if isinstance(o, float) and not math.isfinite(o):
@@ -1164,12 +1183,14 @@ def _html_table(head: list, rows: list) -> str:
     body = ''.join('<tr>' + ''.join(f'<td style="{_CELL}">{_E(str(c))}</td>' for c in r) + '</tr>' for r in rows)
     return f'<table style="{_TABLE}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
 
+# %% ../nbs/12b_explore.ipynb #8805e521-1
 def _text_table(head: list, rows: list) -> list[str]:
     "Aligned text lines of `rows` under `head`."
     cells = [[str(h) for h in head]] + [[str(c) for c in r] for r in rows]
     w = [max(len(r[i]) for r in cells) for i in range(len(head))]
     return ['  ' + '  '.join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in cells]
 
+# %% ../nbs/12b_explore.ipynb #8805e521-2
 def _img(b64: str | None) -> str:
     return f'<img alt="plot" style="max-width:100%" src="data:image/png;base64,{b64}">' if b64 else ''
 
@@ -1181,6 +1202,7 @@ def _tree_row(n: TreeNode) -> str:
         return f'{list(n.shape)} {n.dtype}{rep}' + (f' ({n.tensors} tensors)' if n.tensors > 1 else '')
     return f'{n.tensors:,} tensors, {n.params:,} params, {_bytes_line(n.nbytes)}{rep}'
 
+# %% ../nbs/12b_explore.ipynb #4045d3e4-1
 def tree_html(n: TreeNode, depth: int = 0) -> str:
     "The module tree as nested `<details>`: the first level open, the rest collapsed."
     label = f'<code>{_E(n.path or "(checkpoint)")}</code> <span style="color:gray">{_E(_tree_row(n))}</span>'
@@ -1190,7 +1212,7 @@ def tree_html(n: TreeNode, depth: int = 0) -> str:
     opening = f'<details{" open" if depth == 0 else ""} style="margin-left:{0 if depth == 0 else 1.2}em">'
     return f'{opening}<summary>{label}</summary>{kids}</details>'
 
-
+# %% ../nbs/12b_explore.ipynb #4045d3e4-2
 def tree_lines(n: TreeNode, depth: int = 0) -> list[str]:
     "The module tree as indented text lines."
     out = [f'{"  " * depth}{n.path or "(checkpoint)"}  {_tree_row(n)}']
@@ -1221,7 +1243,7 @@ _LEVELS = {'error': 0, 'warning': 1, 'note': 2}
 def _finding_rows(fs: list) -> list:
     return [(f.level, f.where, f.what, f.fix) for f in sorted(fs, key=lambda f: _LEVELS.get(f.level, 3))]
 
-
+# %% ../nbs/12b_explore.ipynb #c004f5e5-1
 def _findings_part(fs: list) -> tuple:
     "(html, lines) of a section's findings."
     if not fs:
@@ -1235,6 +1257,7 @@ def _structure(self: Exploration) -> tuple:
     t = self.tree
     return (f'{t.tensors:,} tensors, {t.params:,} parameters, {_bytes_line(t.nbytes)}', tree_html(t), tree_lines(t)[1:])
 
+# %% ../nbs/12b_explore.ipynb #9566fd41-1
 def _formats(self: Exploration) -> tuple:
     rows = [
         (f.family, f.format, f.tensors, f'{f.params:,}', _size(f.stored_bytes), f'{f.bits_per_weight:.2f}')
@@ -1258,8 +1281,10 @@ def _spread(v: list) -> str:
         return f'{lo} (ranks differ by {max(v) - min(v):,} B)'
     return ', '.join(map(_size, v)) if len(v) == 2 else f'{lo}–{hi}: ' + ', '.join(map(_size, v))
 
+# %% ../nbs/12b_explore.ipynb #c12024-1
 def _par(r: RankBytes) -> str: return f"{'EP' if r.expert_parallel else 'TP'} {r.world_size}"
 
+# %% ../nbs/12b_explore.ipynb #c12024-2
 def _ranks(self: Exploration) -> tuple:
     head = ['parallel', 'read per rank', 'held per rank', 'read by all ranks', 'loads']
     rows = [(_par(r), _spread(r.read_bytes), _spread(r.held_bytes), _size(sum(r.read_bytes)) if r.read_bytes else '–',
@@ -1277,6 +1302,7 @@ def _ranks(self: Exploration) -> tuple:
     )
     return summary, _html_table(head, rows), _text_table(head, rows)
 
+# %% ../nbs/12b_explore.ipynb #c12024-3
 def _kv(self: Exploration) -> tuple:
     if self.kv is None:
         return ('not computed', '', [])
@@ -1296,6 +1322,7 @@ def _t_row(s: TensorStats) -> list:
             (s.absmax, s.mean, s.std, s.kurtosis, s.nan or None, s.inf or None, s.all_zero, s.outlier_channels,
                 s.scale_min, s.scale_max, s.scale_outliers))]
 
+# %% ../nbs/12b_explore.ipynb #bba0a152-1
 def _stats(self: Exploration) -> tuple:
     ws = self.stats
     if ws is None:
@@ -1337,6 +1364,7 @@ def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
     body = ''.join(f'<div>{_E(l.strip())}</div>' for l in lines) + _html_table(head, rows) + _html_table(lh, lr)
     return summary, body, lines + _text_table(head, rows) + [''] + _text_table(lh, lr)
 
+# %% ../nbs/12b_explore.ipynb #b77122ac-1
 def _files(self: Exploration) -> tuple:
     n = len(self.of('files'))
     return (f'{n} file(s) that cannot be parsed' if n else 'every file parses', '', [])
@@ -1371,8 +1399,8 @@ def _parts(self: Exploration) -> list:
         out.append((title, summary, fh + body, fl + lines))
     return out
 
+# %% ../nbs/12b_explore.ipynb #933d0b63-1
 def _notes(n: int) -> str: return f' ({n} notes and warnings)' if n > 1 else ' (1 note or warning)' if n else ''
-
 
 # %% ../nbs/12b_explore.ipynb #2a230e50
 @patch
@@ -1385,6 +1413,7 @@ def _repr_html_(self: Exploration) -> str:
     )
     return f'<div class="mstar-explore" style="font-size:13px"><div><b>{_E(self.checkpoint)}</b></div>{secs}</div>'
 
+# %% ../nbs/12b_explore.ipynb #2a230e50-1
 @patch
 def __str__(self: Exploration) -> str:
     out = [self.checkpoint]
@@ -1392,6 +1421,7 @@ def __str__(self: Exploration) -> str:
         out += ['', f'{t}: {s}', *lines]
     return '\n'.join(out)
 
+# %% ../nbs/12b_explore.ipynb #2a230e50-2
 @patch
 def __repr__(self: Exploration) -> str: return str(self)
 
@@ -1411,11 +1441,13 @@ def to_dict(self: Exploration) -> dict:
     }
     return _clean(d)
 
+# %% ../nbs/12b_explore.ipynb #41de1c26-1
 @patch
 def to_json(self: Exploration, indent: int | None = 1) -> str:
     "`to_dict` as a JSON string."
     return json.dumps(self.to_dict(), indent=indent)
 
+# %% ../nbs/12b_explore.ipynb #41de1c26-2
 def diff_dict(d: CheckpointDiff) -> dict:
     "A `CheckpointDiff` as JSON-ready data."
     return _clean(
@@ -1439,15 +1471,17 @@ def _repr_html_(self: CheckpointDiff) -> str:
     head = f'<summary><b>Diff</b>: {_E(s)}</summary>'
     return f'<div class="mstar-explore" style="font-size:13px"><details open>{head}{fh}{body}</details></div>'
 
-
+# %% ../nbs/12b_explore.ipynb #a078a65a-1
 @patch
 def __str__(self: CheckpointDiff) -> str:
     s, _, lines = _diff_parts(self)
     return '\n'.join([s, *_findings_part(self.findings)[1], *lines])
 
+# %% ../nbs/12b_explore.ipynb #a078a65a-2
 @patch
 def __repr__(self: CheckpointDiff) -> str: return str(self)
 
+# %% ../nbs/12b_explore.ipynb #a078a65a-3
 @patch
 def to_json(self: CheckpointDiff, indent: int | None = 1) -> str:
     "`diff_dict` as a JSON string."
@@ -1488,4 +1522,5 @@ def explore(checkpoint_dir, # an HF checkpoint folder
     diff = diff_checkpoints(base, ckpt) if base is not None else None
     return Exploration(ckpt.name, findings, module_tree(tensors), formats, ranks, kv, kv_lines, ws, diff, plots)
 
+# %% ../nbs/12b_explore.ipynb #7df7f1ea-1
 def _fig_png(fig) -> str | None: return None if fig is None else _png(fig)

@@ -35,6 +35,7 @@ def _generation_config_path(checkpoint_dir: str | Path) -> Path:
     p = Path(checkpoint_dir)
     return p if p.suffix == '.json' and not p.is_dir() else p/'generation_config.json'
 
+# %% ../nbs/10_generation.ipynb #5a1c0002-1
 def _read_generation_config(path: Path) -> dict:
     "The JSON object in `path`; `{}` when there is none, `{}` and a warning when it cannot be read or is not an object."
     try: text = path.read_text(encoding='utf-8')
@@ -111,6 +112,7 @@ def _stage_prefixes(cfg: dict) -> list[str]:
     found = {k[:-len(n)] for k in _staged(cfg) for n in _KNOB_KEYS if k.endswith('_' + n) and len(k) > len(n) + 1}
     return sorted(found)
 
+# %% ../nbs/10_generation.ipynb #5a1c0006-1
 def _normalized_prefix(prefix: str) -> str:
     "`prefix` ending in `_`, as the file's keys spell it; '' stays ''."
     if not isinstance(prefix, str):

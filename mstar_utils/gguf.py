@@ -31,25 +31,36 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
     "The float16 at bytes [at, at + 2) of each block [n, size], as float32 [n, 1]."
     return b[:, at:at + 2].clone().view(torch.float16).float()   # a fresh copy: aligned for the view
 
+# %% ../nbs/06b_gguf.ipynb #fmtg005-1
 def _shifted(x: torch.Tensor, shifts: list, mask: int) -> torch.Tensor:
     "(x[..., None, :] >> each shift) & mask: [..., len(shifts), k] for `x` [..., k]."
     s = torch.tensor(shifts, dtype=torch.uint8, device=x.device).view(-1, 1)
     return (x.unsqueeze(-2) >> s) & mask
 
+# %% ../nbs/06b_gguf.ipynb #fmtg005-2
 def _nibbles(qs: torch.Tensor, k: int) -> torch.Tensor:
     "Each run of `k` bytes of `qs` [n, B] as its low nibbles then its high ones: [n, 2B] uint8."
     n = qs.shape[0]
     return _shifted(qs.reshape(n, -1, k), [0, 4], 0xF).reshape(n, -1)
 
+# %% ../nbs/06b_gguf.ipynb #fmtg005-3
 def _fifth_bits(b: torch.Tensor, at: int) -> torch.Tensor:
     "Bit j of the little-endian u32 at bytes [at, at + 4) of each block, j = 0..31: [n, 32] uint8."
     return _shifted(b[:, at:at + 4], list(range(8)), 1).transpose(-1, -2).reshape(-1, 32)   # byte k bit s: value 8k + s
 
 # %% ../nbs/06b_gguf.ipynb #fmtg006
 def _q8_0(b): return b[:, 2:].clone().view(torch.int8).float() * _f16(b, 0)
+
+# %% ../nbs/06b_gguf.ipynb #fmtg006-1
 def _q4_0(b): return _f16(b, 0) * (_nibbles(b[:, 2:], 16).to(torch.int8) - 8).float()
+
+# %% ../nbs/06b_gguf.ipynb #fmtg006-2
 def _q4_1(b): return _f16(b, 0) * _nibbles(b[:, 4:], 16).float() + _f16(b, 2)
+
+# %% ../nbs/06b_gguf.ipynb #fmtg006-3
 def _q5_0(b): return _f16(b, 0) * ((_nibbles(b[:, 6:], 16) | (_fifth_bits(b, 2) << 4)).to(torch.int8) - 16).float()
+
+# %% ../nbs/06b_gguf.ipynb #fmtg006-4
 def _q5_1(b): return _f16(b, 0) * (_nibbles(b[:, 8:], 16) | (_fifth_bits(b, 4) << 4)).float() + _f16(b, 2)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg007
@@ -60,6 +71,7 @@ def _q2_k(b):
     q = _shifted(b[:, 16:80].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16).float()
     return (dl * q - ml).reshape(n, 256)
 
+# %% ../nbs/06b_gguf.ipynb #fmtg007-1
 def _q3_k(b):
     n, s = b.shape[0], b[:, 96:108]
     lo = _shifted(s[:, :8], [0, 4], 0xF).reshape(n, 16)
@@ -110,6 +122,7 @@ def _q45_k(b: torch.Tensor, # blocks uint8 [n, size], contiguous (a scratch copy
     o.copy_(u.view(n, 8, 32))
     o.mul_(f[0]).sub_(f[1])
 
+# %% ../nbs/06b_gguf.ipynb #fmtg008b-1
 def _q6_k(b):
     n = b.shape[0]
     d = (_f16(b, 208) * b[:, 192:208].clone().view(torch.int8).float()).reshape(n, 16, 1)
@@ -123,6 +136,7 @@ def _into(fn):
     def into(b, out): out.copy_(fn(b))
     return into
 
+# %% ../nbs/06b_gguf.ipynb #fmtg009-1
 _RETURNING = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q2_K: _q2_k, T.Q3_K: _q3_k,
               T.Q6_K: _q6_k}
 _BLOCK_DECODERS = {**{q: _into(f) for q, f in _RETURNING.items()},
@@ -137,6 +151,7 @@ def _fault_in(t: torch.Tensor) -> None:
     else:
         for s in t.unbind(max(range(t.dim()), key=t.stride)): _fault_in(s)
 
+# %% ../nbs/06b_gguf.ipynb #fmtg009-2
 def _decode(qtype: T, src: torch.Tensor, dest: torch.Tensor) -> None:
     "Whole blocks `src` (uint8) decoded into `dest` (any float dtype): float32, then one rounding."
     if qtype in _PLAIN: return dest.copy_(src.contiguous().view(_PLAIN[qtype]).view(dest.shape))
@@ -188,6 +203,7 @@ def _faulter() -> ThreadPoolExecutor:
     "The one thread that faults in fresh output while another decodes into it."
     return ThreadPoolExecutor(1, thread_name_prefix='fault-in')
 
+# %% ../nbs/06b_gguf.ipynb #01ac2c23-1
 def _decode_pieces(qtype: T, pieces: list, dest: torch.Tensor) -> None:
     "Decode `pieces` into `dest` on torch's threads; into fresh memory, on one while another faults `dest` in."
     jobs = [lambda s=s, v=v: _decode(qtype, s, v) for s, v in pieces]
@@ -195,7 +211,6 @@ def _decode_pieces(qtype: T, pieces: list, dest: torch.Tensor) -> None:
     fut = _faulter().submit(_fault_in, dest)
     try: in_threads(jobs, threads=1)
     finally: fut.result()
-
 
 # %% ../nbs/06b_gguf.ipynb #3c6ddb92
 def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's bytes as stored, rows of whole blocks
@@ -251,6 +266,7 @@ class GGUFTensor(NamedTuple):
     data: object
     offset: int = 0   # where `data` starts in the file
 
+# %% ../nbs/06b_gguf.ipynb #fmtg017-1
 def _arch_of(model_type: str) -> int | None:
     "gguf-py's MODEL_ARCH for a transformers `model_type`, its spelling mapped as transformers maps it."
     from gguf import MODEL_ARCH_NAMES
@@ -287,6 +303,7 @@ class Skipped(NamedTuple):
     n: int
     def __len__(self): return self.n
 
+# %% ../nbs/06b_gguf.ipynb #fmtg020-1
 class GGUFHeader(NamedTuple):
     "A GGUF file's `metadata` {key: value} and `tensors` {name: GGUFTensor}, views of the mapped file."
     metadata: dict
@@ -413,6 +430,7 @@ def _rows(t: GGUFTensor) -> tuple:
     rows = int(np.prod(t.shape[:-1], dtype=np.int64))
     return (rows, t.data.numel() // max(rows, 1))
 
+# %% ../nbs/06b_gguf.ipynb #fmtg026-1
 class GGUFSource:
     "A loader source: a GGUF file's tensors under `model`'s names, dequantized as they are read."
     reads_slices = True   # a slice reads its rows, or its whole blocks of columns (`GGUFDequantize.cut`)
@@ -444,7 +462,6 @@ class GGUFSource:
         self.tensors = None
         self.raw.close()
 
-
 # %% ../nbs/06b_gguf.ipynb #fmtg027
 @patch
 def read_many(self: GGUFSource, pairs: list, # (key, dest): dest of the key's shape, any float dtype and device
@@ -464,6 +481,7 @@ def read_many(self: GGUFSource, pairs: list, # (key, dest): dest of the key's sh
         if dest is not d: d.copy_(dest)
         if progress: progress(d.numel() * d.element_size(), 1)
 
+# %% ../nbs/06b_gguf.ipynb #fmtg027-1
 @patch
 def resolve(self: GGUFSource, k: str):
     "(bytes source, dequantizing tree) of key `k`, so a slice reads only its blocks; None: read whole."
@@ -473,12 +491,14 @@ def resolve(self: GGUFSource, k: str):
     op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
     return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
 
+# %% ../nbs/06b_gguf.ipynb #fmtg027-2
 @patch
 def _heads(self: GGUFSource, t: GGUFTensor) -> int | None:
     "Heads whose rows llama.cpp's converter permuted in tensor `t` (Llama's q and k), else None."
     if self.arch != 'llama' or not ('.attn_q.' in t.name or '.attn_k.' in t.name): return None
     return self.config.num_attention_heads if '.attn_q.' in t.name else self.config.num_key_value_heads
 
+# %% ../nbs/06b_gguf.ipynb #fmtg027-3
 @patch
 def get(self: GGUFSource, k: str, out: torch.Tensor | None = None) -> torch.Tensor:
     "Tensor `k` in torch's shape, float32 (or into `out`), Llama's q/k rows in transformers' order."
@@ -529,6 +549,7 @@ class GGUFStored(NamedTuple):
     shape: tuple
     dtype: torch.dtype
 
+# %% ../nbs/06b_gguf.ipynb #83a586d1-1
 class GGUFTree(NamedTuple):
     "The values of a GGUF tensor as the slicing step sees them: `op` over the stored bytes `kids`."
     op: object   # a `GGUFDequantize`

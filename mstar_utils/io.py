@@ -197,6 +197,7 @@ def _cut(path, parts: list, names: list, sizes: list, got: int) -> ValueError:
         got -= n
     return ValueError(f'{path}: read cut short')
 
+# %% ../nbs/01b_io.ipynb #0b6f5d37-1
 def _buffer(t: torch.Tensor) -> memoryview:
     "The bytes of `t` as a writable memoryview, no copy."
     # The caller checks that `t` is a contiguous CPU tensor, and keeps it alive while the view is used.
@@ -218,6 +219,7 @@ def _report(progress, chunk: list, sizes: list):
         return
     progress(sum(s.nbytes for s in chunk), sum(1 for s in chunk for i, at, n in s.parts if at + n == sizes[i]))
 
+# %% ../nbs/01b_io.ipynb #2b3c8e90-1
 def _run_in_order(chunks: list, job, threads: int, done):
     "Run `job(chunk)` for every chunk on `threads` threads and `done(chunk)` on this thread, in order."
     # On an error the rest are cancelled, `done` still runs for the chunks that completed, and the error is raised.

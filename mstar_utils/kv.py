@@ -304,6 +304,7 @@ def _first(cfg, *keys: str) -> int | None:
         if getattr(cfg, k, None) is not None: return _need(cfg, k)
     return None
 
+# %% ../nbs/09_kv.ipynb #a15c870d-1
 def _needs(cfg, family: str, **keys) -> dict[str, int]:
     "Each named dimension of a `family` state from the first of its config keys; `ValueError` naming what is missing."
     dims = {name: _first(cfg, *alts) for name, alts in keys.items()}
@@ -720,6 +721,7 @@ class VLLMGroup:
     layers: int
     blocks_per_request: int
 
+# %% ../nbs/09_kv.ipynb #d72a5925-1
 @dataclass(frozen=True)
 class VLLMConcurrency:
     "What vLLM would log and admit for a pool of `num_blocks` blocks of `block_size` tokens."

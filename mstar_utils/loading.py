@@ -70,6 +70,7 @@ class _Slot:
     is_param: bool
     refs: list = field(default_factory=list)
 
+# %% ../nbs/02_loading.ipynb #0f747f53-1
 def _slots(entries: list) -> list:
     "One `_Slot` per distinct tensor of all `entries` (ModuleAndPrefix), ties found across entries."
     slots, by_id = [], {}
@@ -121,6 +122,7 @@ def _keys_for(source, slot, prefixes) -> list:
         if k in source and k not in keys: keys.append(k)
     return keys
 
+# %% ../nbs/02_loading.ipynb #63fc1dbd-1
 def _check_shapes(source, keys, slot, entries, what):
     i, name = slot.refs[0]
     mod = slot.tensor.shape  # a torch.Size, which compares equal to the tuple of its sizes
@@ -309,6 +311,7 @@ def _set_buffer(module, name: str, t: torch.Tensor):
     owner, _, leaf = name.rpartition('.')
     (module.get_submodule(owner) if owner else module)._buffers[leaf] = t
 
+# %% ../nbs/02_loading.ipynb #e040bc6b-1
 def _note(e: BaseException, msg: str):
     if hasattr(e, 'add_note'): e.add_note(msg)  # Python >= 3.11
 
@@ -347,6 +350,7 @@ def _read_new(source, slot, key, device) -> torch.Tensor:
         return t.to(device=device, dtype=slot.tensor.dtype)
     return t.clone(memory_format=torch.contiguous_format) if source.borrowed(key) else t
 
+# %% ../nbs/02_loading.ipynb #6c3174db-1
 def _write_in_place(source, slot, key, device):
     "Overwrite a materialized slot on `device` from a source without `read_many`, or a slot that is not contiguous."
     target = slot.tensor

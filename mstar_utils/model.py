@@ -59,6 +59,7 @@ def _fp32_names(model, dtype) -> list:
     rx = re.compile('|'.join(f'(?:{p.replace("*", ".*")})' for p in plan))   # as build_glob_alternation, searched
     return [n for n, t, _ in named_tensors(model) if t.is_floating_point() and rx.search(n)]
 
+# %% ../nbs/03_load_model.ipynb #482e65c4-1
 def _to_fp32(model, name: str):
     "Parameter or buffer `name` of `model` replaced by a float32 one (a new Parameter); ties are re-tied after."
     owner, _, leaf = name.rpartition('.')
@@ -92,6 +93,7 @@ def _params_on_meta():
     finally:
         torch.nn.Module.register_parameter = register
 
+# %% ../nbs/03_load_model.ipynb #eb4f0243-1
 def _no_init():
     "transformers' `no_init_weights` (torch's `nn.init` functions and `init_weights` made no-ops); nothing without it."
     try:
@@ -514,6 +516,7 @@ def _one_device(rank, world_size) -> bool:
         raise ValueError(f'rank={rank!r}, world_size={world_size!r}: pass both (or neither, for the whole model)')
     return world_size == 1 and rank == 0
 
+# %% ../nbs/03_load_model.ipynb #0a1b2c02-1
 def _sharding(config, model, rank, world_size, plan, expert_parallel, rules):
     "This rank's `Sharding` of the model, or None for one device (`_one_device`)."
     if _one_device(rank, world_size):
@@ -704,6 +707,7 @@ class PlannedTensor(NamedTuple):
     bytes: int   # bytes read for it
     ranges: list   # [(file name, start, stop)] read for it, merged
 
+# %% ../nbs/03_load_model.ipynb #0a1b2c11-1
 class FileReads(NamedTuple):
     "The reads of one checkpoint file: byte ranges [(start, stop)] and the bytes read."
     file: str
@@ -737,6 +741,7 @@ class LoadPlan:
         files = [f'  {f.file}: {len(f.ranges)} range(s), {_mb(f.bytes)}' for f in self.files]
         return '\n'.join([head, *rows, *files])
 
+# %% ../nbs/03_load_model.ipynb #0a1b2c12-1
 def _mb(n: int) -> str: return f'{n / 1e6:.2f} MB'
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c13
@@ -763,6 +768,7 @@ def to_json(self: LoadPlan, indent: int | None = 1) -> str:
         indent=indent,
     )
 
+# %% ../nbs/03_load_model.ipynb #0a1b2c13-1
 @patch
 def load(self: LoadPlan, **kw) -> torch.nn.Module:
     "`load_model` with this plan's folder, rank and options (`kw` added: device, strict, ...)."

@@ -45,6 +45,7 @@ def _fp4_pairs(device) -> torch.Tensor:
         lut = _FP4_PAIRS[device] = pairs.view(torch.int64).view(256).to(device)
     return lut
 
+# %% ../nbs/06_quantized.ipynb #47664196-1
 def unpack_fp4(blocks: torch.Tensor, # uint8 [..., n], two E2M1 codes a byte
               ) -> torch.Tensor:
     "FP4 values float32 [..., 2n]: a byte's low nibble is the even value, its high nibble the odd one."
@@ -78,6 +79,7 @@ def _block(block, shape) -> tuple:
     "`block` with each None replaced by that axis' length in `shape` [..., R, C]."
     return tuple(shape[i - 2] if b is None else b for i, b in enumerate(block))
 
+# %% ../nbs/06_quantized.ipynb #f1c7fa63-1
 def scale_grid(shape: tuple, # [..., R, C]: the codes
                block: tuple, # (rows, cols) one scale covers; None: the whole axis
               ) -> tuple:
@@ -120,6 +122,7 @@ def _torch_threads_one():
             _ONE_THREAD[1] -= 1
             if _ONE_THREAD[1] == 0: torch.set_num_threads(_ONE_THREAD[2])
 
+# %% ../nbs/06_quantized.ipynb #fastq001-1
 _POOL, _WORKER = [None, 0, threading.Lock()], threading.local()   # (pool, its threads, lock); a worker's flag
 
 def _pool(n: int) -> ThreadPoolExecutor:
@@ -128,11 +131,13 @@ def _pool(n: int) -> ThreadPoolExecutor:
         if _POOL[0] is None or _POOL[1] < n: _POOL[0], _POOL[1] = ThreadPoolExecutor(n, thread_name_prefix='decode'), n
         return _POOL[0]
 
+# %% ../nbs/06_quantized.ipynb #fastq001-2
 def _as_worker(job):
     "Run `job` on a pool thread, marked so that `in_threads` calls inside it run on that thread."
     _WORKER.on = True
     return job()
 
+# %% ../nbs/06_quantized.ipynb #fastq001-3
 def in_threads(jobs: list, # callables of no arguments, each a piece of the work
                threads: int | None = None, # None: torch's intra-op thread count (`torch.get_num_threads()`)
               ) -> None:
@@ -182,6 +187,7 @@ def apply(self: Dequantize, tensors: list) -> torch.Tensor:
     for i in range(shape[0]): out[i] = self._one([t[i] for t in tensors])
     return out
 
+# %% ../nbs/06_quantized.ipynb #c254561f-1
 @patch
 def apply_into(self: Dequantize, tensors: list, out: torch.Tensor) -> torch.Tensor:
     "`out.copy_(self.apply(tensors))`"
@@ -197,6 +203,7 @@ def _scale_float(s: torch.Tensor) -> torch.Tensor:
     "Scales as float32: E8M0 exponents (uint8, float8_e8m0fnu) decoded, floats widened."
     return e8m0_to_float(s) if s.dtype in (torch.uint8, getattr(torch, 'float8_e8m0fnu', None)) else s.float()
 
+# %% ../nbs/06_quantized.ipynb #c7c98965-1
 @dataclass(frozen=True)
 class _BlockScaled(Dequantize):
     "(codes [..., R, C], scales [, zero points]) → (codes − zero point) × scale, one of each per `block`."
@@ -215,6 +222,7 @@ class _BlockScaled(Dequantize):
         if len(ts) > 2: per_block_(x, ts[2].reshape(s.shape), self.block, torch.Tensor.sub_)
         return per_block_(x, _scale_float(s), self.block)
 
+# %% ../nbs/06_quantized.ipynb #c7c98965-2
 def _numel(shape): return int(torch.Size(shape).numel())
 
 # %% ../nbs/06_quantized.ipynb #590137c3
@@ -275,6 +283,7 @@ def mismatch(self: PackQuantizedDequantize, shapes: list):
             return 0 if j else 1, j, want
     return None
 
+# %% ../nbs/06_quantized.ipynb #d4ed5fbf-1
 @patch
 def _one(self: PackQuantizedDequantize, ts: list) -> torch.Tensor:
     R, C = self.weight_shape
@@ -316,22 +325,25 @@ class StoredCut(NamedTuple):
     op: object # the operation that dequantizes the parts: the op itself, or a copy for the cut's shape
     trim: tuple | None # (dim, start, length) to keep of the op's result; None: all of it
 
+# %% ../nbs/06_quantized.ipynb #93c61a4e-1
 def _trimmed(t: torch.Tensor, trim) -> torch.Tensor: return t if trim is None else t.narrow(*trim)
 
+# %% ../nbs/06_quantized.ipynb #93c61a4e-2
 def _widen(start: int, stop: int, unit: int, size: int) -> tuple:
     "[start, stop) widened to whole units"
     # from the start of the unit holding `start` to the end of the last one.
     return start // unit * unit, min(-(-stop // unit) * unit, size)
 
+# %% ../nbs/06_quantized.ipynb #93c61a4e-3
 def _trim(dim: int, start: int, stop: int, lo: int, hi: int):
     return None if (lo, hi) == (start, stop) else (dim, start - lo, stop - start)
 
+# %% ../nbs/06_quantized.ipynb #93c61a4e-4
 def dequantize_cut(c: StoredCut, # from an op's `cut`
                    parts: list, # the stored tensors' parts that `c.parts` names, read
                   ) -> torch.Tensor:
     "The dequantized range: `c.op` over the parts, trimmed."
     return _trimmed(c.op.apply(parts), c.trim)
-
 
 # %% ../nbs/06_quantized.ipynb #68b795cc
 @patch
@@ -372,6 +384,7 @@ def cut(self: PackQuantizedDequantize, shapes: list, dim: int, start: int, stop:
     op = dataclasses.replace(self, weight_shape=shape, stored_shape=self.stored_shape or (R, C))
     return StoredCut(parts[:len(shapes)], op, _trim(dim, start, stop, lo, hi))
 
+# %% ../nbs/06_quantized.ipynb #dac9d6b0-1
 @patch
 def cut(self: MXFP4Dequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
     "Experts and rows cut exactly; values along the blocks in whole groups of 32, then trimmed."
@@ -381,7 +394,6 @@ def cut(self: MXFP4Dequantize, shapes: list, dim: int, start: int, stop: int) ->
         return StoredCut(((at, start, stop),) * 2, self, None)
     lo, hi = start // 32, -(-stop // 32)
     return StoredCut(((lead + 1, lo, hi),) * 2, self, _trim(dim, start, stop, lo * 32, hi * 32))
-
 
 # %% ../nbs/06_quantized.ipynb #dea6c242
 @dataclass
@@ -395,6 +407,7 @@ class QuantizedTensor:
     dtypes: list
     dropped: tuple = ()   # stored keys beside them that the op does not take: read to choose it, hidden from the load
 
+# %% ../nbs/06_quantized.ipynb #dea6c242-1
 def _qconfig(config) -> dict | None:
     "`quantization_config` of `config` (a config.json dict or a transformers config) as a dict"
     # None if it has none.
@@ -409,6 +422,7 @@ def _keys(target: str, op) -> list:
     m = target.rpartition('.')[0]
     return [f'{m}.{s}' if m else s for s in op.suffixes]
 
+# %% ../nbs/06_quantized.ipynb #0f7bf03c-1
 def _unit(src, target: str, op, what: str) -> QuantizedTensor:
     "The checked `QuantizedTensor` of `target` in source `src`"
     # `ValueError` naming the keys when one is missing or the shapes or dtypes do not fit `op`.
@@ -456,6 +470,8 @@ def _fp8_op(src, target: str, block: tuple | None, dtype, what: str) -> FP8Block
 
 # %% ../nbs/06_quantized.ipynb #9855774f
 def _strip(k: str, suffixes) -> str | None: return next((k[:-len(s)] for s in suffixes if k.endswith(s)), None)
+
+# %% ../nbs/06_quantized.ipynb #9855774f-1
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def _fp8_tensors(src, qc: dict, dtype, what: str) -> list:
@@ -468,6 +484,7 @@ def _fp8_tensors(src, qc: dict, dtype, what: str) -> list:
     targets |= {k for k in src.keys() if src.dtype(k) in _FP8}  # noqa: SIM118
     return [_unit(src, t, _fp8_op(src, t, block, dtype, what), what) for t in sorted(targets)]
 
+# %% ../nbs/06_quantized.ipynb #9855774f-2
 def _mxfp4_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"mxfp4\"` (gpt-oss): every `*_blocks`/`*_scales` pair."
     targets = {t for k in src.keys() if (t := _strip(k, ['_blocks', '_scales'])) is not None}  # noqa: SIM118
@@ -484,6 +501,7 @@ def _ct_block(w: dict, what: str) -> tuple:
     raise NotImplementedError(f'{what}: compressed-tensors weight strategy {s!r} is not supported (tensor, channel, '
                               'group and block are)')
 
+# %% ../nbs/06_quantized.ipynb #3475dbc0-1
 _CLASS_NAME = re.compile(r'[A-Z][A-Za-z0-9_]*')   # a target taken for a class name, such as 'Linear'
 
 def _ct_scheme(qc: dict, module: str) -> dict | None:
@@ -530,6 +548,7 @@ def _model_name(module: str, names: dict) -> str:
         if new is not None and new.endswith(s): return new[:-len(s)]
     return module
 
+# %% ../nbs/06_quantized.ipynb #f7671dfb-1
 def _ct_tensors(src, qc: dict, dtype, what: str, names: dict | None = None) -> list:
     "`quant_method: \"compressed-tensors\"`: every module with a `weight_packed`, a `weight_scale`"
     # or an fp8 or int8 `weight`; targets match its model name (`names`: the checkpoint's renames).
@@ -568,6 +587,7 @@ def quantized_tensors(src, # a loader source (`keys()`, `shape(k)`, `dtype(k)`, 
 # %% ../nbs/06_quantized.ipynb #ab7f1df5
 def _tail(k: str, n: int) -> str: return '.'.join(k.split('.')[-n:])
 
+# %% ../nbs/06_quantized.ipynb #ab7f1df5-1
 def _fragments(units: list, keys) -> list:
     "[(source patterns, target pattern, op)]"
     # the fewest key fragments that pick out exactly `units`' keys among `keys`.
@@ -602,6 +622,7 @@ def _submodule(model: nn.Module, path: str) -> nn.Module | None:
     try: return model.get_submodule(path)
     except AttributeError: return None
 
+# %% ../nbs/06_quantized.ipynb #c5fd7be5-1
 def _place(model: nn.Module, u: QuantizedTensor, path: str, lin: list, whole: dict, per: dict) -> None:
     "File `u` (at module `path`) under the swap it needs: a Linear, a whole parameter"
     # or a per-expert weight of an ancestor.
@@ -620,6 +641,7 @@ def _stored(m: nn.Module, u: QuantizedTensor, name: str, device) -> None:
     for s, shape, dt in zip(u.op.suffixes, u.shapes, u.dtypes, strict=True):
         m.register_parameter(name + s, nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False))
 
+# %% ../nbs/06_quantized.ipynb #0e2e96bd-1
 class QuantizedLinear(nn.Module):
     "A linear layer holding its weight as the checkpoint does"
     # `weight` + `u.op.suffixes` (e.g. `weight`, `weight_scale_inv`), in the checkpoint's shapes and dtypes. `forward`
@@ -643,10 +665,12 @@ def dequantized_weight(self: QuantizedLinear) -> torch.Tensor:
     "The weight [out_features, in_features] in the op's `target_dtype` (a tensor-parallel cut's `trim`)."
     return _trimmed(self.op.apply([getattr(self, 'weight' + s) for s in self.op.suffixes]), self.trim)
 
+# %% ../nbs/06_quantized.ipynb #a4a2480d-1
 @patch
 def forward(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
+# %% ../nbs/06_quantized.ipynb #a4a2480d-2
 @patch
 def extra_repr(self: QuantizedLinear) -> str:
     return f'in_features={self.in_features}, out_features={self.out_features}, op={self.op}'
@@ -689,12 +713,14 @@ def _add_linear(root: nn.Module, path: str, u: QuantizedTensor, device) -> None:
     R, C = u.op.out_shape(u.shapes)
     m.add_module(leaf, QuantizedLinear(C, R, u, bias=False, device=device))
 
+# %% ../nbs/06_quantized.ipynb #a089e566-1
 def _renumbered(path: str, offset: int) -> str:
     "`path` ('5.gate_proj') with its expert number less `offset`: a rank's experts"
     # numbered from 0 for fusing.
     first, _, rest = path.partition('.')
     return f'{int(first) - offset}.{rest}' if offset and first.isdigit() else path
 
+# %% ../nbs/06_quantized.ipynb #a089e566-2
 @patch
 def dequantized(self: QuantizedExperts) -> dict:
     "`inner`'s parameters by name: the quantized ones dequantized (and fused by `conv`)"
@@ -714,10 +740,12 @@ def dequantized(self: QuantizedExperts) -> dict:
     out.update({n: mine[n] for n, _ in self.inner.named_parameters(recurse=False) if n not in out and n in mine})
     return out
 
+# %% ../nbs/06_quantized.ipynb #a089e566-3
 @patch
 def forward(self: QuantizedExperts, *args, **kwargs):
     return torch.func.functional_call(self.inner, self.dequantized(), args, kwargs)
 
+# %% ../nbs/06_quantized.ipynb #a089e566-4
 @patch
 def extra_repr(self: QuantizedExperts) -> str:
     return f'inner={type(self.inner).__name__}, ops={self.ops}' if self.ops else f'inner={type(self.inner).__name__}'
@@ -770,6 +798,7 @@ class _Without(WrappedSource):
     def keys(self): return self._keys
     def __contains__(self, k): return k not in self.hidden and k in self.src
 
+# %% ../nbs/06_quantized.ipynb #28decb80-1
 def quantized_source(src, # the checkpoint's source
                      config, # its config.json as a dict, or a transformers config
                      model: nn.Module, # the model to load, built on meta
@@ -865,6 +894,7 @@ def _ct_weight_block(w: dict, what: str) -> tuple:
     # `tensor_group` (NVFP4: a global scale over groups) included.
     return (1, w['group_size']) if w.get('strategy') == 'tensor_group' else _ct_block(w, what)
 
+# %% ../nbs/06_quantized.ipynb #fmtq004-1
 def _ct_dense(src, qc: dict, g: dict, module: str, dtype, what: str) -> DenseQuantized | None:
     "The op of a module stored unquantized (format `dense`, or a float `weight` and no `weight_packed`)"
     # None otherwise.
@@ -992,6 +1022,7 @@ def _modelopt_algo(qc: dict, module: str) -> str | None:
     if algo == 'MIXED_PRECISION': return ((q.get('quantized_layers') or {}).get(module) or {}).get('quant_algo')
     return algo
 
+# %% ../nbs/06_quantized.ipynb #fmtq015-1
 def _modelopt_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"modelopt\"`"
     # NVFP4 modules (uint8 `weight` + `weight_scale_2`) and FP8 ones (fp8 `weight` + `weight_scale`).
@@ -1030,6 +1061,7 @@ def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     return ((packed.unsqueeze(1) >> shifts[:, None]) & ((1 << bits) - 1)).flatten(0, 1)
 
+# %% ../nbs/06_quantized.ipynb #gab003-1
 def _unpack_cols(packed: torch.Tensor, bits: int, order: tuple | None = None) -> torch.Tensor:
     "Unsigned codes int32 [R, cols·32/b] of words packed across a row; `order`"
     # the column each bit position holds, within a word.
@@ -1038,6 +1070,7 @@ def _unpack_cols(packed: torch.Tensor, bits: int, order: tuple | None = None) ->
     if order is not None: u = u[..., [order.index(c) for c in range(len(order))]]
     return u.flatten(-2)
 
+# %% ../nbs/06_quantized.ipynb #gab003-2
 def _groups(K: int, n_groups: int, group_size: int, g_idx: torch.Tensor | None, device) -> torch.Tensor:
     "The group of each of K inputs: `g_idx` where given, else k // group_size (one group: all 0)."
     if g_idx is not None: return g_idx.long()
@@ -1085,6 +1118,7 @@ def mismatch(self: GPTQDequantize, shapes: list):
         return 0, 2, f'one scale row per group of {self.group_size} of {K} inputs'
     return None
 
+# %% ../nbs/06_quantized.ipynb #gab007-1
 @patch
 def _one(self: GPTQDequantize, ts: list) -> torch.Tensor:
     N, K = self.out_shape([t.shape for t in ts])
@@ -1135,6 +1169,7 @@ def _value(src, k: str) -> torch.Tensor:
     from safetensors import safe_open
     with safe_open(str(src.k2f[k]), 'pt') as f: return f.get_tensor(k)
 
+# %% ../nbs/06_quantized.ipynb #gab014-1
 def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"gptq\"`: every module with a `qweight`; act-order read from its `g_idx`."
     bits, gs = qc.get('bits', 4), qc.get('group_size', 128) or -1
@@ -1161,6 +1196,7 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
         if has: units[-1].dropped = (f'{m}.g_idx',)   # so the load reads it no more
     return units
 
+# %% ../nbs/06_quantized.ipynb #gab014-2
 def _awq_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"awq\"` (AutoAWQ's GEMM version): every module with a `qweight`."
     bits, version = qc.get('bits', qc.get('w_bit', 4)), str(qc.get('version', 'gemm')).lower()
@@ -1196,6 +1232,7 @@ def cut(self: GPTQDequantize, shapes: list, dim: int, start: int, stop: int) -> 
     op = dataclasses.replace(self, inputs=hi - lo) if self.inputs else self   # no g_idx to count the cut's inputs
     return StoredCut(parts[:len(shapes)], op, _trim(1, start, stop, lo, hi))
 
+# %% ../nbs/06_quantized.ipynb #gab018-1
 @patch
 def cut(self: AWQDequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
     "Outputs (dim 0) in whole words of eight, AWQ's interleave inside them"
@@ -1218,6 +1255,7 @@ def _blockwise(x: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.T
     head = (x[:full].view(-1, blocksize) * absmax[:full // blocksize, None]).flatten()
     return torch.cat([head, x[full:] * absmax[full // blocksize]]) if full < x.numel() else head
 
+# %% ../nbs/06_quantized.ipynb #gab021-1
 @dataclass(frozen=True)
 class BnB4bitDequantize(Dequantize):
     "(`.absmax` [, nested], `.quant_map`, codes) → qmap[code] × absmax."
@@ -1289,6 +1327,7 @@ def cut(self: BnB4bitDequantize, shapes: list, dim: int, start: int, stop: int) 
                      f'{self.blocksize}, so a slice [{start}, {stop}) of dim {dim} is not cut from its bytes; load it '
                      'on one device')
 
+# %% ../nbs/06_quantized.ipynb #gab023-1
 _BNB_STATE = '.quant_state.bitsandbytes__'
 
 def _bnb_op(src, key: str, dtype, what: str) -> BnB4bitDequantize:
@@ -1304,6 +1343,7 @@ def _bnb_op(src, key: str, dtype, what: str) -> BnB4bitDequantize:
     offset = float(st.get('nested_offset', 0.0))
     return BnB4bitDequantize(st['quant_type'], tuple(st['shape']), st['blocksize'], nested, offset, dtype)
 
+# %% ../nbs/06_quantized.ipynb #gab023-2
 def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"bitsandbytes\"`: 4-bit weights by their quant_state blob, int8 ones by their `SCB`."
     four, eight = qc.get('load_in_4bit', qc.get('_load_in_4bit')), qc.get('load_in_8bit', qc.get('_load_in_8bit'))
@@ -1348,6 +1388,7 @@ def _box(dtype: torch.dtype, shape: tuple, N: int, W: int) -> tuple:
     else: rows = shape[0]
     return rows, nbytes / rows
 
+# %% ../nbs/06_quantized.ipynb #b2d6453c-1
 def draw_layout(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
                 weight: tuple, # the shape the tensors decode to: [N, K], or [E, N, K] for E experts
                 ax=None, # a matplotlib `Axes`; None: one of a new figure

@@ -114,6 +114,7 @@ def _part(problems: list, # receives {'file', 'message'} when `fn` fails, once p
             problems.append({'file': name, 'message': f'{name}: {type(e).__name__}: {msg}'})
         return default
 
+# %% ../nbs/12_report.ipynb #d98ef192-1
 def _tokenizer_summary(path: Path) -> dict:
     "The tokenizer's kind and vocabulary size, as tokenizers reads the file."
     from tokenizers import Tokenizer

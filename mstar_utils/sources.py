@@ -83,6 +83,7 @@ def _open(path: Path):
     except IsADirectoryError:
         raise IsADirectoryError(f'{path}: is a folder, not a safetensors file') from None
 
+# %% ../nbs/01_safetensors.ipynb #11a6efac-1
 def _raw_header(path, f) -> tuple[int, dict]:
     "(header length, parsed JSON header) of the open file `f`, after the checks that need no JSON."
     size = os.fstat(f.fileno()).st_size
@@ -307,6 +308,7 @@ def read_many(
         if progress:
             progress(t.numel() * t.element_size(), 1)
 
+# %% ../nbs/01_safetensors.ipynb #5a0c1e02-1
 @patch
 def get_slice(self: Source, k, dim: int, ranges, out: torch.Tensor | None = None) -> torch.Tensor:
     "Indices `ranges` along `dim` of tensor `k`, joined; this default reads all of it, then cuts."
@@ -365,6 +367,7 @@ def _tensor(self: DictSource, k) -> torch.Tensor:
         raise ValueError(f'{self.what}[{k!r}] is on meta: it has a shape but no data to load')
     return t
 
+# %% ../nbs/01_safetensors.ipynb #3e082976-1
 @patch
 def get(self: DictSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     "The tensor of key `k`, copied into `out` when given."
@@ -417,6 +420,7 @@ def _file(self: FileSource, path):
         f = self._files[path] = _open(path)
     return f
 
+# %% ../nbs/01_safetensors.ipynb #d35c6720-1
 @patch
 def _fd(self: FileSource, path) -> int:
     return self._file(path).fileno()
@@ -470,6 +474,7 @@ def _note(self: FileSource, path, offset: int, n: int):
         if self.reads is not None:
             self.reads.append((path, offset, n))
 
+# %% ../nbs/01_safetensors.ipynb #96547803-1
 @patch
 def _mapped(self: FileSource, path) -> torch.Tensor:
     "The whole file as a uint8 tensor: a private copy-on-write mapping, or the buffer it was read ahead into."
@@ -681,6 +686,7 @@ def buffer(self: ReadAhead, path) -> torch.Tensor:
         raise e
     return self._bufs[path]
 
+# %% ../nbs/01_safetensors.ipynb #9a7e0c04-1
 @patch
 def close(self: ReadAhead):
     "Stop after the file under way, wait for it, let go of the buffers (views handed out keep theirs)."

@@ -135,6 +135,7 @@ class _IdQueue:
             for i in value.reshape(-1).tolist(): self.queue.put(i)
     def end(self): self.queue.put(None)
 
+# %% ../nbs/11_speech.ipynb #4d482170-1
 class _Cancelled:
     "A `generate` stopping criterion: stop at the next step once `event` is set (the reader went away)."
     def __init__(self, event: threading.Event): self.event = event
@@ -225,6 +226,7 @@ class Segment(NamedTuple):
     end: float # seconds
     text: str # the words, special and timestamp tokens dropped
 
+# %% ../nbs/11_speech.ipynb #57119a90-1
 class Language(NamedTuple):
     "The language a multilingual model hears in the first window, with the model's probability for it."
     code: str # e.g. 'en'
@@ -446,6 +448,7 @@ class _Window(NamedTuple):
     ids: list # token ids released to the client
     segment: tuple | None # (start, end) in seconds when a segment ended
 
+# %% ../nbs/11_speech.ipynb #31737c75-1
 def _detect_language(model, gc, encoded: torch.Tensor, start: int) -> Language:
     "The language heard in `encoded`: the likeliest language token after `start`, as `detect_language`."
     logits = model(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor([[start]], device=encoded.device),
@@ -525,6 +528,7 @@ class _Token(NamedTuple):
     id: int
     chunk: bytes
 
+# %% ../nbs/11_speech.ipynb #1ab68f37-1
 def _events(checkpoint_dir, audio_path, model=None, device='cpu', dtype=torch.float32, keep_special=False,
             **options) -> Iterator:
     "`Language`, `_Token` and `Segment` records of the transcription of `audio_path`, in order."
@@ -595,6 +599,7 @@ class Transcript(NamedTuple):
     ids: list # the token ids, as transformers' long-form `generate` returns them (plus the final stop token)
     language: Language | None # what was detected, or None when given or English-only
 
+# %% ../nbs/11_speech.ipynb #f1c104e8-1
 @delegates(transcribe_events, keep=True, but='keep_special')
 def transcribe(checkpoint_dir, # a Whisper checkpoint folder
                audio_path, # an audio file soundfile reads, of any length

@@ -43,6 +43,7 @@ def slice_shape(shape, # the whole tensor's shape
     d = sl.dim % len(shape)
     return (*shape[:d], sum(b - a for a, b in sl.ranges), *shape[d + 1:])
 
+# %% ../nbs/07_tensor_parallel.ipynb #8f1c3762-1
 def take(t: torch.Tensor, # the whole tensor
          sl: Slice, # the part taken
         ) -> torch.Tensor:
@@ -98,6 +99,7 @@ def _compile_plan(plan: dict) -> list:
         out.append((re.compile(r'(?:^|(?<=\.))' + body + '$'), pat, style))
     return sorted(out, key=lambda e: -len(e[1]))
 
+# %% ../nbs/07_tensor_parallel.ipynb #543be121-1
 def _dim_for(style: TPStyle, leaf: str, ndim: int) -> int | None:
     "The dim `style` splits for parameter `leaf` of `ndim` dims; None: whole."
     d = style.bias_dim if leaf == 'bias' or leaf.endswith('_bias') else style.weight_dim
@@ -135,6 +137,7 @@ def entry(self: Sharding, name: str) -> tuple | None:
     "(pattern, style name) of the longest plan entry naming module or parameter `name` itself, or None."
     return next(((pat, style) for rx, pat, style in self._compiled if rx.search(name)), None)
 
+# %% ../nbs/07_tensor_parallel.ipynb #dceaf634-1
 @patch
 def style_of(self: Sharding, key: str) -> tuple | None:
     "(pattern, style name) for parameter `key`: its own entry, else its module's; None: not in the plan."
@@ -210,6 +213,7 @@ def _own_plan(cfg, world_size: int, expert_parallel: bool) -> dict:
         plan = {k: _HEADS.get(v, v) if _ATTENTION.search(k) else v for k, v in plan.items()}
     return plan
 
+# %% ../nbs/07_tensor_parallel.ipynb #0ba81c5e-1
 def _tower(model, sub) -> str:
     "The path of `model`'s submodule built from config `sub` (a language model, a vision tower), with a dot."
     names = [n for n, m in model.named_modules() if n and getattr(m, 'config', None) is sub]
@@ -335,7 +339,7 @@ def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
     if not out.is_meta:
         out.copy_(take(node.op.apply(values), sl))  # a dry read (meta) computes nothing
 
-
+# %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3-1
 def _read_part(src, kid, part, count, dry: bool = False) -> torch.Tensor:
     "Part `part` ((dim, start, stop), None: all) of tree `kid`'s value, read from `src`."
     ksl = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
@@ -375,6 +379,7 @@ def read_slice(src, # a loader source (see `Source`)
         t = out  # a source that ignores `out`
     return t
 
+# %% ../nbs/07_tensor_parallel.ipynb #5b1e14e2-1
 def _numel(shape) -> int: return int(torch.Size(shape).numel())
 
 # %% ../nbs/07_tensor_parallel.ipynb #8c1d301d
@@ -469,11 +474,13 @@ def _cut(t: torch.Tensor, sl: Slice) -> torch.Tensor:
     p.__dict__.update(t.__dict__)
     return p
 
+# %% ../nbs/07_tensor_parallel.ipynb #d1a0800f-1
 def _put(module, name: str, t: torch.Tensor, is_param: bool):
     owner, _, leaf = name.rpartition('.')
     m = module.get_submodule(owner) if owner else module
     (m._parameters if is_param else m._buffers)[leaf] = t
 
+# %% ../nbs/07_tensor_parallel.ipynb #d1a0800f-2
 def _fix_sizes(m):
     "A Linear's or Embedding's size attributes, in step with its weight."
     if isinstance(m, torch.nn.Linear):
@@ -579,11 +586,13 @@ def _split(sl: Slice, m, kind: str) -> Slice:
         )
     return sl
 
+# %% ../nbs/07_tensor_parallel.ipynb #583f09fe-1
 def _all_reduce_output(m, sharding, sl, group):
     "moe_tp_experts, all_reduce: the module's output summed over the ranks."
     def hook(mod, args, out): dist.all_reduce(out[0] if isinstance(out, tuple) else out, group=group)
     m.register_forward_hook(hook)
 
+# %% ../nbs/07_tensor_parallel.ipynb #583f09fe-2
 def _reduce_output(m, sharding, sl, group):
     "rowwise: a Linear's partial products summed over the ranks, then its bias added once."
     if not isinstance(m, (torch.nn.Linear, QuantizedLinear)):
@@ -595,6 +604,7 @@ def _reduce_output(m, sharding, sl, group):
         return y if m.bias is None else y + m.bias
     m.forward = forward
 
+# %% ../nbs/07_tensor_parallel.ipynb #583f09fe-3
 def _split_input(m, sharding, sl, group):
     "rowwise_split_input: a rowwise Linear whose input arrives whole; it takes its slice of the last dim first."
     sl = _split(sl, m, 'split_input')
@@ -611,6 +621,7 @@ def _gather_output(m, sharding, sl, group):
         return torch.cat(parts, -1)
     m.register_forward_hook(hook)
 
+# %% ../nbs/07_tensor_parallel.ipynb #21fe7bb8-1
 def _vocab_parallel(m, sharding, sl, group):
     "embedding_rowwise: each rank looks up the ids in its rows of the vocabulary, zeros for the rest"
     # the sum over ranks is the lookup.

@@ -341,6 +341,7 @@ def _build_clip(out: Path):
     vocab = chars + [c + '</w>' for c in chars] + [''.join(m) for m in merges] + ['<|startoftext|>', '<|endoftext|>']
     CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges).save_pretrained(out)
 
+# %% ../nbs/98_testing.ipynb #e74e7831-1
 def clip_tokenizer_folder() -> Path:
     "Folder with CLIP's tokenizer, built from the `open-clip-torch` package on first use."
     from mstar_utils.checkpoints import cached_folder
@@ -434,6 +435,7 @@ def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest/'model.safetensors'), metadata={'format': 'pt'})
     return dest
 
+# %% ../nbs/98_testing.ipynb #95785c88-1
 def _saved(model, dest) -> tuple:
     "(dest, its tensors) after `save_pretrained`, its progress bars and warnings silenced."
     with contextlib.redirect_stderr(io.StringIO()):
@@ -852,6 +854,7 @@ def _llamacpp_permute(w, heads: int):
     "llama.cpp's converter's q/k row order: each head's rows read as (2, rows/heads/2), written as (rows/heads/2, 2)."
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
+# %% ../nbs/98_testing.ipynb #fmtu001-1
 def _gguf_codes(x, qtype, rng):
     "`x` float32 [rows, cols] as gguf-py stores `qtype`"
     # quantized by gguf-py, or (K-quants) random codes of finite scales.
@@ -940,6 +943,7 @@ def _int32(x: torch.Tensor) -> torch.Tensor:
     "int64 words in [0, 2³²) as the int32 with the same bits."
     return (x - (x >= 2**31).long() * 2**32).to(torch.int32)
 
+# %% ../nbs/98_testing.ipynb #gabt001-1
 def _pack(q: torch.Tensor, bits: int, dim: int, order: tuple | None = None) -> torch.Tensor:
     "Codes q (ints in [0, 2^b)) packed 32/b to an int32 word along `dim`, padded with zeros"
     # `order`: the index each position holds.
