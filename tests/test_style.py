@@ -1,5 +1,8 @@
 "The package's style a linter does not check: lines of at most 120 characters, public docstrings of one line of at most 100."
+import ast
 import importlib
+import json
+import re
 import inspect
 from pathlib import Path
 
@@ -33,4 +36,40 @@ def public_docstrings():
 
 def test_public_docstrings_are_one_line_of_at_most_100_characters():
     bad = [(n, len(d)) for n, d in public_docstrings() if d and (len(d) > 100 or '\n' in d.strip())]
+    assert bad == [], bad
+
+
+# ---- notebook craft (the notebooks are the source): one function or class an exported cell, at most three in a row
+
+NBS = Path(__file__).resolve().parents[1]/'nbs'
+EXPORTED = re.compile(r'\A(?:\s*#\|[^\n]*\n)*?\s*#\|\s*export[is]?\b')
+
+
+def exported_cells(nb: Path) -> list:
+    "(index, source or None) of every cell of notebook `nb`: None for a cell that is not an exported code cell."
+    cells = json.loads(nb.read_text(encoding='utf-8'))['cells']
+    return [(i, s if c['cell_type'] == 'code' and EXPORTED.match(s) else None)
+            for i, c in enumerate(cells) for s in [''.join(c['source'])]]
+
+
+def test_an_exported_cell_holds_one_function_or_class():
+    bad = []
+    for nb in sorted(NBS.glob('*.ipynb')):
+        for i, s in exported_cells(nb):
+            if s is None: continue
+            tree = ast.parse('\n'.join(line for line in s.splitlines() if not line.lstrip().startswith('#|')))
+            defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+            if len(defs) > 1: bad.append(f'{nb.name} cell {i}: {defs}')
+    assert bad == [], bad
+
+
+def test_at_most_three_exported_cells_in_a_row():
+    "Prose or an example comes after at most three exported cells."
+    bad = []
+    for nb in sorted(NBS.glob('*.ipynb')):
+        run = []
+        for i, s in [*exported_cells(nb), (None, None)]:
+            if s is not None: run.append(i); continue
+            if len(run) > 3: bad.append(f'{nb.name} cells {run[0]}-{run[-1]} ({len(run)} in a row)')
+            run = []
     assert bad == [], bad
