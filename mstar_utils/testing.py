@@ -629,6 +629,9 @@ def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
     try:
         dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
+        # joining is not a synchronization point: without a barrier a rank whose `fn` needs no collective can finish
+        # and tear the group down while a peer still connects ("Connection closed by peer")
+        dist.barrier()
         try:
             out = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
         finally:

@@ -17,3 +17,11 @@ def smol_config(smol_ckpt):
     "SmolLM2's config, as transformers reads it."
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(smol_ckpt)
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's own hook, which reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    "Under pytest-xdist's `--dist loadgroup`, each file's tests share a worker, so its module fixtures are built once."
+    # test_visible_cells' pages are independent processes, so they spread over the workers one by one.
+    for item in items:
+        if item.path.name != 'test_visible_cells.py': item.add_marker(pytest.mark.xdist_group(item.path.stem))

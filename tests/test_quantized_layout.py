@@ -45,8 +45,9 @@ def test_layout_bits_equal_explore(fmt, tmp_path):
     assert len(members) == 2   # both layers: the family explore reports (bitsandbytes' quant state differs by a byte)
     src, bits, weights = checkpoint_source(d), 0.0, 0
     for u in members:
-        stored = {k: v for k, v in stored_layout(src, '').items() if k in u.sources}
-        assert sorted(stored) == sorted(u.sources)
+        keys = (*u.sources, *u.dropped)   # with what was read to build the op: a g_idx, a quant state blob
+        stored = {k: v for k, v in stored_layout(src, '').items() if k in keys}
+        assert sorted(stored) == sorted(keys)
         n = math.prod(u.op.out_shape(u.shapes))
         bits, weights = bits + layout_bits(stored, n) * n, weights + n
     want = next(f.bits_per_weight for f in format_families(tensors, units) if f.family == family)
