@@ -71,12 +71,15 @@ def test_out_and_refusals():
 def test_fresh_and_resident_outputs_decode_alike(qtype, heads):
     "Into fresh memory one thread decodes while another faults the output in; into resident memory, all threads decode."
     from mstar_utils.gguf import _resident
-    rows = 64   # 16M values in all: 64 MB of float32, above glibc's largest mmap threshold, so a fresh mapping of its own
+    import mmap
+    rows = 64   # 16M values in all: 64 MB of float32, in pieces of several rows
     n = (1 << 24) // rows // GGML_QUANT_SIZES[qtype][0]
     b = torch.from_numpy(random_blocks(np.random.default_rng(int(qtype)), qtype, (rows, n)))
     ref = torch.from_numpy(gguf.quants.dequantize(b.numpy(), qtype))
     if heads: ref = unpermute_rows(ref, heads)
-    fresh = torch.empty(rows, n * GGML_QUANT_SIZES[qtype][0])
+    # a new anonymous mapping has no page in memory yet, whatever earlier tests left in malloc's free lists
+    buf = mmap.mmap(-1, rows * n * GGML_QUANT_SIZES[qtype][0] * 4)
+    fresh = torch.frombuffer(buf, dtype=torch.float32).view(rows, -1)
     assert not _resident(fresh)
     same(dequantize_gguf(b, qtype, fresh, heads), ref)
     assert _resident(fresh)
