@@ -423,7 +423,7 @@ def _keys(target: str, op) -> list:
     return [f'{m}.{s}' if m else s for s in op.suffixes]
 
 # %% ../nbs/06_quantized.ipynb #0f7bf03c-1
-def _unit(src, target: str, op, what: str) -> QuantizedTensor:
+def _unit(src, target: str, op, what: str, dropped: tuple = ()) -> QuantizedTensor:
     "The checked `QuantizedTensor` of `target` in source `src`"
     # `ValueError` naming the keys when one is missing or the shapes or dtypes do not fit `op`.
     keys = _keys(target, op)
@@ -447,7 +447,7 @@ def _unit(src, target: str, op, what: str) -> QuantizedTensor:
                          f'{list(shapes[bad[0]])}; {type(op).__name__} needs {bad[2]}')
     try: op.out_dtype(dtypes)
     except ValueError as e: raise ValueError(f'{what}: {keys[0]!r}: {e}') from None
-    return QuantizedTensor(target, keys, op, shapes, dtypes)
+    return QuantizedTensor(target, keys, op, shapes, dtypes, dropped)
 
 # %% ../nbs/06_quantized.ipynb #9855774e
 def _fp8_op(src, target: str, block: tuple | None, dtype, what: str) -> FP8BlockDequantize:
@@ -1192,8 +1192,8 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
         # the op takes no stored g_idx: plain groups are k // group_size, act-order holds the g_idx just read
         held = dict(order=g, order_key=f'{m}.g_idx') if act else {}
         op = GPTQDequantize(bits, gs, fmt == 'gptq', act, dtype, False, len(g) if has else 0, **held)
-        units.append(_unit(src, m + '.weight', op, what))
-        if has: units[-1].dropped = (f'{m}.g_idx',)   # so the load reads it no more
+        # the g_idx read above is dropped from the load, so it is read no more
+        units.append(_unit(src, m + '.weight', op, what, (f'{m}.g_idx',) if has else ()))
     return units
 
 # %% ../nbs/06_quantized.ipynb #gab014-2
@@ -1351,9 +1351,8 @@ def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
         raise ValueError(f'{what}: quantization_config (bitsandbytes) sets neither load_in_4bit nor load_in_8bit')
     if four:
         states = [k for k in sorted(src.keys()) if _BNB_STATE in k]
-        units = [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what) for k in states]
-        for u, k in zip(units, states, strict=True): u.dropped = (k,)   # the quant state, read once to build the op
-        return units
+        # the quant state, read once to build the op, is dropped from the load
+        return [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what, (k,)) for k in states]
     return [_unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)
             for m in sorted(k[:-len('.SCB')] for k in src.keys() if k.endswith('.SCB'))]  # noqa: SIM118
 
