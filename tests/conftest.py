@@ -2,7 +2,12 @@
 
 A test that needs SmolLM2 asks for `smol_ckpt` (its folder) or `smol_config` (its transformers config) instead of
 building the checkpoint when pytest imports the file."""
+import json
+from pathlib import Path
+
 import pytest
+
+NBS = Path(__file__).resolve().parents[1]/'nbs'
 
 
 @pytest.fixture(scope='session')
@@ -25,3 +30,13 @@ def pytest_collection_modifyitems(config, items):
     # test_visible_cells' pages are independent processes, so they spread over the workers one by one.
     for item in items:
         if item.path.name != 'test_visible_cells.py': item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def notebooks() -> list[Path]:
+    "The notebooks nbdev renders (nbdev's own glob: no `_` or `.` files or folders)."
+    from nbdev.doclinks import nbglob
+    return sorted(Path(p) for p in nbglob(NBS))
+
+
+def cells(nb: Path) -> list[dict]: return json.loads(nb.read_text(encoding='utf-8'))['cells']
+def src(cell: dict) -> str: return ''.join(cell['source'])

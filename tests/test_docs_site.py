@@ -28,6 +28,7 @@ from urllib.parse import urldefrag, urlsplit
 
 import pytest
 import yaml
+from conftest import cells, notebooks, src
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT/'_docs'
@@ -41,20 +42,12 @@ LOADING_NB = '02_loading.ipynb'  # the page the screenshot shows
 EXPLORE_NB = '12b_explore.ipynb'  # explore's HTML: screenshot, and its tree collapses
 
 
-def notebooks() -> list[Path]:
-    "The notebooks nbdev renders (nbdev's own glob: no `_` or `.` files or folders)."
-    from nbdev.doclinks import nbglob
-    return sorted(Path(p) for p in nbglob(NBS))
-
-
 def page_of(nb: Path) -> str:
     "The page nbdev gives a notebook (`02_loading.ipynb` -> `loading.html`), the name its links point at."
     from nbdev.doclinks import _nbpath2html
     return _nbpath2html(nb.relative_to(NBS)).as_posix()
 
 
-def cells(nb: Path) -> list[dict]: return json.loads(nb.read_text(encoding='utf-8'))['cells']
-def src(cell: dict) -> str: return ''.join(cell['source'])
 
 
 def module_of(nb: Path) -> str | None:

@@ -1,12 +1,12 @@
 "The package's style a linter does not check: lines of at most 120 characters, public docstrings of one line of at most 100."
 import ast
 import importlib
-import json
 import re
 import inspect
 from pathlib import Path
 
 import mstar_utils
+from conftest import cells, notebooks, src
 
 PKG = Path(mstar_utils.__file__).parent
 MODULES = sorted(p.stem for p in PKG.glob('*.py') if p.stem not in ('_modidx', '__init__', '__main__'))
@@ -41,20 +41,18 @@ def test_public_docstrings_are_one_line_of_at_most_100_characters():
 
 # ---- notebook craft (the notebooks are the source): one function or class an exported cell, at most three in a row
 
-NBS = Path(__file__).resolve().parents[1]/'nbs'
 EXPORTED = re.compile(r'\A(?:\s*#\|[^\n]*\n)*?\s*#\|\s*export[is]?\b')
 
 
 def exported_cells(nb: Path) -> list:
     "(index, source or None) of every cell of notebook `nb`: None for a cell that is not an exported code cell."
-    cells = json.loads(nb.read_text(encoding='utf-8'))['cells']
-    return [(i, s if c['cell_type'] == 'code' and EXPORTED.match(s) else None)
-            for i, c in enumerate(cells) for s in [''.join(c['source'])]]
+    return [(i, s if c['cell_type'] == 'code' and EXPORTED.match(s) else None) for i, c in enumerate(cells(nb))
+            for s in [src(c)]]
 
 
 def test_an_exported_cell_holds_one_function_or_class():
     bad = []
-    for nb in sorted(NBS.glob('*.ipynb')):
+    for nb in notebooks():
         for i, s in exported_cells(nb):
             if s is None: continue
             tree = ast.parse('\n'.join(line for line in s.splitlines() if not line.lstrip().startswith('#|')))
@@ -66,7 +64,7 @@ def test_an_exported_cell_holds_one_function_or_class():
 def test_at_most_three_exported_cells_in_a_row():
     "Prose or an example comes after at most three exported cells."
     bad = []
-    for nb in sorted(NBS.glob('*.ipynb')):
+    for nb in notebooks():
         run = []
         for i, s in [*exported_cells(nb), (None, None)]:
             if s is not None: run.append(i); continue
