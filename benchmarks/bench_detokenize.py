@@ -27,6 +27,7 @@ Targets: token_bytes >= 10x faster than DecodeStream.step; step_bytes on a one-t
 per token; a step of k tokens (k = 2, 4, 8) <= k times that; a reply without stop strings <= 1.3x step_bytes per step;
 a reply with 4 stop strings <= 0.7x DecodeStream.step per token; the same at token 32,768 <= 1.3x its cost at 256.
 """
+
 from __future__ import annotations
 import json
 import os
@@ -41,7 +42,7 @@ os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
 from fastcore.script import call_parse, store_true
 
-RESULTS = Path(__file__).resolve().parent/'results'
+RESULTS = Path(__file__).resolve().parent / 'results'
 TARGET = 10.0  # token_bytes at least this many times faster than DecodeStream.step
 STEP_TARGET = 0.5  # step_bytes on a one-token tensor at most this fraction of DecodeStream.step per token
 KS = (2, 4, 8)  # multi-token steps timed: each at most k x STEP_TARGET x DecodeStream.step
@@ -53,11 +54,25 @@ AT = (256, 32_768)  # where the long reply is timed, 256 tokens each
 
 # Fragments of the mixed text; sampled with a fixed seed, so every run times the same ids.
 FRAGMENTS = {
-    'english': ['The quick brown fox jumps over the lazy dog.', "It's a streaming server; it doesn't wait for the end.",
-                'Dear [Name], I hope this message finds you well.', 'Results: 3.14, 2.72 and 1,000,000 (approx.).'],
-    'code': ['def step(self, x):\n    return self.proj(x) + x\n', 'for (int i = 0; i < n; i++) {\n\tsum += a[i];\n}\n',
-             "cfg = {'name': 'search', 'top_k': 50}\n", 'x    =    y  # aligned\n'],
-    'cjk': ['你好，世界！', '北京欢迎你。', '我爱自然语言处理和机器学习。', '東京の天気は晴れです。', '안녕하세요, 세계!'],
+    'english': [
+        'The quick brown fox jumps over the lazy dog.',
+        "It's a streaming server; it doesn't wait for the end.",
+        'Dear [Name], I hope this message finds you well.',
+        'Results: 3.14, 2.72 and 1,000,000 (approx.).',
+    ],
+    'code': [
+        'def step(self, x):\n    return self.proj(x) + x\n',
+        'for (int i = 0; i < n; i++) {\n\tsum += a[i];\n}\n',
+        "cfg = {'name': 'search', 'top_k': 50}\n",
+        'x    =    y  # aligned\n',
+    ],
+    'cjk': [
+        '你好，世界！',
+        '北京欢迎你。',
+        '我爱自然语言处理和机器学习。',
+        '東京の天気は晴れです。',
+        '안녕하세요, 세계!',
+    ],
     'arabic': ['مرحبا بالعالم', 'اللغة العربية جميلة جدا'],
     'hindi': ['नमस्ते दुनिया', 'हिन्दी भाषा बहुत सुंदर है'],
     'emoji': ['👍🏽 great', '👩🏽‍💻 coding', '👨‍👩‍👧‍👦 family', '🏳️‍🌈', '🇫🇷🇯🇵', '😀😃😄'],
@@ -74,7 +89,8 @@ def mixed_ids(tok, n_tokens: int, seed: int = 0) -> list[int]:
             parts.append(rng.choice(FRAGMENTS[g]) + rng.choice(SEPARATORS))
         ids = tok.encode(''.join(parts), add_special_tokens=False)
     n = n_tokens
-    while tok.decode(ids[:n]).endswith('\ufffd'): n += 1  # never end inside a character: decode would show U+FFFD
+    while tok.decode(ids[:n]).endswith('\ufffd'):
+        n += 1  # never end inside a character: decode would show U+FFFD
     return ids[:n]
 
 
@@ -99,33 +115,37 @@ def best_ns(methods: dict, n: int, repeats: int) -> dict:
         for key, (prep, start) in methods.items():
             timed_pass(prep, start, n)  # untimed: caches warm again after the method before it
             best[key] = min(best[key], timed_pass(prep, start, n))
-    return {key: ns/n for key, ns in best.items()}
+    return {key: ns / n for key, ns in best.items()}
 
 
 def reply_at(to, ids: list[int], repeats: int) -> dict[int, float]:
     "Best ns/token of a 4-stop Reply over the BLOCK tokens from each of AT, stepping untimed up to there; one reply per round."
     import torch
+
     steps = [torch.tensor([i]) for i in ids]
     best = dict.fromkeys(AT, float('inf'))
     for _ in range(repeats):
         step, pos = to.reply(stop=STOPS).step, 0
         for at in AT:
-            for t in steps[pos:at]: step(t)
-            block = steps[at:at + BLOCK]
+            for t in steps[pos:at]:
+                step(t)
+            block = steps[at : at + BLOCK]
             t0 = time.perf_counter_ns()
-            for t in block: step(t)
-            best[at] = min(best[at], (time.perf_counter_ns() - t0)/len(block))
+            for t in block:
+                step(t)
+            best[at] = min(best[at], (time.perf_counter_ns() - t0) / len(block))
             pos = at + BLOCK
     return best
 
 
 @call_parse
-def main(tokens: int = 10_000,  # how many tokens of mixed text
-         repeats: int = 7,  # passes per method; the best is reported
-         strict: store_true = False,  # exit 1 when a target is missed
-         long: int = 33_024,  # tokens of the long reply timed at AT
-         publish: store_true = False,  # also write benchmarks/detokenize_results.json, which benchmarks/README.md quotes
-        ):
+def main(
+    tokens: int = 10_000,  # how many tokens of mixed text
+    repeats: int = 7,  # passes per method; the best is reported
+    strict: store_true = False,  # exit 1 when a target is missed
+    long: int = 33_024,  # tokens of the long reply timed at AT
+    publish: store_true = False,  # also write benchmarks/detokenize_results.json, which benchmarks/README.md quotes
+):
     import tokenizers
     import torch
     import transformers
@@ -142,38 +162,59 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
     det = to.detokenizer
     assert det.mode == 'byte_level', det.mode
     token_bytes = det.token_bytes
-    for i in ids: token_bytes(i)  # warm the memo: a server's memo is warm after its first requests
+    for i in ids:
+        token_bytes(i)  # warm the memo: a server's memo is warm after its first requests
 
     # each method: (prep(lo, hi) -> the block's inputs, start() -> a runner for one pass)
-    def id_block(lo, hi): return ids[lo:hi]
+    def id_block(lo, hi):
+        return ids[lo:hi]
+
     def each(f):
         def run(block):
-            for x in block: f(x)
+            for x in block:
+                f(x)
+
         return run
 
     def start_decode_stream():
         step, ds = DecodeStream(skip_special_tokens=False).step, backend
+
         def run(block):
-            for i in block: step(ds, i)
+            for i in block:
+                step(ds, i)
+
         return run
 
-    def decode_one(i): return tok.decode([i])
-    def backend_one(i): return backend.decode([i])
+    def decode_one(i):
+        return tok.decode([i])
+
+    def backend_one(i):
+        return backend.decode([i])
 
     def step_block(k):  # what a model hands over: a fresh tensor of k ids per step (speculative / MTP steps for k > 1)
-        return lambda lo, hi: [torch.tensor(ids[j:min(j + k, hi)]) for j in range(lo, hi, k)]
+        return lambda lo, hi: [torch.tensor(ids[j : min(j + k, hi)]) for j in range(lo, hi, k)]
+
     def start_step_bytes():
         step_bytes = to.step_fn()  # what a server's decode loop calls: step_bytes' short cut, its lookups done once
+
         def run(block):
-            for t in block: step_bytes(t, None)
+            for t in block:
+                step_bytes(t, None)
+
         return run
+
     def start_reply(stop):
         def start():
             step = to.reply(stop=stop).step
+
             def run(block):
-                for t in block: step(t)
+                for t in block:
+                    step(t)
+
             return run
+
         return start
+
     def reply_bytes(stop, steps):
         r = to.reply(stop=stop)
         return b''.join(r.step(t) for t in steps) + r.finish()
@@ -191,58 +232,122 @@ def main(tokens: int = 10_000,  # how many tokens of mixed text
         'Tokenizer.decode([id])': ''.join(backend.decode([i]) for i in ids).encode(),
         'step_bytes': b''.join(map(to.step_fn(), steps)),
         **{f'step_bytes_k{k}': b''.join(map(to.step_fn(), k_steps[k])) for k in KS},
-        'reply': reply_bytes((), steps), 'reply_stop4': reply_bytes(STOPS, steps),
+        'reply': reply_bytes((), steps),
+        'reply_stop4': reply_bytes(STOPS, steps),
     }
-    rows = [('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', (id_block, lambda: each(token_bytes))),
-            ('DecodeStream.step', 'tokenizers DecodeStream.step', (id_block, start_decode_stream)),
-            ('decode([id])', 'transformers tokenizer.decode([id])', (id_block, lambda: each(decode_one))),
-            ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', (id_block, lambda: each(backend_one))),
-            ('step_bytes', 'TextOutput.step_fn()(tensor([id])) (whole step path)', (step_block(1), start_step_bytes)),
-            *[(f'step_bytes_k{k}', f'TextOutput.step_fn(), {k}-token steps (per token)', (step_block(k), start_step_bytes)) for k in KS],
-            ('reply', 'Reply.step(tensor([id])), no stop strings', (step_block(1), start_reply(()))),
-            ('reply_stop4', 'Reply.step(tensor([id])), 4 stop strings', (step_block(1), start_reply(STOPS)))]
+    rows = [
+        ('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', (id_block, lambda: each(token_bytes))),
+        ('DecodeStream.step', 'tokenizers DecodeStream.step', (id_block, start_decode_stream)),
+        ('decode([id])', 'transformers tokenizer.decode([id])', (id_block, lambda: each(decode_one))),
+        ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', (id_block, lambda: each(backend_one))),
+        ('step_bytes', 'TextOutput.step_fn()(tensor([id])) (whole step path)', (step_block(1), start_step_bytes)),
+        *[
+            (
+                f'step_bytes_k{k}',
+                f'TextOutput.step_fn(), {k}-token steps (per token)',
+                (step_block(k), start_step_bytes),
+            )
+            for k in KS
+        ],
+        ('reply', 'Reply.step(tensor([id])), no stop strings', (step_block(1), start_reply(()))),
+        ('reply_stop4', 'Reply.step(tensor([id])), 4 stop strings', (step_block(1), start_reply(STOPS))),
+    ]
     ns = best_ns({key: method for key, _, method in rows}, len(ids), repeats)
 
-    print(f'SmolLM2-135M-Instruct tokenizer (byte-level BPE, vocab {len(tok)}), {len(ids)} tokens of mixed text '
-          f'({len(reference)} characters), best of {repeats} passes')
-    print(f'python {platform.python_version()}, tokenizers {tokenizers.__version__}, transformers {transformers.__version__}\n')
+    print(
+        f'SmolLM2-135M-Instruct tokenizer (byte-level BPE, vocab {len(tok)}), {len(ids)} tokens of mixed text '
+        f'({len(reference)} characters), best of {repeats} passes'
+    )
+    print(
+        f'python {platform.python_version()}, tokenizers {tokenizers.__version__}, transformers {transformers.__version__}\n'
+    )
     print(f"{'method':<56}{'ns/token':>10}{'x token_bytes':>15}  byte-exact")
     results = {}
     for key, label, _ in rows:
         exact = joined[key] == want
         note = 'yes' if exact else f"no ({joined[key].decode('utf-8', 'replace').count(chr(0xFFFD))} U+FFFD)"
-        print(f'{label:<56}{ns[key]:>10.1f}{ns[key]/ns["token_bytes"]:>14.1f}x  {note}')
-        results[key] = dict(label=label, ns_per_token=ns[key], ratio_to_token_bytes=ns[key]/ns['token_bytes'], byte_exact=exact)
+        print(f'{label:<56}{ns[key]:>10.1f}{ns[key] / ns["token_bytes"]:>14.1f}x  {note}')
+        results[key] = dict(
+            label=label, ns_per_token=ns[key], ratio_to_token_bytes=ns[key] / ns['token_bytes'], byte_exact=exact
+        )
     ds = ns['DecodeStream.step']
-    speedup = ds/ns['token_bytes']
-    checks = [(f'token_bytes >= {TARGET:.0f}x faster than DecodeStream.step', speedup >= TARGET, f'{speedup:.1f}x'),
-              (f'step_bytes on a one-token tensor <= {STEP_TARGET}x DecodeStream.step', ns['step_bytes'] <= STEP_TARGET*ds,
-               f"{ns['step_bytes']/ds:.2f}x")]
+    speedup = ds / ns['token_bytes']
+    checks = [
+        (f'token_bytes >= {TARGET:.0f}x faster than DecodeStream.step', speedup >= TARGET, f'{speedup:.1f}x'),
+        (
+            f'step_bytes on a one-token tensor <= {STEP_TARGET}x DecodeStream.step',
+            ns['step_bytes'] <= STEP_TARGET * ds,
+            f"{ns['step_bytes'] / ds:.2f}x",
+        ),
+    ]
     # a k-token step costs <= k x (STEP_TARGET x DecodeStream.step): per token, the same bound
-    checks += [(f'a {k}-token step <= {k} x {STEP_TARGET}x DecodeStream.step', ns[f'step_bytes_k{k}'] <= STEP_TARGET*ds,
-                f"{ns[f'step_bytes_k{k}']*k/ds:.2f}x per step = {k} x {ns[f'step_bytes_k{k}']/ds:.2f}x") for k in KS]
+    checks += [
+        (
+            f'a {k}-token step <= {k} x {STEP_TARGET}x DecodeStream.step',
+            ns[f'step_bytes_k{k}'] <= STEP_TARGET * ds,
+            f"{ns[f'step_bytes_k{k}'] * k / ds:.2f}x per step = {k} x {ns[f'step_bytes_k{k}'] / ds:.2f}x",
+        )
+        for k in KS
+    ]
     at = reply_at(to, mixed_ids(tok, max(long, AT[-1] + BLOCK)), repeats)
-    for k, v in at.items(): print(f'Reply.step, 4 stop strings, tokens {k}-{k + BLOCK - 1}: {v:.1f} ns/token')
-    flat = at[AT[-1]]/at[AT[0]]
-    checks += [(f'a reply without stop strings <= {REPLY_TARGET}x step_bytes per step', ns['reply'] <= REPLY_TARGET*ns['step_bytes'],
-                f"{ns['reply']/ns['step_bytes']:.2f}x"),
-               (f'a reply with 4 stop strings <= {STOP_TARGET}x DecodeStream.step per token', ns['reply_stop4'] <= STOP_TARGET*ds,
-                f"{ns['reply_stop4']/ds:.2f}x"),
-               (f'4 stop strings at token {AT[-1]:,} <= {FLAT_TARGET}x the cost at token {AT[0]}', flat <= FLAT_TARGET, f'{flat:.2f}x')]
+    for k, v in at.items():
+        print(f'Reply.step, 4 stop strings, tokens {k}-{k + BLOCK - 1}: {v:.1f} ns/token')
+    flat = at[AT[-1]] / at[AT[0]]
+    checks += [
+        (
+            f'a reply without stop strings <= {REPLY_TARGET}x step_bytes per step',
+            ns['reply'] <= REPLY_TARGET * ns['step_bytes'],
+            f"{ns['reply'] / ns['step_bytes']:.2f}x",
+        ),
+        (
+            f'a reply with 4 stop strings <= {STOP_TARGET}x DecodeStream.step per token',
+            ns['reply_stop4'] <= STOP_TARGET * ds,
+            f"{ns['reply_stop4'] / ds:.2f}x",
+        ),
+        (
+            f'4 stop strings at token {AT[-1]:,} <= {FLAT_TARGET}x the cost at token {AT[0]}',
+            flat <= FLAT_TARGET,
+            f'{flat:.2f}x',
+        ),
+    ]
     print()
-    for what, ok, got in checks: print(f"target: {what}: {'met' if ok else 'NOT met'} ({got})")
+    for what, ok, got in checks:
+        print(f"target: {what}: {'met' if ok else 'NOT met'} ({got})")
     met = all(ok for _, ok, _ in checks)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = json.dumps(dict(
-        tokens=len(ids), characters=len(reference), repeats=repeats, python=platform.python_version(),
-        tokenizers=tokenizers.__version__, transformers=transformers.__version__, target=TARGET,
-        speedup_vs_decode_stream=speedup, step_bytes_vs_decode_stream=ns['step_bytes']/ds,
-        reply_vs_step_bytes=ns['reply']/ns['step_bytes'], reply_stop4_vs_decode_stream=ns['reply_stop4']/ds,
-        reply_stop4_at={str(k): v for k, v in at.items()}, reply_stop4_flat=flat,
-        targets={what: ok for what, ok, _ in checks}, results=results), indent=1)
-    (RESULTS/'detokenize.json').write_text(out)
-    if publish: (RESULTS.parent/'detokenize_results.json').write_text(out + '\n')
-    exact = ('token_bytes', 'DecodeStream.step', 'step_bytes', *[f'step_bytes_k{k}' for k in KS], 'reply', 'reply_stop4')
-    if not all(results[k]['byte_exact'] for k in exact): sys.exit(1)
-    if strict and not met: sys.exit(1)
+    out = json.dumps(
+        dict(
+            tokens=len(ids),
+            characters=len(reference),
+            repeats=repeats,
+            python=platform.python_version(),
+            tokenizers=tokenizers.__version__,
+            transformers=transformers.__version__,
+            target=TARGET,
+            speedup_vs_decode_stream=speedup,
+            step_bytes_vs_decode_stream=ns['step_bytes'] / ds,
+            reply_vs_step_bytes=ns['reply'] / ns['step_bytes'],
+            reply_stop4_vs_decode_stream=ns['reply_stop4'] / ds,
+            reply_stop4_at={str(k): v for k, v in at.items()},
+            reply_stop4_flat=flat,
+            targets={what: ok for what, ok, _ in checks},
+            results=results,
+        ),
+        indent=1,
+    )
+    (RESULTS / 'detokenize.json').write_text(out)
+    if publish:
+        (RESULTS.parent / 'detokenize_results.json').write_text(out + '\n')
+    exact = (
+        'token_bytes',
+        'DecodeStream.step',
+        'step_bytes',
+        *[f'step_bytes_k{k}' for k in KS],
+        'reply',
+        'reply_stop4',
+    )
+    if not all(results[k]['byte_exact'] for k in exact):
+        sys.exit(1)
+    if strict and not met:
+        sys.exit(1)

@@ -16,6 +16,7 @@ Rows:
   quantization_config `mstar_utils.testing.write_int4_checkpoint` writes; NF4 is bitsandbytes' own CPU quantization saved by
   transformers (`write_bnb_checkpoint`). No peer on the CPU: transformers dequantizes GPTQ/AWQ/bnb only in GPU kernels.
 """
+
 from __future__ import annotations
 import contextlib
 import io
@@ -38,11 +39,14 @@ def best(fn, repeat: int) -> tuple:
     times, out = [], None
     for _ in range(repeat):
         out = None
-        t = time.perf_counter(); out = fn(); times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
     return min(times), out
 
 
-def nbytes(m) -> int: return sum(t.nbytes for t in m.state_dict().values())
+def nbytes(m) -> int:
+    return sum(t.nbytes for t in m.state_dict().values())
 
 
 def write_nvfp4(dest: Path, cfg, seed: int = 0) -> Path:
@@ -50,38 +54,56 @@ def write_nvfp4(dest: Path, cfg, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     from mstar_utils.model import build_on_meta
+
     cls, g, out = AutoModelForCausalLM._model_mapping[type(cfg)], torch.Generator().manual_seed(seed), {}
     for k, t in build_on_meta(cfg, cls, torch.bfloat16).state_dict().items():
         if t.ndim == 2 and '_proj' in k:
-            m, (rows, cols) = k[:-len('.weight')], t.shape
+            m, (rows, cols) = k[: -len('.weight')], t.shape
             out[m + '.weight_packed'] = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
             out[m + '.weight_scale'] = (torch.rand(rows, cols // 16, generator=g) * 400 + 1).to(torch.float8_e4m3fn)
             out[m + '.weight_global_scale'] = torch.tensor([448 * 6 / 0.05])
-        else: out[k] = (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16)
+        else:
+            out[k] = (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16)
     weights = {'num_bits': 4, 'type': 'float', 'strategy': 'tensor_group', 'group_size': 16, 'symmetric': True}
-    c = {**cfg.to_dict(), 'architectures': [cls.__name__], 'dtype': 'bfloat16', 'quantization_config': {
-        'quant_method': 'compressed-tensors', 'format': 'nvfp4-pack-quantized', 'ignore': ['lm_head'], 'quantization_status': 'compressed',
-        'config_groups': {'group_0': {'targets': ['Linear'], 'format': 'nvfp4-pack-quantized', 'weights': weights}}}}
+    c = {
+        **cfg.to_dict(),
+        'architectures': [cls.__name__],
+        'dtype': 'bfloat16',
+        'quantization_config': {
+            'quant_method': 'compressed-tensors',
+            'format': 'nvfp4-pack-quantized',
+            'ignore': ['lm_head'],
+            'quantization_status': 'compressed',
+            'config_groups': {'group_0': {'targets': ['Linear'], 'format': 'nvfp4-pack-quantized', 'weights': weights}},
+        },
+    }
     dest.mkdir(parents=True, exist_ok=True)
-    (dest/'config.json').write_text(json.dumps(c, indent=2))
-    save_file(out, str(dest/'model.safetensors'), metadata={'format': 'pt'})
+    (dest / 'config.json').write_text(json.dumps(c, indent=2))
+    save_file(out, str(dest / 'model.safetensors'), metadata={'format': 'pt'})
     return dest
 
 
 def dequantizing_row(name: str, load, tmp: Path, repeat: int) -> tuple:
     "The row of a dequantizing load `load()` against `load_model` of its result saved as bf16 safetensors, in GB/s of output."
     from mstar_utils.model import load_model
+
     m = load()
     out_bytes = nbytes(m)
-    with contextlib.redirect_stderr(io.StringIO()): m.save_pretrained(tmp/'bf16')
+    with contextlib.redirect_stderr(io.StringIO()):
+        m.save_pretrained(tmp / 'bf16')
     del m
-    load_model(tmp/'bf16')   # warm the page cache
+    load_model(tmp / 'bf16')  # warm the page cache
     t_q, _ = best(load, repeat)
-    t_b, _ = best(lambda: load_model(tmp/'bf16'), repeat)
-    shutil.rmtree(tmp/'bf16')
+    t_b, _ = best(lambda: load_model(tmp / 'bf16'), repeat)
+    shutil.rmtree(tmp / 'bf16')
     gq, gb = out_bytes / t_q / 1e9, out_bytes / t_b / 1e9
-    return (f'{name} -> {out_bytes / 1e9:.2f} GB bf16 (GB/s of output)', f'{gq:.2f}', f'{gb:.2f} (bf16 safetensors load_model)',
-            f'{gq / gb:.2f}x', '>= 0.5x')
+    return (
+        f'{name} -> {out_bytes / 1e9:.2f} GB bf16 (GB/s of output)',
+        f'{gq:.2f}',
+        f'{gb:.2f} (bf16 safetensors load_model)',
+        f'{gq / gb:.2f}x',
+        '>= 0.5x',
+    )
 
 
 def write_int4(dest: Path, cfg, method: str, seed: int = 0) -> Path:
@@ -89,23 +111,32 @@ def write_int4(dest: Path, cfg, method: str, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     from mstar_utils.model import build_on_meta
+
     cls, g, out = AutoModelForCausalLM._model_mapping[type(cfg)], torch.Generator().manual_seed(seed), {}
-    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=g)
+    words = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=g)
     for k, t in build_on_meta(cfg, cls, torch.float16).state_dict().items():
         if t.ndim == 2 and '_proj' in k:
-            m, (N, K) = k[:-len('.weight')], t.shape
+            m, (N, K) = k[: -len('.weight')], t.shape
             out[m + '.scales'] = (torch.rand(K // 128, N, generator=g) * 0.01).half()
             if method == 'gptq':
                 out[m + '.qweight'], out[m + '.qzeros'] = words(K // 8, N), words(K // 128, N // 8)
                 out[m + '.g_idx'] = (torch.randperm(K, generator=g) // 128).int()
-            else: out[m + '.qweight'], out[m + '.qzeros'] = words(K, N // 8), words(K // 128, N // 8)
-        else: out[k] = (torch.randn(t.shape, generator=g) * 0.02).half()
-    qc = (dict(quant_method='gptq', bits=4, group_size=128, sym=True, desc_act=True, checkpoint_format='gptq')
-          if method == 'gptq' else dict(quant_method='awq', bits=4, group_size=128, zero_point=True, version='gemm'))
+            else:
+                out[m + '.qweight'], out[m + '.qzeros'] = words(K, N // 8), words(K // 128, N // 8)
+        else:
+            out[k] = (torch.randn(t.shape, generator=g) * 0.02).half()
+    qc = (
+        dict(quant_method='gptq', bits=4, group_size=128, sym=True, desc_act=True, checkpoint_format='gptq')
+        if method == 'gptq'
+        else dict(quant_method='awq', bits=4, group_size=128, zero_point=True, version='gemm')
+    )
     dest.mkdir(parents=True, exist_ok=True)
-    (dest/'config.json').write_text(json.dumps({**cfg.to_dict(), 'architectures': [cls.__name__], 'dtype': 'float16',
-                                                'quantization_config': qc}, indent=2))
-    save_file(out, str(dest/'model.safetensors'), metadata={'format': 'pt'})
+    (dest / 'config.json').write_text(
+        json.dumps(
+            {**cfg.to_dict(), 'architectures': [cls.__name__], 'dtype': 'float16', 'quantization_config': qc}, indent=2
+        )
+    )
+    save_file(out, str(dest / 'model.safetensors'), metadata={'format': 'pt'})
     return dest
 
 
@@ -114,70 +145,111 @@ def int_rows(cfg, int_gb: float, tmp: Path, repeat: int) -> list:
     from transformers import AutoModelForCausalLM
     from mstar_utils.model import load_model
     from mstar_utils.testing import write_bnb_checkpoint
-    layer = (4 * 2048 * 2048 // 2 + 3 * 2048 * 5632) // 2   # half a byte a weight
+
+    layer = (4 * 2048 * 2048 // 2 + 3 * 2048 * 5632) // 2  # half a byte a weight
     cfg.vocab_size, cfg.num_hidden_layers = 4096, max(1, round(int_gb * 1e9 / layer))
     rows = []
     for name, method in [('GPTQ act-order int4', 'gptq'), ('AWQ int4 (GEMM)', 'awq')]:
-        d = write_int4(tmp/method, cfg, method)
-        size = (d/'model.safetensors').stat().st_size / 1e9
+        d = write_int4(tmp / method, cfg, method)
+        size = (d / 'model.safetensors').stat().st_size / 1e9
         rows.append(dequantizing_row(f'{name} {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat))
         shutil.rmtree(d)
     torch.manual_seed(0)
-    d = write_bnb_checkpoint(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), tmp/'nf4', 'nf4')
-    size = (d/'model.safetensors').stat().st_size / 1e9
-    rows.append(dequantizing_row(f'bitsandbytes NF4 {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat))
+    d = write_bnb_checkpoint(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), tmp / 'nf4', 'nf4')
+    size = (d / 'model.safetensors').stat().st_size / 1e9
+    rows.append(
+        dequantizing_row(f'bitsandbytes NF4 {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat)
+    )
     return rows
 
 
 def table(rows: list) -> None:
     "Print `rows` under the header, columns padded."
     w = [max(len(r[i]) for r in rows + [('row', 'ours', 'reference', 'ratio', 'target')]) for i in range(5)]
-    for r in [('row', 'ours', 'reference', 'ratio', 'target')] + rows: print(' | '.join(c.ljust(n) for c, n in zip(r, w, strict=True)))
+    for r in [('row', 'ours', 'reference', 'ratio', 'target')] + rows:
+        print(' | '.join(c.ljust(n) for c, n in zip(r, w, strict=True)))
     print(f'torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}')
 
 
 @call_parse
-def main(repeat: int = 3, # runs of each of our loads (the best is kept)
-         q4k_gb: float = 0.25, # size of the synthetic Q4_K GGUF and NVFP4 files, in GB
-         int_gb: float = 0.1, # size of the GPTQ, AWQ and NF4 codes, in GB (0: skip those rows)
-         only_int: bool = False, # only the GPTQ, AWQ and NF4 rows
-        ):
+def main(
+    repeat: int = 3,  # runs of each of our loads (the best is kept)
+    q4k_gb: float = 0.25,  # size of the synthetic Q4_K GGUF and NVFP4 files, in GB
+    int_gb: float = 0.1,  # size of the GPTQ, AWQ and NF4 codes, in GB (0: skip those rows)
+    only_int: bool = False,  # only the GPTQ, AWQ and NF4 rows
+):
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.utils import logging as hf_logging
     from mstar_utils.checkpoints import smollm2_gguf
     from mstar_utils.model import load_model
     from mstar_utils.testing import write_gguf_checkpoint
-    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     rows = []
     if only_int:
         with tempfile.TemporaryDirectory(dir=os.environ.get('MSTAR_BENCH_TMP')) as tmp:
-            rows += int_rows(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=8,
-                                         head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False), int_gb, Path(tmp), repeat)
+            rows += int_rows(
+                LlamaConfig(
+                    hidden_size=2048,
+                    intermediate_size=5632,
+                    num_attention_heads=32,
+                    num_key_value_heads=8,
+                    head_dim=64,
+                    max_position_embeddings=2048,
+                    tie_word_embeddings=False,
+                ),
+                int_gb,
+                Path(tmp),
+                repeat,
+            )
         return table(rows)
     f = smollm2_gguf()
-    load_model(f)   # warm: imports, page cache
+    load_model(f)  # warm: imports, page cache
     ours, _ = best(lambda: load_model(f), repeat)
     t = time.perf_counter()
-    with contextlib.redirect_stderr(io.StringIO()): AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name)
+    with contextlib.redirect_stderr(io.StringIO()):
+        AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name)
     hf = time.perf_counter() - t
-    rows.append(('GGUF SmolLM2 Q4_1 load (s)', f'{ours:.2f}', f'{hf:.2f} (from_pretrained)', f'{hf / ours:.1f}x', '>= 5x'))
+    rows.append(
+        ('GGUF SmolLM2 Q4_1 load (s)', f'{ours:.2f}', f'{hf:.2f} (from_pretrained)', f'{hf / ours:.1f}x', '>= 5x')
+    )
     # a synthetic Llama in Q4_K: layers of hidden 2048 / intermediate 5632, as many as the size asks
-    layer_bytes = (4 * 2048 * 2048 // 2 + 3 * 2048 * 5632) * 144 // 256   # q, o, k+v (GQA 4:1) and the MLP, 144 bytes per 256
+    layer_bytes = (
+        (4 * 2048 * 2048 // 2 + 3 * 2048 * 5632) * 144 // 256
+    )  # q, o, k+v (GQA 4:1) and the MLP, 144 bytes per 256
     layers = max(1, round(q4k_gb * 1e9 / layer_bytes))
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     with tempfile.TemporaryDirectory(dir=os.environ.get('MSTAR_BENCH_TMP')) as tmp:
         tmp = Path(tmp)
-        (tmp/'q4k').mkdir()
-        g = write_gguf_checkpoint(tmp/'q4k'/'synth.gguf', {}, 'Q4_K', cfg)
-        rows.append(dequantizing_row(f'Q4_K GGUF {g.stat().st_size / 1e9:.2f} GB', lambda: load_model(g, dtype=torch.bfloat16), tmp, repeat))
+        (tmp / 'q4k').mkdir()
+        g = write_gguf_checkpoint(tmp / 'q4k' / 'synth.gguf', {}, 'Q4_K', cfg)
+        rows.append(
+            dequantizing_row(
+                f'Q4_K GGUF {g.stat().st_size / 1e9:.2f} GB', lambda: load_model(g, dtype=torch.bfloat16), tmp, repeat
+            )
+        )
         g.unlink()
-        nv_layer = (4 * 2048 * 2048 // 2 + 3 * 2048 * 5632) * 9 // 16   # half a byte a value, one E4M3 scale per 16
+        nv_layer = (4 * 2048 * 2048 // 2 + 3 * 2048 * 5632) * 9 // 16  # half a byte a value, one E4M3 scale per 16
         cfg.vocab_size, cfg.num_hidden_layers = 4096, max(1, round(q4k_gb * 1e9 / nv_layer))
-        d = write_nvfp4(tmp/'nvfp4', cfg)
-        size = (d/'model.safetensors').stat().st_size / 1e9
-        rows.append(dequantizing_row(f'NVFP4 (compressed-tensors) {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat))
+        d = write_nvfp4(tmp / 'nvfp4', cfg)
+        size = (d / 'model.safetensors').stat().st_size / 1e9
+        rows.append(
+            dequantizing_row(
+                f'NVFP4 (compressed-tensors) {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat
+            )
+        )
         shutil.rmtree(d)
-        if int_gb: rows += int_rows(cfg, int_gb, tmp, repeat)
+        if int_gb:
+            rows += int_rows(cfg, int_gb, tmp, repeat)
     table(rows)
-

@@ -9,36 +9,94 @@ __all__ = []
 __version__ = "0.0.1"
 from .checkpoints import smollm2_checkpoint, minilm_checkpoint, whisper_checkpoint
 from .sources import Source, checkpoint_source, read_header, read_weight_map
-from .loading import (
-    ModuleAndPrefix, LoadResult, load_weights, load_weights_from_file, load_weights_from_hf_shards, load_from_source,
-    check_loaded, process_weights_after_loading)
+from mstar_utils.loading import (
+    ModuleAndPrefix,
+    LoadResult,
+    load_weights,
+    load_weights_from_file,
+    load_weights_from_hf_shards,
+    load_from_source,
+    check_loaded,
+    process_weights_after_loading,
+)
 from .model import build_on_meta, load_model, load_model_sharded, load_plan, LoadPlan
-from .convert import (
-    Operation, WeightConverter, KeysAndConverter, converted_source, MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS,
-    QWEN3_MOE_CONVERSIONS, DEEPSEEK_V2_CONVERSIONS)
+from mstar_utils.convert import (
+    Operation,
+    WeightConverter,
+    KeysAndConverter,
+    converted_source,
+    MIXTRAL_CONVERSIONS,
+    QWEN2_MOE_CONVERSIONS,
+    QWEN3_MOE_CONVERSIONS,
+    DEEPSEEK_V2_CONVERSIONS,
+)
 from .mla import MLAAttention
 from .quantized import quantized_conversions
 from .tensor_parallel import Sharding, tp_plan, shard_module, load_weights_sharded
-from .detokenize import (
-    ByteLevelDetokenizer, SentencePieceDetokenizer, TextChunkDetokenizer, TextOutput, TextStream, Reply,
-    drop_stop_tokens, generation_eos_ids)
-from .kv import kv_pages, check_kv_pools_fit, plan_kv_pools, kv_geometry, kv_bytes_per_token, vllm_concurrency
+from mstar_utils.detokenize import (
+    ByteLevelDetokenizer,
+    SentencePieceDetokenizer,
+    TextChunkDetokenizer,
+    TextOutput,
+    TextStream,
+    Reply,
+    drop_stop_tokens,
+    generation_eos_ids,
+)
+from mstar_utils.kv import (
+    kv_pages,
+    check_kv_pools_fit,
+    plan_kv_pools,
+    kv_geometry,
+    kv_bytes_per_token,
+    vllm_concurrency,
+)
 from .kv_figures import kv_report, kv_curve, plot_kv_curve
 from .generation import load_generation_defaults
 from .languages import base_language
 from .speech import transcribe_stream
 from .report import checkpoint_report, generate_reply
 from .explore import explore
-from . import (
-    checkpoints as _checkpoints, sources as _sources, loading as _loading, model as _model, convert as _convert,
-    mla as _mla, quantized as _quantized, tensor_parallel as _tensor_parallel, detokenize as _detokenize, kv as _kv,
-    kv_figures as _kv_figures, generation as _generation, languages as _languages, speech as _speech, report as _report)
+from mstar_utils import (
+    checkpoints as _checkpoints,
+    sources as _sources,
+    loading as _loading,
+    model as _model,
+    convert as _convert,
+    mla as _mla,
+    quantized as _quantized,
+    tensor_parallel as _tensor_parallel,
+    detokenize as _detokenize,
+    kv as _kv,
+    kv_figures as _kv_figures,
+    generation as _generation,
+    languages as _languages,
+    speech as _speech,
+    report as _report,
+)
 from importlib import import_module
-_explore = import_module('mstar_utils.explore')   # the module: the top level's `explore` is its function of that name
 
-_MODULES = [_checkpoints, _sources, _loading, _model, _convert, _mla, _quantized, _tensor_parallel, _detokenize, _kv,
-            _kv_figures, _generation, _languages, _speech, _report, _explore]
-__all__ = [n for m in _MODULES for n in m.__all__ if n in globals()]   # the names imported above, in the modules' order
+_explore = import_module('mstar_utils.explore')  # the module: the top level's `explore` is its function of that name
+
+_MODULES = [
+    _checkpoints,
+    _sources,
+    _loading,
+    _model,
+    _convert,
+    _mla,
+    _quantized,
+    _tensor_parallel,
+    _detokenize,
+    _kv,
+    _kv_figures,
+    _generation,
+    _languages,
+    _speech,
+    _report,
+    _explore,
+]
+__all__ = [n for m in _MODULES for n in m.__all__ if n in globals()]  # the names imported above, in the modules' order
 
 # %% ../nbs/99_api.ipynb #52e4f1cb
 def _summary(obj) -> str:

@@ -9,4 +9,5 @@ __all__ = []
 import sys
 from .cli import main
 
-if __name__ == '__main__' and __package__ == 'mstar_utils': sys.exit(main())  # not when a notebook runs this cell
+if __name__ == '__main__' and __package__ == 'mstar_utils':
+    sys.exit(main())  # not when a notebook runs this cell

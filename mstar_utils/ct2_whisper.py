@@ -21,10 +21,14 @@ __all__ = ['CT2_DTYPES', 'CT2_WHISPER_FLAGS', 'OPENAI_MULTILINGUAL_VOCAB', 'OPEN
 # %% ../nbs/00b_ct2_whisper.ipynb #5000ea87
 CT2_DTYPES = {0: 'float32', 1: 'int8', 2: 'int16', 3: 'int32', 4: 'float16', 5: 'bfloat16'}
 
+
 class _Cursor:
     "Reads little-endian fields from `buf` in order"
+
     # a read past the end raises `ValueError` naming the file, field and offset.
-    def __init__(self, buf, name: str): self.buf, self.name, self.off = buf, name, 0
+    def __init__(self, buf, name: str):
+        self.buf, self.name, self.off = buf, name, 0
+
     def take(self, n: int, what: str):
         if self.off + n > len(self.buf):
             raise ValueError(
@@ -32,15 +36,18 @@ class _Cursor:
                 f'{len(self.buf)}'
             )
         self.off += n
-        return self.buf[self.off - n:self.off]
+        return self.buf[self.off - n : self.off]
+
     def num(self, fmt: str, what: str) -> int:
         return struct.unpack('<' + fmt, self.take(struct.calcsize(fmt), what))[0]
+
     def string(self, what: str) -> str:
         return bytes(self.take(self.num('H', f'the length of {what}'), what)).rstrip(b'\0').decode()
 
 # %% ../nbs/00b_ct2_whisper.ipynb #199c19ba
 class CT2Model(NamedTuple):
     "A CTranslate2 `model.bin`"
+
     spec: str
     revision: int
     variables: dict
@@ -50,6 +57,7 @@ class CT2Model(NamedTuple):
 def _ct2_variable(cur: _Cursor, i: int, buf: bytearray):
     "The name and tensor (a view into `buf`) of the variable at `cur`, the `i`-th of the file."
     import torch
+
     name = cur.string(f'the name of variable {i}')
     shape = [cur.num('I', f'the shape of {name}') for _ in range(cur.num('B', f'the rank of {name}'))]
     code = cur.num('B', f'the dtype of {name}')
@@ -63,7 +71,8 @@ def _ct2_variable(cur: _Cursor, i: int, buf: bytearray):
         )
     start = cur.off
     cur.take(nbytes, f'the data of {name}')
-    if not nbytes: return name, torch.empty(shape, dtype=dtype)
+    if not nbytes:
+        return name, torch.empty(shape, dtype=dtype)
     return name, torch.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).reshape(shape)
 
 # %% ../nbs/00b_ct2_whisper.ipynb #fda0cf71
@@ -71,7 +80,8 @@ def read_ctranslate2(path) -> CT2Model:
     "Read a CTranslate2 `model.bin` of binary version 6; its tensors share one buffer."
     path = Path(path)
     buf = bytearray(path.stat().st_size)
-    with open(path, 'rb') as f: f.readinto(buf)
+    with open(path, 'rb') as f:
+        f.readinto(buf)
     cur = _Cursor(memoryview(buf), path.name)
     version = cur.num('I', 'the binary version')
     if version != 6:
@@ -88,7 +98,8 @@ def read_ctranslate2(path) -> CT2Model:
 # %% ../nbs/00b_ct2_whisper.ipynb #021e5fc2
 def _take(v: dict, name: str):
     "Remove and return CTranslate2 variable `name` from `v`. Raises `ValueError` naming it when absent."
-    if name not in v: raise ValueError(f'the CTranslate2 Whisper model has no variable {name!r}')
+    if name not in v:
+        raise ValueError(f'the CTranslate2 Whisper model has no variable {name!r}')
     return v.pop(name)
 
 # %% ../nbs/00b_ct2_whisper.ipynb #021e5fc2-1
@@ -105,7 +116,8 @@ def _ct2_linear(v: dict, src: str, out: dict, *dsts: str):
         raise ValueError(f'{src}/weight has {w.shape[0]} rows, which do not split into {len(dsts)} projections')
     for dst, wi, bi in zip(dsts, w.chunk(len(dsts)), b.chunk(len(dsts)), strict=True):
         out[f'{dst}.weight'] = wi
-        if not dst.endswith('k_proj'): out[f'{dst}.bias'] = bi
+        if not dst.endswith('k_proj'):
+            out[f'{dst}.bias'] = bi
         elif bi.any():
             raise ValueError(f"{src}/bias: its k part is not zero, but transformers' Whisper k_proj has no bias")
 
@@ -125,8 +137,14 @@ def _ct2_layer(v: dict, src: str, out: dict, dst: str, cross: bool):
     _ct2_linear(v, f'{src}/ffn/linear_1', out, f'{dst}.fc2')
 
 # %% ../nbs/00b_ct2_whisper.ipynb #c65fdb23
-CT2_WHISPER_FLAGS = {'decoder/activation': 3, 'decoder/pre_norm': 1, 'decoder/scale_embeddings': 0,
-                     'decoder/start_from_zero_embedding': 0, 'decoder/alibi': 0}
+CT2_WHISPER_FLAGS = {
+    'decoder/activation': 3,
+    'decoder/pre_norm': 1,
+    'decoder/scale_embeddings': 0,
+    'decoder/start_from_zero_embedding': 0,
+    'decoder/alibi': 0,
+}
+
 
 def _ct2_layers(v: dict, side: str) -> int:
     "How many `side/layer_N` groups `v` holds."
@@ -153,22 +171,26 @@ def whisper_state_dict(ct2: CT2Model) -> dict:
     "transformers' `WhisperForConditionalGeneration` state dict from a CTranslate2 `WhisperSpec`"
     _check_ct2_whisper(ct2)
     v, out, E, D = {k: t for k, t in ct2.variables.items() if t.ndim}, {}, 'model.encoder', 'model.decoder'
-    for conv in ('conv1', 'conv2'): _ct2_linear(v, f'encoder/{conv}', out, f'{E}.{conv}')
+    for conv in ('conv1', 'conv2'):
+        _ct2_linear(v, f'encoder/{conv}', out, f'{E}.{conv}')
     for side, dst in (('encoder', E), ('decoder', D)):
         out[f'{dst}.embed_positions.weight'] = _take(v, f'{side}/position_encodings/encodings')
         _ct2_norm(v, f'{side}/layer_norm', out, f'{dst}.layer_norm')
         for i in range(_ct2_layers(v, side)):
             _ct2_layer(v, f'{side}/layer_{i}', out, f'{dst}.layers.{i}', side == 'decoder')
     out[f'{D}.embed_tokens.weight'] = _take(v, 'decoder/embeddings/weight')
-    if v: raise ValueError(f'CTranslate2 variables left unconverted: {sorted(v)}')
+    if v:
+        raise ValueError(f'CTranslate2 variables left unconverted: {sorted(v)}')
     return out
 
 # %% ../nbs/00b_ct2_whisper.ipynb #7df21310
-def whisper_tokenizer(folder, # holds CTranslate2's tokenizer.json, and normalizer.json for English spelling
-                      config=None, # a `WhisperConfig`: add its timestamp tokens (not special); None: none
-                     ):
+def whisper_tokenizer(
+    folder,  # holds CTranslate2's tokenizer.json, and normalizer.json for English spelling
+    config=None,  # a `WhisperConfig`: add its timestamp tokens (not special); None: none
+):
     "transformers' `WhisperTokenizer` from `folder` (tokenizer.json), its special tokens registered."
     from transformers import WhisperFeatureExtractor, WhisperTokenizer
+
     specials = [
         t['content']
         for t in json.loads((folder / 'tokenizer.json').read_text(encoding='utf-8'))['added_tokens']
@@ -177,7 +199,8 @@ def whisper_tokenizer(folder, # holds CTranslate2's tokenizer.json, and normaliz
     tok = WhisperTokenizer.from_pretrained(
         folder, extra_special_tokens=[t for t in specials if t != '<|endoftext|>'], pad_token='<|endoftext|>'
     )
-    if config is None: return tok
+    if config is None:
+        return tok
     tok.model_max_length = config.max_target_positions
     step = WhisperFeatureExtractor(feature_size=config.num_mel_bins).chunk_length / config.max_source_positions
     tok.add_tokens(['<|%.2f|>' % (i * step) for i in range(config.max_source_positions + 1)], special_tokens=False)
@@ -191,6 +214,7 @@ def whisper_tokenizer(folder, # holds CTranslate2's tokenizer.json, and normaliz
 def whisper_config(ct2: CT2Model, tokenizer, ct2_config: dict, name_or_path: str = ''):
     "transformers' `WhisperConfig` (fp16) for a CTranslate2 Whisper model"
     from transformers import WhisperConfig
+
     v, ids = ct2.variables, tokenizer.convert_tokens_to_ids
     vocab, d_model = v['decoder/embeddings/weight'].shape
     eot, sot = ids('<|endoftext|>'), ids('<|startoftranscript|>')
@@ -221,19 +245,30 @@ OPENAI_MULTILINGUAL_VOCAB = 51865  # openai-whisper's model.py: is_multilingual 
 OPENAI_MAX_INITIAL_TIMESTAMP = 1.0  # seconds: openai-whisper's DecodingOptions.max_initial_timestamp
 OPENAI_DEFAULT_TASK = 'transcribe'  # openai-whisper's DecodingOptions.task
 
+
 def whisper_generation_config(config, tokenizer, ct2_config: dict):
     "transformers' `GenerationConfig` for Whisper (greedy, no timestamps by default)."
     from transformers import GenerationConfig, WhisperFeatureExtractor
+
     vocab, multilingual = tokenizer.get_vocab(), config.vocab_size >= OPENAI_MULTILINGUAL_VOCAB
     step = WhisperFeatureExtractor(feature_size=config.num_mel_bins).chunk_length / config.max_source_positions
     gc = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        decoder_start_token_id=config.decoder_start_token_id, max_length=config.max_target_positions,
-        suppress_tokens=ct2_config['suppress_ids'], begin_suppress_tokens=ct2_config['suppress_ids_begin'],
-        alignment_heads=ct2_config['alignment_heads'], no_timestamps_token_id=vocab['<|notimestamps|>'],
-        prev_sot_token_id=vocab['<|startofprev|>'], return_timestamps=False, is_multilingual=multilingual,
-        max_initial_timestamp_index=round(OPENAI_MAX_INITIAL_TIMESTAMP / step))
-    if multilingual: _add_languages(gc, vocab, ct2_config)
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        decoder_start_token_id=config.decoder_start_token_id,
+        max_length=config.max_target_positions,
+        suppress_tokens=ct2_config['suppress_ids'],
+        begin_suppress_tokens=ct2_config['suppress_ids_begin'],
+        alignment_heads=ct2_config['alignment_heads'],
+        no_timestamps_token_id=vocab['<|notimestamps|>'],
+        prev_sot_token_id=vocab['<|startofprev|>'],
+        return_timestamps=False,
+        is_multilingual=multilingual,
+        max_initial_timestamp_index=round(OPENAI_MAX_INITIAL_TIMESTAMP / step),
+    )
+    if multilingual:
+        _add_languages(gc, vocab, ct2_config)
     return gc
 
 # %% ../nbs/00b_ct2_whisper.ipynb #6e48826c
@@ -242,6 +277,7 @@ def _add_languages(gc, vocab: dict, ct2_config: dict):
     # `task_to_id` and default `task` on `gc`. Raises `ValueError` when the language ids differ from CTranslate2's
     # `lang_ids`.
     from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
+
     gc.lang_to_id = {f'<|{c}|>': vocab[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in vocab}
     if sorted(gc.lang_to_id.values()) != sorted(ct2_config['lang_ids']):
         raise ValueError(
@@ -257,7 +293,9 @@ def _whisper_model(ct2: CT2Model, config, tok, ct2_config: dict):
     # with its generation config.
     import torch
     from transformers import WhisperForConditionalGeneration
-    with torch.device('meta'): model = WhisperForConditionalGeneration(config)
+
+    with torch.device('meta'):
+        model = WhisperForConditionalGeneration(config)
     missing, unexpected = model.load_state_dict(whisper_state_dict(ct2), strict=False, assign=True)
     if missing != ['proj_out.weight'] or unexpected:
         raise ValueError(f'state dict mismatch: missing {missing}, unexpected {unexpected}')
@@ -266,26 +304,30 @@ def _whisper_model(ct2: CT2Model, config, tok, ct2_config: dict):
     return model
 
 # %% ../nbs/00b_ct2_whisper.ipynb #2421cff2
-def write_hf_whisper(src, # a CTranslate2 Whisper folder: model.bin, config.json and tokenizer.json
-                     out, # the folder to write
-                     name_or_path: str = '', # the config's `_name_or_path`, such as 'openai/whisper-tiny.en'
-                     normalizer=None, # an English spelling normalizer.json for the tokenizer, or None
-                    ) -> Path:
+def write_hf_whisper(
+    src,  # a CTranslate2 Whisper folder: model.bin, config.json and tokenizer.json
+    out,  # the folder to write
+    name_or_path: str = '',  # the config's `_name_or_path`, such as 'openai/whisper-tiny.en'
+    normalizer=None,  # an English spelling normalizer.json for the tokenizer, or None
+) -> Path:
     "Write the HF Whisper folder of the CTranslate2 Whisper model in `src` to `out`; returns `out`."
     from transformers import WhisperFeatureExtractor
     from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
     src, out = Path(src), Path(out)
-    ct2 = read_ctranslate2(src/'model.bin')
-    ct2_config = json.loads((src/'config.json').read_text(encoding='utf-8'))
+    ct2 = read_ctranslate2(src / 'model.bin')
+    ct2_config = json.loads((src / 'config.json').read_text(encoding='utf-8'))
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tmp)
-        shutil.copy(src/'tokenizer.json', tok_dir/'tokenizer.json')
-        if normalizer is not None: shutil.copy(normalizer, tok_dir/'normalizer.json')
+        shutil.copy(src / 'tokenizer.json', tok_dir / 'tokenizer.json')
+        if normalizer is not None:
+            shutil.copy(normalizer, tok_dir / 'normalizer.json')
         config = whisper_config(ct2, whisper_tokenizer(tok_dir), ct2_config, name_or_path)
         tok = whisper_tokenizer(tok_dir, config)
         _whisper_model(ct2, config, tok, ct2_config).save_pretrained(out, max_shard_size='2GB')
         tok.save_pretrained(out)
         WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(out)
-    if normalizer is not None: shutil.copy(normalizer, out/'normalizer.json')
+    if normalizer is not None:
+        shutil.copy(normalizer, out / 'normalizer.json')
     return out

@@ -25,11 +25,13 @@ __all__ = ['ByteLevelDetokenizer', 'SentencePieceDetokenizer', 'TextChunkDetoken
 # %% ../nbs/08_detokenize.ipynb #487e2b25
 class _TokenMemo:
     "The vocabulary check and thread-safe `token_bytes` memo of every detokenizer"
+
     # a subclass calls `_init_memo` and defines `_bytes(token_id) -> bytes`.
-    def _init_memo(self,
-                   vocab_size: int, # ids run from 0 to vocab_size - 1
-                   name: str, # how error messages name the vocabulary
-                  ):
+    def _init_memo(
+        self,
+        vocab_size: int,  # ids run from 0 to vocab_size - 1
+        name: str,  # how error messages name the vocabulary
+    ):
         self.vocab_size, self._name = int(vocab_size), name
         self._lock, self._memo = threading.Lock(), {}  # the one id -> bytes map; keys are checked ints
 
@@ -50,10 +52,14 @@ def _check_id(self: _TokenMemo, token_id) -> int:
                 f'must not sample these: mask the logits of ids {self.vocab_size} and up'
             )
         )
-        raise ValueError(f'token id {int(token_id)} is outside the vocabulary of {self._name}: '
-                         f'ids run from 0 to {self.vocab_size - 1} (vocabulary size {self.vocab_size}){past}')
-    raise ValueError(f'token id {token_id!r} is a {type(token_id).__name__}, not an int; '
-                     f'the vocabulary of {self._name} has size {self.vocab_size}')
+        raise ValueError(
+            f'token id {int(token_id)} is outside the vocabulary of {self._name}: '
+            f'ids run from 0 to {self.vocab_size - 1} (vocabulary size {self.vocab_size}){past}'
+        )
+    raise ValueError(
+        f'token id {token_id!r} is a {type(token_id).__name__}, not an int; '
+        f'the vocabulary of {self._name} has size {self.vocab_size}'
+    )
 
 # %% ../nbs/08_detokenize.ipynb #b7d1c002
 @patch
@@ -62,7 +68,8 @@ def _miss(self: _TokenMemo, token_id) -> bytes:
     token_id = self._check_id(token_id)
     with self._lock:
         b = self._memo.get(token_id)
-        if b is None: b = self._memo[token_id] = self._bytes(token_id)
+        if b is None:
+            b = self._memo[token_id] = self._bytes(token_id)
     return b
 
 # %% ../nbs/08_detokenize.ipynb #b7d1c003
@@ -70,21 +77,26 @@ def _miss(self: _TokenMemo, token_id) -> bytes:
 def token_bytes(self: _TokenMemo, token_id: int) -> bytes:
     "`to_bytes([token_id])`, memoized: one token's chunk."
     if type(token_id) is int:  # an equal float, bool or numpy int goes through the check in _miss
-        try: return self._memo[token_id]
-        except KeyError: pass
+        try:
+            return self._memo[token_id]
+        except KeyError:
+            pass
     return self._miss(token_id)
 
 # %% ../nbs/08_detokenize.ipynb #b7d1c003-1
 @patch
-def to_bytes(self: _TokenMemo,
-             token_ids, # a sequence of ints, or a 1-d integer tensor
-            ) -> bytes:
+def to_bytes(
+    self: _TokenMemo,
+    token_ids,  # a sequence of ints, or a 1-d integer tensor
+) -> bytes:
     "The bytes of `token_ids`: the concatenation of their `token_bytes`."
-    if hasattr(token_ids, 'tolist'): token_ids = token_ids.tolist()
+    if hasattr(token_ids, 'tolist'):
+        token_ids = token_ids.tolist()
     return b''.join(map(self.token_bytes, token_ids))
 
 # %% ../nbs/08_detokenize.ipynb #b7d1c004
 _UNPICKLED = ('_lock', '_memo')
+
 
 @patch
 # the lock doesn't pickle: the memo starts empty on the other side
@@ -109,8 +121,10 @@ def _vocab_bound(tokenizer) -> int:
     "One past the largest id `tokenizer` has a token for, added tokens included: the ids its `decode` knows."
     # Not `len(tokenizer)`, which counts tokens and falls short of a vocabulary with holes.
     backend = getattr(tokenizer, 'backend_tokenizer', None)
-    if backend is not None: ids = backend.get_vocab(with_added_tokens=True).values()
-    else: ids = [*tokenizer.get_vocab().values(), *tokenizer.added_tokens_decoder]
+    if backend is not None:
+        ids = backend.get_vocab(with_added_tokens=True).values()
+    else:
+        ids = [*tokenizer.get_vocab().values(), *tokenizer.added_tokens_decoder]
     return max(ids, default=-1) + 1
 
 # %% ../nbs/08_detokenize.ipynb #eafebd39
@@ -119,18 +133,21 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
     out, shifted = {}, 0
     for b in range(256):
-        if b in printable: out[chr(b)] = b
+        if b in printable:
+            out[chr(b)] = b
         else:
             out[chr(0x100 + shifted)] = b
             shifted += 1
     return out
+
 
 _BYTE_DECODER = _gpt2_byte_decoder()
 
 # %% ../nbs/08_detokenize.ipynb #7df56972
 def _cleans_up(tokenizer) -> bool:
     "Whether `tokenizer.decode` applies transformers' `clean_up_tokenization` rewrite by default."
-    if not getattr(tokenizer, 'clean_up_tokenization_spaces', False): return False
+    if not getattr(tokenizer, 'clean_up_tokenization_spaces', False):
+        return False
     backend = getattr(tokenizer, 'backend_tokenizer', None)
     if backend is not None and type(backend.model).__name__ == 'BPE':
         # transformers >= 5 skips the cleanup for BPE unless forced; an older one without the flag applies it
@@ -141,7 +158,8 @@ def _cleans_up(tokenizer) -> bool:
 def _decoder_steps(part: dict | None, key: str = 'decoders') -> list[dict]:
     "A tokenizer.json decoder (or, with `key='pretokenizers'`, pre-tokenizer) as a flat list of steps"
     # `Sequence`s unrolled; [] for none.
-    if part is None: return []
+    if part is None:
+        return []
     if part.get('type') == 'Sequence':
         return [s for d in part.get(key) or [] for s in _decoder_steps(d, key)]
     return [part]
@@ -154,12 +172,16 @@ def _byte_level_problem(tokenizer, cleanup: bool = True) -> str | None:
         kind = type(backend.decoder).__name__ if backend.decoder is not None else 'no decoder'
         if kind == 'Sequence':
             steps = _decoder_steps(json.loads(backend.decoder.__getstate__()))
-            if [s.get('type') for s in steps] == ['ByteLevel']: kind = 'ByteLevel'
-        if kind != 'ByteLevel': return f'its decoder is {kind}, not ByteLevel'
+            if [s.get('type') for s in steps] == ['ByteLevel']:
+                kind = 'ByteLevel'
+        if kind != 'ByteLevel':
+            return f'its decoder is {kind}, not ByteLevel'
         suffix = getattr(backend.model, 'end_of_word_suffix', None)
         if suffix:
-            return (f'its BPE vocabulary ends words with {suffix!r} (end_of_word_suffix), '
-                    'which the ByteLevel decoder leaves in')
+            return (
+                f'its BPE vocabulary ends words with {suffix!r} (end_of_word_suffix), '
+                'which the ByteLevel decoder leaves in'
+            )
     elif getattr(tokenizer, 'byte_decoder', None) != _BYTE_DECODER:
         return "it is a slow tokenizer without GPT-2's byte map (byte_decoder)"
     if cleanup and _cleans_up(tokenizer):
@@ -185,12 +207,14 @@ def _timestamp_ids(tokenizer, added: dict[int, str]) -> frozenset[int]:
     "Ids of the added tokens (id -> content) that `tokenizer.decode` deletes as timestamps"
     # those its `timestamp_pat` (transformers' Whisper tokenizers) matches whole; empty for other tokenizers.
     pat = getattr(tokenizer, 'timestamp_pat', None)
-    if not isinstance(pat, re.Pattern): return frozenset()
+    if not isinstance(pat, re.Pattern):
+        return frozenset()
     return frozenset(i for i, c in added.items() if pat.fullmatch(c))
 
 # %% ../nbs/08_detokenize.ipynb #39b785a5
 class ByteLevelDetokenizer(_TokenMemo):
     "Exact bytes per token id for a byte-level BPE tokenizer (GPT-2, Whisper, Qwen, Llama 3, SmolLM2)"
+
     def __init__(
         self,
         tokenizer,  # a transformers tokenizer for which `is_byte_level` holds
@@ -198,7 +222,8 @@ class ByteLevelDetokenizer(_TokenMemo):
         keep_timestamps: bool = False,  # keep Whisper's timestamp tokens' text, which `decode` deletes (default: b'')
     ):
         problem = _byte_level_problem(tokenizer)
-        if problem: raise ValueError(f'{_tokenizer_name(tokenizer)} is not byte-level: {problem}')
+        if problem:
+            raise ValueError(f'{_tokenizer_name(tokenizer)} is not byte-level: {problem}')
         self._setup(tokenizer, keep_special, keep_timestamps)
 
     @staticmethod
@@ -223,26 +248,32 @@ def _setup(self: ByteLevelDetokenizer, tokenizer, keep_special: bool, keep_times
 # %% ../nbs/08_detokenize.ipynb #39b785a6-1
 @patch
 def _bytes(self: ByteLevelDetokenizer, token_id: int) -> bytes:
-    if token_id in self._skip: return b''
+    if token_id in self._skip:
+        return b''
     content = self._added.get(token_id)
-    if content is not None: return content.encode()
+    if content is not None:
+        return content.encode()
     token = self._id_to_token(token_id)
     return b'' if token is None else _byte_level_bytes(token)
 
 # %% ../nbs/08_detokenize.ipynb #39b785a6-2
 def _byte_level_bytes(token: str) -> bytes:
     "A byte-level token's bytes: its characters through GPT-2's byte map, or its UTF-8 when one is not in the map."
-    try: return bytes([_BYTE_DECODER[c] for c in token])
-    except KeyError: return token.encode()
+    try:
+        return bytes([_BYTE_DECODER[c] for c in token])
+    except KeyError:
+        return token.encode()
 
 # %% ../nbs/08_detokenize.ipynb #29b16c60
 _BYTE_PIECE = re.compile(r'<0x([0-9A-Fa-f]{2})>')
+
 
 def _byte_piece(piece: str | bytes) -> int | None:
     "The byte a byte-fallback piece `<0xNN>` stands for, as HF tokenizers' `ByteFallback` decoder reads it"
     # None for any other piece.
     if isinstance(piece, bytes):
-        if len(piece) != 6: return None
+        if len(piece) != 6:
+            return None
         piece = piece.decode('latin-1')
     m = _BYTE_PIECE.fullmatch(piece)
     return int(m[1], 16) if m else None
@@ -251,8 +282,9 @@ def _byte_piece(piece: str | bytes) -> int | None:
 def _sentencepiece_pieces(model) -> dict[int, str]:
     "id -> piece of a tokenizer.json `model` that is BPE or Unigram; `ValueError` naming what is missing or wrong."
     if not isinstance(model, dict):
-        raise ValueError("tokenizer.json has no 'model' object: "
-                         "SentencePieceDetokenizer needs its BPE or Unigram vocabulary")
+        raise ValueError(
+            "tokenizer.json has no 'model' object: SentencePieceDetokenizer needs its BPE or Unigram vocabulary"
+        )
     kind, vocab = model.get('type'), model.get('vocab')
     if kind == 'BPE':
         if not isinstance(vocab, dict):
@@ -260,11 +292,14 @@ def _sentencepiece_pieces(model) -> dict[int, str]:
         return {i: p for p, i in vocab.items()}
     if kind == 'Unigram':
         if not isinstance(vocab, list):
-            raise ValueError("tokenizer.json Unigram model: 'vocab' must be a list of [piece, score], got "
-                             f"{type(vocab).__name__}")
+            raise ValueError(
+                f"tokenizer.json Unigram model: 'vocab' must be a list of [piece, score], got {type(vocab).__name__}"
+            )
         return {i: p for i, (p, _score) in enumerate(vocab)}
-    raise ValueError(f"tokenizer.json model type is {kind!r}: SentencePieceDetokenizer reads 'BPE' or 'Unigram' "
-                     "models, whose pieces mark a word start with ▁ and spell missing characters as <0xNN> bytes")
+    raise ValueError(
+        f"tokenizer.json model type is {kind!r}: SentencePieceDetokenizer reads 'BPE' or 'Unigram' "
+        "models, whose pieces mark a word start with ▁ and spell missing characters as <0xNN> bytes"
+    )
 
 # %% ../nbs/08_detokenize.ipynb #29b16c65
 def _byte_level_json(tokenizer_json: dict) -> str | None:
@@ -286,6 +321,7 @@ def _added_contents(tokenizer_json: dict) -> dict[int, str]:
     norm = None
     if normalizer is not None and any(map(normalized, added)):
         from tokenizers import Tokenizer
+
         bare = {
             'version': '1.0',
             'truncation': None,
@@ -297,7 +333,8 @@ def _added_contents(tokenizer_json: dict) -> dict[int, str]:
             'decoder': None,
             'model': {'type': 'WordLevel', 'vocab': {}, 'unk_token': '<unk>'},
         }
-        try: norm = Tokenizer.from_str(json.dumps(bare)).normalizer.normalize_str
+        try:
+            norm = Tokenizer.from_str(json.dumps(bare)).normalizer.normalize_str
         except Exception as e:
             raise ValueError(
                 f"tokenizer.json 'normalizer' is not one HF tokenizers reads ({e}); it is needed for the added tokens "
@@ -308,13 +345,16 @@ def _added_contents(tokenizer_json: dict) -> dict[int, str]:
 # %% ../nbs/08_detokenize.ipynb #29b16c63
 class SentencePieceDetokenizer(_TokenMemo):
     "Exact bytes per token id for a SentencePiece-style vocabulary, read from an HF tokenizer.json"
-    def __init__(self,
-                 tokenizer_json: dict, # a parsed tokenizer.json whose `model` is BPE or Unigram
-                 extra_skip_ids: set[int] = frozenset(), # ids that give b'' besides the special added tokens
-                ):
+
+    def __init__(
+        self,
+        tokenizer_json: dict,  # a parsed tokenizer.json whose `model` is BPE or Unigram
+        extra_skip_ids: set[int] = frozenset(),  # ids that give b'' besides the special added tokens
+    ):
         if not isinstance(tokenizer_json, dict):
-            raise ValueError('tokenizer_json must be a parsed tokenizer.json (a dict), got '
-                             f'{type(tokenizer_json).__name__}')
+            raise ValueError(
+                f'tokenizer_json must be a parsed tokenizer.json (a dict), got {type(tokenizer_json).__name__}'
+            )
         self._pieces = _sentencepiece_pieces(tokenizer_json.get('model'))
         self.model_type = tokenizer_json['model']['type']
         part = _byte_level_json(tokenizer_json)
@@ -343,18 +383,22 @@ def piece_bytes(self: SentencePieceDetokenizer, token_id: int) -> bytes:
 # %% ../nbs/08_detokenize.ipynb #29b16c64-1
 @patch
 def _bytes(self: SentencePieceDetokenizer, token_id: int) -> bytes:
-    if token_id in self._skip: return b''
+    if token_id in self._skip:
+        return b''
     piece = self._added.get(token_id, self._pieces.get(token_id))
-    if piece is None: return b''
+    if piece is None:
+        return b''
     b = _byte_piece(piece)
     return bytes((b,)) if b is not None else piece.replace('▁', ' ').encode()
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e21
-class _Unstreamable(ValueError): "A decoder whose text for a token depends on its neighbours; the message says why."
+class _Unstreamable(ValueError):
+    "A decoder whose text for a token depends on its neighbours; the message says why."
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e21-1
 class _Plan:
     "A tokenizer.json decoder compiled for streaming"
+
     # `steps` turn one token's piece into its bytes mid-reply (`text_steps`, the same less the byte map, an added
     # token's); `edges` say how `decode` differs at the ends.
     def __init__(self):
@@ -365,15 +409,18 @@ class _Plan:
     def add(self, kind: str, step=None, edge: str | None = None, text: bool = True):
         if step is not None:
             self.steps.append(step)
-            if text: self.text_steps.append(step)
-        if edge: self.edges.append(edge)
+            if text:
+                self.text_steps.append(step)
+        if edge:
+            self.edges.append(edge)
         self.kinds.append(kind)
 
     def piece_bytes(self, piece: str, text: bool = False) -> bytes:
         "The bytes of one token's string in the middle of a reply"
         # `text=True` for an added token, which the byte map leaves alone.
         b = piece.encode()
-        for step in self.text_steps if text else self.steps: b = step(b)
+        for step in self.text_steps if text else self.steps:
+            b = step(b)
         return b
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e22
@@ -381,8 +428,9 @@ def _per_token(plan: _Plan, kind: str):
     "Refuse a step that works token by token once the tokens are joined"
     # there it would see the whole reply as one token.
     if plan.joined:
-        raise _Unstreamable(f'its {kind} step comes after the tokens are joined, '
-                            'where it sees the whole reply as one token')
+        raise _Unstreamable(
+            f'its {kind} step comes after the tokens are joined, where it sees the whole reply as one token'
+        )
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e22-1
 def _unsplit(plan: _Plan, kind: str, s: str):
@@ -425,7 +473,8 @@ def _strip_step(plan: _Plan, s: dict):
     if plan.joined:  # after the join the reply is one string: only its ends are stripped
         if start:
             plan.add('Strip', edge=f'decode strips up to {start} leading {c!r} from the reply')
-        if stop: plan.add('Strip', edge=f'decode strips up to {stop} trailing {c!r} from the reply')
+        if stop:
+            plan.add('Strip', edge=f'decode strips up to {stop} trailing {c!r} from the reply')
         return
     if plan.splits:
         raise _Unstreamable(
@@ -433,12 +482,16 @@ def _strip_step(plan: _Plan, s: dict):
             'where decode sees a run of byte pieces as one token'
         )
     cb = c.encode()
+
     def strip(t):
         for _ in range(start):
-            if t.startswith(cb): t = t[len(cb):]
+            if t.startswith(cb):
+                t = t[len(cb) :]
         for _ in range(stop):
-            if t.endswith(cb): t = t[:-len(cb)]
+            if t.endswith(cb):
+                t = t[: -len(cb)]
         return t
+
     plan.add('Strip', strip)
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e25
@@ -448,8 +501,14 @@ def _metaspace_step(plan: _Plan, s: dict):
     _unsplit(plan, 'Metaspace', mark)
     # older files: add_prefix_space
     scheme = s.get('prepend_scheme') or ('always' if s.get('add_prefix_space', True) else 'never')
-    edge = None if scheme == 'never' else (f"decode drops every {mark} of the reply's first token (prepend_scheme "
-                                           f"{scheme!r}): for the usual first token, its one leading space")
+    edge = (
+        None
+        if scheme == 'never'
+        else (
+            f"decode drops every {mark} of the reply's first token (prepend_scheme "
+            f"{scheme!r}): for the usual first token, its one leading space"
+        )
+    )
     a = mark.encode()
     plan.add('Metaspace', lambda t: t.replace(a, b' '), edge)
 
@@ -458,9 +517,11 @@ def _wordpiece_step(plan: _Plan, s: dict):
     _per_token(plan, 'WordPiece')
     _unsplit(plan, 'WordPiece', s.get('prefix', '##'))
     prefix, cleanup = s.get('prefix', '##').encode(), s.get('cleanup', True)
+
     def wordpiece(t):
-        t = t[len(prefix):] if t.startswith(prefix) else b' ' + t
+        t = t[len(prefix) :] if t.startswith(prefix) else b' ' + t
         return _wordpiece_cleanup(t) if cleanup else t
+
     plan.add(
         'WordPiece',
         wordpiece,
@@ -472,21 +533,28 @@ def _wordpiece_cleanup(t: bytes) -> bytes:
     "The WordPiece decoder's cleanup of one token"
     # run by HF tokenizers itself (a first token gets its cleanup and nothing else).
     from tokenizers.decoders import WordPiece
-    try: return WordPiece(cleanup=True).decode([t.decode()]).encode()
-    except UnicodeDecodeError: return t  # the rules are ASCII: raw bytes can't take part in them
+
+    try:
+        return WordPiece(cleanup=True).decode([t.decode()]).encode()
+    except UnicodeDecodeError:
+        return t  # the rules are ASCII: raw bytes can't take part in them
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e27
 def _suffix_step(plan: _Plan, suffix: str):
     a = suffix.encode()
-    plan.add('BPEDecoder', lambda t: t.replace(a, b' '),
-             f"decode turns the {suffix!r} of the reply's last token into nothing: no trailing space")
+    plan.add(
+        'BPEDecoder',
+        lambda t: t.replace(a, b' '),
+        f"decode turns the {suffix!r} of the reply's last token into nothing: no trailing space",
+    )
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e27-1
 def _byte_level_step(plan: _Plan, s: dict):
     _per_token(plan, 'ByteLevel')
     if 'ByteFallback' in plan.kinds:
-        raise _Unstreamable('its ByteLevel step comes after byte fallback, '
-                            'which leaves raw bytes, not byte-map characters')
+        raise _Unstreamable(
+            'its ByteLevel step comes after byte fallback, which leaves raw bytes, not byte-map characters'
+        )
     # an added token is text (see Byte-level BPE)
     plan.add('ByteLevel', lambda t: _byte_level_bytes(t.decode()), text=False)
     plan.joined, plan.splits = True, 'ByteLevel'
@@ -507,6 +575,7 @@ def _bpe_decoder_step(plan: _Plan, s: dict):
     _per_token(plan, 'BPEDecoder')
     _unsplit(plan, 'BPEDecoder', s.get('suffix', '</w>'))
     _suffix_step(plan, s.get('suffix', '</w>'))
+
 
 _STEPS = {
     'Replace': _replace_step,
@@ -560,8 +629,9 @@ def _plan_decoder(tokenizer_json: dict) -> _Plan:
     suffix = model.get('end_of_word_suffix')
     if suffix and 'BPEDecoder' not in kinds:
         _suffix_step(plan, suffix)
-        plan.notes.append(f'the vocabulary ends words with {suffix!r}, '
-                          'which the decoder leaves in: it stands for a space')
+        plan.notes.append(
+            f'the vocabulary ends words with {suffix!r}, which the decoder leaves in: it stands for a space'
+        )
     plan.mode = next((m for k, m in _MODES if k in plan.kinds), 'decoder')
     return plan
 
@@ -584,13 +654,16 @@ def _choose_mode(tokenizer) -> tuple[str, str, object]:
             f'per-token decode: {_byte_level_problem(tokenizer)}, and it has no tokenizer.json decoder to follow',
             None,
         )
-    try: plan = _plan_decoder(json.loads(backend.to_str()))
-    except _Unstreamable as e: return 'decode', f'per-token decode: {e}', None
+    try:
+        plan = _plan_decoder(json.loads(backend.to_str()))
+    except _Unstreamable as e:
+        return 'decode', f'per-token decode: {e}', None
     return plan.mode, '; '.join([plan.why, *plan.notes]) + cleanup, plan
 
 # %% ../nbs/08_detokenize.ipynb #d9626cfd
 class TextChunkDetokenizer(_TokenMemo):
     "One decode step's chunk, as bytes, for any tokenizer"
+
     def __init__(
         self,
         tokenizer,  # a transformers tokenizer, fast or slow
@@ -621,15 +694,19 @@ def _read_vocabulary(self: TextChunkDetokenizer):
     else:
         self._added, self.special_ids = _added_tokens(tok)
         self.timestamp_ids, bound = _timestamp_ids(tok, self._added), _vocab_bound(tok)
-    self._skip = (self.extra_skip_ids | (frozenset() if self.keep_special else self.special_ids)
-                  | (frozenset() if self.keep_timestamps else self.timestamp_ids))
+    self._skip = (
+        self.extra_skip_ids
+        | (frozenset() if self.keep_special else self.special_ids)
+        | (frozenset() if self.keep_timestamps else self.timestamp_ids)
+    )
     self._id_to_token = backend.id_to_token if backend is not None else tok.convert_ids_to_tokens
     self._init_memo(bound, _tokenizer_name(tok))
 
 # %% ../nbs/08_detokenize.ipynb #d9626d00
 @patch
 def _bytes(self: TextChunkDetokenizer, token_id: int) -> bytes:
-    if token_id in self._skip: return b''
+    if token_id in self._skip:
+        return b''
     how = self._plan
     # it keeps everything: self._skip decided above
     if isinstance(how, ByteLevelDetokenizer):
@@ -637,7 +714,8 @@ def _bytes(self: TextChunkDetokenizer, token_id: int) -> bytes:
     # kept, as decode_with_timestamps writes it
     if token_id in self.timestamp_ids:
         return self._added[token_id].encode()
-    if how is None: return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+    if how is None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
     piece = self._id_to_token(token_id)  # an added token's normalized content, as decode reads it
     return b'' if piece is None else how.piece_bytes(piece, text=token_id in self._added)
 
@@ -653,18 +731,21 @@ def __getstate__(self: TextChunkDetokenizer):  # the plan holds closures: the ot
 
 # %% ../nbs/08_detokenize.ipynb #d9626d02-1
 @patch
-def __setstate__(self: TextChunkDetokenizer, state): self.__init__(**state)
+def __setstate__(self: TextChunkDetokenizer, state):
+    self.__init__(**state)
 
 # %% ../nbs/08_detokenize.ipynb #d9626d01
 @patch
-def to_bytes(self: TextChunkDetokenizer,
-             token_ids, # a sequence of ints, or a 1-d integer tensor
-            ) -> bytes:
+def to_bytes(
+    self: TextChunkDetokenizer,
+    token_ids,  # a sequence of ints, or a 1-d integer tensor
+) -> bytes:
     "The bytes of `token_ids`"
     # the memo's joined token_bytes
     if self.mode != 'decode':
         return _TokenMemo.to_bytes(self, token_ids)
-    if hasattr(token_ids, 'tolist'): token_ids = token_ids.tolist()
+    if hasattr(token_ids, 'tolist'):
+        token_ids = token_ids.tolist()
     ids = [i for i in map(self._check_id, token_ids) if i not in self._skip]
     runs = itertools.groupby(ids, self.timestamp_ids.__contains__)  # one run, unless timestamps are kept
     return b''.join(
@@ -681,10 +762,12 @@ _INT_DTYPES = frozenset(
     if d is not None
 )
 
+
 def _tensor_ids(output: torch.Tensor) -> list[int]:
     "The ids of an integer tensor of any shape, flattened; `ValueError` for any other dtype."
     if output.dtype not in _INT_DTYPES:
-        if output.numel() == 0: return []  # as_tensor([]) is float32
+        if output.numel() == 0:
+            return []  # as_tensor([]) is float32
         raise ValueError(f'output holds {output.dtype} values; token ids must be an integer tensor')
     ndim = output.ndim  # tolist() costs a fraction of reshape(-1), so flatten only when needed
     return output.tolist() if ndim == 1 else [output.item()] if ndim == 0 else output.reshape(-1).tolist()
@@ -693,7 +776,8 @@ def _tensor_ids(output: torch.Tensor) -> list[int]:
 def _token_ids(output) -> list[int]:
     "`output` as a flat list of ints: an integer tensor or array, or a sequence of ints"
     # `ValueError` saying what was expected otherwise.
-    if isinstance(output, torch.Tensor): return _tensor_ids(output)
+    if isinstance(output, torch.Tensor):
+        return _tensor_ids(output)
     what = 'token ids must be a sequence of ints or an integer tensor'
     if isinstance(output, (str, bytes, bytearray)) or not isinstance(output, Iterable):
         raise ValueError(f'output is the {type(output).__name__} {reprlib.repr(output)}; {what}')
@@ -708,15 +792,17 @@ def _token_ids(output) -> list[int]:
 
 # %% ../nbs/08_detokenize.ipynb #5ca33e0d
 def drop_stop_tokens(
-        output, # token ids: an integer tensor of any shape (flattened in order), or a sequence of ints
-        stop_token_ids: Container[int], # the ids that end a reply
-        request_kwargs: dict | None, # the request's options; a truthy `ignore_eos` keeps every id. None counts as {}
-    ) -> list[int]:
+    output,  # token ids: an integer tensor of any shape (flattened in order), or a sequence of ints
+    stop_token_ids: Container[int],  # the ids that end a reply
+    request_kwargs: dict | None,  # the request's options; a truthy `ignore_eos` keeps every id. None counts as {}
+) -> list[int]:
     "The ids of `output` before its first stop token"
     ids = _token_ids(output)
-    if request_kwargs and request_kwargs.get('ignore_eos'): return ids
+    if request_kwargs and request_kwargs.get('ignore_eos'):
+        return ids
     for k, i in enumerate(ids):
-        if i in stop_token_ids: return ids[:k]
+        if i in stop_token_ids:
+            return ids[:k]
     return ids
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5a
@@ -727,39 +813,46 @@ class _TextOutputFields(NamedTuple):
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5b
 class TextOutput(_TextOutputFields):
     "How a model's text output, token ids, becomes bytes for the client"
+
     __slots__ = ()  # no instance dict: nothing can stand in for the methods below
-    def __new__(cls,
-                detokenizer, # a detokenizer with `token_bytes` and `to_bytes`: usually a `TextChunkDetokenizer`
-                stop_token_ids: Container[int] = frozenset(), # the ids that end a reply
-               ):
+
+    def __new__(
+        cls,
+        detokenizer,  # a detokenizer with `token_bytes` and `to_bytes`: usually a `TextChunkDetokenizer`
+        stop_token_ids: Container[int] = frozenset(),  # the ids that end a reply
+    ):
         return super().__new__(cls, detokenizer, stop_token_ids)
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5c
 @patch
-def token_ids(self: TextOutput,
-              output, # token ids: an integer tensor of any shape, or a sequence of ints
-              request_kwargs: dict | None = None, # the request's options; `ignore_eos` keeps every id
-             ) -> list[int]:
+def token_ids(
+    self: TextOutput,
+    output,  # token ids: an integer tensor of any shape, or a sequence of ints
+    request_kwargs: dict | None = None,  # the request's options; `ignore_eos` keeps every id
+) -> list[int]:
     "The ids of `output` that reach the client"
     return drop_stop_tokens(output, self.stop_token_ids, request_kwargs)
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5c-1
 @patch
-def output_bytes(self: TextOutput,
-                 output, # all the reply's ids: an integer tensor of any shape, or a sequence of ints
-                 request_kwargs: dict | None = None, # the request's options; `ignore_eos` keeps stop tokens
-                ) -> bytes:
+def output_bytes(
+    self: TextOutput,
+    output,  # all the reply's ids: an integer tensor of any shape, or a sequence of ints
+    request_kwargs: dict | None = None,  # the request's options; `ignore_eos` keeps stop tokens
+) -> bytes:
     "A whole reply's bytes: `output` holds all its ids"
     return self.detokenizer.to_bytes(self.token_ids(output, request_kwargs))
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f5d
 _numel, _item, _tolist = torch.Tensor.numel, torch.Tensor.item, torch.Tensor.tolist
 
+
 @patch
-def step_bytes(self: TextOutput,
-               output, # this step's ids: an integer tensor of any shape, or a sequence of ints
-               request_kwargs: dict | None = None, # the request's options; `ignore_eos` keeps stop tokens
-              ) -> bytes:
+def step_bytes(
+    self: TextOutput,
+    output,  # this step's ids: an integer tensor of any shape, or a sequence of ints
+    request_kwargs: dict | None = None,  # the request's options; `ignore_eos` keeps stop tokens
+) -> bytes:
     "One decode step's chunk: the memoized bytes of its ids up to the first stop token."
     detokenizer, stop = self
     # the short cut: a tensor of ints, all in the memo, no stop id; a float or bool tensor fails the type check
@@ -767,7 +860,8 @@ def step_bytes(self: TextOutput,
         n = _numel(output)
         if n == 1:
             i = _item(output)
-            if type(i) is int and i not in stop: return detokenizer._memo[i]
+            if type(i) is int and i not in stop:
+                return detokenizer._memo[i]
         elif n == 2:  # one MTP token
             i, j = _tolist(output)
             if type(i) is int and i not in stop and j not in stop:
@@ -779,7 +873,8 @@ def step_bytes(self: TextOutput,
                 memo = detokenizer._memo
                 return b''.join([memo[i] for i in ids])
     # not a tensor, a 2-d tensor of two ids, stop ids that are no set, a detokenizer without the memo, or a cold id
-    except (TypeError, ValueError, AttributeError, KeyError): pass
+    except (TypeError, ValueError, AttributeError, KeyError):
+        pass
     return b''.join(map(detokenizer.token_bytes, self.token_ids(output, request_kwargs)))
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f6c
@@ -788,9 +883,11 @@ def step_fn(self: TextOutput):
     "A function giving what `step_bytes` gives, with the lookups done once: for a server's decode loop."
     detokenizer, stop = self
     general, memo = self.step_bytes, getattr(detokenizer, '_memo', None)
-    if not isinstance(memo, dict) or not isinstance(stop, (set, frozenset)): return general
+    if not isinstance(memo, dict) or not isinstance(stop, (set, frozenset)):
+        return general
     tolist, isdisjoint, one = _tolist, stop.isdisjoint, len(stop) <= 1
     lo, hi = (min(stop), max(stop)) if stop else (-1, -1)  # -1: the memo lacks it, so the general path refuses it
+
     def step(output, request_kwargs=None):
         try:  # step_bytes' short cut over the same memo; the general path for anything else
             ids = tolist(output)  # a TypeError for a list; an int for a 0-d tensor, which has no len
@@ -798,21 +895,25 @@ def step_fn(self: TextOutput):
             # most ids lie outside the stop ids' range; a float, bool or 2-d tensor fails the type check
             if n == 1:
                 i = ids[0]
-                if type(i) is int and (hi < i or i < lo or i not in stop): return memo[i]
+                if type(i) is int and (hi < i or i < lo or i not in stop):
+                    return memo[i]
             elif n == 2:  # one MTP token
                 i, j = ids
                 if type(i) is int and (hi < i or i < lo or i not in stop) and (hi < j or j < lo or j not in stop):
                     return memo[i] + memo[j]
             elif n and type(ids[0]) is int and ((lo not in ids) if one else isdisjoint(ids)):
                 return b''.join([memo[i] for i in ids])
-        except (TypeError, KeyError): pass
+        except (TypeError, KeyError):
+            pass
         return general(output, request_kwargs)
+
     step.__doc__ = TextOutput.step_bytes.__doc__
     return step
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f67
 class TextStream:
     "One reply streamed step by step: `step(output)` gives a step's chunk"
+
     def __init__(
         self,
         text_output: TextOutput,  # the model's text output
@@ -823,15 +924,18 @@ class TextStream:
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f68
 @patch
-def step(self: TextStream,
-         output, # this step's ids: an integer tensor of any shape, or a sequence of ints
-        ) -> bytes:
+def step(
+    self: TextStream,
+    output,  # this step's ids: an integer tensor of any shape, or a sequence of ints
+) -> bytes:
     "This step's chunk, up to the reply's first stop token; b'' once the reply has ended."
-    if self.ended: return b''
+    if self.ended:
+        return b''
     ids, to = _token_ids(output), self.text_output
     if not self.ignore_eos:
         cut = next((k for k, i in enumerate(ids) if i in to.stop_token_ids), None)
-        if cut is not None: ids, self.ended = ids[:cut], True
+        if cut is not None:
+            ids, self.ended = ids[:cut], True
     return b''.join(map(to.detokenizer.token_bytes, ids))
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f68-1
@@ -844,18 +948,24 @@ def stream(
     return TextStream(self, request_kwargs)
 
 # %% ../nbs/08_detokenize.ipynb #48d21fff
-def generation_eos_ids(checkpoint_dir, # a checkpoint folder
-                      ) -> list[int]:
+def generation_eos_ids(
+    checkpoint_dir,  # a checkpoint folder
+) -> list[int]:
     "`eos_token_id` of `checkpoint_dir/generation_config.json` as a list, as transformers reads it"
     folder = Path(checkpoint_dir)
-    path = folder/'generation_config.json'
-    if not path.exists(): path = folder/'config.json'
-    if not path.exists(): return []
-    try: cfg = json.loads(path.read_text(encoding='utf-8'))
-    except UnicodeDecodeError as e: raise ValueError(f'{path} is not UTF-8 text: {e}') from None
+    path = folder / 'generation_config.json'
+    if not path.exists():
+        path = folder / 'config.json'
+    if not path.exists():
+        return []
+    try:
+        cfg = json.loads(path.read_text(encoding='utf-8'))
+    except UnicodeDecodeError as e:
+        raise ValueError(f'{path} is not UTF-8 text: {e}') from None
     except (ValueError, RecursionError) as e:
         raise ValueError(f'{path} is not a JSON object: {e}') from None
-    except OSError as e: raise ValueError(f'cannot read {path}: {e}') from None
+    except OSError as e:
+        raise ValueError(f'cannot read {path}: {e}') from None
     if not isinstance(cfg, dict):
         raise ValueError(f'{path} is not a JSON object: it holds a JSON {type(cfg).__name__}')
     eos = cfg.get('eos_token_id')
@@ -873,10 +983,10 @@ def generation_eos_ids(checkpoint_dir, # a checkpoint folder
 def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
     "`generation_eos_ids` plus the tokenizer's eos_token_id"
     # checked against the vocabulary bound the detokenizers use (`_vocab_bound`).
-    path, size = checkpoint_dir/'generation_config.json', _vocab_bound(tokenizer)
+    path, size = checkpoint_dir / 'generation_config.json', _vocab_bound(tokenizer)
     # where generation_eos_ids then reads
     if not path.exists():
-        path = checkpoint_dir/'config.json'
+        path = checkpoint_dir / 'config.json'
     ids = {v: f'{path}: eos_token_id' for v in generation_eos_ids(checkpoint_dir)}
     if tokenizer.eos_token_id is not None:
         ids.setdefault(tokenizer.eos_token_id, f"the tokenizer's eos_token {tokenizer.eos_token!r}")
@@ -902,7 +1012,9 @@ def from_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     if tokenizer is None:
         from transformers import AutoTokenizer
-        try: tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f'no tokenizer loads from {checkpoint_dir}: {e}') from e
     return cls(
@@ -913,17 +1025,20 @@ def from_checkpoint(
 # %% ../nbs/08_detokenize.ipynb #rp000003
 class _Advance(NamedTuple):
     "What one chunk of bytes does to a stream's stop matching."
-    state: int # the held prefix after the chunk, as an index into `_StopMatcher.prefixes`
-    out: bytes # the bytes that may go out: the held prefix before and the chunk, less what is held after
-    stop: str | None = None # the stop string that ends the reply in this chunk, None for none
+
+    state: int  # the held prefix after the chunk, as an index into `_StopMatcher.prefixes`
+    out: bytes  # the bytes that may go out: the held prefix before and the chunk, less what is held after
+    stop: str | None = None  # the stop string that ends the reply in this chunk, None for none
 
 # %% ../nbs/08_detokenize.ipynb #rp000004
 class _StopMatcher:
     "The stop strings of one request, as bytes, with the proper prefixes a stream may hold back numbered (0 is b'')."
-    def __init__(self,
-                 stop: Iterable[str], # the stop strings, in the request's order
-                 include: bool = False, # cut after a stop string instead of before it
-                ):
+
+    def __init__(
+        self,
+        stop: Iterable[str],  # the stop strings, in the request's order
+        include: bool = False,  # cut after a stop string instead of before it
+    ):
         self.stops = [(s, s.encode()) for s in dict.fromkeys(stop)]
         self.include = include
         held = {b[:k] for _, b in self.stops for k in range(1, len(b))}
@@ -933,11 +1048,12 @@ class _StopMatcher:
 
 # %% ../nbs/08_detokenize.ipynb #rp000005
 @patch
-def advance(self: _StopMatcher,
-            state: int, # the held prefix before the chunk
-            chunk: bytes, # the next bytes of the reply
-            active: bool = True, # False: a stop string completing here does not count (before `min_tokens`)
-           ) -> _Advance:
+def advance(
+    self: _StopMatcher,
+    state: int,  # the held prefix before the chunk
+    chunk: bytes,  # the next bytes of the reply
+    active: bool = True,  # False: a stop string completing here does not count (before `min_tokens`)
+) -> _Advance:
     "The chunk's effect: the stop string ending first in it (the longer of two ending together)"
     held = self.prefixes[state]
     buf = held + chunk
@@ -949,15 +1065,17 @@ def advance(self: _StopMatcher,
                 best = (j, b, s)
         if best is not None:
             j, b, s = best
-            return _Advance(0, buf[:j + len(b) if self.include else j], s)
+            return _Advance(0, buf[: j + len(b) if self.include else j], s)
     for k in range(min(len(buf), self.longest - 1), 0, -1):
         new = self._index.get(buf[-k:])
-        if new is not None: return _Advance(new, buf[:-k])
+        if new is not None:
+            return _Advance(new, buf[:-k])
     return _Advance(0, buf)
 
 # %% ../nbs/08_detokenize.ipynb #rp000009
 class _DecodeWindow:
     "A reply's text in `'decode'` mode, streamed as `decode` of a window of its last ids gives it."
+
     def __init__(self, det: TextChunkDetokenizer):
         self.det, self.ids, self.start, self.read, self.sent = det, [], 0, 0, 0
         self.cleanup = _cleans_up(det.tokenizer)
@@ -972,7 +1090,8 @@ def _decided(self: _DecodeWindow, new: str) -> int:
     n = len(new.rstrip('\ufffd'))
     if self.cleanup:
         k = new.rfind(' ', max(0, n - 3), n)
-        if k >= 0: n = k
+        if k >= 0:
+            n = k
     return n
 
 # %% ../nbs/08_detokenize.ipynb #rp000010-1
@@ -981,12 +1100,14 @@ def _emit(self: _DecodeWindow, final: bool = False) -> bytes:
     "The new text's decided part not sent yet; the window moves on once all of it is sent."
     before, text = self._text(self.start, self.read), self._text(self.start)
     if len(text) <= len(before) or not text.startswith(before):
-        return text[len(before):].encode() if final else b''
-    new = text[len(before):]
+        return text[len(before) :].encode() if final else b''
+    new = text[len(before) :]
     n = len(new) if final else self._decided(new)
-    out = new[self.sent:n]
-    if n == len(new): self.start, self.read, self.sent = self.read, len(self.ids), 0
-    else: self.sent = max(self.sent, n)
+    out = new[self.sent : n]
+    if n == len(new):
+        self.start, self.read, self.sent = self.read, len(self.ids), 0
+    else:
+        self.sent = max(self.sent, n)
     return out.encode()
 
 # %% ../nbs/08_detokenize.ipynb #rp000022
@@ -994,7 +1115,8 @@ def _emit(self: _DecodeWindow, final: bool = False) -> bytes:
 def push(self: _DecodeWindow, token_id: int) -> bytes:
     "The bytes `token_id` adds to the reply's text, once they are decided (b'' until then)."
     i = self.det._check_id(token_id)
-    if i in self.det._skip: return b''
+    if i in self.det._skip:
+        return b''
     self.ids.append(i)
     return self._emit()
 
@@ -1026,14 +1148,16 @@ def _shared(det, stop: tuple[str, ...], include: bool, stop_ids: frozenset) -> t
 # %% ../nbs/08_detokenize.ipynb #rp000012
 class Reply:
     "One request's reply, streamed: `step(ids)` gives the bytes that may go out now, `finish()` the rest"
-    def __init__(self,
-                 text_output: TextOutput, # the model's text output: its detokenizer and stop ids
-                 stop: str | Iterable[str] = (), # stop strings: the reply ends at the first to occur, on its bytes
-                 include_stop_str_in_output: bool = False, # keep the stop string (or stop token's text) that ends it
-                 min_tokens: int = 0, # no stop id before this many tokens; stop strings count only in text after them
-                 ignore_eos: bool = False, # the model's stop ids (`text_output.stop_token_ids`) don't end the reply
-                 stop_token_ids: Iterable[int] = (), # the request's own stop ids, which end it even under `ignore_eos`
-                ):
+
+    def __init__(
+        self,
+        text_output: TextOutput,  # the model's text output: its detokenizer and stop ids
+        stop: str | Iterable[str] = (),  # stop strings: the reply ends at the first to occur, on its bytes
+        include_stop_str_in_output: bool = False,  # keep the stop string (or stop token's text) that ends it
+        min_tokens: int = 0,  # no stop id before this many tokens; stop strings count only in text after them
+        ignore_eos: bool = False,  # the model's stop ids (`text_output.stop_token_ids`) don't end the reply
+        stop_token_ids: Iterable[int] = (),  # the request's own stop ids, which end it even under `ignore_eos`
+    ):
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         _check_reply_args(stop, min_tokens, stop_token_ids)
         self.text_output, self.min_tokens = text_output, int(min_tokens)
@@ -1067,9 +1191,12 @@ def _open(self: Reply):
 @patch
 def _chunk(self: Reply, token_id: int, stop_id: bool) -> bytes:
     "The bytes `token_id` adds to the reply's text (b'' for a stop id unless its text is kept)."
-    if stop_id and not self.include_stop_str_in_output: return b''
-    if self._window is not None: return self._window.push(token_id)
-    if self._begun: return self.text_output.detokenizer.token_bytes(token_id)
+    if stop_id and not self.include_stop_str_in_output:
+        return b''
+    if self._window is not None:
+        return self._window.push(token_id)
+    if self._begun:
+        return self.text_output.detokenizer.token_bytes(token_id)
     return self._start(token_id)
 
 # %% ../nbs/08_detokenize.ipynb #rp000019-1
@@ -1095,10 +1222,12 @@ def _decoded(self: Reply) -> bytes:
 @patch
 def _match(self: Reply, chunk: bytes, active: bool) -> bytes:
     "`chunk` through the stop strings: what may go out; a completed stop string stops the reply."
-    if self._matcher is None: return chunk
+    if self._matcher is None:
+        return chunk
     a = self._matcher.advance(self._state, chunk, active)
     self._state = a.state
-    if a.stop is not None: self.stopped, self.stop_reason = True, a.stop
+    if a.stop is not None:
+        self.stopped, self.stop_reason = True, a.stop
     return a.out
 
 # %% ../nbs/08_detokenize.ipynb #rp000020-2
@@ -1129,13 +1258,16 @@ def _warm(self: Reply, ids: list) -> bytes:
 @patch
 def _step(self: Reply, ids: list[int]) -> bytes:
     "The general path: each id through the stop checks, its chunk source and the matcher, filling the memo."
-    if self.stopped: return b''
+    if self.stopped:
+        return b''
     if self.finished:
         raise ValueError('this reply has finished: finish() was called, so step() takes no more ids')
-    if self._row is not None: self._state = self._row[None]  # where the warm path left it
+    if self._row is not None:
+        self._state = self._row[None]  # where the warm path left it
     outs = []
     for i in ids:
-        if self.stopped: break
+        if self.stopped:
+            break
         state, k, begun = self._state, self._seen + 1, self._begun  # k: this token's number (counted up to min_tokens)
         stop_id = i in self.stop_ids and k >= self.min_tokens
         chunk = self._chunk(i, stop_id)
@@ -1151,19 +1283,24 @@ def _step(self: Reply, ids: list[int]) -> bytes:
 
 # %% ../nbs/08_detokenize.ipynb #rp000016
 @patch
-def step(self: Reply,
-         output, # this step's ids: an integer tensor of any shape, or a sequence of ints
-        ) -> bytes:
+def step(
+    self: Reply,
+    output,  # this step's ids: an integer tensor of any shape, or a sequence of ints
+) -> bytes:
     "The bytes of this step that may go to the client now; b'' once the reply has stopped."
     row = self._row
     if row is not None:
-        try: n = _numel(output)
-        except TypeError: n = 0  # not a tensor: the general path
+        try:
+            n = _numel(output)
+        except TypeError:
+            n = 0  # not a tensor: the general path
         if n == 1:
             i = _item(output)
             if type(i) is int:  # not a float or bool tensor, which the general path refuses
-                try: hit = row[i]
-                except KeyError: pass  # a cold id or a stop id
+                try:
+                    hit = row[i]
+                except KeyError:
+                    pass  # a cold id or a stop id
                 else:
                     self._row = hit[0]
                     return hit[1]
@@ -1178,23 +1315,28 @@ def finish(self: Reply) -> bytes:
     if self.stopped or self.finished:
         self.finished, self._row = True, None
         return b''
-    if self._row is not None: self._state = self._row[None]
+    if self._row is not None:
+        self._state = self._row[None]
     rest = b''
-    if self._window is not None: rest = self._window.flush()
-    elif not self._begun: rest, self._begun = self._decoded(), True
+    if self._window is not None:
+        rest = self._window.flush()
+    elif not self._begun:
+        rest, self._begun = self._decoded(), True
     out = self._match(rest, self._seen > self.min_tokens)
-    if not self.stopped: out += self._release()
+    if not self.stopped:
+        out += self._release()
     self.finished, self._row = True, None
     return out
 
 # %% ../nbs/08_detokenize.ipynb #rp000021-1
 @patch
-def reply(self: TextOutput,
-          stop: str | Iterable[str] = (), # stop strings: the reply ends at the first to occur, matched on its bytes
-          include_stop_str_in_output: bool = False, # keep the stop string (or the stop token's text) that ends it
-          min_tokens: int = 0, # no stop id before this many tokens; stop strings count only in text after them
-          ignore_eos: bool = False, # the model's stop ids don't end the reply
-          stop_token_ids: Iterable[int] = (), # the request's own stop ids, which end it even under `ignore_eos`
-         ) -> Reply:
+def reply(
+    self: TextOutput,
+    stop: str | Iterable[str] = (),  # stop strings: the reply ends at the first to occur, matched on its bytes
+    include_stop_str_in_output: bool = False,  # keep the stop string (or the stop token's text) that ends it
+    min_tokens: int = 0,  # no stop id before this many tokens; stop strings count only in text after them
+    ignore_eos: bool = False,  # the model's stop ids don't end the reply
+    stop_token_ids: Iterable[int] = (),  # the request's own stop ids, which end it even under `ignore_eos`
+) -> Reply:
     "A `Reply`: one request's stream of this model's text, with vLLM's stop parameters."
     return Reply(self, stop, include_stop_str_in_output, min_tokens, ignore_eos, stop_token_ids)

@@ -43,13 +43,21 @@ class Finding:
     section: str  # 'files', 'structure', 'formats', 'load', 'ranks', 'kv', 'stats' or 'diff'
     # 'error': load_model refuses or a file is broken; 'warning': it loads, but not as the checkpoint meant; 'note'
     level: str
-    where: str # the file or checkpoint key it is about
-    what: str # what is wrong, with the parser's or loader's own message
-    fix: str = '' # what to do about it
+    where: str  # the file or checkpoint key it is about
+    what: str  # what is wrong, with the parser's or loader's own message
+    fix: str = ''  # what to do about it
 
 # %% ../nbs/12b_explore.ipynb #b3d09515
-_JSON_FILES = ('config.json', 'generation_config.json', 'tokenizer.json', 'tokenizer_config.json',
-    'special_tokens_map.json', 'preprocessor_config.json', INDEX_FILE)
+_JSON_FILES = (
+    'config.json',
+    'generation_config.json',
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'special_tokens_map.json',
+    'preprocessor_config.json',
+    INDEX_FILE,
+)
+
 
 def _parse_json(path: Path) -> tuple:
     "(the JSON object in `path`, None), or (None, the parser's message)."
@@ -64,18 +72,20 @@ def _parse_json(path: Path) -> tuple:
 # %% ../nbs/12b_explore.ipynb #b3d09515-1
 def _version(pkg: str) -> str:
     from importlib.metadata import version, PackageNotFoundError
+
     try:
         return version(pkg)
     except PackageNotFoundError:
         return '?'
 
 # %% ../nbs/12b_explore.ipynb #22952a03
-def check_files(ckpt: Path, # a checkpoint folder
-               ) -> list[Finding]:
+def check_files(
+    ckpt: Path,  # a checkpoint folder
+) -> list[Finding]:
     "A finding for each file of `ckpt` its parser refuses."
     out = []
     for name in _JSON_FILES:
-        p = Path(ckpt)/name
+        p = Path(ckpt) / name
         if not p.is_file():
             continue
         d, err = _parse_json(p)
@@ -84,27 +94,42 @@ def check_files(ckpt: Path, # a checkpoint folder
             continue
         if name == 'tokenizer.json':
             from tokenizers import Tokenizer
+
             try:
                 Tokenizer.from_file(str(p))
             except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
                 out.append(
-                    Finding('files', 'error', name, f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
+                    Finding(
+                        'files',
+                        'error',
+                        name,
+                        f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
                         'upgrade tokenizers to the release that wrote the file, '
-                        'or save the tokenizer again with this one'))
+                        'or save the tokenizer again with this one',
+                    )
+                )
         if name == 'generation_config.json':
             from transformers import GenerationConfig
+
             try:
                 GenerationConfig.from_dict(d)
             except Exception as e:
                 out.append(
-                    Finding('files', 'error', name, f'transformers cannot read it: {e}',
-                        'fix or remove the setting it names'))
+                    Finding(
+                        'files',
+                        'error',
+                        name,
+                        f'transformers cannot read it: {e}',
+                        'fix or remove the setting it names',
+                    )
+                )
     return out
 
 # %% ../nbs/12b_explore.ipynb #a6444383
 class Stored(NamedTuple):
     "One tensor as a shard's header describes it."
-    shard: str # the file's name
+
+    shard: str  # the file's name
     dtype: torch.dtype
     shape: tuple
     nbytes: int
@@ -117,8 +142,14 @@ def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
         wm = read_weight_map(ckpt)
     except (ValueError, FileNotFoundError) as e:
         findings.append(
-            Finding('files', 'error', INDEX_FILE, str(e).replace(str(ckpt) + '/', ''),
-                'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)'))
+            Finding(
+                'files',
+                'error',
+                INDEX_FILE,
+                str(e).replace(str(ckpt) + '/', ''),
+                'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)',
+            )
+        )
         wm = None
     files = sorted(set(wm.values()) if wm else ckpt.glob('*.safetensors'))
     headers = {}
@@ -128,21 +159,28 @@ def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
         except (ValueError, OSError) as e:
             headers[f] = None
             findings.append(
-                Finding('files', 'error', f.name, str(e).replace(str(f), f.name),
-                    f'{f.name} is damaged or cut short: fetch it again'))
+                Finding(
+                    'files',
+                    'error',
+                    f.name,
+                    str(e).replace(str(f), f.name),
+                    f'{f.name} is damaged or cut short: fetch it again',
+                )
+            )
     if wm is None:
         wm = {k: f for f, h in headers.items() for k in (h or {})}
     return wm, headers
 
 # %% ../nbs/12b_explore.ipynb #3582e03b
-def stored_tensors(ckpt: Path, # a checkpoint folder
-                   findings: list | None = None, # receives a `Finding` for each file or key that disagrees
-                  ) -> dict[str, Stored]:
+def stored_tensors(
+    ckpt: Path,  # a checkpoint folder
+    findings: list | None = None,  # receives a `Finding` for each file or key that disagrees
+) -> dict[str, Stored]:
     "{key: `Stored`} from the headers alone, keyed as the index lists them."
     findings = [] if findings is None else findings
     ckpt = Path(ckpt)
     wm, headers = _shard_findings(ckpt, findings)
-    out, indexed = {}, (ckpt/INDEX_FILE).is_file()
+    out, indexed = {}, (ckpt / INDEX_FILE).is_file()
     where = {k: f for f, h in headers.items() for k in (h or {})}
     for k, f in wm.items():
         h = headers.get(f)
@@ -152,25 +190,41 @@ def stored_tensors(ckpt: Path, # a checkpoint folder
         if ti is None:
             held = f' ({where[k].name} holds it)' if k in where else ''
             findings.append(
-                Finding('files', 'error', k,
+                Finding(
+                    'files',
+                    'error',
+                    k,
                     f'the index assigns it to {f.name}, whose header has no such tensor{held}',
                     'regenerate model.safetensors.index.json from the shards '
-                    '(transformers: from_pretrained, then save_pretrained)'))
+                    '(transformers: from_pretrained, then save_pretrained)',
+                )
+            )
             continue
         out[k] = Stored(f.name, ti.dtype, tuple(ti.shape), ti.end - ti.begin)
     if indexed:
         extra = sorted(k for k, f in where.items() if k not in wm)
         for k in extra:
             findings.append(
-                Finding('files', 'warning', k,
+                Finding(
+                    'files',
+                    'warning',
+                    k,
                     f'{where[k].name} holds it, but the index does not list it, so no loader reads it',
-                    'add it to the weight_map of model.safetensors.index.json, or drop it from the shard'))
+                    'add it to the weight_map of model.safetensors.index.json, or drop it from the shard',
+                )
+            )
         named = {f.name for f in headers}
         loose = sorted(p.name for p in ckpt.glob('*.safetensors') if p.name not in named)
         if loose:
             findings.append(
-                Finding('files', 'note', ', '.join(loose), 'safetensors files the index names no key in',
-                    'left over from another save: remove them'))
+                Finding(
+                    'files',
+                    'note',
+                    ', '.join(loose),
+                    'safetensors files the index names no key in',
+                    'left over from another save: remove them',
+                )
+            )
     return out
 
 # %% ../nbs/12b_explore.ipynb #8cbdc51b
@@ -178,14 +232,14 @@ def stored_tensors(ckpt: Path, # a checkpoint folder
 class TreeNode:
     "A row of the module tree: a module, a run of repeated blocks or a tensor, with totals over repeats."
 
-    path: str # the collapsed path, e.g. 'model.layers.3-60.mlp.experts[256]'
-    tensors: int = 0 # tensors it stands for, repeats included
-    params: int = 0 # elements of those tensors
-    nbytes: dict = field(default_factory=dict) # stored bytes by dtype name
+    path: str  # the collapsed path, e.g. 'model.layers.3-60.mlp.experts[256]'
+    tensors: int = 0  # tensors it stands for, repeats included
+    params: int = 0  # elements of those tensors
+    nbytes: dict = field(default_factory=dict)  # stored bytes by dtype name
     children: list = field(default_factory=list)
-    shape: tuple | None = None # a tensor's shape (one instance)
-    dtype: str | None = None # a tensor's dtype
-    repeat: int = 1 # instances of this row under its parent (a run of n blocks: n)
+    shape: tuple | None = None  # a tensor's shape (one instance)
+    dtype: str | None = None  # a tensor's dtype
+    repeat: int = 1  # instances of this row under its parent (a run of n blocks: n)
 
 # %% ../nbs/12b_explore.ipynb #e158e2e2
 def _nest(tensors: dict) -> dict:
@@ -208,13 +262,14 @@ def _sig(d) -> tuple:
     return tuple(sorted((k, (v.dtype, v.shape) if isinstance(v, Stored) else _sig(v)) for k, v in d.items()))
 
 # %% ../nbs/12b_explore.ipynb #e158e2e2-2
-def _order(name: str): return (0, int(name), '') if name.isdigit() else (1, 0, name)
+def _order(name: str):
+    return (0, int(name), '') if name.isdigit() else (1, 0, name)
 
 # %% ../nbs/12b_explore.ipynb #4686fbe7
 def _runs(d: dict) -> list:
     "[(label, subtree, count, whole)]: `d`'s children in order, numbered blocks of equal contents joined"
     # consecutive blocks join into one run; `whole`: one run is all of `d`.
-    out = []   # [first name, last index, subtree, signature, count]
+    out = []  # [first name, last index, subtree, signature, count]
     for k in sorted(d, key=_order):
         v = d[k]
         s = _sig(v) if k.isdigit() and isinstance(v, dict) else None
@@ -248,8 +303,9 @@ def _node(path: str, d, mult: int) -> TreeNode:
     return node
 
 # %% ../nbs/12b_explore.ipynb #9754fcbb
-def module_tree(tensors: dict, # {key: `Stored`}, from `stored_tensors`
-               ) -> TreeNode:
+def module_tree(
+    tensors: dict,  # {key: `Stored`}, from `stored_tensors`
+) -> TreeNode:
     "The checkpoint's module tree, repeated blocks collapsed into runs (`layers.0-29`, `experts[256]`)."
     root = _node('', _nest(tensors), 1)
     if root.path:
@@ -261,16 +317,19 @@ def module_tree(tensors: dict, # {key: `Stored`}, from `stored_tensors`
 class FormatFamily:
     "The tensors of one family stored in one format, and what they cost per weight."
 
-    family: str # e.g. 'model.layers.*.mlp.experts.*.down_proj.weight'
-    format: str # e.g. 'fp8 float8_e4m3fn, block 128x128, weight_scale_inv float32', or 'bfloat16'
+    family: str  # e.g. 'model.layers.*.mlp.experts.*.down_proj.weight'
+    format: str  # e.g. 'fp8 float8_e4m3fn, block 128x128, weight_scale_inv float32', or 'bfloat16'
     tensors: int
-    params: int # weights once dequantized
-    stored_bytes: int # codes, scales and zero points together
+    params: int  # weights once dequantized
+    stored_bytes: int  # codes, scales and zero points together
+
     @property
-    def bits_per_weight(self) -> float: return 8 * self.stored_bytes / self.params if self.params else float('nan')
+    def bits_per_weight(self) -> float:
+        return 8 * self.stored_bytes / self.params if self.params else float('nan')
 
 # %% ../nbs/12b_explore.ipynb #4e312912-1
-def _family(key: str) -> str: return re.sub(r'(?<=\.)\d+(?=\.|$)', '*', key)
+def _family(key: str) -> str:
+    return re.sub(r'(?<=\.)\d+(?=\.|$)', '*', key)
 
 # %% ../nbs/12b_explore.ipynb #58efe83b
 def _granularity(block) -> str:
@@ -287,9 +346,10 @@ def _granularity(block) -> str:
     return f'block {br}x{bc}'
 
 # %% ../nbs/12b_explore.ipynb #58efe83b-1
-def describe_format(op, # a dequantizing operation of the quantized page (`QuantizedTensor.op`)
-                    dtypes: list, # the stored tensors' dtypes, in `op.suffixes` order
-                   ) -> str:
+def describe_format(
+    op,  # a dequantizing operation of the quantized page (`QuantizedTensor.op`)
+    dtypes: list,  # the stored tensors' dtypes, in `op.suffixes` order
+) -> str:
     "One line for a quantized format: codes, how many weights a scale covers, the scale's key and dtype."
     name, short = type(op).__name__, [str(d).removeprefix('torch.') for d in dtypes]
     gran = _granularity(getattr(op, 'block', None))
@@ -321,7 +381,8 @@ _FP8 = tuple(
     for n in ('float8_e4m3fn', 'float8_e5m2', 'float8_e4m3fnuz', 'float8_e5m2fnuz')
     if hasattr(torch, n)
 )
-_SCALED = ('_scale_inv', '.weight_scale', '.weight_packed', '_blocks')   # a key ending so marks its module as quantized
+_SCALED = ('_scale_inv', '.weight_scale', '.weight_packed', '_blocks')  # a key ending so marks its module as quantized
+
 
 def _quantized_modules(tensors: dict) -> dict:
     "{module: the key that shows it is stored quantized}: an fp8 or int8 weight, a scale, packed codes or MXFP4 blocks."
@@ -370,22 +431,33 @@ def _fp8_findings(qc: dict, tensors: dict, findings: list):
             if tuple(s.shape) != want:
                 fits = [-(-d // n) for d, n in zip(st.shape[-2:], s.shape[-2:], strict=False)]
                 findings.append(
-                    Finding('formats', 'error', k + suffix,
+                    Finding(
+                        'formats',
+                        'error',
+                        k + suffix,
                         f'has shape {list(s.shape)}, but weight_block_size {list(bs)} over the '
                         f'{list(st.shape)} weight needs {list(want)} scales',
-                        f'the scales fit blocks of {fits}: set weight_block_size to that'))
+                        f'the scales fit blocks of {fits}: set weight_block_size to that',
+                    )
+                )
         if suffix == '_scale' and 'embed' not in k:
             findings.append(
-                Finding('formats', 'warning', k + suffix,
+                Finding(
+                    'formats',
+                    'warning',
+                    k + suffix,
                     "quant_method fp8 stores a linear layer's scale as weight_scale_inv; load_model multiplies "
                     "by this weight_scale all the same, but transformers' FP8Linear reads only weight_scale_inv, "
                     "so from_pretrained leaves it unset",
-                    f'rename it to {k}_scale_inv (the values stay: both multiply the codes)'))
+                    f'rename it to {k}_scale_inv (the values stay: both multiply the codes)',
+                )
+            )
 
 # %% ../nbs/12b_explore.ipynb #e2cb32f2
-def format_findings(config: dict, # config.json
-                    tensors: dict, # {key: `Stored`}
-                   ) -> list[Finding]:
+def format_findings(
+    config: dict,  # config.json
+    tensors: dict,  # {key: `Stored`}
+) -> list[Finding]:
     "Contradictions between `quantization_config` and the stored tensors."
     qc, out = config.get('quantization_config') or {}, []
     if not qc:
@@ -396,10 +468,15 @@ def format_findings(config: dict, # config.json
         p = _ignored(m, ignore)
         if p:
             out.append(
-                Finding('formats', 'error', k,
+                Finding(
+                    'formats',
+                    'error',
+                    k,
                     f'is stored quantized, but quantization_config.{which} names its module {m!r} ({p!r}), '
                     'so transformers builds it unquantized and will not take its codes or scales',
-                    f'drop {p!r} from {which}, or store {m} unquantized'))
+                    f'drop {p!r} from {which}, or store {m} unquantized',
+                )
+            )
     if qc.get('quant_method') == 'fp8':
         _fp8_findings(qc, tensors, out)
     return out
@@ -411,33 +488,41 @@ def _quoted(msg: str) -> str | None:
     return m[1] if m else None
 
 # %% ../nbs/12b_explore.ipynb #c22ac379-1
-def quantized_units(ckpt: Path, # a checkpoint folder
-                    config: dict, # its config.json
-                    tensors: dict, # {key: `Stored`}: the readable tensors
-                    findings: list, # receives a `Finding` when the quantized page refuses the checkpoint
-                    dtype: torch.dtype | None = None, # what dequantized weights become
-                   ) -> list:
+def quantized_units(
+    ckpt: Path,  # a checkpoint folder
+    config: dict,  # its config.json
+    tensors: dict,  # {key: `Stored`}: the readable tensors
+    findings: list,  # receives a `Finding` when the quantized page refuses the checkpoint
+    dtype: torch.dtype | None = None,  # what dequantized weights become
+) -> list:
     "The `QuantizedTensor`s `load_model` would dequantize, from the headers."
     if not config.get('quantization_config'):
         return []
-    src = FileSource({k: Path(ckpt)/st.shard for k, st in tensors.items()}, Path(ckpt).name)
+    src = FileSource({k: Path(ckpt) / st.shard for k, st in tensors.items()}, Path(ckpt).name)
     try:
         return quantized_tensors(src, config, dtype)
     except (ValueError, NotImplementedError, KeyError) as e:
         findings.append(
-            Finding('formats', 'error', _quoted(str(e)) or 'quantization_config',
+            Finding(
+                'formats',
+                'error',
+                _quoted(str(e)) or 'quantization_config',
                 f'load_model refuses the checkpoint: {e}',
-                'make the stored tensors and quantization_config agree, as the message says'))
+                'make the stored tensors and quantization_config agree, as the message says',
+            )
+        )
         return []
     finally:
         src.close()
 
 # %% ../nbs/12b_explore.ipynb #4f01f9ad
-def format_families(tensors: dict, # {key: `Stored`}
-                    units: list, # `QuantizedTensor`s, from `quantized_units`
-                   ) -> list[FormatFamily]:
+def format_families(
+    tensors: dict,  # {key: `Stored`}
+    units: list,  # `QuantizedTensor`s, from `quantized_units`
+) -> list[FormatFamily]:
     "Each family of tensors and its format, quantized ones with their scales counted, largest first."
     fam, consumed = {}, set()
+
     def add(key, fmt, params, nbytes):
         f = fam.get((_family(key), fmt)) or fam.setdefault(
             (_family(key), fmt), FormatFamily(_family(key), fmt, 0, 0, 0)
@@ -447,9 +532,13 @@ def format_families(tensors: dict, # {key: `Stored`}
         f.stored_bytes += nbytes
 
     for u in units:
-        add(u.target, describe_format(u.op, u.dtypes), math.prod(u.op.out_shape(u.shapes)),
-            sum(tensors[k].nbytes for k in (*u.sources, *u.dropped) if k in tensors))
-        consumed.update((*u.sources, *u.dropped))   # with what was read to build the op: a g_idx, a quant state
+        add(
+            u.target,
+            describe_format(u.op, u.dtypes),
+            math.prod(u.op.out_shape(u.shapes)),
+            sum(tensors[k].nbytes for k in (*u.sources, *u.dropped) if k in tensors),
+        )
+        consumed.update((*u.sources, *u.dropped))  # with what was read to build the op: a g_idx, a quant state
     for k, st in tensors.items():
         if k not in consumed:
             add(k, str(st.dtype).removeprefix('torch.'), math.prod(st.shape), st.nbytes)
@@ -466,15 +555,27 @@ def _build(ckpt: Path, findings: list):
         config = AutoConfig.from_pretrained(ckpt)
     except Exception as e:
         findings.append(
-            Finding('load', 'error', 'config.json', f'transformers cannot read it: {e}',
-                'fix config.json as the message says'))
+            Finding(
+                'load',
+                'error',
+                'config.json',
+                f'transformers cannot read it: {e}',
+                'fix config.json as the message says',
+            )
+        )
         return None, None
     try:
         return config, build_on_meta(config, None, model_dtype(config, ckpt))
     except Exception as e:
         findings.append(
-            Finding('load', 'error', 'config.json', f'the model cannot be built from it: {type(e).__name__}: {e}',
-                'pass model_class= to load_model, or install the transformers release the architecture needs'))
+            Finding(
+                'load',
+                'error',
+                'config.json',
+                f'the model cannot be built from it: {type(e).__name__}: {e}',
+                'pass model_class= to load_model, or install the transformers release the architecture needs',
+            )
+        )
         return config, None
 
 # %% ../nbs/12b_explore.ipynb #0ca8b04b
@@ -493,9 +594,14 @@ def _unexpected_findings(model, src, names: set, findings: list):
     for k in src.keys():  # noqa: SIM118 (a source has no __iter__)
         if k not in names and k not in buffers and not any(p.search(k) for p in pats):
             findings.append(
-                Finding('load', 'warning', k,
+                Finding(
+                    'load',
+                    'warning',
+                    k,
                     f'unexpected: no tensor of {type(model).__name__} takes it, so load_model warns and leaves it',
-                    'drop it from the checkpoint, or load with the class it was saved from (model_class=)'))
+                    'drop it from the checkpoint, or load with the class it was saved from (model_class=)',
+                )
+            )
 
 # %% ../nbs/12b_explore.ipynb #8b66dd9c
 def _key_findings(model, src, findings: list):
@@ -508,42 +614,71 @@ def _key_findings(model, src, findings: list):
         if len(ns) > 1:
             stored = f'the checkpoint stores {", ".join(have)}' if have else 'the checkpoint stores none of them'
             findings.append(
-                Finding('load', 'note', ns[0],
+                Finding(
+                    'load',
+                    'note',
+                    ns[0],
                     f'tied: {", ".join(ns)} are one tensor; {stored}'
-                    + ('; load_model loads both and unties them if their values differ' if len(have) > 1 else ''), ''))
+                    + ('; load_model loads both and unties them if their values differ' if len(have) > 1 else ''),
+                    '',
+                )
+            )
         if not have:
             if not is_param and not t.is_meta:
                 findings.append(
-                    Finding('load', 'note', ns[0],
-                        'buffer the checkpoint lacks: load_model keeps it as the model builds it', ''))
+                    Finding(
+                        'load',
+                        'note',
+                        ns[0],
+                        'buffer the checkpoint lacks: load_model keeps it as the model builds it',
+                        '',
+                    )
+                )
             else:
                 findings.append(
-                    Finding('load', 'error', ns[0],
+                    Finding(
+                        'load',
+                        'error',
+                        ns[0],
                         f'missing: {type(model).__name__} has it, the checkpoint has no key for it',
                         'use the checkpoint this config belongs to; '
-                        'if it was saved from a base model, load that submodule'))
+                        'if it was saved from a base model, load that submodule',
+                    )
+                )
             continue
         for n in have:
             got = tuple(src.shape(n))
             if got != tuple(t.shape):
                 findings.append(
-                    Finding('load', 'error', n,
+                    Finding(
+                        'load',
+                        'error',
+                        n,
                         f'shape mismatch: the checkpoint has {list(got)}, '
                         f'{type(model).__name__} expects {list(t.shape)}',
                         'the config does not describe this checkpoint: '
-                        'fix its sizes (hidden_size, vocab_size, ...) to the tensors'))
+                        'fix its sizes (hidden_size, vocab_size, ...) to the tensors',
+                    )
+                )
     _unexpected_findings(model, src, names, findings)
 
 # %% ../nbs/12b_explore.ipynb #bf21fc4c
-def load_findings(ckpt: Path, # a checkpoint folder
-                  config, # its transformers config
-                  model, # built on meta by `build_on_meta`
-                 ) -> tuple:
+def load_findings(
+    ckpt: Path,  # a checkpoint folder
+    config,  # its transformers config
+    model,  # built on meta by `build_on_meta`
+) -> tuple:
     "(findings, loader source or None): what `load_model` would raise or warn, without reading weights."
     from mstar_utils.model import model_source, transformers_conversions_skipped
+
     out = [
-        Finding('load', 'warning', r.partition(' ->')[0], f"transformers fuses {r}, a rule load_model cannot apply",
-            'give load_model conv= recipes for it, or expect the keys it fuses to be missing')
+        Finding(
+            'load',
+            'warning',
+            r.partition(' ->')[0],
+            f"transformers fuses {r}, a rule load_model cannot apply",
+            'give load_model conv= recipes for it, or expect the keys it fuses to be missing',
+        )
         for r in transformers_conversions_skipped(config)
     ]
     try:
@@ -551,8 +686,14 @@ def load_findings(ckpt: Path, # a checkpoint folder
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         out.append(
-            Finding('load', 'error', _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
+            Finding(
+                'load',
+                'error',
+                _quoted(msg) or ckpt.name,
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
+                'as the message says',
+            )
+        )
         return out, None
     try:
         _key_findings(model, src, out)
@@ -560,8 +701,14 @@ def load_findings(ckpt: Path, # a checkpoint folder
         src.close()
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         out.append(
-            Finding('load', 'error', _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}', 'as the message says'))
+            Finding(
+                'load',
+                'error',
+                _quoted(msg) or ckpt.name,
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
+                'as the message says',
+            )
+        )
         return out, None
     return out, src
 
@@ -576,16 +723,18 @@ class RankBytes:
     held_bytes: (
         list  # per rank: `LoadPlan.held_bytes`, its parameters and persistent buffers once loaded, in the model's dtype
     )
-    refused: str = '' # the loader's ValueError at this size (the key, dim and world size); then no bytes
+    refused: str = ''  # the loader's ValueError at this size (the key, dim and world size); then no bytes
 
 # %% ../nbs/12b_explore.ipynb #3738fc4f
-def rank_bytes(checkpoint_dir, # an HF checkpoint folder
-               world_size: int, # the group's size
-               expert_parallel: bool = False, # experts split by expert (`base_model_ep_plan`)
-               built=None, # its model built on meta (`build_on_meta`), which each plan copies instead of building again
-              ) -> RankBytes:
+def rank_bytes(
+    checkpoint_dir,  # an HF checkpoint folder
+    world_size: int,  # the group's size
+    expert_parallel: bool = False,  # experts split by expert (`base_model_ep_plan`)
+    built=None,  # its model built on meta (`build_on_meta`), which each plan copies instead of building again
+) -> RankBytes:
     "Bytes each rank of `world_size` reads and holds, by `load_plan(..., detail=False)`."
     from mstar_utils.model import load_plan
+
     try:
         plans = [
             load_plan(checkpoint_dir, r, world_size, detail=False, built=built, expert_parallel=expert_parallel)
@@ -596,11 +745,12 @@ def rank_bytes(checkpoint_dir, # an HF checkpoint folder
     return RankBytes(world_size, expert_parallel, [p.total_bytes for p in plans], [p.held_bytes for p in plans])
 
 # %% ../nbs/12b_explore.ipynb #7a94958e
-def rank_table(checkpoint_dir: Path, # a checkpoint folder
-               config, # its transformers config
-               built=None, # its model built on meta (`build_on_meta`)
-               sizes=(1, 2, 4, 8), # the group sizes
-              ) -> tuple[list, list]:
+def rank_table(
+    checkpoint_dir: Path,  # a checkpoint folder
+    config,  # its transformers config
+    built=None,  # its model built on meta (`build_on_meta`)
+    sizes=(1, 2, 4, 8),  # the group sizes
+) -> tuple[list, list]:
     "([`RankBytes`] for TP at each of `sizes`, and EP where the config has an expert plan, findings)."
     cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
     try:
@@ -619,15 +769,21 @@ def rank_table(checkpoint_dir: Path, # a checkpoint folder
                 if ' ' in key:
                     key, why = Path(checkpoint_dir).name, what  # a message that does not start with a key
                 out.append(
-                    Finding('ranks', 'warning', key,
+                    Finding(
+                        'ranks',
+                        'warning',
+                        key,
                         f"{'EP' if ep else 'TP'} {ws}: load_model_sharded refuses it: {why}",
-                        fix or 'use a world size it divides'))
+                        fix or 'use a world size it divides',
+                    )
+                )
     return rows, out
 
 # %% ../nbs/12b_explore.ipynb #b0d05171
 def _png(fig) -> str:
     "A matplotlib figure as a base64 PNG, closed."
     import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format='png', dpi=80)
@@ -651,13 +807,17 @@ def kv_section(ckpt: Path, findings: list) -> tuple:
 OUTLIER_FACTOR = (
     3.0  # a channel (a row of a weight) is an outlier when its absmax is over this many times the median row's
 )
-_CHUNK = 1 << 18      # elements reduced at a time: 1 MiB of float32, which stays in the CPU's cache
+_CHUNK = 1 << 18  # elements reduced at a time: 1 MiB of float32, which stays in the CPU's cache
+
 
 class _Moments:
     "Count, mean and the central moment sums M2, M3, M4 of a stream of chunks, merged exactly"
+
     # with the pairwise update of Chan and Pébay.
 
-    def __init__(self): self.n, self.mean, self.m2, self.m3, self.m4 = 0, 0.0, 0.0, 0.0, 0.0
+    def __init__(self):
+        self.n, self.mean, self.m2, self.m3, self.m4 = 0, 0.0, 0.0, 0.0, 0.0
+
     def add(self, n: int, mean: float, m2: float, m3: float, m4: float):
         na = self.n
         if na == 0:
@@ -681,20 +841,21 @@ class _Moments:
 @dataclass
 class TensorStats:
     "Statistics of one tensor's values, dequantized: moments, outliers, and the scales of quantized ones."
+
     key: str
     shape: tuple
-    dtype: str # the stored dtype, or the quantized format's codes
+    dtype: str  # the stored dtype, or the quantized format's codes
     absmax: float
     mean: float
-    std: float # with Bessel's correction, as torch.std
-    kurtosis: float # excess kurtosis (0 for a normal distribution): heavy tails score high
+    std: float  # with Bessel's correction, as torch.std
+    kurtosis: float  # excess kurtosis (0 for a normal distribution): heavy tails score high
     nan: int
     inf: int
     all_zero: bool
     outlier_channels: float | None  # fraction of rows whose absmax > OUTLIER_FACTOR x the median row's; None for 1-d
-    scale_min: float | None = None # quantized tensors: their scales' range
+    scale_min: float | None = None  # quantized tensors: their scales' range
     scale_max: float | None = None
-    scale_outliers: float | None = None # fraction of scales > OUTLIER_FACTOR x the median scale
+    scale_outliers: float | None = None  # fraction of scales > OUTLIER_FACTOR x the median scale
 
 # %% ../nbs/12b_explore.ipynb #c12012
 def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor, lo: torch.Tensor) -> tuple:
@@ -703,10 +864,10 @@ def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor
     cols, mom, nan, inf = x2.shape[1], _Moments(), 0, 0
     buf, sq, tmp = (torch.empty(min(r1 - r0, step) * cols) for _ in range(3))
     for r in range(r0, r1 if cols else r0, step):
-        c = x2[r:min(r + step, r1)]
+        c = x2[r : min(r + step, r1)]
         k, e = c.numel(), min(r + step, r1)
         x = buf[:k].view(c.shape)
-        x.copy_(c)   # to float32, into memory reused chunk after chunk
+        x.copy_(c)  # to float32, into memory reused chunk after chunk
         m = float(x.sum()) / k
         torch.amax(x, 1, out=hi[r:e])
         torch.amin(x, 1, out=lo[r:e])
@@ -721,11 +882,12 @@ def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor
     return mom, nan, inf
 
 # %% ../nbs/12b_explore.ipynb #238b55a8
-def reduce_tensor(key: str, # names the result
-                  t: torch.Tensor, # any float dtype; reduced in float32, `_CHUNK` elements at a time
-                  dtype: str | None = None, # the stored dtype to report; None: `t`'s
-                  pool=None, # a `ThreadPoolExecutor` that reduces the first half of a large tensor's rows meanwhile
-                 ) -> TensorStats:
+def reduce_tensor(
+    key: str,  # names the result
+    t: torch.Tensor,  # any float dtype; reduced in float32, `_CHUNK` elements at a time
+    dtype: str | None = None,  # the stored dtype to report; None: `t`'s
+    pool=None,  # a `ThreadPoolExecutor` that reduces the first half of a large tensor's rows meanwhile
+) -> TensorStats:
     "`TensorStats` of `t` in one pass over cache-sized chunks."
     x2 = t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, -1)
     rows, cols = x2.shape
@@ -741,33 +903,47 @@ def reduce_tensor(key: str, # names the result
     row_max = torch.maximum(hi, lo.neg_())
     n, absmax = mom.n, float(row_max.max()) if rows and cols else float('nan')
     med = float(row_max.median()) if rows and cols else float('nan')
-    return TensorStats(key, tuple(t.shape), dtype or str(t.dtype).removeprefix('torch.'), absmax,
-        mom.mean if n else float('nan'), math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
-        n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'), nan, inf, absmax == 0,
-        float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None)
+    return TensorStats(
+        key,
+        tuple(t.shape),
+        dtype or str(t.dtype).removeprefix('torch.'),
+        absmax,
+        mom.mean if n else float('nan'),
+        math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
+        n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'),
+        nan,
+        inf,
+        absmax == 0,
+        float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None,
+    )
 
 # %% ../nbs/12b_explore.ipynb #e0069529
 class _Buffers:
     "Byte buffers reused from tensor to tensor, each grown (never shrunk) to the largest tensor read into it."
-    def __init__(self, n: int): self.bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(n)]
+
+    def __init__(self, n: int):
+        self.bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(n)]
+
     def view(self, j: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         "Buffer `j` as a contiguous tensor of `shape` and `dtype`."
         n = math.prod(shape) * dtype.itemsize
         if self.bufs[j].numel() < n:
-            self.bufs[j] = None   # freed before the larger one is allocated
+            self.bufs[j] = None  # freed before the larger one is allocated
             self.bufs[j] = torch.empty(n, dtype=torch.uint8)
         return self.bufs[j][:n].view(dtype).view(shape)
 
 # %% ../nbs/12b_explore.ipynb #e0069529-1
 class _OneThread:
     "torch's intra-op threads set to one for the block"
+
     # reductions of cache-sized chunks run on this thread, reads on another core.
 
     def __enter__(self):
         self.n = torch.get_num_threads()
         torch.set_num_threads(1)
 
-    def __exit__(self, *exc): torch.set_num_threads(self.n)
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)
 
 # %% ../nbs/12b_explore.ipynb #c12015
 def _each(src, keys: list, fn, failed=None):
@@ -778,6 +954,7 @@ def _each(src, keys: list, fn, failed=None):
 
         def read(i):  # into buffer i % 2, faulted in once and reused: fresh memory costs more to fault in than the read
             return ex.submit(src.get, keys[i], bufs.view(i % 2, tuple(src.shape(keys[i])), src.dtype(keys[i])))
+
         fut = read(0) if keys else None
         for i, k in enumerate(keys):
             try:
@@ -810,13 +987,14 @@ def _scale_stats(raw, u, st: TensorStats):
     st.scale_outliers = float((s > OUTLIER_FACTOR * med).float().mean())
 
 # %% ../nbs/12b_explore.ipynb #853ce6f9
-def value_source(ckpt: Path, # a checkpoint folder
-                 config: dict, # its config.json
-                 tensors: dict, # {key: `Stored`}: the readable tensors
-                 dtype: torch.dtype, # what quantized weights dequantize to (the model's dtype, as load_model)
-                ) -> tuple:
+def value_source(
+    ckpt: Path,  # a checkpoint folder
+    config: dict,  # its config.json
+    tensors: dict,  # {key: `Stored`}: the readable tensors
+    dtype: torch.dtype,  # what quantized weights dequantize to (the model's dtype, as load_model)
+) -> tuple:
     "(values source by checkpoint key, the raw source, the `QuantizedTensor`s)."
-    raw = FileSource({k: Path(ckpt)/st.shard for k, st in tensors.items()}, Path(ckpt).name)
+    raw = FileSource({k: Path(ckpt) / st.shard for k, st in tensors.items()}, Path(ckpt).name)
     try:
         units = quantized_tensors(raw, config, dtype) if config.get('quantization_config') else []
         src, _ = quantized_source(raw, config, None, None, keep=False, dtype=dtype) if units else (raw, None)
@@ -835,6 +1013,7 @@ def _order_key(tensors: dict, units: dict, k: str) -> tuple:
 # %% ../nbs/12b_explore.ipynb #86523f42
 _LAYER = re.compile(r'^(.*?(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+))\.')
 
+
 def layer_of(key: str) -> tuple:
     "(layer name, its index) of a checkpoint key, e.g. ('model.layers.3', 3); (None, None) outside."
     m = _LAYER.match(key)
@@ -844,21 +1023,23 @@ def layer_of(key: str) -> tuple:
 @dataclass
 class LayerStats:
     "A layer's tensors summarized: the worst value of each statistic, and the tensor it comes from."
+
     layer: str
     index: int
     tensors: int
     absmax: float
     absmax_key: str
-    kurtosis: float # the largest of its tensors'
+    kurtosis: float  # the largest of its tensors'
     kurtosis_key: str
     nan: int
     inf: int
-    all_zero: int # tensors all zero
-    outlier_channels: float # the largest fraction among its tensors
+    all_zero: int  # tensors all zero
+    outlier_channels: float  # the largest fraction among its tensors
 
 # %% ../nbs/12b_explore.ipynb #85bc9be0
-def layer_stats(stats: list, # [`TensorStats`]
-               ) -> list[LayerStats]:
+def layer_stats(
+    stats: list,  # [`TensorStats`]
+) -> list[LayerStats]:
     "Per layer, in stack and depth order: worst absmax and kurtosis, NaN, Inf, zeros, outlier channels."
     groups = {}
     for s in stats:
@@ -868,11 +1049,23 @@ def layer_stats(stats: list, # [`TensorStats`]
     out = []
     for (_, i, name), ss in sorted(groups.items()):
         big = max(ss, key=lambda s: s.absmax if math.isfinite(s.absmax) else math.inf)
-        fin = [s for s in ss if math.isfinite(s.kurtosis) and len(s.shape) >= 2] or ss   # weights, not norm vectors
+        fin = [s for s in ss if math.isfinite(s.kurtosis) and len(s.shape) >= 2] or ss  # weights, not norm vectors
         heavy = max(fin, key=lambda s: s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
         out.append(
-            LayerStats(name, i, len(ss), big.absmax, big.key, heavy.kurtosis, heavy.key, sum(s.nan for s in ss),
-                sum(s.inf for s in ss), sum(s.all_zero for s in ss), max((s.outlier_channels or 0.0) for s in ss)))
+            LayerStats(
+                name,
+                i,
+                len(ss),
+                big.absmax,
+                big.key,
+                heavy.kurtosis,
+                heavy.key,
+                sum(s.nan for s in ss),
+                sum(s.inf for s in ss),
+                sum(s.all_zero for s in ss),
+                max((s.outlier_channels or 0.0) for s in ss),
+            )
+        )
     return out
 
 # %% ../nbs/12b_explore.ipynb #144cdd93
@@ -899,34 +1092,38 @@ class WeightStats:
     def worst(self, n: int = 3) -> list:
         return sorted(self.layers, key=lambda l: -l.kurtosis if math.isfinite(l.kurtosis) else math.inf)[:n]
 
-    def by_key(self) -> dict: return {s.key: s for s in self.tensors}
+    def by_key(self) -> dict:
+        return {s.key: s for s in self.tensors}
 
 # %% ../nbs/12b_explore.ipynb #1961d4c6
 def values_dtype(ckpt: Path, config: dict) -> torch.dtype:
     "The dtype `load_model` gives the weights: config.json's, else the checkpoint's."
     from mstar_utils.model import checkpoint_dtype
+
     d = config.get('dtype') or config.get('torch_dtype') or (config.get('text_config') or {}).get('dtype')
     if isinstance(d, str) and isinstance(getattr(torch, d, None), torch.dtype):
         return getattr(torch, d)
     return checkpoint_dtype(ckpt) or torch.float32
 
 # %% ../nbs/12b_explore.ipynb #58785493
-def weight_stats(checkpoint_dir, # a checkpoint folder
-                 findings: list | None = None, # receives a `Finding` for each tensor that cannot be read
-                 worst: int = 3, # histograms of this many worst layers
-                ) -> WeightStats:
+def weight_stats(
+    checkpoint_dir,  # a checkpoint folder
+    findings: list | None = None,  # receives a `Finding` for each tensor that cannot be read
+    worst: int = 3,  # histograms of this many worst layers
+) -> WeightStats:
     "Statistics of every floating-point tensor, and per layer, read one at a time."
     ckpt, findings = Path(checkpoint_dir), ([] if findings is None else findings)
-    config = _parse_json(ckpt/'config.json')[0] or {}
+    config = _parse_json(ckpt / 'config.json')[0] or {}
     tensors = stored_tensors(ckpt, findings)
     src, raw, units = value_source(ckpt, config, tensors, values_dtype(ckpt, config))
     by_target = {u.target: u for u in units}
     keys = sorted(
         (k for k in src.keys() if src.dtype(k).is_floating_point),  # noqa: SIM118 (a source has no __iter__)
-        key=lambda k: _order_key(tensors, by_target, k)
+        key=lambda k: _order_key(tensors, by_target, k),
     )
     out = []
-    pool = ThreadPoolExecutor(1, thread_name_prefix='explore-reduce')   # half of each large tensor, on the second core
+    pool = ThreadPoolExecutor(1, thread_name_prefix='explore-reduce')  # half of each large tensor, on the second core
+
     def one(k, t):
         st = reduce_tensor(
             k, t, str(by_target[k].dtypes[0] if k in by_target else tensors[k].dtype).removeprefix('torch.'), pool
@@ -934,7 +1131,10 @@ def weight_stats(checkpoint_dir, # a checkpoint folder
         if k in by_target:
             _scale_stats(raw, by_target[k], st)
         out.append(st)
-    def failed(k, e): findings.append(Finding('stats', 'error', k, f'cannot be read: {e}', 'fetch the shard again'))
+
+    def failed(k, e):
+        findings.append(Finding('stats', 'error', k, f'cannot be read: {e}', 'fetch the shard again'))
+
     try:
         with _OneThread():
             _each(src, keys, one, failed)
@@ -952,24 +1152,28 @@ def weight_stats(checkpoint_dir, # a checkpoint folder
 @dataclass
 class TensorDiff:
     "How one tensor differs between two checkpoints, compared as dequantized float32 values."
+
     key: str
-    identical: bool # bit-identical values (equal xxh3-128 hashes of the dequantized bytes)
-    max_abs: float # largest |a − b|
-    rel_l2: float # ‖a − b‖ / ‖a‖
-    cosine: float # a·b / (‖a‖ ‖b‖)
-    norm_a: float # ‖a‖, which per-layer figures weigh by
+    identical: bool  # bit-identical values (equal xxh3-128 hashes of the dequantized bytes)
+    max_abs: float  # largest |a − b|
+    rel_l2: float  # ‖a − b‖ / ‖a‖
+    cosine: float  # a·b / (‖a‖ ‖b‖)
+    norm_a: float  # ‖a‖, which per-layer figures weigh by
     hash_a: str
     hash_b: str
 
 # %% ../nbs/12b_explore.ipynb #dfc1e50e-1
-def _hash(t: torch.Tensor) -> str: return xxhash.xxh3_128(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+def _hash(t: torch.Tensor) -> str:
+    return xxhash.xxh3_128(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 # %% ../nbs/12b_explore.ipynb #5daab305
-def compare_tensors(key: str, # names the result
-                    a: torch.Tensor, # the base's values
-                    b: torch.Tensor, # the other's, of the same shape
-                    ha: str | None = None, hb: str | None = None, # their hashes, when the caller has them
-                   ) -> TensorDiff:
+def compare_tensors(
+    key: str,  # names the result
+    a: torch.Tensor,  # the base's values
+    b: torch.Tensor,  # the other's, of the same shape
+    ha: str | None = None,
+    hb: str | None = None,  # their hashes, when the caller has them
+) -> TensorDiff:
     "`TensorDiff` of two tensors of one shape: hashes first, then sums over cache-sized float32 chunks."
     ha, hb = ha or _hash(a), hb or _hash(b)
     same = ha == hb and a.dtype == b.dtype
@@ -980,11 +1184,11 @@ def compare_tensors(key: str, # names the result
     for i in range(0, n, _CHUNK):
         k = min(_CHUNK, n - i)
         x, y, d, p = bx[:k], by[:k], bd[:k], bp[:k]
-        x.copy_(fa[i:i + k])
+        x.copy_(fa[i : i + k])
         aa += float(torch.mul(x, x, out=p).sum())
         if same:
             continue
-        y.copy_(fb[i:i + k])
+        y.copy_(fb[i : i + k])
         torch.sub(x, y, out=d)
         mx = max(mx, float(d.abs_().max()))
         dd += float(torch.mul(d, d, out=p).sum())
@@ -1000,6 +1204,7 @@ def compare_tensors(key: str, # names the result
 @dataclass
 class LayerDiff:
     "A layer's change: its tensors' differences pooled, ‖a − b‖ / ‖a‖ over all of them."
+
     layer: str
     tensors: int
     changed: int
@@ -1014,10 +1219,16 @@ def _layer_diffs(diffs: list) -> list[LayerDiff]:
         groups.setdefault(layer_of(d.key)[0] or d.key, []).append(d)
     out = []
     for name, ds in groups.items():
-        dd, aa = sum((d.rel_l2 * d.norm_a) ** 2 for d in ds if math.isfinite(d.rel_l2)), sum(d.norm_a ** 2 for d in ds)
+        dd, aa = sum((d.rel_l2 * d.norm_a) ** 2 for d in ds if math.isfinite(d.rel_l2)), sum(d.norm_a**2 for d in ds)
         out.append(
-            LayerDiff(name, len(ds), sum(not d.identical for d in ds), math.sqrt(dd / aa) if aa else 0.0,
-                max(d.max_abs for d in ds)))
+            LayerDiff(
+                name,
+                len(ds),
+                sum(not d.identical for d in ds),
+                math.sqrt(dd / aa) if aa else 0.0,
+                max(d.max_abs for d in ds),
+            )
+        )
     return sorted(out, key=lambda l: (-l.rel_l2, -l.max_abs, l.layer))
 
 # %% ../nbs/12b_explore.ipynb #4b149476-2
@@ -1032,35 +1243,42 @@ def _read_hashed(src, k: str, out: torch.Tensor) -> tuple:
 class CheckpointDiff:
     "Two checkpoints compared: the keys, every shared tensor most changed first, and per layer."
 
-    a: str # the base checkpoint's folder name
+    a: str  # the base checkpoint's folder name
     b: str
-    added: list # keys only `b` has
-    removed: list # keys only `a` has
-    reshaped: list # (key, shape in a, shape in b)
-    tensors: list # `TensorDiff`s, most changed first
-    layers: list # `LayerDiff`s, most changed first
+    added: list  # keys only `b` has
+    removed: list  # keys only `a` has
+    reshaped: list  # (key, shape in a, shape in b)
+    tensors: list  # `TensorDiff`s, most changed first
+    layers: list  # `LayerDiff`s, most changed first
     findings: list = field(default_factory=list)
+
     @property
-    def changed(self) -> list: return [d for d in self.tensors if not d.identical]
+    def changed(self) -> list:
+        return [d for d in self.tensors if not d.identical]
 
 # %% ../nbs/12b_explore.ipynb #6d05c2e1-1
 def _rank(d: TensorDiff) -> tuple:
     return (d.identical, -(d.rel_l2 if math.isfinite(d.rel_l2) else math.inf), -d.max_abs, d.key)
 
 # %% ../nbs/12b_explore.ipynb #34446645
-def diff_checkpoints(a, # the base checkpoint folder
-                     b, # the checkpoint compared with it (a fine-tune, a requantization, ...)
-                    ) -> CheckpointDiff:
+def diff_checkpoints(
+    a,  # the base checkpoint folder
+    b,  # the checkpoint compared with it (a fine-tune, a requantization, ...)
+) -> CheckpointDiff:
     "Compare two checkpoints a tensor at a time, dequantized: structure, then hashes and numbers."
-    A, B, findings = checkpoint_dir_(a), checkpoint_dir_(b), []   # FileNotFoundError saying what a path is instead
+    A, B, findings = checkpoint_dir_(a), checkpoint_dir_(b), []  # FileNotFoundError saying what a path is instead
     side = []
     for p in (A, B):
-        config = _parse_json(p/'config.json')[0] or {}
+        config = _parse_json(p / 'config.json')[0] or {}
         tensors = stored_tensors(p, findings)
         src, _, units = value_source(p, config, tensors, values_dtype(p, config))
         side.append(
-            (src, {k for k in src.keys() if src.dtype(k).is_floating_point},  # noqa: SIM118 (a source has no __iter__)
-             tensors, {u.target: u for u in units})
+            (
+                src,
+                {k for k in src.keys() if src.dtype(k).is_floating_point},  # noqa: SIM118 (a source has no __iter__)
+                tensors,
+                {u.target: u for u in units},
+            )
         )
     (sa, ka, ta, ua), (sb, kb, _, _) = side
     common = sorted(ka & kb, key=lambda k: _order_key(ta, ua, k))
@@ -1090,14 +1308,16 @@ def _depth_label(key: str, layer: str, stacks: int) -> str:
     "A tensor family's name in the depth plots: the key past its layer number"
     # after the stack's name when there are several (Whisper).
     stack = layer.rpartition('.')[0].split('.')
-    rest = key[len(layer) + 1:].removesuffix('.weight')
+    rest = key[len(layer) + 1 :].removesuffix('.weight')
     return f'{stack[-2]} {rest}' if stacks > 1 and len(stack) > 1 else rest
 
 # %% ../nbs/12b_explore.ipynb #48f1601d-1
-def plot_depth(ws: WeightStats, # from `weight_stats`
-              ):
+def plot_depth(
+    ws: WeightStats,  # from `weight_stats`
+):
     "A matplotlib `Figure`: each weight family's absmax and std over depth; None without numbered layers."
     import matplotlib.pyplot as plt
+
     stacks = len({layer_of(s.key)[0].rpartition('.')[0] for s in ws.tensors if layer_of(s.key)[0]})
     fams = {}
     for s in ws.tensors:
@@ -1110,8 +1330,14 @@ def plot_depth(ws: WeightStats, # from `weight_stats`
     for j, (fam, pts) in enumerate(sorted(fams.items())):
         pts.sort()
         for ax, col in zip(axes, (1, 2), strict=True):
-            ax.plot([p[0] for p in pts], [p[col] for p in pts], marker='.', color=f'C{j % 10}',
-                ls='-' if j < 10 else '--', label=fam)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[col] for p in pts],
+                marker='.',
+                color=f'C{j % 10}',
+                ls='-' if j < 10 else '--',
+                label=fam,
+            )
     axes[0].set(xlabel='layer', ylabel='absmax', yscale='log', title='largest |weight| by layer')
     axes[1].set(xlabel='layer', ylabel='std', yscale='log', title='standard deviation by layer')
     for ax in axes:
@@ -1120,8 +1346,9 @@ def plot_depth(ws: WeightStats, # from `weight_stats`
     return fig
 
 # %% ../nbs/12b_explore.ipynb #37082a1d
-def plot_worst(ws: WeightStats, # from `weight_stats`
-              ):
+def plot_worst(
+    ws: WeightStats,  # from `weight_stats`
+):
     "A `Figure`: each worst layer's heaviest-tailed weight, standardized; None without histograms."
     import matplotlib.pyplot as plt
 
@@ -1130,8 +1357,12 @@ def plot_worst(ws: WeightStats, # from `weight_stats`
     fig, ax = plt.subplots(figsize=(11, 3.6), layout='constrained')
     for layer, (key, edges, counts) in ws.histograms.items():
         ax.stairs([max(c, 0.5) for c in counts], edges, label=f'{key} (kurtosis {ws.by_key()[key].kurtosis:.1f})')
-    ax.set(yscale='log', xlabel='(w − mean) / std', ylabel='weights',
-        title='worst layers: value distribution of their heaviest-tailed weight')
+    ax.set(
+        yscale='log',
+        xlabel='(w − mean) / std',
+        ylabel='weights',
+        title='worst layers: value distribution of their heaviest-tailed weight',
+    )
     ax.legend(fontsize='x-small')
     ax.grid(alpha=0.3)
     return fig
@@ -1176,6 +1407,7 @@ def _clean(o):
 _E = html.escape
 _TABLE = 'border-collapse:collapse;font-size:12px;margin:4px 0'
 _CELL = 'padding:1px 8px;border-bottom:1px solid #ddd;text-align:left;vertical-align:top'
+
 
 def _html_table(head: list, rows: list) -> str:
     "An HTML table of `rows` (lists of cell strings, escaped here) under `head`."
@@ -1225,20 +1457,23 @@ def tree_lines(n: TreeNode, depth: int = 0) -> list[str]:
 class Exploration:
     "What `explore` found in a checkpoint folder, section by section."
 
-    checkpoint: str # the folder's name
-    findings: list # `Finding`s of every section
-    tree: TreeNode # 1. structure
-    formats: list # 2. `FormatFamily`s
-    ranks: list # 4. `RankBytes`
-    kv: dict | None = None # 5. `kv_report`
+    checkpoint: str  # the folder's name
+    findings: list  # `Finding`s of every section
+    tree: TreeNode  # 1. structure
+    formats: list  # 2. `FormatFamily`s
+    ranks: list  # 4. `RankBytes`
+    kv: dict | None = None  # 5. `kv_report`
     kv_lines: list = field(default_factory=list)
-    stats: WeightStats | None = None # 6.
-    diff: CheckpointDiff | None = None # 7. against a base checkpoint
-    plots: dict = field(default_factory=dict) # base64 PNGs: 'kv', 'depth', 'worst'
-    def of(self, section: str) -> list: return [f for f in self.findings if f.section == section]
+    stats: WeightStats | None = None  # 6.
+    diff: CheckpointDiff | None = None  # 7. against a base checkpoint
+    plots: dict = field(default_factory=dict)  # base64 PNGs: 'kv', 'depth', 'worst'
+
+    def of(self, section: str) -> list:
+        return [f for f in self.findings if f.section == section]
 
 # %% ../nbs/12b_explore.ipynb #c004f5e5
 _LEVELS = {'error': 0, 'warning': 1, 'note': 2}
+
 
 def _finding_rows(fs: list) -> list:
     return [(f.level, f.where, f.what, f.fix) for f in sorted(fs, key=lambda f: _LEVELS.get(f.level, 3))]
@@ -1266,8 +1501,11 @@ def _formats(self: Exploration) -> tuple:
     params, nbytes = sum(f.params for f in self.formats), sum(f.stored_bytes for f in self.formats)
     head = ['family', 'format', 'tensors', 'weights', 'stored', 'bits/weight']
     kinds = sorted({f.format for f in self.formats})
-    return (f'{len(kinds)} format(s), {8 * nbytes / max(params, 1):.2f} bits per weight overall',
-        _html_table(head, rows), _text_table(head, rows))
+    return (
+        f'{len(kinds)} format(s), {8 * nbytes / max(params, 1):.2f} bits per weight overall',
+        _html_table(head, rows),
+        _text_table(head, rows),
+    )
 
 # %% ../nbs/12b_explore.ipynb #c12024
 def _spread(v: list) -> str:
@@ -1282,18 +1520,29 @@ def _spread(v: list) -> str:
     return ', '.join(map(_size, v)) if len(v) == 2 else f'{lo}–{hi}: ' + ', '.join(map(_size, v))
 
 # %% ../nbs/12b_explore.ipynb #c12024-1
-def _par(r: RankBytes) -> str: return f"{'EP' if r.expert_parallel else 'TP'} {r.world_size}"
+def _par(r: RankBytes) -> str:
+    return f"{'EP' if r.expert_parallel else 'TP'} {r.world_size}"
 
 # %% ../nbs/12b_explore.ipynb #c12024-2
 def _ranks(self: Exploration) -> tuple:
     head = ['parallel', 'read per rank', 'held per rank', 'read by all ranks', 'loads']
-    rows = [(_par(r), _spread(r.read_bytes), _spread(r.held_bytes), _size(sum(r.read_bytes)) if r.read_bytes else '–',
-             'refused (see above)' if r.refused else 'yes') for r in self.ranks]
+    rows = [
+        (
+            _par(r),
+            _spread(r.read_bytes),
+            _spread(r.held_bytes),
+            _size(sum(r.read_bytes)) if r.read_bytes else '–',
+            'refused (see above)' if r.refused else 'yes',
+        )
+        for r in self.ranks
+    ]
     if not rows:
         return ('not computed', '', [])
-    loads = [r for r in self.ranks if not r.refused]   # the sizes listed are those load_model accepts
-    tp, ep = ([str(r.world_size) for r in loads if not r.expert_parallel],
-        [str(r.world_size) for r in loads if r.expert_parallel])
+    loads = [r for r in self.ranks if not r.refused]  # the sizes listed are those load_model accepts
+    tp, ep = (
+        [str(r.world_size) for r in loads if not r.expert_parallel],
+        [str(r.world_size) for r in loads if r.expert_parallel],
+    )
     refused = [_par(r) for r in self.ranks if r.refused]
     summary = (
         f'TP {", ".join(tp) or "none"}'
@@ -1307,20 +1556,53 @@ def _kv(self: Exploration) -> tuple:
     if self.kv is None:
         return ('not computed', '', [])
     k = self.kv
-    return (f"{k['kv_bytes_per_token']:,} bytes per token, {k['kv_fixed_bytes_per_request']:,} fixed per request",
+    return (
+        f"{k['kv_bytes_per_token']:,} bytes per token, {k['kv_fixed_bytes_per_request']:,} fixed per request",
         ''.join(f'<div>{_E(l)}</div>' for l in self.kv_lines) + _img(self.plots.get('kv')),
-        ['  ' + l for l in self.kv_lines])
+        ['  ' + l for l in self.kv_lines],
+    )
 
 # %% ../nbs/12b_explore.ipynb #bba0a152
-_T_HEAD = ['tensor', 'shape', 'dtype', 'absmax', 'mean', 'std', 'kurtosis', 'NaN', 'Inf', 'zero', 'outlier rows',
-    'scales min', 'max', 'outliers']
+_T_HEAD = [
+    'tensor',
+    'shape',
+    'dtype',
+    'absmax',
+    'mean',
+    'std',
+    'kurtosis',
+    'NaN',
+    'Inf',
+    'zero',
+    'outlier rows',
+    'scales min',
+    'max',
+    'outliers',
+]
 
 
 def _t_row(s: TensorStats) -> list:
-    return [s.key, list(s.shape), s.dtype,
-        *map(_num,
-            (s.absmax, s.mean, s.std, s.kurtosis, s.nan or None, s.inf or None, s.all_zero, s.outlier_channels,
-                s.scale_min, s.scale_max, s.scale_outliers))]
+    return [
+        s.key,
+        list(s.shape),
+        s.dtype,
+        *map(
+            _num,
+            (
+                s.absmax,
+                s.mean,
+                s.std,
+                s.kurtosis,
+                s.nan or None,
+                s.inf or None,
+                s.all_zero,
+                s.outlier_channels,
+                s.scale_min,
+                s.scale_max,
+                s.scale_outliers,
+            ),
+        ),
+    ]
 
 # %% ../nbs/12b_explore.ipynb #bba0a152-1
 def _stats(self: Exploration) -> tuple:
@@ -1331,8 +1613,18 @@ def _stats(self: Exploration) -> tuple:
     worst = ', '.join(l.layer for l in ws.worst())
     lhead = ['layer', 'tensors', 'absmax', 'of', 'max weight kurtosis', 'of', 'NaN', 'Inf', 'zero', 'outlier rows']
     lrows = [
-        (l.layer, l.tensors, _num(l.absmax), l.absmax_key[len(l.layer) + 1 :], _num(l.kurtosis),
-            l.kurtosis_key[len(l.layer) + 1 :], l.nan or '', l.inf or '', l.all_zero or '', _num(l.outlier_channels))
+        (
+            l.layer,
+            l.tensors,
+            _num(l.absmax),
+            l.absmax_key[len(l.layer) + 1 :],
+            _num(l.kurtosis),
+            l.kurtosis_key[len(l.layer) + 1 :],
+            l.nan or '',
+            l.inf or '',
+            l.all_zero or '',
+            _num(l.outlier_channels),
+        )
         for l in ws.layers
     ]
     top = sorted(ws.tensors, key=lambda s: -s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
@@ -1352,14 +1644,21 @@ def _stats(self: Exploration) -> tuple:
 # %% ../nbs/12b_explore.ipynb #b77122ac
 def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
     "(summary, html, lines) of a `CheckpointDiff`."
-    summary = (f'{d.a} → {d.b}: {len(d.changed)} tensors changed, {len(d.tensors) - len(d.changed)} identical, '
-               f'{len(d.added)} added, {len(d.removed)} removed, {len(d.reshaped)} reshaped')
+    summary = (
+        f'{d.a} → {d.b}: {len(d.changed)} tensors changed, {len(d.tensors) - len(d.changed)} identical, '
+        f'{len(d.added)} added, {len(d.removed)} removed, {len(d.reshaped)} reshaped'
+    )
     head = ['tensor', 'identical', 'max |a−b|', 'rel L2', 'cosine']
     rows = [(t.key, _num(t.identical), _num(t.max_abs), _num(t.rel_l2), _num(t.cosine)) for t in d.changed[:n]]
-    lh, lr = (['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'],
-        [(l.layer, l.tensors, l.changed, _num(l.rel_l2), _num(l.max_abs)) for l in d.layers[:n]])
-    keys = [('added', d.added), ('removed', d.removed),
-        ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped])]
+    lh, lr = (
+        ['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'],
+        [(l.layer, l.tensors, l.changed, _num(l.rel_l2), _num(l.max_abs)) for l in d.layers[:n]],
+    )
+    keys = [
+        ('added', d.added),
+        ('removed', d.removed),
+        ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped]),
+    ]
     lines = [f'  {w}: {listed(v, 8)}' for w, v in keys if v]
     body = ''.join(f'<div>{_E(l.strip())}</div>' for l in lines) + _html_table(head, rows) + _html_table(lh, lr)
     return summary, body, lines + _text_table(head, rows) + [''] + _text_table(lh, lr)
@@ -1370,9 +1669,17 @@ def _files(self: Exploration) -> tuple:
     return (f'{n} file(s) that cannot be parsed' if n else 'every file parses', '', [])
 
 # %% ../nbs/12b_explore.ipynb #933d0b63
-_SECTIONS = [('files', '0. Files', _files), ('structure', '1. Structure', _structure),
-    ('formats', '2. Formats', _formats), ('load', '3. Will it load', None), ('ranks', '4. Bytes per rank', _ranks),
-    ('kv', '5. KV cache', _kv), ('stats', '6. Weight statistics', _stats), ('diff', '7. Diff', None)]
+_SECTIONS = [
+    ('files', '0. Files', _files),
+    ('structure', '1. Structure', _structure),
+    ('formats', '2. Formats', _formats),
+    ('load', '3. Will it load', None),
+    ('ranks', '4. Bytes per rank', _ranks),
+    ('kv', '5. KV cache', _kv),
+    ('stats', '6. Weight statistics', _stats),
+    ('diff', '7. Diff', None),
+]
+
 
 def _parts(self: Exploration) -> list:
     "[(title, summary, html, lines)] for every section, its findings first."
@@ -1383,11 +1690,7 @@ def _parts(self: Exploration) -> list:
         if sec == 'load':
             errs = [f for f in self.of('load') if f.level == 'error']
             summary, body, lines = (
-                (
-                    f'no: {len(errs)} error(s)'
-                    if errs
-                    else 'yes' + _notes(len(self.of('load')))
-                ),
+                (f'no: {len(errs)} error(s)' if errs else 'yes' + _notes(len(self.of('load')))),
                 '',
                 [],
             )
@@ -1400,7 +1703,8 @@ def _parts(self: Exploration) -> list:
     return out
 
 # %% ../nbs/12b_explore.ipynb #933d0b63-1
-def _notes(n: int) -> str: return f' ({n} notes and warnings)' if n > 1 else ' (1 note or warning)' if n else ''
+def _notes(n: int) -> str:
+    return f' ({n} notes and warnings)' if n > 1 else ' (1 note or warning)' if n else ''
 
 # %% ../nbs/12b_explore.ipynb #2a230e50
 @patch
@@ -1423,7 +1727,8 @@ def __str__(self: Exploration) -> str:
 
 # %% ../nbs/12b_explore.ipynb #2a230e50-2
 @patch
-def __repr__(self: Exploration) -> str: return str(self)
+def __repr__(self: Exploration) -> str:
+    return str(self)
 
 # %% ../nbs/12b_explore.ipynb #41de1c26
 @patch
@@ -1452,16 +1757,17 @@ def diff_dict(d: CheckpointDiff) -> dict:
     "A `CheckpointDiff` as JSON-ready data."
     return _clean(
         {
-        'a': d.a,
-        'b': d.b,
-        'added': d.added,
-        'removed': d.removed,
-        'reshaped': d.reshaped,
-        'changed': d.changed,
-        'identical': [t.key for t in d.tensors if t.identical],
-        'layers': d.layers,
-        'findings': d.findings,
-        })
+            'a': d.a,
+            'b': d.b,
+            'added': d.added,
+            'removed': d.removed,
+            'reshaped': d.reshaped,
+            'changed': d.changed,
+            'identical': [t.key for t in d.tensors if t.identical],
+            'layers': d.layers,
+            'findings': d.findings,
+        }
+    )
 
 # %% ../nbs/12b_explore.ipynb #a078a65a
 @patch
@@ -1479,7 +1785,8 @@ def __str__(self: CheckpointDiff) -> str:
 
 # %% ../nbs/12b_explore.ipynb #a078a65a-2
 @patch
-def __repr__(self: CheckpointDiff) -> str: return str(self)
+def __repr__(self: CheckpointDiff) -> str:
+    return str(self)
 
 # %% ../nbs/12b_explore.ipynb #a078a65a-3
 @patch
@@ -1488,14 +1795,15 @@ def to_json(self: CheckpointDiff, indent: int | None = 1) -> str:
     return json.dumps(diff_dict(self), indent=indent)
 
 # %% ../nbs/12b_explore.ipynb #7df7f1ea
-def explore(checkpoint_dir, # an HF checkpoint folder
-            stats: bool = True, # read every weight for section 6 (statistics); False: headers and config only
-            base=None, # a checkpoint folder to diff against (section 7), e.g. the base of a fine-tune
-           ) -> Exploration:
+def explore(
+    checkpoint_dir,  # an HF checkpoint folder
+    stats: bool = True,  # read every weight for section 6 (statistics); False: headers and config only
+    base=None,  # a checkpoint folder to diff against (section 7), e.g. the base of a fine-tune
+) -> Exploration:
     "Everything about a checkpoint folder; what cannot be parsed is a finding."
     ckpt = checkpoint_dir_(checkpoint_dir)
     findings = check_files(ckpt)
-    config = _parse_json(ckpt/'config.json')[0] or {}
+    config = _parse_json(ckpt / 'config.json')[0] or {}
     tensors = stored_tensors(ckpt, findings)
     findings += format_findings(config, tensors)
     formats = format_families(tensors, quantized_units(ckpt, config, tensors, findings))
@@ -1523,4 +1831,5 @@ def explore(checkpoint_dir, # an HF checkpoint folder
     return Exploration(ckpt.name, findings, module_tree(tensors), formats, ranks, kv, kv_lines, ws, diff, plots)
 
 # %% ../nbs/12b_explore.ipynb #7df7f1ea-1
-def _fig_png(fig) -> str | None: return None if fig is None else _png(fig)
+def _fig_png(fig) -> str | None:
+    return None if fig is None else _png(fig)

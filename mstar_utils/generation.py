@@ -33,17 +33,20 @@ _SAMPLE_KEYS = ('do_sample', 'dosample')
 def _generation_config_path(checkpoint_dir: str | Path) -> Path:
     "checkpoint_dir/generation_config.json, or `checkpoint_dir` itself when it names a .json file."
     p = Path(checkpoint_dir)
-    return p if p.suffix == '.json' and not p.is_dir() else p/'generation_config.json'
+    return p if p.suffix == '.json' and not p.is_dir() else p / 'generation_config.json'
 
 # %% ../nbs/10_generation.ipynb #5a1c0002-1
 def _read_generation_config(path: Path) -> dict:
     "The JSON object in `path`; `{}` when there is none, `{}` and a warning when it cannot be read or is not an object."
-    try: text = path.read_text(encoding='utf-8')
-    except (FileNotFoundError, NotADirectoryError): return {}
+    try:
+        text = path.read_text(encoding='utf-8')
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
     except (OSError, UnicodeDecodeError) as e:
         _log.warning(f'cannot read {path} ({e}); using no generation defaults from it')
         return {}
-    try: cfg = json.loads(text)
+    try:
+        cfg = json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, an int past Python's digit limit, nesting too deep
         _log.warning(f'{path} is not valid JSON ({e}); using no generation defaults from it')
         return {}
@@ -61,9 +64,12 @@ def _number(value, kind: type):
     # 1.8e308).
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         return None
-    if kind is int: return value
-    try: value = float(value)
-    except OverflowError: return None
+    if kind is int:
+        return value
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
     return value if math.isfinite(value) else None
 
 # %% ../nbs/10_generation.ipynb #5a1c0003
@@ -71,7 +77,8 @@ def _knob(cfg: dict, key: str, name: str, path: Path):
     "The value of `key` (knob `name`) as its Python type, or None when it is unset"
     # or wrong (with a warning naming the file and key).
     value = cfg.get(key)
-    if value is None: return None
+    if value is None:
+        return None
     kind, (ok, what) = (float, _FLOAT_KNOBS[name]) if name in _FLOAT_KNOBS else (int, _INT_KNOBS[name])
     number = _number(value, kind)
     if number is None or not ok(number):
@@ -86,8 +93,10 @@ def _greedy(cfg: dict, prefix: str, path: Path) -> bool:
     # a value that is not a bool gets a warning and counts as unset.
     for key in (prefix + k for k in _SAMPLE_KEYS):
         value = cfg.get(key)
-        if value is None: continue
-        if isinstance(value, bool): return value is False
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            return value is False
         _log.warning(f'{path}: {key} is {value!r}, expected true or false; ignoring it')
     return False
 
@@ -96,6 +105,7 @@ def _greedy(cfg: dict, prefix: str, path: Path) -> bool:
 def _transformers_keys() -> frozenset:
     "The keys of transformers' `GenerationConfig` (its `to_dict()`), `encoder_repetition_penalty` among them."
     from transformers import GenerationConfig
+
     return frozenset(GenerationConfig().to_dict())
 
 # %% ../nbs/10_generation.ipynb #5a1c0013
@@ -106,10 +116,11 @@ def _staged(cfg: dict) -> dict:
 # %% ../nbs/10_generation.ipynb #5a1c0006
 _KNOB_KEYS = (*_FLOAT_KNOBS, *_INT_KNOBS, *_SAMPLE_KEYS)
 
+
 def _stage_prefixes(cfg: dict) -> list[str]:
     "The prefixes in front of knob names among the keys of `cfg`, such as 'talker_' for talker_temperature"
     # transformers' own keys are none.
-    found = {k[:-len(n)] for k in _staged(cfg) for n in _KNOB_KEYS if k.endswith('_' + n) and len(k) > len(n) + 1}
+    found = {k[: -len(n)] for k in _staged(cfg) for n in _KNOB_KEYS if k.endswith('_' + n) and len(k) > len(n) + 1}
     return sorted(found)
 
 # %% ../nbs/10_generation.ipynb #5a1c0006-1
@@ -121,20 +132,23 @@ def _normalized_prefix(prefix: str) -> str:
 
 # %% ../nbs/10_generation.ipynb #5a1c0007
 def load_generation_defaults(
-        checkpoint_dir: str | Path | None, # a checkpoint folder, or its generation_config.json itself; None gives {}
-        prefix: str = '', # a stage's key prefix in a multi-stage file: 'talker_' (or 'talker') reads talker_temperature
-        stage: str = '', # prepended to the returned names: 'code_predictor_' gives code_predictor_temperature
-    ) -> dict:
+    checkpoint_dir: str | Path | None,  # a checkpoint folder, or its generation_config.json itself; None gives {}
+    prefix: str = '',  # a stage's key prefix in a multi-stage file: 'talker_' (or 'talker') reads talker_temperature
+    stage: str = '',  # prepended to the returned names: 'code_predictor_' gives code_predictor_temperature
+) -> dict:
     "The sampling defaults `generation_config.json` declares"
-    if checkpoint_dir is None: return {}
+    if checkpoint_dir is None:
+        return {}
     prefix, path = _normalized_prefix(prefix), _generation_config_path(checkpoint_dir)
     cfg = _read_generation_config(path)
-    keys = _staged(cfg) if prefix else cfg   # a stage's keys are never transformers' own (encoder_repetition_penalty)
+    keys = _staged(cfg) if prefix else cfg  # a stage's keys are never transformers' own (encoder_repetition_penalty)
     out = {}
     for name in (*_FLOAT_KNOBS, *_INT_KNOBS):
         value = _knob(keys, prefix + name, name, path)
-        if value is not None: out[stage + _RENAME.get(name, name)] = value
-    if _greedy(keys, prefix, path): out[stage + 'temperature'] = 0.0
+        if value is not None:
+            out[stage + _RENAME.get(name, name)] = value
+    if _greedy(keys, prefix, path):
+        out[stage + 'temperature'] = 0.0
     prefixes = _stage_prefixes(cfg)
     if prefix and prefixes and not any(prefix + k in keys for k in _KNOB_KEYS):
         _log.warning(

@@ -29,7 +29,7 @@ __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUF
 # %% ../nbs/06b_gguf.ipynb #fmtg005
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
     "The float16 at bytes [at, at + 2) of each block [n, size], as float32 [n, 1]."
-    return b[:, at:at + 2].clone().view(torch.float16).float()   # a fresh copy: aligned for the view
+    return b[:, at : at + 2].clone().view(torch.float16).float()  # a fresh copy: aligned for the view
 
 # %% ../nbs/06b_gguf.ipynb #fmtg005-1
 def _shifted(x: torch.Tensor, shifts: list, mask: int) -> torch.Tensor:
@@ -46,22 +46,29 @@ def _nibbles(qs: torch.Tensor, k: int) -> torch.Tensor:
 # %% ../nbs/06b_gguf.ipynb #fmtg005-3
 def _fifth_bits(b: torch.Tensor, at: int) -> torch.Tensor:
     "Bit j of the little-endian u32 at bytes [at, at + 4) of each block, j = 0..31: [n, 32] uint8."
-    return _shifted(b[:, at:at + 4], list(range(8)), 1).transpose(-1, -2).reshape(-1, 32)   # byte k bit s: value 8k + s
+    return (
+        _shifted(b[:, at : at + 4], list(range(8)), 1).transpose(-1, -2).reshape(-1, 32)
+    )  # byte k bit s: value 8k + s
 
 # %% ../nbs/06b_gguf.ipynb #fmtg006
-def _q8_0(b): return b[:, 2:].clone().view(torch.int8).float() * _f16(b, 0)
+def _q8_0(b):
+    return b[:, 2:].clone().view(torch.int8).float() * _f16(b, 0)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg006-1
-def _q4_0(b): return _f16(b, 0) * (_nibbles(b[:, 2:], 16).to(torch.int8) - 8).float()
+def _q4_0(b):
+    return _f16(b, 0) * (_nibbles(b[:, 2:], 16).to(torch.int8) - 8).float()
 
 # %% ../nbs/06b_gguf.ipynb #fmtg006-2
-def _q4_1(b): return _f16(b, 0) * _nibbles(b[:, 4:], 16).float() + _f16(b, 2)
+def _q4_1(b):
+    return _f16(b, 0) * _nibbles(b[:, 4:], 16).float() + _f16(b, 2)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg006-3
-def _q5_0(b): return _f16(b, 0) * ((_nibbles(b[:, 6:], 16) | (_fifth_bits(b, 2) << 4)).to(torch.int8) - 16).float()
+def _q5_0(b):
+    return _f16(b, 0) * ((_nibbles(b[:, 6:], 16) | (_fifth_bits(b, 2) << 4)).to(torch.int8) - 16).float()
 
 # %% ../nbs/06b_gguf.ipynb #fmtg006-4
-def _q5_1(b): return _f16(b, 0) * (_nibbles(b[:, 8:], 16) | (_fifth_bits(b, 4) << 4)).float() + _f16(b, 2)
+def _q5_1(b):
+    return _f16(b, 0) * (_nibbles(b[:, 8:], 16) | (_fifth_bits(b, 4) << 4)).float() + _f16(b, 2)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg007
 def _q2_k(b):
@@ -78,44 +85,46 @@ def _q3_k(b):
     hi = _shifted(s[:, 8:12], [0, 2, 4, 6], 3).reshape(n, 16)
     dl = (_f16(b, 108) * ((lo | (hi << 4)).to(torch.int8) - 32).float()).reshape(n, 16, 1)
     ql = _shifted(b[:, 32:96].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
-    qh = _shifted(b[:, :32].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 16, 16) ^ 1   # a set bit means no offset
+    qh = _shifted(b[:, :32].reshape(n, 1, 32), list(range(8)), 1).reshape(n, 16, 16) ^ 1  # a set bit means no offset
     return (dl * (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()).reshape(n, 256)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg008
-_M4, _M6, _M2 = 0x0F0F0F0F, 0x3F3F3F3F, 0x30303030   # masks of each byte of a 32-bit word
-_NIB, _BIT = 0x0F0F0F0F0F0F0F0F, 0x0101010101010101    # each byte's low nibble, lowest bit, of a 64-bit word
+_M4, _M6, _M2 = 0x0F0F0F0F, 0x3F3F3F3F, 0x30303030  # masks of each byte of a 32-bit word
+_NIB, _BIT = 0x0F0F0F0F0F0F0F0F, 0x0101010101010101  # each byte's low nibble, lowest bit, of a 64-bit word
 _BITS = torch.arange(8).view(1, 8, 1)
+
 
 def _k_scales(b: np.ndarray) -> np.ndarray:
     "Q4_K's and Q5_K's d·scale and dmin·min of blocks `b` [n, size]: float32 [2, n, 8], as gguf-py's."
     # four bytes a word: the scales' low six bits, the mins', the fourth nibbles
     n, w = b.shape[0], b[:, 4:16].view(np.int32)
     d, m, md = w[:, 0], w[:, 1], w[:, 2]
-    s = np.empty((2, n, 2), np.int32)   # scales 0-3, 4-7, then mins 0-3, 4-7: one byte each
+    s = np.empty((2, n, 2), np.int32)  # scales 0-3, 4-7, then mins 0-3, 4-7: one byte each
     np.bitwise_and(d, _M6, out=s[0, :, 0])
     np.bitwise_or(md & _M4, (d >> 2) & _M2, out=s[0, :, 1])
     np.bitwise_and(m, _M6, out=s[1, :, 0])
     np.bitwise_or((md >> 4) & _M4, (m >> 2) & _M2, out=s[1, :, 1])
     f = s.view(np.uint8).reshape(2, n, 8).astype(np.float32)
-    f *= b[:, :4].view(np.float16).astype(np.float32).T.reshape(2, n, 1)   # d, then dmin
+    f *= b[:, :4].view(np.float16).astype(np.float32).T.reshape(2, n, 1)  # d, then dmin
     return f
 
 # %% ../nbs/06b_gguf.ipynb #fmtg008b
-def _q45_k(b: torch.Tensor, # blocks uint8 [n, size], contiguous (a scratch copy)
-           out: torch.Tensor, # float32 [n, 256], written
-           at: int, # where the 128 bytes of nibbles start
-           fifth: bool, # Q5_K: a fifth bit a value, from bytes 16-48
-          ) -> None:
+def _q45_k(
+    b: torch.Tensor,  # blocks uint8 [n, size], contiguous (a scratch copy)
+    out: torch.Tensor,  # float32 [n, 256], written
+    at: int,  # where the 128 bytes of nibbles start
+    fifth: bool,  # Q5_K: a fifth bit a value, from bytes 16-48
+) -> None:
     "Q4_K and Q5_K into `out`: nibbles 16 at a time from 64-bit words, then d·q − m as gguf-py's."
     n = b.shape[0]
     f = torch.from_numpy(_k_scales(b.numpy())).unsqueeze(-1)
-    x, q = b[:, at:at + 128].view(torch.int64), scratch('gguf_nibbles', (2, n, 16), torch.int64)
+    x, q = b[:, at : at + 128].view(torch.int64), scratch('gguf_nibbles', (2, n, 16), torch.int64)
     torch.bitwise_and(x, _NIB, out=q[0])
     torch.bitwise_right_shift(x, 4, out=q[1])
-    q[1] &= _NIB   # the sign bits an arithmetic shift brings in, masked off
+    q[1] &= _NIB  # the sign bits an arithmetic shift brings in, masked off
     u, qb = scratch('gguf_codes', (n, 4, 2, 32), torch.uint8), q.view(torch.uint8).view(2, n, 4, 1, 32)
-    torch.cat([qb[0], qb[1]], 2, out=u)   # each run of 32 bytes: its low nibbles, then its high ones
-    if fifth:   # bit j of byte i: the fifth bit of sub-block j's value i
+    torch.cat([qb[0], qb[1]], 2, out=u)  # each run of 32 bytes: its low nibbles, then its high ones
+    if fifth:  # bit j of byte i: the fifth bit of sub-block j's value i
         h = b[:, 16:48].view(torch.int64).view(n, 1, 4)
         u.view(torch.int64).view(n, 8, 4).bitwise_or_(((h >> _BITS) & _BIT) << 4)
     o = out.view(n, 8, 32)
@@ -133,69 +142,93 @@ def _q6_k(b):
 # %% ../nbs/06b_gguf.ipynb #fmtg009
 def _into(fn):
     "A decoder that returns its values [n, block] as one that writes them into `out`."
-    def into(b, out): out.copy_(fn(b))
+
+    def into(b, out):
+        out.copy_(fn(b))
+
     return into
 
 # %% ../nbs/06b_gguf.ipynb #fmtg009-1
-_RETURNING = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q2_K: _q2_k, T.Q3_K: _q3_k,
-              T.Q6_K: _q6_k}
-_BLOCK_DECODERS = {**{q: _into(f) for q, f in _RETURNING.items()},
-                   T.Q4_K: lambda b, out: _q45_k(b, out, 16, False), T.Q5_K: lambda b, out: _q45_k(b, out, 48, True)}
+_RETURNING = {
+    T.Q8_0: _q8_0,
+    T.Q4_0: _q4_0,
+    T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
+    T.Q6_K: _q6_k,
+}
+_BLOCK_DECODERS = {
+    **{q: _into(f) for q, f in _RETURNING.items()},
+    T.Q4_K: lambda b, out: _q45_k(b, out, 16, False),
+    T.Q5_K: lambda b, out: _q45_k(b, out, 48, True),
+}
 _PLAIN = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-GGUF_TYPES = tuple(_PLAIN) + tuple(_BLOCK_DECODERS)   # the tensor types read
-_CHUNK = 2048   # blocks decoded at a time: the temporaries stay in cache (3x faster than 32k blocks on Q4_K)
+GGUF_TYPES = tuple(_PLAIN) + tuple(_BLOCK_DECODERS)  # the tensor types read
+_CHUNK = 2048  # blocks decoded at a time: the temporaries stay in cache (3x faster than 32k blocks on Q4_K)
+
 
 def _fault_in(t: torch.Tensor) -> None:
     "Populate the pages of `t`: contiguous, or contiguous once split along its dims of largest stride."
-    if t.is_contiguous(): populate_pages(t.data_ptr(), t.numel() * t.element_size())
+    if t.is_contiguous():
+        populate_pages(t.data_ptr(), t.numel() * t.element_size())
     else:
-        for s in t.unbind(max(range(t.dim()), key=t.stride)): _fault_in(s)
+        for s in t.unbind(max(range(t.dim()), key=t.stride)):
+            _fault_in(s)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg009-2
 def _decode(qtype: T, src: torch.Tensor, dest: torch.Tensor) -> None:
     "Whole blocks `src` (uint8) decoded into `dest` (any float dtype): float32, then one rounding."
-    if qtype in _PLAIN: return dest.copy_(src.contiguous().view(_PLAIN[qtype]).view(dest.shape))
+    if qtype in _PLAIN:
+        return dest.copy_(src.contiguous().view(_PLAIN[qtype]).view(dest.shape))
     block, size = GGML_QUANT_SIZES[qtype]
     n = src.numel() // size
-    if src.is_contiguous() and src.data_ptr() % 8 == 0: b = src.view(n, size)   # a mapped file's bytes, aligned
-    else:   # a copy, contiguous and aligned: decoders view its bytes as wider words
+    if src.is_contiguous() and src.data_ptr() % 8 == 0:
+        b = src.view(n, size)  # a mapped file's bytes, aligned
+    else:  # a copy, contiguous and aligned: decoders view its bytes as wider words
         b = scratch('gguf_blocks', (n, size), torch.uint8)
         b.view(src.shape).copy_(src)
     out = scratch('gguf_values', (n, block), torch.float32)
     _BLOCK_DECODERS[qtype](b, out)
-    _fault_in(dest)   # this piece's fresh pages in one call, on this thread
+    _fault_in(dest)  # this piece's fresh pages in one call, on this thread
     dest.copy_(out.view(dest.shape))
 
 # %% ../nbs/06b_gguf.ipynb #fmtg009b
-def _pieces(data: torch.Tensor, # uint8 [rows, row bytes]
-            qtype: T,
-            dest: torch.Tensor, # [rows, row values], contiguous
-            heads: int | None = None, # Llama's q/k: `dest` gets the rows in transformers' order (see `unpermute_rows`)
-           ) -> list:
+def _pieces(
+    data: torch.Tensor,  # uint8 [rows, row bytes]
+    qtype: T,
+    dest: torch.Tensor,  # [rows, row values], contiguous
+    heads: int | None = None,  # Llama's q/k: `dest` gets the rows in transformers' order (see `unpermute_rows`)
+) -> list:
     "(blocks, values) pieces of at most `_CHUNK` blocks that together decode `data` into `dest`."
     block, size = GGML_QUANT_SIZES[qtype]
     if heads is None:
         b, v, step = data.reshape(-1, size), dest.view(-1, block), _CHUNK * (256 if qtype in _PLAIN else 1)
-        return [(b[i:i + step], v[i:i + step]) for i in range(0, b.shape[0], step)]
+        return [(b[i : i + step], v[i : i + step]) for i in range(0, b.shape[0], step)]
     rows, cols = dest.shape
     half = rows // heads // 2
     # stored row 2i + j of a head: its row j·half + i
     v, step = dest.view(heads, 2, half, cols), max(1, _CHUNK * block // (2 * cols))
-    return [(data[2 * (h * half + i):2 * (h * half + min(half, i + step))], v[h, :, i:i + step].transpose(0, 1))
-            for h in range(heads) for i in range(0, half, step)]
-
+    return [
+        (data[2 * (h * half + i) : 2 * (h * half + min(half, i + step))], v[h, :, i : i + step].transpose(0, 1))
+        for h in range(heads)
+        for i in range(0, half, step)
+    ]
 
 # %% ../nbs/06b_gguf.ipynb #b42d173e
 _LIBC, _PAGE = ctypes.CDLL(None, use_errno=True), mmap.PAGESIZE
 
+
 def _resident(t: torch.Tensor) -> bool:
     "Whether the pages of `t`'s middle and last bytes are in memory (`mincore`); True where it cannot tell."
     a, n, vec = t.data_ptr(), t.numel() * t.element_size(), ctypes.c_ubyte()
-    for p in (a + n // 2, a + n - 1):   # not the first: an allocator writes its header there
-        if _LIBC.mincore(ctypes.c_void_p(p // _PAGE * _PAGE), _PAGE, ctypes.byref(vec)) != 0: return True
-        if not vec.value & 1: return False
+    for p in (a + n // 2, a + n - 1):  # not the first: an allocator writes its header there
+        if _LIBC.mincore(ctypes.c_void_p(p // _PAGE * _PAGE), _PAGE, ctypes.byref(vec)) != 0:
+            return True
+        if not vec.value & 1:
+            return False
     return True
-
 
 # %% ../nbs/06b_gguf.ipynb #01ac2c23
 @functools.cache
@@ -207,26 +240,32 @@ def _faulter() -> ThreadPoolExecutor:
 def _decode_pieces(qtype: T, pieces: list, dest: torch.Tensor) -> None:
     "Decode `pieces` into `dest` on torch's threads; into fresh memory, on one while another faults `dest` in."
     jobs = [lambda s=s, v=v: _decode(qtype, s, v) for s, v in pieces]
-    if len(jobs) < 2 or torch.get_num_threads() < 2 or _resident(dest): return in_threads(jobs)
+    if len(jobs) < 2 or torch.get_num_threads() < 2 or _resident(dest):
+        return in_threads(jobs)
     fut = _faulter().submit(_fault_in, dest)
-    try: in_threads(jobs, threads=1)
-    finally: fut.result()
+    try:
+        in_threads(jobs, threads=1)
+    finally:
+        fut.result()
 
 # %% ../nbs/06b_gguf.ipynb #3c6ddb92
-def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's bytes as stored, rows of whole blocks
-                    qtype: int, # its GGML type (`gguf.GGMLQuantizationType`)
-                    out: torch.Tensor | None = None, # [..., row values], any float dtype, contiguous; None: float32
-                    heads: int | None = None, # a Llama q/k [rows, row values]: its rows put in transformers' order
-                   ) -> torch.Tensor:
+def dequantize_gguf(
+    data: torch.Tensor,  # uint8 [..., row bytes]: a tensor's bytes as stored, rows of whole blocks
+    qtype: int,  # its GGML type (`gguf.GGMLQuantizationType`)
+    out: torch.Tensor | None = None,  # [..., row values], any float dtype, contiguous; None: float32
+    heads: int | None = None,  # a Llama q/k [rows, row values]: its rows put in transformers' order
+) -> torch.Tensor:
     "The values [..., row values] as gguf-py's `dequantize` gives them, rounded once into `out`."
     qtype = T(qtype)
     if qtype not in GGUF_TYPES:
-        raise NotImplementedError(f'GGUF tensor type {qtype.name} is not decoded (decoded: '
-                                  f'{", ".join(t.name for t in GGUF_TYPES)})')
+        raise NotImplementedError(
+            f'GGUF tensor type {qtype.name} is not decoded (decoded: {", ".join(t.name for t in GGUF_TYPES)})'
+        )
     block, size = GGML_QUANT_SIZES[qtype]
     if data.shape[-1] % size:
-        raise ValueError(f'GGUF {qtype.name}: a row of {data.shape[-1]} bytes is not a whole number of {size}-byte '
-                         'blocks')
+        raise ValueError(
+            f'GGUF {qtype.name}: a row of {data.shape[-1]} bytes is not a whole number of {size}-byte blocks'
+        )
     shape = (*data.shape[:-1], data.shape[-1] // size * block)
     out = torch.empty(shape, dtype=torch.float32) if out is None else out
     if tuple(out.shape) != shape or not out.is_contiguous():
@@ -237,49 +276,58 @@ def dequantize_gguf(data: torch.Tensor, # uint8 [..., row bytes]: a tensor's byt
     return out if dest is out else out.copy_(dest)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg014
-def gguf_file(path: str | Path, # a .gguf file, or a folder holding exactly one
-             ) -> Path | None:
+def gguf_file(
+    path: str | Path,  # a .gguf file, or a folder holding exactly one
+) -> Path | None:
     "The GGUF file `path` names: itself, or a folder's one `.gguf` (not beside safetensors); else None."
     p = Path(path)
-    if p.is_file(): return p if p.suffix == '.gguf' else None
+    if p.is_file():
+        return p if p.suffix == '.gguf' else None
     # a safetensors checkpoint beside a GGUF loads as safetensors
-    if not p.is_dir() or any(p.glob('*.safetensors')): return None
+    if not p.is_dir() or any(p.glob('*.safetensors')):
+        return None
     found = sorted(p.glob('*.gguf'))
     if len(found) > 1:
-        raise ValueError(f'{p} holds {len(found)} GGUF files ({", ".join(f.name for f in found[:4])}); give the file '
-                         'to load')
+        raise ValueError(
+            f'{p} holds {len(found)} GGUF files ({", ".join(f.name for f in found[:4])}); give the file to load'
+        )
     return found[0] if found else None
 
 # %% ../nbs/06b_gguf.ipynb #fmtg015
-def unpermute_rows(w: torch.Tensor, # [rows, ...]: a Llama q_proj or k_proj as llama.cpp's converter stored it
-                   heads: int, # its heads: attention heads for q, key-value heads for k
-                  ) -> torch.Tensor:
+def unpermute_rows(
+    w: torch.Tensor,  # [rows, ...]: a Llama q_proj or k_proj as llama.cpp's converter stored it
+    heads: int,  # its heads: attention heads for q, key-value heads for k
+) -> torch.Tensor:
     "The rows in transformers' order: each head's rows read as (half, 2), written as (2, half)."
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg017
 class GGUFTensor(NamedTuple):
     "A GGUF file's tensor: its GGML `qtype`, `shape` in torch's order, `data` its bytes at `offset`."
+
     name: str
     qtype: T
     shape: tuple
     data: object
-    offset: int = 0   # where `data` starts in the file
+    offset: int = 0  # where `data` starts in the file
 
 # %% ../nbs/06b_gguf.ipynb #fmtg017-1
 def _arch_of(model_type: str) -> int | None:
     "gguf-py's MODEL_ARCH for a transformers `model_type`, its spelling mapped as transformers maps it."
     from gguf import MODEL_ARCH_NAMES
+
     spelt = {'cohere': 'command-r', 'qwen2_moe': 'qwen2moe', 'qwen3_moe': 'qwen3moe', 'gemma3_text': 'gemma3'}
     name = spelt.get(model_type, model_type)
     return next((a for a, n in MODEL_ARCH_NAMES.items() if n == name), None)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg018
-def gguf_names(model: torch.nn.Module, # the model to fill (a meta-built one will do)
-               config, # its transformers config
-              ) -> dict:
+def gguf_names(
+    model: torch.nn.Module,  # the model to fill (a meta-built one will do)
+    config,  # its transformers config
+) -> dict:
     "{GGUF tensor name: the model's name} by gguf-py's tensor-name map, on each name and its tails."
     from gguf import get_tensor_name_map
+
     arch = _arch_of(config.model_type)
     if arch is None:
         raise NotImplementedError(f'GGUF: gguf-py has no tensor-name map for model_type {config.model_type!r}')
@@ -288,7 +336,8 @@ def gguf_names(model: torch.nn.Module, # the model to fill (a meta-built one wil
         base, dot, suffix = name.rpartition('.') if name.endswith(('.weight', '.bias')) else (name, '', '')
         parts = base.split('.')
         hit = next((g for i in range(len(parts)) if (g := tmap.get_name('.'.join(parts[i:]))) is not None), None)
-        if hit is not None: out.setdefault(hit + dot + suffix, name)
+        if hit is not None:
+            out.setdefault(hit + dot + suffix, name)
     return out
 
 # %% ../nbs/06b_gguf.ipynb #fmtg020
@@ -298,30 +347,42 @@ import struct
 # GGUF value types
 _SCALARS = {0: 'B', 1: 'b', 2: 'H', 3: 'h', 4: 'I', 5: 'i', 6: 'f', 7: '?', 10: 'Q', 11: 'q', 12: 'd'}
 
+
 class Skipped(NamedTuple):
     "A long array of strings in the metadata (a vocabulary), kept as its length: transformers reads it."
+
     n: int
-    def __len__(self): return self.n
+
+    def __len__(self):
+        return self.n
 
 # %% ../nbs/06b_gguf.ipynb #fmtg020-1
 class GGUFHeader(NamedTuple):
     "A GGUF file's `metadata` {key: value} and `tensors` {name: GGUFTensor}, views of the mapped file."
+
     metadata: dict
     tensors: dict
 
 # %% ../nbs/06b_gguf.ipynb #fmtg021
 class _Walk:
     "Reads the little-endian values of a GGUF header from `buf`, from `pos` on."
-    def __init__(self, buf, what: str): self.buf, self.pos, self.what = buf, 0, what
+
+    def __init__(self, buf, what: str):
+        self.buf, self.pos, self.what = buf, 0, what
+
     def take(self, fmt: str):
-        try: v = struct.unpack_from('<' + fmt, self.buf, self.pos)
-        except struct.error: raise ValueError(f'{self.what}: GGUF header cut short at byte {self.pos}') from None
+        try:
+            v = struct.unpack_from('<' + fmt, self.buf, self.pos)
+        except struct.error:
+            raise ValueError(f'{self.what}: GGUF header cut short at byte {self.pos}') from None
         self.pos += struct.calcsize('<' + fmt)
         return v[0] if len(v) == 1 else v
+
     def string(self) -> str:
         n = self.take('Q')
-        if self.pos + n > len(self.buf): raise ValueError(f'{self.what}: GGUF header cut short at byte {self.pos}')
-        s = bytes(self.buf[self.pos:self.pos + n]).decode('utf-8', errors='replace')
+        if self.pos + n > len(self.buf):
+            raise ValueError(f'{self.what}: GGUF header cut short at byte {self.pos}')
+        s = bytes(self.buf[self.pos : self.pos + n]).decode('utf-8', errors='replace')
         self.pos += n
         return s
 
@@ -329,8 +390,10 @@ class _Walk:
 @patch
 def value(self: _Walk, t: int):
     "One metadata value of GGUF type `t`: scalars, strings, lists (long string arrays as `Skipped`)."
-    if t in _SCALARS: return self.take(_SCALARS[t])
-    if t == 8: return self.string()
+    if t in _SCALARS:
+        return self.take(_SCALARS[t])
+    if t == 8:
+        return self.string()
     if t != 9:
         raise ValueError(f'{self.what}: GGUF metadata value type {t} at byte {self.pos} is not one of the format\'s')
     at, n = self.take('I'), self.take('Q')
@@ -339,7 +402,8 @@ def value(self: _Walk, t: int):
         self.pos += n * struct.calcsize(_SCALARS[at])
         return out
     if at == 8 and n > 256:
-        for _ in range(n): self.pos += 8 + struct.unpack_from('<Q', self.buf, self.pos)[0]
+        for _ in range(n):
+            self.pos += 8 + struct.unpack_from('<Q', self.buf, self.pos)[0]
         return Skipped(n)
     return [self.value(at) for _ in range(n)]
 
@@ -371,59 +435,95 @@ def read_gguf(path: str | Path) -> GGUFHeader:
     data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
     tensors = {}
     for name, qt, shape, off in infos:
-        try: qt = T(qt)
+        try:
+            qt = T(qt)
         except ValueError:
             raise ValueError(f'{path}: tensor {name!r} has GGML type {qt}, which gguf-py does not know') from None
         block, size = GGML_QUANT_SIZES[qt]
         if shape and shape[-1] % block:
-            raise ValueError(f'{path}: tensor {name!r} {list(shape)}: a row of {shape[-1]} is not whole {qt.name} '
-                             f'blocks of {block}')
+            raise ValueError(
+                f'{path}: tensor {name!r} {list(shape)}: a row of {shape[-1]} is not whole {qt.name} blocks of {block}'
+            )
         nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block * size) if shape else size
         if start + off + nbytes > len(buf):
-            raise ValueError(f'{path}: tensor {name!r} ends at byte {start + off + nbytes}, past the end of the file '
-                             f'({len(buf)}): cut short')
-        tensors[name] = GGUFTensor(name, qt, shape, data[start + off:start + off + nbytes], start + off)
+            raise ValueError(
+                f'{path}: tensor {name!r} ends at byte {start + off + nbytes}, past the end of the file '
+                f'({len(buf)}): cut short'
+            )
+        tensors[name] = GGUFTensor(name, qt, shape, data[start + off : start + off + nbytes], start + off)
     return GGUFHeader(meta, tensors)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg025
-_SPECIAL = ('t5', 't5encoder', 'stablelm', 'qwen2moe', 'qwen3moe', 'gpt-oss', 'gpt_oss', 'minimax-m2', 'gemma3',
-            'gemma4', 'lfm2')
+_SPECIAL = (
+    't5',
+    't5encoder',
+    'stablelm',
+    'qwen2moe',
+    'qwen3moe',
+    'gpt-oss',
+    'gpt_oss',
+    'minimax-m2',
+    'gemma3',
+    'gemma4',
+    'lfm2',
+)
 
-def gguf_config(f: Path, # the GGUF file
-                header: GGUFHeader, # its `read_gguf`
-               ):
+
+def gguf_config(
+    f: Path,  # the GGUF file
+    header: GGUFHeader,  # its `read_gguf`
+):
     "The transformers config of GGUF file `f`, as `AutoConfig.from_pretrained(gguf_file=...)` builds it."
     from transformers import AutoConfig, CONFIG_MAPPING
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
     meta = header.metadata
     arch, name = meta.get('general.architecture'), meta.get('general.name')
     if arch in _SPECIAL or arch not in GGUF_CONFIG_MAPPING or (arch and 'llama' in arch and name == 'mistral'):
-        return AutoConfig.from_pretrained(f.parent, gguf_file=f.name)   # transformers' special cases, and its errors
+        return AutoConfig.from_pretrained(f.parent, gguf_file=f.name)  # transformers' special cases, and its errors
     cfg = {'tie_word_embeddings': 'output.weight' not in header.tensors or arch in ('falcon', 'bloom')}
-    for k, v in (GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items(): cfg.setdefault(k, v)
+    for k, v in (GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        cfg.setdefault(k, v)
     for key, v in meta.items():
         prefix, _, rest = key.partition('.')
         new = (GGUF_CONFIG_MAPPING.get(prefix) or {}).get(rest)
-        if new is None or new == -1: continue
+        if new is None or new == -1:
+            continue
         cfg[new] = v[0] if isinstance(v, list) and len(v) == 1 else v
     if 'vocab_size' not in cfg and 'tokenizer.ggml.tokens' in meta:
         cfg['vocab_size'] = len(meta['tokenizer.ggml.tokens'])
     config = CONFIG_MAPPING[cfg['model_type']].from_dict(cfg)
-    config._name_or_path = str(f.parent)   # as from_pretrained names it
+    config._name_or_path = str(f.parent)  # as from_pretrained names it
     return config
 
 # %% ../nbs/06b_gguf.ipynb #fmtg029
 def gguf_model_class(config) -> type:
     "The class `AutoModelForCausalLM` picks for `config`: a GGUF config names no architectures."
     from transformers import AutoModelForCausalLM
-    try: return AutoModelForCausalLM._model_mapping[type(config)]
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
         raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026
 # architectures whose tensors transformers reshapes or rescales beyond renaming: not read here
-_RESHAPED = ('qwen2moe', 'qwen3moe', 'gpt-oss', 'bloom', 't5', 't5encoder', 'gpt2', 'mamba', 'nemotron', 'gemma2',
-             'gemma3', 'lfm2', 'minimax-m2')
+_RESHAPED = (
+    'qwen2moe',
+    'qwen3moe',
+    'gpt-oss',
+    'bloom',
+    't5',
+    't5encoder',
+    'gpt2',
+    'mamba',
+    'nemotron',
+    'gemma2',
+    'gemma3',
+    'lfm2',
+    'minimax-m2',
+)
+
 
 def _rows(t: GGUFTensor) -> tuple:
     "The stored shape of tensor `t`'s bytes: [rows, row bytes]."
@@ -433,61 +533,97 @@ def _rows(t: GGUFTensor) -> tuple:
 # %% ../nbs/06b_gguf.ipynb #fmtg026-1
 class GGUFSource:
     "A loader source: a GGUF file's tensors under `model`'s names, dequantized as they are read."
-    reads_slices = True   # a slice reads its rows, or its whole blocks of columns (`GGUFDequantize.cut`)
-    def __init__(self, path: str | Path, model: torch.nn.Module, config, header: GGUFHeader | None = None,
-                 dry: bool = False, # record the reads without reading (a load plan's)
-                ):
+
+    reads_slices = True  # a slice reads its rows, or its whole blocks of columns (`GGUFDequantize.cut`)
+
+    def __init__(
+        self,
+        path: str | Path,
+        model: torch.nn.Module,
+        config,
+        header: GGUFHeader | None = None,
+        dry: bool = False,  # record the reads without reading (a load plan's)
+    ):
         self.path, self.what = Path(path), str(path)
         header = header or read_gguf(self.path)
         self.arch = header.metadata.get('general.architecture')
         if self.arch in _RESHAPED:
-            raise NotImplementedError(f'{self.path.name}: GGUF architecture {self.arch!r} is not read (transformers '
-                                      'reshapes its tensors); read: the others gguf-py maps')
+            raise NotImplementedError(
+                f'{self.path.name}: GGUF architecture {self.arch!r} is not read (transformers '
+                'reshapes its tensors); read: the others gguf-py maps'
+            )
         names, self.config = gguf_names(model, config), config
         self.tensors = {names[n]: t for n, t in header.tensors.items() if n in names}
-        self.unmapped = [n for n in header.tensors if n not in names]   # what transformers skips too (e.g. rope_freqs)
-        self.kept = set()   # keys read as their stored blocks, uint8 [rows, row bytes] (`keep_gguf`)
+        self.unmapped = [n for n in header.tensors if n not in names]  # what transformers skips too (e.g. rope_freqs)
+        self.kept = set()  # keys read as their stored blocks, uint8 [rows, row bytes] (`keep_gguf`)
         # the stored bytes, uint8 [rows, row bytes] under the same keys: read, sliced and counted as safetensors are
-        infos = {k: TensorInfo(torch.uint8, _rows(t), t.offset, t.offset + t.data.numel())
-                 for k, t in self.tensors.items()}
+        infos = {
+            k: TensorInfo(torch.uint8, _rows(t), t.offset, t.offset + t.data.numel()) for k, t in self.tensors.items()
+        }
         self.raw = tensor_file_source(self.path, infos, mmap=not dry, dry=dry)
+
     bytes_read = property(lambda self: self.raw.bytes_read)
-    def keys(self): return self.tensors.keys()
-    def __contains__(self, k): return k in self.tensors
-    def shape(self, k): return _rows(self.tensors[k]) if k in self.kept else self.tensors[k].shape
-    def dtype(self, k): return torch.uint8 if k in self.kept else torch.float32
-    def where(self, k): return f'{self.path.name} ({self.tensors[k].name}, {self.tensors[k].qtype.name})'
-    def borrowed(self, k): return False
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def __contains__(self, k):
+        return k in self.tensors
+
+    def shape(self, k):
+        return _rows(self.tensors[k]) if k in self.kept else self.tensors[k].shape
+
+    def dtype(self, k):
+        return torch.uint8 if k in self.kept else torch.float32
+
+    def where(self, k):
+        return f'{self.path.name} ({self.tensors[k].name}, {self.tensors[k].qtype.name})'
+
+    def borrowed(self, k):
+        return False
+
     def close(self):
         self.tensors = None
         self.raw.close()
 
 # %% ../nbs/06b_gguf.ipynb #fmtg027
 @patch
-def read_many(self: GGUFSource, pairs: list, # (key, dest): dest of the key's shape, any float dtype and device
-              progress=None, # called as progress(bytes, tensors)
-              **kw):
+def read_many(
+    self: GGUFSource,
+    pairs: list,  # (key, dest): dest of the key's shape, any float dtype and device
+    progress=None,  # called as progress(bytes, tensors)
+    **kw,
+):
     "Fill each `dest` by `dequantize_gguf`, in cache-sized pieces on torch's threads."
     for k, d in pairs:
         t = self.tensors[k]
         if t.qtype not in GGUF_TYPES:
-            raise NotImplementedError(f'{self.path.name}: tensor {t.name!r} is {t.qtype.name}, not decoded (decoded: '
-                                      f'{", ".join(q.name for q in GGUF_TYPES)})')
+            raise NotImplementedError(
+                f'{self.path.name}: tensor {t.name!r} is {t.qtype.name}, not decoded (decoded: '
+                f'{", ".join(q.name for q in GGUF_TYPES)})'
+            )
         dest = d if d.is_contiguous() else torch.empty(d.shape, dtype=d.dtype, device=d.device)
-        rows = self.raw.get(k)   # a view of the mapped file (a meta tensor on a dry run)
-        if rows.is_meta: pass
-        elif k in self.kept: dest.copy_(rows)
-        else: dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
-        if dest is not d: d.copy_(dest)
-        if progress: progress(d.numel() * d.element_size(), 1)
+        rows = self.raw.get(k)  # a view of the mapped file (a meta tensor on a dry run)
+        if rows.is_meta:
+            pass
+        elif k in self.kept:
+            dest.copy_(rows)
+        else:
+            dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
+        if dest is not d:
+            d.copy_(dest)
+        if progress:
+            progress(d.numel() * d.element_size(), 1)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg027-1
 @patch
 def resolve(self: GGUFSource, k: str):
     "(bytes source, dequantizing tree) of key `k`, so a slice reads only its blocks; None: read whole."
     t = self.tensors[k]
-    if k in self.kept: return self.raw, k   # the stored bytes as they are: a rank reads its rows or whole blocks
-    if len(t.shape) != 2: return None   # a 1-d tensor is read whole, then cut
+    if k in self.kept:
+        return self.raw, k  # the stored bytes as they are: a rank reads its rows or whole blocks
+    if len(t.shape) != 2:
+        return None  # a 1-d tensor is read whole, then cut
     op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
     return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
 
@@ -495,7 +631,8 @@ def resolve(self: GGUFSource, k: str):
 @patch
 def _heads(self: GGUFSource, t: GGUFTensor) -> int | None:
     "Heads whose rows llama.cpp's converter permuted in tensor `t` (Llama's q and k), else None."
-    if self.arch != 'llama' or not ('.attn_q.' in t.name or '.attn_k.' in t.name): return None
+    if self.arch != 'llama' or not ('.attn_q.' in t.name or '.attn_k.' in t.name):
+        return None
     return self.config.num_attention_heads if '.attn_q.' in t.name else self.config.num_key_value_heads
 
 # %% ../nbs/06b_gguf.ipynb #fmtg027-3
@@ -510,31 +647,36 @@ def get(self: GGUFSource, k: str, out: torch.Tensor | None = None) -> torch.Tens
 @dataclass(frozen=True)
 class GGUFDequantize(Dequantize):
     "(blocks uint8 [rows, row bytes]) → the values [rows, row values] in `target_dtype`."
-    qtype: int = int(T.Q8_0) # the GGML type of the blocks
-    heads: int | None = None # Llama's q/k: the rows put back in transformers' order
+
+    qtype: int = int(T.Q8_0)  # the GGML type of the blocks
+    heads: int | None = None  # Llama's q/k: the rows put back in transformers' order
     target_dtype: torch.dtype = torch.bfloat16
     codes: ClassVar[tuple] = (torch.uint8,)
     _stackable: ClassVar[bool] = False
     suffixes: ClassVar[tuple] = ('',)
+
     def out_shape(self, shapes: list) -> tuple:
         block, size = GGML_QUANT_SIZES[T(self.qtype)]
         return (shapes[0][0], shapes[0][1] // size * block)
+
     def mismatch(self, shapes: list):
         size = GGML_QUANT_SIZES[T(self.qtype)][1]
         return None if len(shapes[0]) == 2 and shapes[0][1] % size == 0 else (0, 0, f'rows of whole {size}-byte blocks')
+
     def _one(self, ts):
         out = torch.empty(self.out_shape([ts[0].shape]), dtype=self.target_dtype)
         return dequantize_gguf(ts[0], self.qtype, out, self.heads)
 
 # %% ../nbs/06b_gguf.ipynb #fmtgk02
-def keep_gguf(model: torch.nn.Module, # built on meta; its Linear layers are swapped in place
-              src: GGUFSource, # the file's source over `model`; its kept keys then read as stored bytes
-              dtype: torch.dtype = torch.float32, # what `forward` dequantizes to
-             ) -> list:
+def keep_gguf(
+    model: torch.nn.Module,  # built on meta; its Linear layers are swapped in place
+    src: GGUFSource,  # the file's source over `model`; its kept keys then read as stored bytes
+    dtype: torch.dtype = torch.float32,  # what `forward` dequantizes to
+) -> list:
     "Swap each `nn.Linear` the file stores in a block type for a `QuantizedLinear`; the kept keys."
     units = []
     for k, t in src.tensors.items():
-        m = model.get_submodule(k[:-len('.weight')]) if k.endswith('.weight') else None
+        m = model.get_submodule(k[: -len('.weight')]) if k.endswith('.weight') else None
         if t.qtype in _BLOCK_DECODERS and isinstance(m, torch.nn.Linear):
             op = GGUFDequantize(int(t.qtype), src._heads(t), dtype)
             units.append(QuantizedTensor(k, [k], op, [_rows(t)], [torch.uint8]))
@@ -545,6 +687,7 @@ def keep_gguf(model: torch.nn.Module, # built on meta; its Linear layers are swa
 # %% ../nbs/06b_gguf.ipynb #83a586d1
 class GGUFStored(NamedTuple):
     "A leaf of a `GGUFTree`: the stored bytes of key `key`, uint8 [rows, row bytes]."
+
     key: str
     shape: tuple
     dtype: torch.dtype
@@ -552,18 +695,21 @@ class GGUFStored(NamedTuple):
 # %% ../nbs/06b_gguf.ipynb #83a586d1-1
 class GGUFTree(NamedTuple):
     "The values of a GGUF tensor as the slicing step sees them: `op` over the stored bytes `kids`."
-    op: object   # a `GGUFDequantize`
-    kids: list   # [`GGUFStored`]
-    shape: tuple   # the values' shape
+
+    op: object  # a `GGUFDequantize`
+    kids: list  # [`GGUFStored`]
+    shape: tuple  # the values' shape
     dtype: torch.dtype
 
 # %% ../nbs/06b_gguf.ipynb #acbc4030
 @patch
-def cut(self: GGUFDequantize, shapes: list, # [(rows, row bytes)], the stored shape
-        dim: int, # the dim of the values cut: 0 rows, 1 columns
-        start: int, # the range taken: [start, stop)
-        stop: int,
-       ) -> StoredCut:
+def cut(
+    self: GGUFDequantize,
+    shapes: list,  # [(rows, row bytes)], the stored shape
+    dim: int,  # the dim of the values cut: 0 rows, 1 columns
+    start: int,  # the range taken: [start, stop)
+    stop: int,
+) -> StoredCut:
     "The bytes [start, stop) of `dim` needs: its rows (whole heads), or its columns' whole blocks."
     rows, row_bytes = shapes[0]
     block, size = GGML_QUANT_SIZES[T(self.qtype)]

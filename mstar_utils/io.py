@@ -23,9 +23,12 @@ __all__ = ['read_at', 'populate_pages', 'Span', 'Part', 'Segment', 'plan_chunks'
 _IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
 _NOWAIT = getattr(os, 'RWF_NOWAIT', 0)  # Linux >= 4.14: fail with EAGAIN instead of waiting for the disk
 
+
 class _Disk:
     "Shared by a batch's reader threads: `cold`, whether a read found its bytes missing from the cache."
-    def __init__(self): self.cold = False
+
+    def __init__(self):
+        self.cold = False
 
 # %% ../nbs/01b_io.ipynb #5f3b9e08
 def _cached(fd: int, views: list, pos: int) -> int:
@@ -38,15 +41,16 @@ def _cached(fd: int, views: list, pos: int) -> int:
         return 0  # EAGAIN: not cached; EOPNOTSUPP: the file system cannot say
 
 # %% ../nbs/01b_io.ipynb #5f3b9e07
-def read_at(fd: int, # an open file descriptor
-            views: list, # writable byte buffers (memoryviews), filled in order from consecutive file bytes
-            pos: int, # file offset of the first byte
-            disk=None, # a `_Disk` the reader threads of a batch share; None: plain reads
-           ) -> int:
+def read_at(
+    fd: int,  # an open file descriptor
+    views: list,  # writable byte buffers (memoryviews), filled in order from consecutive file bytes
+    pos: int,  # file offset of the first byte
+    disk=None,  # a `_Disk` the reader threads of a batch share; None: plain reads
+) -> int:
     "Bytes read into `views` from offset `pos` of `fd`; fewer than their total only at the file's end."
     got, i = 0, 0
     while i < len(views):
-        batch = views[i:i + _IOV_MAX]
+        batch = views[i : i + _IOV_MAX]
         n = _cached(fd, batch, pos + got) if disk is not None and not disk.cold else 0
         if not n:
             if disk is not None:
@@ -59,7 +63,7 @@ def read_at(fd: int, # an open file descriptor
             n -= len(views[i])
             i += 1
         if n:
-            views = views[:i] + [views[i][n:]] + views[i + 1:]
+            views = views[:i] + [views[i][n:]] + views[i + 1 :]
     return got
 
 # %% ../nbs/01b_io.ipynb #3b8e1f70
@@ -69,6 +73,7 @@ _POPULATE_MIN = 256 << 10  # smaller parts: the copy's own page faults cost abou
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith('linux') else None
 if _libc is not None:
     _libc.madvise.argtypes, _libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+
 
 def _kernel_populates() -> bool:
     "Whether this kernel knows `MADV_POPULATE_WRITE`: tried once, on one page of fresh anonymous memory."
@@ -80,13 +85,15 @@ def _kernel_populates() -> bool:
     del view
     return _libc.madvise(addr, _PAGE, _MADV_POPULATE_WRITE) == 0
 
+
 _populating = _kernel_populates()
 
 # %% ../nbs/01b_io.ipynb #3b8e1f74
-def populate_pages(addr: int, # first byte of a range of this process's memory
-                   n: int, # its length in bytes
-                   write: bool = True, # fault the pages in writable; False: readable, as a file's mapping is read
-                  ) -> bool:
+def populate_pages(
+    addr: int,  # first byte of a range of this process's memory
+    n: int,  # its length in bytes
+    write: bool = True,  # fault the pages in writable; False: readable, as a file's mapping is read
+) -> bool:
     "Fault in the whole pages inside `[addr, addr + n)` in one system call; False when none were."
     # None are when no whole page is inside, the kernel lacks `MADV_POPULATE_WRITE`, or it cannot populate the
     # memory (device or read-only mappings, which the read then reports).
@@ -98,36 +105,41 @@ def populate_pages(addr: int, # first byte of a range of this process's memory
 # %% ../nbs/01b_io.ipynb #4a9e1c01
 class Span(NamedTuple):
     "One item's bytes in a file: `nbytes` bytes from byte `offset` of `file`."
-    file: object # the file: a path, or any key the reader's `fd` maps to an open descriptor
-    offset: int # byte offset of the item's first byte in the file
-    nbytes: int # the item's length in bytes
+
+    file: object  # the file: a path, or any key the reader's `fd` maps to an open descriptor
+    offset: int  # byte offset of the item's first byte in the file
+    nbytes: int  # the item's length in bytes
 
 # %% ../nbs/01b_io.ipynb #4a9e1c02
 class Part(NamedTuple):
     "The piece of item `item` that a segment holds: `nbytes` bytes from byte `at` of the item."
-    item: int # the item's index in the batch's spans
-    at: int # byte offset of the piece within the item
-    nbytes: int # the piece's length in bytes
+
+    item: int  # the item's index in the batch's spans
+    at: int  # byte offset of the piece within the item
+    nbytes: int  # the piece's length in bytes
 
 # %% ../nbs/01b_io.ipynb #4a9e1c03
 class Segment(NamedTuple):
     "A run of bytes contiguous in `file`, read with one `preadv`: the `parts` it holds, back to back."
-    file: object # the file, as its spans name it
-    offset: int # byte offset of the run's first byte in the file
-    start: int # where the run starts in a chunk-sized staging buffer (its offset modulo 16 is the file's)
-    nbytes: int # the run's length in bytes: the sum of its parts'
-    parts: list # the `Part`s, in file order
+
+    file: object  # the file, as its spans name it
+    offset: int  # byte offset of the run's first byte in the file
+    start: int  # where the run starts in a chunk-sized staging buffer (its offset modulo 16 is the file's)
+    nbytes: int  # the run's length in bytes: the sum of its parts'
+    parts: list  # the `Part`s, in file order
 
 # %% ../nbs/01b_io.ipynb #4a9e1c07
 _ALIGN = 16  # every itemsize divides it: a tensor split at a multiple of it splits between elements
 
-def plan_chunks(spans: list, # a `Span` (file, byte offset in the file, byte count) per item
-                cap: int, # bytes a chunk may hold, >= 64
-               ) -> list[list[Segment]]:
+
+def plan_chunks(
+    spans: list,  # a `Span` (file, byte offset in the file, byte count) per item
+    cap: int,  # bytes a chunk may hold, >= 64
+) -> list[list[Segment]]:
     "`spans` packed in file then offset order into chunks of at most `cap` bytes, each of one file."
-    chunks, segs, fill = [], [], 0   # segs: the open chunk's closed segments; fill: the bytes of the chunk used
-    file, offset, start, run, parts = None, 0, 0, 0, None   # the open segment (none while `parts` is None)
-    order = [(str(f), pos) for f, pos, _ in spans]   # file then offset
+    chunks, segs, fill = [], [], 0  # segs: the open chunk's closed segments; fill: the bytes of the chunk used
+    file, offset, start, run, parts = None, 0, 0, 0, None  # the open segment (none while `parts` is None)
+    order = [(str(f), pos) for f, pos, _ in spans]  # file then offset
     for i in sorted(range(len(spans)), key=order.__getitem__):
         path, pos, n = spans[i]
         at = 0
@@ -176,10 +188,11 @@ def plan_chunks(spans: list, # a `Span` (file, byte offset in the file, byte cou
 @dataclass
 class Reads:
     "A batch's items as parallel lists: a name, a destination, a file span and the stored dtype each."
-    names: list = field(default_factory=list) # each item's name in errors (a checkpoint key)
-    dests: list = field(default_factory=list) # its destination: a contiguous tensor that holds the span's bytes
-    spans: list = field(default_factory=list) # its bytes in a file, a `Span`
-    dtypes: list = field(default_factory=list) # the dtype it is stored in; a destination of another dtype is cast
+
+    names: list = field(default_factory=list)  # each item's name in errors (a checkpoint key)
+    dests: list = field(default_factory=list)  # its destination: a contiguous tensor that holds the span's bytes
+    spans: list = field(default_factory=list)  # its bytes in a file, a `Span`
+    dtypes: list = field(default_factory=list)  # the dtype it is stored in; a destination of another dtype is cast
 
     def add(self, name, dest: torch.Tensor, span: Span, dtype: torch.dtype):
         "Append one item."
@@ -242,58 +255,81 @@ def _run_in_order(chunks: list, job, threads: int, done):
             err = e
     if err is None:
         return
-    for c, f in zip(chunks[n + 1:], futs[n + 1:], strict=True):
+    for c, f in zip(chunks[n + 1 :], futs[n + 1 :], strict=True):
         if not f.cancelled() and f.exception() is None:
             done(c)
     raise err
 
 # %% ../nbs/01b_io.ipynb #1f7b6d44
-def read_direct(reads: Reads, # destinations: contiguous CPU tensors of the stored dtype
-                fd, # fd(file) -> an open descriptor of each file the spans name; called on the reader threads
-                threads: int, # reader threads
-                progress=None, # called on this thread as progress(bytes, tensors) as chunks complete
-               ):
+def read_direct(
+    reads: Reads,  # destinations: contiguous CPU tensors of the stored dtype
+    fd,  # fd(file) -> an open descriptor of each file the spans name; called on the reader threads
+    threads: int,  # reader threads
+    progress=None,  # called on this thread as progress(bytes, tensors) as chunks complete
+):
     "Read each item of `reads` straight into its destination, in chunks spread over `threads` threads."
     dests, spans = reads.dests, reads.spans
     bufs, disk = [_buffer(d) if d.numel() else None for d in dests], _Disk()
     sizes, addrs = [s.nbytes for s in spans], [d.data_ptr() for d in dests]
+
     def views(seg):
         for i, at, n in seg.parts:
             if n >= _POPULATE_MIN:
                 populate_pages(addrs[i] + at, n)
-        return [bufs[i] if n == sizes[i] else bufs[i][at:at + n] for i, at, n in seg.parts]
+        return [bufs[i] if n == sizes[i] else bufs[i][at : at + n] for i, at, n in seg.parts]
+
     chunks = plan_chunks(spans, 8 << 20)
-    def job(j): _read_chunk(chunks[j], views, fd, reads.names, sizes, disk)
+
+    def job(j):
+        _read_chunk(chunks[j], views, fd, reads.names, sizes, disk)
+
     _run_in_order(range(len(chunks)), job, threads, lambda j: _report(progress, chunks[j], sizes))
 
 # %% ../nbs/01b_io.ipynb #3d7f5a12
 class HostCopier:
     "The staging ring's device step for the CPU, or any device synchronously: copies and casts at once."
-    def staging(self, nbytes: int) -> torch.Tensor: return torch.empty(nbytes, dtype=torch.uint8)
-    def copy(self, dst: torch.Tensor, src: torch.Tensor): dst.copy_(src)
-    def mark(self): return None  # a token for "the copies issued so far"; they are already done
-    def wait(self, token): pass
-    def finish(self): pass
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        dst.copy_(src)
+
+    def mark(self):
+        return None  # a token for "the copies issued so far"; they are already done
+
+    def wait(self, token):
+        pass
+
+    def finish(self):
+        pass
 
 # %% ../nbs/01b_io.ipynb #6a0e4b97
 class CudaCopier:
     "The device step for CUDA: pinned staging, copies and casts on a side stream, an event per chunk."
+
     def __init__(self, device):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
         # destinations were allocated on the current stream
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-    def staging(self, nbytes: int) -> torch.Tensor: return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor):
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
+
     def mark(self):
         ev = torch.cuda.Event()
         ev.record(self.stream)
         return ev
+
     def wait(self, ev):
         if ev is not None:
             ev.synchronize()
+
     def finish(self):
         self.stream.synchronize()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -312,19 +348,20 @@ def _copy_chunk(chunk: list, buf: torch.Tensor, flats: list, dts: list, copier):
         c = seg.start
         for i, at, n in seg.parts:
             isz = dts[i].itemsize
-            src = buf[c:c + n]
+            src = buf[c : c + n]
             src = src.view(dts[i]) if c % isz == 0 else src.clone().view(dts[i])  # a tensor misaligned in its file
-            copier.copy(flats[i][at // isz:(at + n) // isz], src)
+            copier.copy(flats[i][at // isz : (at + n) // isz], src)
             c += n
 
 # %% ../nbs/01b_io.ipynb #5c1e8f24
-def read_staged(reads: Reads, # destinations: contiguous tensors of any dtype, on any device
-                fd, # fd(file) -> an open descriptor of each file the spans name; called on the reader threads
-                copier, # moves staged bytes to the destinations' device (`copier_for`)
-                threads: int, # reader threads
-                progress=None, # called on this thread as progress(bytes, tensors) as chunks complete
-                chunk_bytes: int = 8 << 20, # bytes of one staging buffer
-               ):
+def read_staged(
+    reads: Reads,  # destinations: contiguous tensors of any dtype, on any device
+    fd,  # fd(file) -> an open descriptor of each file the spans name; called on the reader threads
+    copier,  # moves staged bytes to the destinations' device (`copier_for`)
+    threads: int,  # reader threads
+    progress=None,  # called on this thread as progress(bytes, tensors) as chunks complete
+    chunk_bytes: int = 8 << 20,  # bytes of one staging buffer
+):
     "Read `reads` through a ring of `threads + 1` staging chunks (<= 64 MiB, >= 2) `copier` copies out."
     sizes, chunks, disk = [s.nbytes for s in reads.spans], plan_chunks(reads.spans, chunk_bytes), _Disk()
     if not chunks:
@@ -332,10 +369,12 @@ def read_staged(reads: Reads, # destinations: contiguous tensors of any dtype, o
     R = min(threads + 1, max(2, (64 << 20) // chunk_bytes), len(chunks))
     ring = [copier.staging(chunk_bytes) for _ in range(R)]
     mvs, flats = [_buffer(b) for b in ring], [d.view(-1) for d in reads.dests]
+
     def job(j, tok):
         copier.wait(tok)
         mv = mvs[j % R]
-        _read_chunk(chunks[j], lambda seg: [mv[seg.start:seg.start + seg.nbytes]], fd, reads.names, sizes, disk)
+        _read_chunk(chunks[j], lambda seg: [mv[seg.start : seg.start + seg.nbytes]], fd, reads.names, sizes, disk)
+
     with ThreadPoolExecutor(min(threads, R), thread_name_prefix='read') as ex:
         futs = {j: ex.submit(job, j, None) for j in range(R)}
         try:
@@ -355,8 +394,9 @@ def read_staged(reads: Reads, # destinations: contiguous tensors of any dtype, o
 
 # %% ../nbs/01b_io.ipynb #2e9b7d41
 @contextmanager
-def sequential(fds: list, # open file descriptors
-              ):
+def sequential(
+    fds: list,  # open file descriptors
+):
     "Advise `POSIX_FADV_SEQUENTIAL` on every file of `fds` for the block, `POSIX_FADV_NORMAL` after it."
     # Nothing where `os.posix_fadvise` is missing (macOS, Windows).
     advise = getattr(os, 'posix_fadvise', None)

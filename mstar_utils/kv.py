@@ -18,35 +18,40 @@ __all__ = ['CONVENTIONS', 'checked_count', 'kv_pages', 'kv_max_requests', 'KVCac
            'VLLMGroup', 'VLLMConcurrency', 'vllm_concurrency']
 
 # %% ../nbs/09_kv.ipynb #0b85a89e
-def checked_count(value, # the count to check
-                  what: str, # its name, for the error
-                  minimum: int = 0, # the least value allowed
-                 ) -> int:
+def checked_count(
+    value,  # the count to check
+    what: str,  # its name, for the error
+    minimum: int = 0,  # the least value allowed
+) -> int:
     "`value` as an int ≥ `minimum`; `ValueError` naming `what` otherwise."
     # Bools and floats are refused, even integral ones.
     if isinstance(value, bool):
         raise ValueError(f'{what} must be an integer, got the bool {value!r}')
-    try: n = operator.index(value)
+    try:
+        n = operator.index(value)
     except TypeError:
         raise ValueError(f'{what} must be an integer, got {type(value).__name__} {value!r}') from None
-    if n < minimum: raise ValueError(f'{what} must be at least {minimum}, got {n}')
+    if n < minimum:
+        raise ValueError(f'{what} must be at least {minimum}, got {n}')
     return n
 
 # %% ../nbs/09_kv.ipynb #4e0c6b1a
-def kv_pages(tokens: int, # tokens each request holds, ≥ 0
-             page_size: int, # token slots per page, ≥ 1
-             requests: int, # concurrent requests, ≥ 0
-            ) -> int: # requests × ceil(tokens / page_size) + 1
+def kv_pages(
+    tokens: int,  # tokens each request holds, ≥ 0
+    page_size: int,  # token slots per page, ≥ 1
+    requests: int,  # concurrent requests, ≥ 0
+) -> int:  # requests × ceil(tokens / page_size) + 1
     "Pages for `requests` sequences of `tokens` tokens each"
     tokens, requests = checked_count(tokens, 'tokens'), checked_count(requests, 'requests')
     page_size = checked_count(page_size, 'page_size', 1)
     return requests * -(-tokens // page_size) + 1
 
 # %% ../nbs/09_kv.ipynb #eff48c5d
-def kv_max_requests(max_num_pages: int, # pages in the pool, sink page included
-                    tokens: int, # tokens each request holds, ≥ 1
-                    page_size: int, # token slots per page
-                   ) -> int:
+def kv_max_requests(
+    max_num_pages: int,  # pages in the pool, sink page included
+    tokens: int,  # tokens each request holds, ≥ 1
+    page_size: int,  # token slots per page
+) -> int:
     "The largest `C` with `kv_pages(tokens, page_size, C) <= max_num_pages`"
     max_num_pages = checked_count(max_num_pages, 'max_num_pages')
     per = kv_pages(tokens, page_size, 1) - 1
@@ -58,17 +63,25 @@ def kv_max_requests(max_num_pages: int, # pages in the pool, sink page included
 @dataclass(frozen=True)
 class KVCachePool:
     "One paged KV cache pool; `ValueError` at construction when a count is not an integer in range."
-    max_seq_len: int # longest sequence a request may reach, in tokens, ≥ 1
-    page_size: int # token slots per page, ≥ 1
-    max_num_pages: int # pages on the accelerator, sink page included
-    name: str = '' # the pool in messages
-    cpu_offload_pages: int = 0 # pages parked in host memory; they never count towards what fits
-    fixed_pages_per_request: int = 0 # pages a request holds whatever its length: recurrent states, windows (hybrids)
+
+    max_seq_len: int  # longest sequence a request may reach, in tokens, ≥ 1
+    page_size: int  # token slots per page, ≥ 1
+    max_num_pages: int  # pages on the accelerator, sink page included
+    name: str = ''  # the pool in messages
+    cpu_offload_pages: int = 0  # pages parked in host memory; they never count towards what fits
+    fixed_pages_per_request: int = 0  # pages a request holds whatever its length: recurrent states, windows (hybrids)
+
     def __post_init__(self):
         what = 'KVCachePool' + (f' {self.name!r}' if self.name else '')
-        for attr, lo in (('max_seq_len', 1), ('page_size', 1), ('max_num_pages', 0), ('cpu_offload_pages', 0),
-                         ('fixed_pages_per_request', 0)):
+        for attr, lo in (
+            ('max_seq_len', 1),
+            ('page_size', 1),
+            ('max_num_pages', 0),
+            ('cpu_offload_pages', 0),
+            ('fixed_pages_per_request', 0),
+        ):
             object.__setattr__(self, attr, checked_count(getattr(self, attr), f'{what} {attr}', lo))
+
     @property
     def max_requests(self) -> int:
         "Requests of `max_seq_len` tokens (and their fixed pages) the on-device pages hold"
@@ -78,11 +91,14 @@ class KVCachePool:
 # %% ../nbs/09_kv.ipynb #f2f85bfe
 def _labeled_pools(pools) -> list[tuple[str, object]]:
     "(label, pool) pairs from a list of pools, a dict from node to pool, or `None`; `TypeError` for anything else."
-    if pools is None: return []
+    if pools is None:
+        return []
     if isinstance(pools, dict):
+
         def label(node, p):
             name = getattr(p, 'name', '') or ''
             return f'{node}' if not name or name == str(node) else f'{node} ({name})'
+
         return [(label(node, p), p) for node, p in pools.items()]
     if isinstance(pools, (list, tuple)):
         return [(getattr(p, 'name', '') or f'#{i}', p) for i, p in enumerate(pools)]
@@ -94,18 +110,21 @@ def _labeled_pools(pools) -> list[tuple[str, object]]:
 @dataclass(frozen=True)
 class KVPoolFit:
     "One pool measured against the cap"
-    label: str # the pool in messages: its node, its name or `#i`
+
+    label: str  # the pool in messages: its node, its name or `#i`
     max_seq_len: int
     page_size: int
-    max_num_pages: int # sink page included
-    pages_per_request: int # pages one request of max_seq_len takes, its fixed pages included, sink not
-    max_requests: int # requests of max_seq_len the pool holds next to its sink page
-    pages_needed: int | None = None # pages the cap takes, sink included; None without a cap
-    fixed_pages: int = 0 # of pages_per_request, those a request holds whatever its length
+    max_num_pages: int  # sink page included
+    pages_per_request: int  # pages one request of max_seq_len takes, its fixed pages included, sink not
+    max_requests: int  # requests of max_seq_len the pool holds next to its sink page
+    pages_needed: int | None = None  # pages the cap takes, sink included; None without a cap
+    fixed_pages: int = 0  # of pages_per_request, those a request holds whatever its length
+
     @property
     def fits(self) -> bool:
         "The pool holds the cap (without a cap: at least one request)."
         return self.max_requests >= 1 if self.pages_needed is None else self.pages_needed <= self.max_num_pages
+
     @property
     def tight(self) -> bool:
         "The pool holds the cap with 10 % of its pages or fewer spare (the cap takes at least 90 %)."
@@ -117,8 +136,10 @@ def _pool_fit(label: str, pool, cap: int | None, config_path: str) -> KVPoolFit:
     vals = []
     for attr, lo in (('max_seq_len', 1), ('page_size', 1), ('max_num_pages', 0)):
         if not hasattr(pool, attr):
-            raise TypeError(f'{config_path}: KV cache pool {label!r} ({type(pool).__name__}) has no {attr}; '
-                            'expected max_seq_len, page_size and max_num_pages')
+            raise TypeError(
+                f'{config_path}: KV cache pool {label!r} ({type(pool).__name__}) has no {attr}; '
+                'expected max_seq_len, page_size and max_num_pages'
+            )
         vals.append(checked_count(getattr(pool, attr), f'{config_path}: KV cache pool {label!r} {attr}', lo))
     seq, ps, n = vals
     fixed = checked_count(
@@ -131,16 +152,19 @@ def _pool_fit(label: str, pool, cap: int | None, config_path: str) -> KVPoolFit:
 @dataclass(frozen=True)
 class KVPlan:
     "What `plan_kv_pools` found"
-    config_path: str # the file the cap comes from, named in messages
-    max_concurrent_requests: int | None # the cap; None leaves admission unbounded
+
+    config_path: str  # the file the cap comes from, named in messages
+    max_concurrent_requests: int | None  # the cap; None leaves admission unbounded
     pools: tuple[KVPoolFit, ...] = ()
-    max_requests: int | None = None # the largest cap every pool holds; None without pools
-    error: str | None = None # why the cap is refused; None when the pools hold it
+    max_requests: int | None = None  # the largest cap every pool holds; None without pools
+    error: str | None = None  # why the cap is refused; None when the pools hold it
     warnings: tuple[str, ...] = ()
+
     @property
     def short(self) -> tuple[KVPoolFit, ...]:
         "The pools that fall short."
         return tuple(p for p in self.pools if not p.fits)
+
     @property
     def verdict(self) -> str:
         "`'refused'`, `'warning'` (fits, with warnings) or `'fits'`."
@@ -150,7 +174,8 @@ class KVPlan:
 def _refusal(pools: tuple[KVPoolFit, ...], cap: int | None, best: int, config_path: str) -> str | None:
     "The refusal for `pools` that cannot take `cap` (without a cap: one request each); `None` when they can."
     short = [p for p in pools if not p.fits]
-    if not short: return None
+    if not short:
+        return None
     if cap is None:
         p = short[0]
         return (
@@ -158,14 +183,20 @@ def _refusal(pools: tuple[KVPoolFit, ...], cap: int | None, best: int, config_pa
             f'needs {p.pages_per_request + 1} pages of {p.page_size} tokens (sink page included), the pool has '
             f'{p.max_num_pages}'
         )
-    def per(p): return f' ({p.fixed_pages} of them fixed state)' if p.fixed_pages else ''
+
+    def per(p):
+        return f' ({p.fixed_pages} of them fixed state)' if p.fixed_pages else ''
+
     lines = [
         f'pool {p.label!r} needs {p.pages_needed} pages ({cap} × {p.pages_per_request} pages of {p.page_size} tokens '
         f'for max_seq_len {p.max_seq_len}{per(p)}, + 1 sink page) and has {p.max_num_pages}'
         for p in short
     ]
-    hint = (f'The largest max_concurrent_requests that fits is {best}' if best else
-            'No max_concurrent_requests fits: not even one request of max_seq_len fits next to the sink page')
+    hint = (
+        f'The largest max_concurrent_requests that fits is {best}'
+        if best
+        else 'No max_concurrent_requests fits: not even one request of max_seq_len fits next to the sink page'
+    )
     return f'{config_path}: max_concurrent_requests: {cap} does not fit the KV cache: ' + '; '.join(lines) + f'. {hint}'
 
 # %% ../nbs/09_kv.ipynb #8d9e0f1a
@@ -178,14 +209,19 @@ def _warnings(pools: tuple[KVPoolFit, ...], cap: int | None, best: int, config_p
             + ', '.join(f'pool {p.label!r}: {p.max_requests}' for p in pools)
             + ')',
         )
-    return tuple(f'{config_path}: KV cache pool {p.label!r} is within 10% of its limit: {cap} requests of max_seq_len '
-                 f'{p.max_seq_len} take {p.pages_needed} of its {p.max_num_pages} pages' for p in pools if p.tight)
+    return tuple(
+        f'{config_path}: KV cache pool {p.label!r} is within 10% of its limit: {cap} requests of max_seq_len '
+        f'{p.max_seq_len} take {p.pages_needed} of its {p.max_num_pages} pages'
+        for p in pools
+        if p.tight
+    )
 
 # %% ../nbs/09_kv.ipynb #9e0f1a2b
-def plan_kv_pools(pools, # a list of pools, a dict from node to pool, or None (no KV cache)
-                  max_concurrent_requests: int | None = None, # the cap; None leaves admission unbounded
-                  config_path: str = 'serving config', # the file the cap comes from, named in messages
-                 ) -> KVPlan:
+def plan_kv_pools(
+    pools,  # a list of pools, a dict from node to pool, or None (no KV cache)
+    max_concurrent_requests: int | None = None,  # the cap; None leaves admission unbounded
+    config_path: str = 'serving config',  # the file the cap comes from, named in messages
+) -> KVPlan:
     "Whether `pools` hold `max_concurrent_requests` requests at full length, as data"
     cap = (
         None
@@ -193,7 +229,8 @@ def plan_kv_pools(pools, # a list of pools, a dict from node to pool, or None (n
         else checked_count(max_concurrent_requests, f'{config_path}: max_concurrent_requests', 1)
     )
     fits = tuple(_pool_fit(label, p, cap, config_path) for label, p in _labeled_pools(pools))
-    if not fits: return KVPlan(config_path, cap)
+    if not fits:
+        return KVPlan(config_path, cap)
     best = min(p.max_requests for p in fits)
     error = _refusal(fits, cap, best, config_path)
     return KVPlan(config_path, cap, fits, best, error, () if error else _warnings(fits, cap, best, config_path))
@@ -201,26 +238,32 @@ def plan_kv_pools(pools, # a list of pools, a dict from node to pool, or None (n
 # %% ../nbs/09_kv.ipynb #1b2c3d4e
 _log = logging.getLogger('mstar_utils.kv')
 
+
 def _model_pools(model):
     "`model.get_kv_cache_config()`, `None` for a model without it"
     # `TypeError` naming the model for anything but a list, dict or `None`.
     get = getattr(model, 'get_kv_cache_config', None)
     pools = get() if callable(get) else None
     if pools is not None and not isinstance(pools, (list, tuple, dict)):
-        raise TypeError(f'{type(model).__name__}.get_kv_cache_config() returned {type(pools).__name__}; '
-                        'expected a list of pools, a dict from node to pool, or None')
+        raise TypeError(
+            f'{type(model).__name__}.get_kv_cache_config() returned {type(pools).__name__}; '
+            'expected a list of pools, a dict from node to pool, or None'
+        )
     return pools
 
 # %% ../nbs/09_kv.ipynb #835c35ac
-def check_kv_pools_fit(model, # has `get_kv_cache_config()`, or keeps no KV cache
-                       config: dict, # the serving config; `max_concurrent_requests` is the cap
-                       config_path: str, # the config's file, named in messages
-                       log: logging.Logger | None = None, # for the warnings; None: the `mstar_utils.kv` logger
-                      ) -> None:
+def check_kv_pools_fit(
+    model,  # has `get_kv_cache_config()`, or keeps no KV cache
+    config: dict,  # the serving config; `max_concurrent_requests` is the cap
+    config_path: str,  # the config's file, named in messages
+    log: logging.Logger | None = None,  # for the warnings; None: the `mstar_utils.kv` logger
+) -> None:
     "Refuse a `max_concurrent_requests` the model's KV caches cannot hold"
     plan = plan_kv_pools(_model_pools(model), (config or {}).get('max_concurrent_requests'), config_path)
-    if plan.error: raise ValueError(plan.error)
-    for w in plan.warnings: (_log if log is None else log).warning(w)
+    if plan.error:
+        raise ValueError(plan.error)
+    for w in plan.warnings:
+        (_log if log is None else log).warning(w)
 
 # %% ../nbs/09_kv.ipynb #e88d9fb3
 _DTYPE_BYTES = {
@@ -246,10 +289,12 @@ _DTYPE_BYTES = {
 }
 
 # %% ../nbs/09_kv.ipynb #5f6a7b8c
-def dtype_bytes(dtype, # a torch.dtype, or a name: 'bfloat16', 'bf16', 'torch.float16', 'fp8'
-               ) -> int:
+def dtype_bytes(
+    dtype,  # a torch.dtype, or a name: 'bfloat16', 'bf16', 'torch.float16', 'fp8'
+) -> int:
     "Bytes per element of `dtype`; `ValueError` for an unknown name."
-    if hasattr(dtype, 'itemsize') and not isinstance(dtype, str): return int(dtype.itemsize)
+    if hasattr(dtype, 'itemsize') and not isinstance(dtype, str):
+        return int(dtype.itemsize)
     name = str(dtype).strip().lower().removeprefix('torch.')
     if name not in _DTYPE_BYTES:
         raise ValueError(f'unknown dtype {dtype!r}; expected a torch.dtype or one of {sorted(_DTYPE_BYTES)}')
@@ -259,6 +304,7 @@ def dtype_bytes(dtype, # a torch.dtype, or a name: 'bfloat16', 'bf16', 'torch.fl
 def _config_from_dict(d: dict, where: str):
     "transformers' config of `d['model_type']` built from `d`, defaults filling the rest; `ValueError` naming `where`."
     from transformers import CONFIG_MAPPING
+
     if not isinstance(d, dict):
         raise ValueError(f'{where} holds a JSON {type(d).__name__}, expected an object')
     model_type = d.get('model_type')
@@ -271,21 +317,29 @@ def _config_from_dict(d: dict, where: str):
     cls = CONFIG_MAPPING[model_type]
     # save_pretrained writes inf as {'__float__': 'Infinity'}
     d = getattr(cls, '_decode_special_floats', lambda d: d)(d)
-    try: return cls.from_dict(d)
+    try:
+        return cls.from_dict(d)
     except (AttributeError, TypeError, ValueError) as e:
         raise ValueError(f'{where}: transformers cannot build {cls.__name__} from it: {e}') from None
 
 # %% ../nbs/09_kv.ipynb #8c9d0e1f
-def read_model_config(config, # a transformers config, a config.json dict, or a checkpoint folder or its config.json
-                     ):
+def read_model_config(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder or its config.json
+):
     "`config` as transformers' config object of its `model_type`."
     from transformers import PretrainedConfig
-    if isinstance(config, PretrainedConfig): return config
-    if isinstance(config, dict): return _config_from_dict(config, 'model config')
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, dict):
+        return _config_from_dict(config, 'model config')
     path = Path(config)
-    if path.is_dir(): path = path/'config.json'
-    try: d = json.loads(path.read_text(encoding='utf-8'))
-    except FileNotFoundError: raise FileNotFoundError(f'no model config at {path}') from None
+    if path.is_dir():
+        path = path / 'config.json'
+    try:
+        d = json.loads(path.read_text(encoding='utf-8'))
+    except FileNotFoundError:
+        raise FileNotFoundError(f'no model config at {path}') from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f'cannot read {path}: {e}') from None
     return _config_from_dict(d, str(path))
@@ -294,14 +348,16 @@ def read_model_config(config, # a transformers config, a config.json dict, or a 
 def _need(cfg, key: str, minimum: int = 1) -> int:
     "`cfg.<key>` as a count ≥ `minimum`; `ValueError` naming the model type and key when it is missing or invalid."
     v = getattr(cfg, key, None)
-    if v is None: raise ValueError(f'{cfg.model_type} config has no {key}')
+    if v is None:
+        raise ValueError(f'{cfg.model_type} config has no {key}')
     return checked_count(v, f'{cfg.model_type} config {key}', minimum)
 
 # %% ../nbs/09_kv.ipynb #a15c870d
 def _first(cfg, *keys: str) -> int | None:
     "The first of `keys` that `cfg` sets, as a count ≥ 1; None when it sets none of them."
     for k in keys:
-        if getattr(cfg, k, None) is not None: return _need(cfg, k)
+        if getattr(cfg, k, None) is not None:
+            return _need(cfg, k)
     return None
 
 # %% ../nbs/09_kv.ipynb #a15c870d-1
@@ -321,6 +377,7 @@ _RECURRENT_ONLY = {
     'recurrent_gemma': "RecurrentGemma's RG-LRU states",
     'dory': "Dory's looped layers, cached once per loop,",
 }
+
 
 def _layer_kinds(text) -> list[str | None]:
     "Each decoder layer's kind from `layer_types` (or `sliding_window` / `attention_chunk_size`)"
@@ -359,7 +416,8 @@ def _kv_heads(text) -> int:
         return _need(text, 'num_key_value_heads')
     if getattr(text, 'multi_query', False) and not getattr(text, 'new_decoder_architecture', False):
         return 1
-    if getattr(text, 'num_kv_heads', None) is not None: return _need(text, 'num_kv_heads')
+    if getattr(text, 'num_kv_heads', None) is not None:
+        return _need(text, 'num_kv_heads')
     return _need(text, 'num_attention_heads')
 
 # %% ../nbs/09_kv.ipynb #8a9b0c1d
@@ -369,7 +427,7 @@ def _attention_token_bytes(text, nbytes: int) -> int:
     if getattr(text, 'kv_lora_rank', None):
         return (_need(text, 'kv_lora_rank') + _need(text, 'qk_rope_head_dim')) * nbytes
     heads, kv_heads = _need(text, 'num_attention_heads'), _kv_heads(text)
-    head_dim = _first(text, 'head_dim', 'attention_head_dim')   # Zamba: attention_head_dim
+    head_dim = _first(text, 'head_dim', 'attention_head_dim')  # Zamba: attention_head_dim
     if head_dim is None:
         hidden = _need(text, 'hidden_size')
         if hidden % heads:
@@ -384,6 +442,7 @@ def _attention_token_bytes(text, nbytes: int) -> int:
 # %% ../nbs/09_kv.ipynb #0c1d2e3f
 CONVENTIONS = ('vllm', 'transformers')
 
+
 def _convention(convention) -> str:
     "`convention` checked: `'vllm'` or `'transformers'`; `ValueError` naming the choices otherwise."
     if convention not in CONVENTIONS:
@@ -394,13 +453,15 @@ def _convention(convention) -> str:
 @dataclass(frozen=True)
 class StateShape:
     "A recurrent layer's state per request"
-    family: str # mamba1, mamba2, gated_deltanet, kda, short_conv or lightning
-    conv_channels: int = 0 # channels of the causal convolution's window
+
+    family: str  # mamba1, mamba2, gated_deltanet, kda, short_conv or lightning
+    conv_channels: int = 0  # channels of the causal convolution's window
     # the convolution's width; the window keeps kernel - 1 (vLLM) or kernel (transformers) positions
     conv_kernel: int = 0
-    ssm_elements: int = 0 # elements of the recurrent (SSM, delta-rule or linear-attention) state
-    ssm_float32: bool = True # transformers keeps the recurrent state in float32
-    vllm_ssm_float32: bool = False # vLLM keeps it in float32 whatever the model dtype (KDA)
+    ssm_elements: int = 0  # elements of the recurrent (SSM, delta-rule or linear-attention) state
+    ssm_float32: bool = True  # transformers keeps the recurrent state in float32
+    vllm_ssm_float32: bool = False  # vLLM keeps it in float32 whatever the model dtype (KDA)
+
     def bytes(self, nbytes: int, ssm_nbytes: int, convention: str) -> int:
         "Bytes of the state: the window in elements of `nbytes`"
         positions = self.conv_kernel - 1 if convention == 'vllm' else self.conv_kernel
@@ -458,8 +519,13 @@ def _gated_deltanet(t) -> StateShape:
 def _kda(t) -> StateShape:
     "Kimi Delta Attention (Kimi Linear)"
     # window over q, k and v of `heads × head_dim` each, a `head_dim²` state per head.
-    d = _needs(t, 'Kimi Delta Attention', heads=('linear_num_heads',), dim=('linear_head_dim',),
-               kernel=('linear_conv_kernel_dim', 'short_conv_kernel_size'))
+    d = _needs(
+        t,
+        'Kimi Delta Attention',
+        heads=('linear_num_heads',),
+        dim=('linear_head_dim',),
+        kernel=('linear_conv_kernel_dim', 'short_conv_kernel_size'),
+    )
     return StateShape('kda', 3 * d['heads'] * d['dim'], d['kernel'], d['heads'] * d['dim'] ** 2, vllm_ssm_float32=True)
 
 # %% ../nbs/09_kv.ipynb #39100c75
@@ -477,17 +543,23 @@ def _lightning(t) -> StateShape:
     return StateShape('lightning', ssm_elements=heads * dim * dim, ssm_float32=False)
 
 # %% ../nbs/09_kv.ipynb #d4197e8b
-_STATE_FAMILIES = (   # (family, the config keys that mark it), tried in order
-    (_gated_deltanet, ('linear_num_key_heads',)), (_kda, ('linear_num_heads',)),
-    (_mamba2, ('mamba_n_groups', 'mamba_ngroups', 'n_groups')), (_mamba1, ('mamba_d_state', 'state_size')),
-    (_lightning, ('linear_attn_alpha_factor',)))
+_STATE_FAMILIES = (  # (family, the config keys that mark it), tried in order
+    (_gated_deltanet, ('linear_num_key_heads',)),
+    (_kda, ('linear_num_heads',)),
+    (_mamba2, ('mamba_n_groups', 'mamba_ngroups', 'n_groups')),
+    (_mamba1, ('mamba_d_state', 'state_size')),
+    (_lightning, ('linear_attn_alpha_factor',)),
+)
+
 
 def _state_shape(t, kind: str) -> StateShape:
     "The recurrent state a `kind` layer of text config `t` keeps: LFM2's conv, else the family its keys mark"
     # `ValueError` otherwise.
-    if kind == 'conv': return _short_conv(t)
+    if kind == 'conv':
+        return _short_conv(t)
     for family, marks in _STATE_FAMILIES:
-        if any(getattr(t, k, None) is not None for k in marks): return family(t)
+        if any(getattr(t, k, None) is not None for k in marks):
+            return family(t)
     raise ValueError(
         f'{t.model_type} config: its {kind} layers keep a state of a kind not counted here (Mamba-1, Mamba-2, '
         'Gated DeltaNet, Kimi Delta Attention, short convolutions and lightning attention are)'
@@ -498,46 +570,62 @@ def _state_shape(t, kind: str) -> StateShape:
 # `inputs_embeds.float()`, so the rotated key is promoted and its cache holds float32 whatever the model's dtype.
 _FP32_INDEXER_KEYS = {'dots3_note', 'dots3_note_text'}
 
+
 def _indexer_token_bytes(t, nbytes: int, convention: str) -> int:
     "Bytes per token of an indexer key: vLLM's fp8 with a float32 scale per 128"
     # transformers' `nbytes` (or its float32).
     dim = _need(t, 'index_head_dim')
-    if convention == 'vllm': return dim + dim // 128 * 4
+    if convention == 'vllm':
+        return dim + dim // 128 * 4
     return dim * (4 if t.model_type in _FP32_INDEXER_KEYS else nbytes)
 
 # %% ../nbs/09_kv.ipynb #2e3f4a5b
 @dataclass(frozen=True)
 class KVLayer:
     "What one layer's cache holds per request"
-    layer: int # decoder layer index
+
+    layer: int  # decoder layer index
     # the layer type: full_attention, mla, sliding/chunked_attention, indexed_attention, linear_attention, conv,
     # hybrid, ...
     kind: str
-    token_bytes: int = 0 # bytes per cached token
+    token_bytes: int = 0  # bytes per cached token
     # tokens held at most: the window, the encoder length, one image's positions; None: grows with the sequence
     tokens: int | None = None
-    state_bytes: int = 0 # bytes held whatever the length (a recurrent state)
-    state: str | None = None # the recurrent family (mamba1, mamba2, gated_deltanet, kda, short_conv, lightning)
+    state_bytes: int = 0  # bytes held whatever the length (a recurrent state)
+    state: str | None = None  # the recurrent family (mamba1, mamba2, gated_deltanet, kda, short_conv, lightning)
+
     @property
     def fixed_bytes(self) -> int:
         "Bytes per request that do not grow with the sequence."
         return self.state_bytes + (0 if self.tokens is None else self.tokens * self.token_bytes)
 
 # %% ../nbs/09_kv.ipynb #27b283d9
-_NOT_COUNTED = {'compressed_sparse_attention': "DeepSeek-V4's compressed sparse attention",
-                'heavily_compressed_attention': "DeepSeek-V4's heavily compressed attention",
-                'reference_sliding_attention': 'a reference sliding attention layer'}
-_SLIDING_KV_FACTOR = {'mimo_v2_flash': 2}   # its modeling doubles the KV heads of its sliding layers
-_PREFIX_TOKENS = {'cpmant': 'prompt_length'}   # CPM-Ant caches its prompt embeddings' positions before the tokens
+_NOT_COUNTED = {
+    'compressed_sparse_attention': "DeepSeek-V4's compressed sparse attention",
+    'heavily_compressed_attention': "DeepSeek-V4's heavily compressed attention",
+    'reference_sliding_attention': 'a reference sliding attention layer',
+}
+_SLIDING_KV_FACTOR = {'mimo_v2_flash': 2}  # its modeling doubles the KV heads of its sliding layers
+_PREFIX_TOKENS = {'cpmant': 'prompt_length'}  # CPM-Ant caches its prompt embeddings' positions before the tokens
 
-def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None, image_tokens: int | None = None,
-                 state_nbytes: int | None = None, convention: str = 'vllm', ssm_nbytes: int | None = None) -> KVLayer:
+
+def _layer_cache(
+    i: int,
+    kind: str,
+    text,
+    nbytes: int,
+    max_seq_len: int | None,
+    image_tokens: int | None = None,
+    state_nbytes: int | None = None,
+    convention: str = 'vllm',
+    ssm_nbytes: int | None = None,
+) -> KVLayer:
     "What decoder layer `i` of `kind` caches under `convention`; `ValueError` naming a kind not counted here."
     state_nbytes = state_nbytes or nbytes
     window = None
     if kind in ('sliding_attention', 'chunked_attention', 'hybrid_sliding'):
         window = _need(text, 'attention_chunk_size' if kind == 'chunked_attention' else 'sliding_window')
-        window = min(window - (convention == 'transformers'), max_seq_len or window)   # transformers keeps window - 1
+        window = min(window - (convention == 'transformers'), max_seq_len or window)  # transformers keeps window - 1
     if kind == 'cross_attention':
         return KVLayer(i, kind, _attention_token_bytes(text, nbytes), image_tokens)
     if kind in ('full_attention', 'sliding_attention', 'chunked_attention'):
@@ -545,7 +633,7 @@ def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None, 
         token = _attention_token_bytes(text, nbytes) * (_SLIDING_KV_FACTOR.get(text.model_type, 1) if window else 1)
         prefix = _first(text, _PREFIX_TOKENS[text.model_type]) if text.model_type in _PREFIX_TOKENS else 0
         return KVLayer(i, 'mla' if mla else kind, token, window, prefix * token)
-    if kind == 'indexed_attention':   # HY-V4: a 'shared' layer reuses an earlier layer's indexer keys
+    if kind == 'indexed_attention':  # HY-V4: a 'shared' layer reuses an earlier layer's indexer keys
         shared = (getattr(text, 'indexer_types', None) or {}) and text.indexer_types[i] == 'shared'
         index = 0 if shared else _indexer_token_bytes(text, state_nbytes, convention)
         return KVLayer(i, kind, _attention_token_bytes(text, nbytes) + index)
@@ -564,7 +652,8 @@ def _layer_cache(i: int, kind: str, text, nbytes: int, max_seq_len: int | None, 
 def _cross_attention(config, text, nbytes: int) -> list[KVLayer]:
     "One cross-attention cache per decoder layer of an encoder-decoder `config`"
     # of the encoder's length `max_source_positions`.
-    if not getattr(config, 'is_encoder_decoder', False): return []
+    if not getattr(config, 'is_encoder_decoder', False):
+        return []
     if getattr(config, 'max_source_positions', None) is None:
         raise ValueError(
             f'{config.model_type} config has no max_source_positions: its cross-attention caches the encoder '
@@ -582,7 +671,8 @@ def _image_tokens(config) -> int | None:
     # `max_num_tiles × ((image_size // patch_size)² + 1)` of the vision config; None without cross-attention
     # layers.
     text = config.get_text_config(decoder=True)
-    if not getattr(text, 'cross_attention_layers', None): return None
+    if not getattr(text, 'cross_attention_layers', None):
+        return None
     vision = getattr(config, 'vision_config', None)
     if vision is None:
         raise ValueError(
@@ -601,7 +691,8 @@ def _model_dtype(config, text):
 # %% ../nbs/09_kv.ipynb #6c7d8e9f
 def _kv_dtype(config, text, dtype) -> tuple[str, int]:
     "(name, bytes per element) of the cache dtype: `dtype`, else the model's (`_model_dtype`)."
-    if dtype is None: dtype = _model_dtype(config, text)
+    if dtype is None:
+        dtype = _model_dtype(config, text)
     if dtype is None:
         raise ValueError(
             f'{config.model_type} config has no dtype (at the top level or in its text config); '
@@ -613,36 +704,41 @@ def _kv_dtype(config, text, dtype) -> tuple[str, int]:
 @dataclass(frozen=True)
 class KVGeometry:
     "The KV cache one request of a model holds, layer by layer, counted in `dtype`."
+
     model_type: str
-    dtype: str # the dtype the bytes are counted in
-    max_seq_len: int | None # max_position_embeddings (Whisper: max_target_positions); None when unset
-    layers: tuple[KVLayer, ...] # decoder layers in order, then cross-attention
-    convention: str = 'vllm' # whose layout the states and windows are counted in
+    dtype: str  # the dtype the bytes are counted in
+    max_seq_len: int | None  # max_position_embeddings (Whisper: max_target_positions); None when unset
+    layers: tuple[KVLayer, ...]  # decoder layers in order, then cross-attention
+    convention: str = 'vllm'  # whose layout the states and windows are counted in
+
     @property
     def bytes_per_token(self) -> int:
         "Bytes each token adds: the layers whose cache grows with the sequence."
         return sum(l.token_bytes for l in self.layers if l.tokens is None)
+
     @property
     def fixed_bytes(self) -> int:
         "Bytes a request holds however long it gets: windows, states, cross-attention."
         return sum(l.fixed_bytes for l in self.layers)
+
     @property
     def kinds(self) -> dict[str, int]:
         "How many layer caches of each kind."
         return dict(Counter(l.kind for l in self.layers))
 
 # %% ../nbs/09_kv.ipynb #9f0a1b2c
-def kv_geometry(config, # a transformers config, a config.json dict, or a checkpoint folder (see `read_model_config`)
-                dtype=None, # the cache dtype; None: the config's
-                convention: str = 'vllm', # 'vllm' or 'transformers': whose layout recurrent states are counted in
-               ) -> KVGeometry:
+def kv_geometry(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder (see `read_model_config`)
+    dtype=None,  # the cache dtype; None: the config's
+    convention: str = 'vllm',  # 'vllm' or 'transformers': whose layout recurrent states are counted in
+) -> KVGeometry:
     "Each layer's KV cache of the model's decoder"
     convention, config = _convention(convention), read_model_config(config)
     text = config.get_text_config(decoder=True)
     name, nbytes = _kv_dtype(config, text, dtype)
-    model_dtype = _model_dtype(config, text)   # recurrent states stay in it whatever the KV cache dtype
+    model_dtype = _model_dtype(config, text)  # recurrent states stay in it whatever the KV cache dtype
     state_nbytes = nbytes if model_dtype is None else dtype_bytes(model_dtype)
-    ssm_dtype = getattr(text, 'mamba_ssm_cache_dtype', None)   # vLLM reads it (Nemotron-H: float32)
+    ssm_dtype = getattr(text, 'mamba_ssm_cache_dtype', None)  # vLLM reads it (Nemotron-H: float32)
     ssm_nbytes = dtype_bytes(ssm_dtype) if ssm_dtype not in (None, 'auto') else state_nbytes
     seq = getattr(text, 'max_position_embeddings', None) or getattr(text, 'max_target_positions', None)
     seq = None if seq is None else checked_count(seq, f'{config.model_type} config max_position_embeddings', 1)
@@ -659,40 +755,44 @@ def kv_geometry(config, # a transformers config, a config.json dict, or a checkp
     return KVGeometry(config.model_type, name, seq, tuple(layers + _cross_attention(config, text, nbytes)), convention)
 
 # %% ../nbs/09_kv.ipynb #0a1b2c3e
-def kv_bytes_per_token(config, # a transformers config, a config.json dict, or a checkpoint folder
-                       dtype=None, # the cache dtype; None: the config's
-                       convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
-                      ) -> int:
+def kv_bytes_per_token(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder
+    dtype=None,  # the cache dtype; None: the config's
+    convention: str = 'vllm',  # or 'transformers' (see `kv_geometry`)
+) -> int:
     "Bytes of KV cache each token of a request adds"
     return kv_geometry(config, dtype, convention).bytes_per_token
 
 # %% ../nbs/09_kv.ipynb #1b2c3d4f
-def kv_fixed_bytes_per_request(config, # a transformers config, a config.json dict, or a checkpoint folder
-                               dtype=None, # the cache dtype; None: the config's
-                               convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
-                              ) -> int:
+def kv_fixed_bytes_per_request(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder
+    dtype=None,  # the cache dtype; None: the config's
+    convention: str = 'vllm',  # or 'transformers' (see `kv_geometry`)
+) -> int:
     "Bytes of cache a request holds however long it gets"
     return kv_geometry(config, dtype, convention).fixed_bytes
 
 # %% ../nbs/09_kv.ipynb #2c3d4e50
-def kv_page_bytes(config, # a transformers config, a config.json dict, or a checkpoint folder
-                  page_size: int, # token slots per page
-                  dtype=None, # the cache dtype; None: the config's
-                  convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
-                 ) -> int:
+def kv_page_bytes(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder
+    page_size: int,  # token slots per page
+    dtype=None,  # the cache dtype; None: the config's
+    convention: str = 'vllm',  # or 'transformers' (see `kv_geometry`)
+) -> int:
     "Bytes of one KV cache page: `page_size × kv_bytes_per_token(config, dtype, convention)`."
     return checked_count(page_size, 'page_size', 1) * kv_bytes_per_token(config, dtype, convention)
 
 # %% ../nbs/09_kv.ipynb #4fbc762c
-def kv_cache_pool(config, # a transformers config, a config.json dict, or a checkpoint folder
-                  page_size: int = 16, # token slots per page
-                  max_num_pages: int | None = None, # the pool's pages, sink included; or give budget_bytes
-                  budget_bytes: int | None = None, # the pool's bytes: as many whole pages as fit
-                  max_seq_len: int | None = None, # None: the config's
-                  dtype=None, # the cache dtype; None: the config's
-                  convention: str = 'vllm', # or 'transformers' (see `kv_geometry`)
-                  name: str = '', # the pool in messages
-                 ) -> KVCachePool:
+def kv_cache_pool(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder
+    page_size: int = 16,  # token slots per page
+    max_num_pages: int | None = None,  # the pool's pages, sink included; or give budget_bytes
+    budget_bytes: int | None = None,  # the pool's bytes: as many whole pages as fit
+    max_seq_len: int | None = None,  # None: the config's
+    dtype=None,  # the cache dtype; None: the config's
+    convention: str = 'vllm',  # or 'transformers' (see `kv_geometry`)
+    name: str = '',  # the pool in messages
+) -> KVCachePool:
     "The one pool a checkpoint's layers share"
     g, page_size = kv_geometry(config, dtype, convention), checked_count(page_size, 'page_size', 1)
     page_bytes = page_size * g.bytes_per_token
@@ -717,7 +817,8 @@ def kv_cache_pool(config, # a transformers config, a config.json dict, or a chec
 @dataclass(frozen=True)
 class VLLMGroup:
     "One of vLLM's KV cache groups"
-    kind: str # full_attention (MLA, indexed too), sliding_attention, chunked_attention, mamba, cross_attention
+
+    kind: str  # full_attention (MLA, indexed too), sliding_attention, chunked_attention, mamba, cross_attention
     layers: int
     blocks_per_request: int
 
@@ -725,13 +826,15 @@ class VLLMGroup:
 @dataclass(frozen=True)
 class VLLMConcurrency:
     "What vLLM would log and admit for a pool of `num_blocks` blocks of `block_size` tokens."
+
     max_model_len: int
     block_size: int
-    num_blocks: int # the pool, the null block included
+    num_blocks: int  # the pool, the null block included
     groups: tuple[VLLMGroup, ...]
-    blocks_per_request: int # a request at max_model_len, over all groups
-    max_concurrency: float # what vLLM logs: num_blocks / blocks_per_request
-    admitted: int # requests at max_model_len that really fit: (num_blocks - 1 null block) // blocks_per_request
+    blocks_per_request: int  # a request at max_model_len, over all groups
+    max_concurrency: float  # what vLLM logs: num_blocks / blocks_per_request
+    admitted: int  # requests at max_model_len that really fit: (num_blocks - 1 null block) // blocks_per_request
+
     @property
     def message(self) -> str:
         "vLLM's log line."
@@ -744,24 +847,27 @@ def _vllm_blocks(layer: KVLayer, max_model_len: int, block_size: int, batched: i
     full = -(-max_model_len // block_size)
     specs = []
     if layer.token_bytes and layer.kind != 'cross_attention':
-        if layer.tokens is None: specs.append(('full_attention', full))
+        if layer.tokens is None:
+            specs.append(('full_attention', full))
         elif layer.kind == 'chunked_attention':
             specs.append(('chunked_attention', -(-min(layer.tokens + batched, max_model_len) // block_size)))
         else:
             specs.append(('sliding_attention', -(-min(layer.tokens - 1 + batched, max_model_len) // block_size) + 1))
     if layer.kind == 'cross_attention':
         specs.append(('cross_attention', -(-layer.tokens // block_size)))
-    if layer.state_bytes: specs.append(('mamba', 1))
+    if layer.state_bytes:
+        specs.append(('mamba', 1))
     return specs
 
 # %% ../nbs/09_kv.ipynb #0537512b
-def vllm_concurrency(config, # a transformers config, a config.json dict, or a checkpoint folder
-                     num_blocks: int, # blocks in vLLM's pool ("GPU KV cache size" / block_size), null block included
-                     block_size: int = 16, # vLLM's --block-size (hybrids: the size it raised attention's to)
-                     max_model_len: int | None = None, # None: the config's
-                     max_num_batched_tokens: int = 2048, # bounds what a sliding window holds during a chunked prefill
-                     dtype=None, # the cache dtype; None: the config's
-                    ) -> VLLMConcurrency:
+def vllm_concurrency(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder
+    num_blocks: int,  # blocks in vLLM's pool ("GPU KV cache size" / block_size), null block included
+    block_size: int = 16,  # vLLM's --block-size (hybrids: the size it raised attention's to)
+    max_model_len: int | None = None,  # None: the config's
+    max_num_batched_tokens: int = 2048,  # bounds what a sliding window holds during a chunked prefill
+    dtype=None,  # the cache dtype; None: the config's
+) -> VLLMConcurrency:
     "The maximum concurrency vLLM logs for `config` and a pool, its blocks per request"
     g = kv_geometry(config, dtype, 'vllm')
     block_size, num_blocks = checked_count(block_size, 'block_size', 1), checked_count(num_blocks, 'num_blocks', 1)
@@ -770,8 +876,9 @@ def vllm_concurrency(config, # a transformers config, a config.json dict, or a c
     kinds = Counter(spec for l in g.layers for spec in _vllm_blocks(l, mml, block_size, batched))
     if not kinds:
         raise ValueError(f'{g.model_type} config: no layer keeps a KV cache, so vLLM plans no pool')
-    size = min(kinds.values())   # vLLM's uniform page size: groups of as many layers as the rarest kind has
-    if max(kinds.values()) < 1.25 * size: size = max(kinds.values())
+    size = min(kinds.values())  # vLLM's uniform page size: groups of as many layers as the rarest kind has
+    if max(kinds.values()) < 1.25 * size:
+        size = max(kinds.values())
     groups = tuple(
         VLLMGroup(kind, min(size, n - i), blocks) for (kind, blocks), n in kinds.items() for i in range(0, n, size)
     )

@@ -7,8 +7,16 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from .kv import (KVCachePool, KVGeometry, checked_count, kv_bytes_per_token, kv_cache_pool, kv_geometry, kv_pages,
-                            plan_kv_pools)
+from mstar_utils.kv import (
+    KVCachePool,
+    KVGeometry,
+    checked_count,
+    kv_bytes_per_token,
+    kv_cache_pool,
+    kv_geometry,
+    kv_pages,
+    plan_kv_pools,
+)
 
 # %% auto #0
 __all__ = ['plot_kv', 'KVCurve', 'kv_curve', 'plot_kv_curve', 'kv_report', 'format_kv_report', 'save_kv_plot']
@@ -29,15 +37,18 @@ def _plot_title(g: KVGeometry, page_size: int) -> str:
     )
 
 # %% ../nbs/09b_kv_figures.ipynb #357ef7c3
-def plot_kv(config, # a transformers config, a config.json dict, or a checkpoint folder
-            page_size: int = 16, # token slots per page
-            max_num_pages: int | None = None, # also plot a pool of exactly this many pages
-            dtype=None, # the cache dtype; None: the config's
-            budgets_gib=(1, 4, 16), # pools of these many GiB of KV cache
-            max_context: int | None = None, # right end of the context axis; None: the config's max_seq_len, else 8192
-            title: str | None = None): # None: both per-request figures
+def plot_kv(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder
+    page_size: int = 16,  # token slots per page
+    max_num_pages: int | None = None,  # also plot a pool of exactly this many pages
+    dtype=None,  # the cache dtype; None: the config's
+    budgets_gib=(1, 4, 16),  # pools of these many GiB of KV cache
+    max_context: int | None = None,  # right end of the context axis; None: the config's max_seq_len, else 8192
+    title: str | None = None,
+):  # None: both per-request figures
     "A matplotlib `Figure`: one request's KV pages and MiB against context length (left)"
     import matplotlib.pyplot as plt
+
     g, page_size = kv_geometry(config, dtype), checked_count(page_size, 'page_size', 1)
     page_bytes, fixed = page_size * g.bytes_per_token, g.fixed_bytes
     top = checked_count(max_context or g.max_seq_len or 8192, 'max_context', 1)
@@ -65,7 +76,8 @@ def plot_kv(config, # a transformers config, a config.json dict, or a checkpoint
         xlabel='context length (tokens)', ylabel='max concurrent requests', title='requests a pool holds at that length'
     )
     ax2.legend(title='KV cache pool', fontsize='small')
-    for ax in (ax1, ax2): ax.grid(alpha=0.3)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
     fig.suptitle(title or _plot_title(g, page_size))
     return fig
 
@@ -73,28 +85,30 @@ def plot_kv(config, # a transformers config, a config.json dict, or a checkpoint
 @dataclass(frozen=True)
 class KVCurve:
     "Requests a pool holds at each context length, under each limit alone and all together (`fits`)."
+
     model_type: str
     pool: KVCachePool
-    page_bytes: int # bytes of one page: page_size tokens of every growing layer
-    fixed_bytes: int # what a request holds whatever its length, before rounding to pages
-    context: tuple[int, ...] # context lengths, tokens
-    per_token: tuple[float, ...] # the limit of the growing layers alone, no page rounding
-    fixed_state: float | None # the limit of the fixed bytes alone (a flat line); None when a request holds none
-    unrounded: tuple[float, ...] # both limits, in bytes, no page rounding
-    fits: tuple[int, ...] # what the pool holds: whole pages for tokens and fixed bytes, the sink page taken
-    cap: int | None = None # max_concurrent_requests
-    cap_fits_to: int | None = None # the longest context the cap fits at (0: none); None without a cap
+    page_bytes: int  # bytes of one page: page_size tokens of every growing layer
+    fixed_bytes: int  # what a request holds whatever its length, before rounding to pages
+    context: tuple[int, ...]  # context lengths, tokens
+    per_token: tuple[float, ...]  # the limit of the growing layers alone, no page rounding
+    fixed_state: float | None  # the limit of the fixed bytes alone (a flat line); None when a request holds none
+    unrounded: tuple[float, ...]  # both limits, in bytes, no page rounding
+    fits: tuple[int, ...]  # what the pool holds: whole pages for tokens and fixed bytes, the sink page taken
+    cap: int | None = None  # max_concurrent_requests
+    cap_fits_to: int | None = None  # the longest context the cap fits at (0: none); None without a cap
 
 # %% ../nbs/09b_kv_figures.ipynb #1e65593a
-def kv_curve(config, # a transformers config, a config.json dict, or a checkpoint folder
-             max_num_pages: int, # the pool's pages, sink included
-             page_size: int = 16, # token slots per page
-             max_concurrent_requests: int | None = None, # the cap whose fall to mark
-             dtype=None, # the cache dtype; None: the config's
-             convention: str = 'vllm', # or 'transformers'
-             max_seq_len: int | None = None, # right end of the context axis; None: the config's
-             points: int = 400, # context lengths sampled, evenly on a log scale, with the page boundaries next to them
-            ) -> KVCurve:
+def kv_curve(
+    config,  # a transformers config, a config.json dict, or a checkpoint folder
+    max_num_pages: int,  # the pool's pages, sink included
+    page_size: int = 16,  # token slots per page
+    max_concurrent_requests: int | None = None,  # the cap whose fall to mark
+    dtype=None,  # the cache dtype; None: the config's
+    convention: str = 'vllm',  # or 'transformers'
+    max_seq_len: int | None = None,  # right end of the context axis; None: the config's
+    points: int = 400,  # context lengths sampled, evenly on a log scale, with the page boundaries next to them
+) -> KVCurve:
     "The requests one pool holds against context length, one curve per limit"
     g = kv_geometry(config, dtype, convention)
     pool = kv_cache_pool(config, page_size, max_num_pages, None, max_seq_len, dtype, convention)
@@ -104,8 +118,11 @@ def kv_curve(config, # a transformers config, a config.json dict, or a checkpoin
     # even on a log axis, each with the page boundaries around it
     spaced = {round(top ** (i / k)) for i in range(k + 1)}
     ctx = sorted({min(x, top) for t in spaced for x in (t, -(-t // ps) * ps, -(-t // ps) * ps + 1)})
-    cap = (None if max_concurrent_requests is None
-           else checked_count(max_concurrent_requests, 'max_concurrent_requests', 1))
+    cap = (
+        None
+        if max_concurrent_requests is None
+        else checked_count(max_concurrent_requests, 'max_concurrent_requests', 1)
+    )
     reach = None if cap is None else min(max((max(n - 1, 0) // cap - fp) * ps, 0), pool.max_seq_len)
     return KVCurve(
         g.model_type,
@@ -128,12 +145,15 @@ def _mark_cap(ax, c: KVCurve):
     ax.axhline(c.cap, color='0.4', ls=':', lw=1)
     if c.cap_fits_to < p.max_seq_len:
         ax.axvline(c.cap_fits_to, color='0.4', ls=':', lw=1)
-        ax.plot([max(c.cap_fits_to, 1)], [c.cap], 'o', color='k',
-                label=f'max_concurrent_requests {c.cap} fits up to {c.cap_fits_to:,} tokens')
-    else:
         ax.plot(
-            [p.max_seq_len], [c.cap], 'o', color='k', label=f'max_concurrent_requests {c.cap} fits at max_seq_len'
+            [max(c.cap_fits_to, 1)],
+            [c.cap],
+            'o',
+            color='k',
+            label=f'max_concurrent_requests {c.cap} fits up to {c.cap_fits_to:,} tokens',
         )
+    else:
+        ax.plot([p.max_seq_len], [c.cap], 'o', color='k', label=f'max_concurrent_requests {c.cap} fits at max_seq_len')
 
 # %% ../nbs/09b_kv_figures.ipynb #00fd2b29
 def _kv_curve_title(c: KVCurve) -> str:
@@ -145,10 +165,13 @@ def _kv_curve_title(c: KVCurve) -> str:
     )
 
 # %% ../nbs/09b_kv_figures.ipynb #c98ce99f
-def plot_kv_curve(curve: KVCurve, # from `kv_curve`
-                  title: str | None = None): # None: the model, the pool and its figures
+def plot_kv_curve(
+    curve: KVCurve,  # from `kv_curve`
+    title: str | None = None,
+):  # None: the model, the pool and its figures
     "A matplotlib `Figure` of `curve`"
     import matplotlib.pyplot as plt
+
     c, p = curve, curve.pool
     fig, ax = plt.subplots(figsize=(9, 4.5), layout='constrained')
     ax.plot(c.context, c.per_token, color='C0', label='per-token pool (growing layers alone)')
@@ -162,7 +185,7 @@ def plot_kv_curve(curve: KVCurve, # from `kv_curve`
         drawstyle='steps-post',
         lw=2,
         label=f'page rounding: what fits ({p.page_size}-token pages, '
-              f'{p.fixed_pages_per_request} fixed per request, 1 sink)',
+        f'{p.fixed_pages_per_request} fixed per request, 1 sink)',
     )
     if c.cap is not None:
         _mark_cap(ax, c)
@@ -179,27 +202,45 @@ def plot_kv_curve(curve: KVCurve, # from `kv_curve`
     return fig
 
 # %% ../nbs/09b_kv_figures.ipynb #8768efae
-def kv_report(checkpoint_dir, # a checkpoint folder, or its config.json
-              page_size: int = 16, # token slots per page
-              max_num_pages: int | None = None, # with it, plan one pool of this many pages at max_seq_len
-              max_concurrent_requests: int | None = None, # the cap to plan for; None: unbounded admission
-              dtype=None, # the cache dtype; None: the config's
-              config_path: str = 'command line', # where the cap comes from, named in messages
-             ) -> dict:
+def kv_report(
+    checkpoint_dir,  # a checkpoint folder, or its config.json
+    page_size: int = 16,  # token slots per page
+    max_num_pages: int | None = None,  # with it, plan one pool of this many pages at max_seq_len
+    max_concurrent_requests: int | None = None,  # the cap to plan for; None: unbounded admission
+    dtype=None,  # the cache dtype; None: the config's
+    config_path: str = 'command line',  # where the cap comes from, named in messages
+) -> dict:
     "A checkpoint's KV figures as a JSON-ready dict"
     g, page_size = kv_geometry(checkpoint_dir, dtype), checked_count(page_size, 'page_size', 1)
     if g.max_seq_len is None:
         raise ValueError(f'{checkpoint_dir}: model config has no max_position_embeddings')
     page_bytes = page_size * g.bytes_per_token
-    fixed_pages = -(-g.fixed_bytes // page_bytes) if page_bytes else 0   # a hybrid's states, in whole pages of its pool
-    rep = dict(checkpoint=str(checkpoint_dir), model_type=g.model_type, dtype=g.dtype, layers=g.kinds,
-               kv_bytes_per_token=g.bytes_per_token, kv_fixed_bytes_per_request=g.fixed_bytes, page_size=page_size,
-               page_bytes=page_size * g.bytes_per_token, max_seq_len=g.max_seq_len,
-               pages_per_request=kv_pages(g.max_seq_len, page_size, 1) - 1, fixed_pages_per_request=fixed_pages,
-               states=dict(Counter(l.state for l in g.layers if l.state)), plan=None, verdict=None)
-    if max_num_pages is None: return rep
-    pool = KVCachePool(g.max_seq_len, page_size, max_num_pages, name=Path(checkpoint_dir).name or 'kv',
-                       fixed_pages_per_request=fixed_pages)
+    fixed_pages = -(-g.fixed_bytes // page_bytes) if page_bytes else 0  # a hybrid's states, in whole pages of its pool
+    rep = dict(
+        checkpoint=str(checkpoint_dir),
+        model_type=g.model_type,
+        dtype=g.dtype,
+        layers=g.kinds,
+        kv_bytes_per_token=g.bytes_per_token,
+        kv_fixed_bytes_per_request=g.fixed_bytes,
+        page_size=page_size,
+        page_bytes=page_size * g.bytes_per_token,
+        max_seq_len=g.max_seq_len,
+        pages_per_request=kv_pages(g.max_seq_len, page_size, 1) - 1,
+        fixed_pages_per_request=fixed_pages,
+        states=dict(Counter(l.state for l in g.layers if l.state)),
+        plan=None,
+        verdict=None,
+    )
+    if max_num_pages is None:
+        return rep
+    pool = KVCachePool(
+        g.max_seq_len,
+        page_size,
+        max_num_pages,
+        name=Path(checkpoint_dir).name or 'kv',
+        fixed_pages_per_request=fixed_pages,
+    )
     plan = plan_kv_pools([pool], max_concurrent_requests, config_path)
     plain = {**asdict(plan), 'pools': [asdict(p) for p in plan.pools], 'warnings': list(plan.warnings)}
     return {
@@ -209,8 +250,9 @@ def kv_report(checkpoint_dir, # a checkpoint folder, or its config.json
     }
 
 # %% ../nbs/09b_kv_figures.ipynb #50617283
-def format_kv_report(report: dict, # from `kv_report`
-                    ) -> list[str]:
+def format_kv_report(
+    report: dict,  # from `kv_report`
+) -> list[str]:
     "The lines `mstar-utils inspect` prints for a `kv_report`."
     r, plan = report, report['plan']
     kinds = ' + '.join(f'{n} {kind}' for kind, n in r['layers'].items())
@@ -222,31 +264,41 @@ def format_kv_report(report: dict, # from `kv_report`
         f"KV pages: {r['pages_per_request']} pages of {r['page_size']} tokens ({r['page_bytes']} bytes each) per "
         f"request at max_seq_len {r['max_seq_len']}{fixed}, + 1 sink page per pool",
     ]
-    if plan is None: return lines
+    if plan is None:
+        return lines
     cap = plan['max_concurrent_requests']
-    head = (f"KV check ({plan['pools'][0]['max_num_pages']} pages, max_concurrent_requests "
-            f"{cap if cap is not None else 'unset'}): ")
-    if plan['error']: return lines + [head + 'refused: ' + plan['error']]
+    head = (
+        f"KV check ({plan['pools'][0]['max_num_pages']} pages, max_concurrent_requests "
+        f"{cap if cap is not None else 'unset'}): "
+    )
+    if plan['error']:
+        return lines + [head + 'refused: ' + plan['error']]
     return lines + [
-        head
-        + f"{plan['verdict']} (the pool holds {plan['max_requests']} "
-          f"request{'' if plan['max_requests'] == 1 else 's'} at max context)",
+        head + f"{plan['verdict']} (the pool holds {plan['max_requests']} "
+        f"request{'' if plan['max_requests'] == 1 else 's'} at max context)",
         *(f'  warning: {w}' for w in plan['warnings']),
     ]
 
 # %% ../nbs/09b_kv_figures.ipynb #6172839a
-def save_kv_plot(checkpoint_dir, # a checkpoint folder, or anything `plot_kv` reads
-                 path, # where to write; the format follows the suffix (.png, .svg)
-                 page_size: int = 16, max_num_pages: int | None = None, dtype=None,
-                 max_concurrent_requests: int | None = None, # with max_num_pages: the cap to mark on the curve
-                 **kwargs) -> Path: # more `plot_kv` arguments
+def save_kv_plot(
+    checkpoint_dir,  # a checkpoint folder, or anything `plot_kv` reads
+    path,  # where to write; the format follows the suffix (.png, .svg)
+    page_size: int = 16,
+    max_num_pages: int | None = None,
+    dtype=None,
+    max_concurrent_requests: int | None = None,  # with max_num_pages: the cap to mark on the curve
+    **kwargs,
+) -> Path:  # more `plot_kv` arguments
     "Write `checkpoint_dir`'s KV figure to `path`"
     import matplotlib.pyplot as plt
+
     if max_num_pages is not None and kv_bytes_per_token(checkpoint_dir, dtype):
         fig = plot_kv_curve(kv_curve(checkpoint_dir, max_num_pages, page_size, max_concurrent_requests, dtype))
     else:
         fig = plot_kv(checkpoint_dir, page_size=page_size, max_num_pages=max_num_pages, dtype=dtype, **kwargs)
     path = Path(path)
-    try: fig.savefig(path, dpi=120)
-    finally: plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
     return path

@@ -12,6 +12,7 @@ __all__ = ['base_language']
 # %% ../nbs/10b_languages.ipynb #9716fef1
 _PRIMARY = re.compile(r'[A-Za-z]{2,8}')
 
+
 def base_language(
     code: str,  # a BCP 47 tag or POSIX locale: 'en-US', 'en_us', 'zh-Hant-TW', 'yue', 'en_US.UTF-8', 'sr@latin'
 ) -> str:

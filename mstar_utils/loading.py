@@ -25,6 +25,7 @@ __all__ = ['ModuleAndPrefix', 'norm_prefix', 'named_tensors', 'qualifying_keys',
 @dataclass
 class ModuleAndPrefix:
     "A module to fill and the `prefix` its parameter names carry in the checkpoint"
+
     module: torch.nn.Module
     prefix: str = None
     enforce_missing_keys: bool = True
@@ -32,7 +33,8 @@ class ModuleAndPrefix:
 # %% ../nbs/02_loading.ipynb #0a86b13f
 def norm_prefix(prefix) -> str:
     "`prefix` with one trailing dot; '' for None or ''."
-    if not prefix: return ''
+    if not prefix:
+        return ''
     if not isinstance(prefix, str):
         raise TypeError(f'prefix must be a str, got {type(prefix).__name__}')
     return prefix if prefix.endswith('.') else prefix + '.'
@@ -55,7 +57,8 @@ def named_tensors(module: torch.nn.Module):
     mods = _submodules(module)  # one walk of the tree, for parameters then buffers
     for mod_name, mod in mods:
         for pname, p in mod._parameters.items():
-            if p is not None: yield (f'{mod_name}.{pname}' if mod_name else pname), p, True
+            if p is not None:
+                yield (f'{mod_name}.{pname}' if mod_name else pname), p, True
     for mod_name, mod in mods:
         for bname, b in mod._buffers.items():
             if b is not None and bname not in mod._non_persistent_buffers_set:
@@ -65,6 +68,7 @@ def named_tensors(module: torch.nn.Module):
 @dataclass
 class _Slot:
     "One tensor to fill, reachable as `refs`"
+
     # (entry number, module-relative name) pairs, from any of the load's entries.
     tensor: torch.Tensor
     is_param: bool
@@ -90,10 +94,12 @@ _QUANTIZED = {
     if hasattr(torch, n)
 }
 
+
 def _check_dtype(source, key, slot, what):
     "`ValueError` when the checkpoint's dtype cannot go into the slot's by a plain cast."
     ck, mod, name = source.dtype(key), slot.tensor.dtype, slot.refs[0][1]
-    if ck == mod: return
+    if ck == mod:
+        return
     if ck.is_complex and not mod.is_complex:
         raise ValueError(
             f'{what}: {key!r} in {source.where(key)} is {ck}, '
@@ -119,7 +125,8 @@ def _keys_for(source, slot, prefixes) -> list:
     keys = []
     for i, n in slot.refs:
         k = prefixes[i] + n
-        if k in source and k not in keys: keys.append(k)
+        if k in source and k not in keys:
+            keys.append(k)
     return keys
 
 # %% ../nbs/02_loading.ipynb #63fc1dbd-1
@@ -129,8 +136,10 @@ def _check_shapes(source, keys, slot, entries, what):
     for key in keys:
         ck = tuple(source.shape(key))
         if mod != ck:
-            raise ValueError(f'{what}: shape mismatch for {key!r} in {source.where(key)}: checkpoint has {list(ck)}, '
-                             f'module {type(entries[i].module).__name__} expects {list(mod)} for {name!r}')
+            raise ValueError(
+                f'{what}: shape mismatch for {key!r} in {source.where(key)}: checkpoint has {list(ck)}, '
+                f'module {type(entries[i].module).__name__} expects {list(mod)} for {name!r}'
+            )
 
 # %% ../nbs/02_loading.ipynb #10830f3c
 def _suggest_prefixes(prefix, names, keys, n=3) -> list:
@@ -152,10 +161,12 @@ def _suggest_submodule(module, prefix, names, keys, sample=500) -> str | None:
     "The submodule name `q` such that `q.` + (key without `prefix`) is a module name: keys saved from a base model."
     names, found = set(names), {}
     for k in list(keys)[:sample]:
-        if not k.startswith(prefix): continue
-        rest = k[len(prefix):]
+        if not k.startswith(prefix):
+            continue
+        rest = k[len(prefix) :]
         for q, _ in module.named_children():
-            if f'{q}.{rest}' in names: found[q] = found.get(q, 0) + 1
+            if f'{q}.{rest}' in names:
+                found[q] = found.get(q, 0) + 1
     return max(found, key=found.get) if found else None
 
 # %% ../nbs/02_loading.ipynb #3138b978
@@ -167,7 +178,8 @@ def _tie_hint(module, missing: list) -> str:
         cfg, 'tie_word_embeddings', False
     )
     heads = [n for n in missing if n.split('.')[-2:-1] == ['lm_head'] or n.endswith('lm_head.weight')]
-    if not (tied and heads): return ''
+    if not (tied and heads):
+        return ''
     return (
         f'; the config sets tie_word_embeddings, so {heads[0]!r} should be the input embedding: call '
         'model.tie_weights() after building the model and before loading (load_model does this)'
@@ -177,8 +189,9 @@ def _tie_hint(module, missing: list) -> str:
 def _unlisted_hint(source, keys: list) -> str:
     "A hint when some missing `keys` are in a shard that the index does not list them under (a stale index)"
     # '' otherwise.
-    found = source.stored_in(keys[:100]) if hasattr(source, 'stored_in') else {}   # wrappers forward it (see `Source`)
-    if not found: return ''
+    found = source.stored_in(keys[:100]) if hasattr(source, 'stored_in') else {}  # wrappers forward it (see `Source`)
+    if not found:
+        return ''
     k = next(iter(found))
     return (
         f'; {len(found)} of them are in the shards all the same ({k!r} is in {found[k][0].name}), but the index does '
@@ -218,7 +231,8 @@ def _plan(source, entries: list, what: str):
     for s in slots:
         keys = _keys_for(source, s, prefixes)
         if not keys:
-            for i, n in s.refs: missing[i].append(n)
+            for i, n in s.refs:
+                missing[i].append(n)
             continue
         _check_shapes(source, keys, s, entries, what)
         _check_dtype(source, keys[0], s, what)
@@ -235,9 +249,11 @@ def _check_ties(source, entries: list, plan: list, what: str):
     "`ValueError` naming both keys when two checkpoint keys of one tied slot hold different values."
     prefixes = [norm_prefix(mp.prefix) for mp in entries]
     for s, key in plan:
-        if len(s.refs) < 2: continue
+        if len(s.refs) < 2:
+            continue
         keys = _keys_for(source, s, prefixes)
-        if len(keys) < 2: continue
+        if len(keys) < 2:
+            continue
         first = source.get(keys[0]).to(s.tensor.dtype)
         for k in keys[1:]:
             other = source.get(k)
@@ -257,11 +273,13 @@ def _check_ties(source, entries: list, plan: list, what: str):
 def qualifying_keys(key: str) -> list[str]:
     "The keys that, stored beside checkpoint key `key`, mean it is quantized"
     out = [key + '_scale_inv', key + '_scale', key + '_zero_point']
-    if key.endswith('_blocks'): out.append(key[:-len('_blocks')] + '_scales')
+    if key.endswith('_blocks'):
+        out.append(key[: -len('_blocks')] + '_scales')
     return out
 
 # %% ../nbs/02_loading.ipynb #3223d61d
 _QUALIFIER_ENDS = ('_scale_inv', '_scale', '_zero_point', '_scales')  # how every key of `qualifying_keys` ends
+
 
 def _check_qualifiers(source, consumed: set, what: str):
     "`ValueError` naming both keys when a consumed key's scale or zero point is left unused."
@@ -281,19 +299,25 @@ def _check_qualifiers(source, consumed: set, what: str):
 # %% ../nbs/02_loading.ipynb #15b46ccb
 class LoadResult(list):
     "One set of loaded module-relative names per entry, in order"
-    def __init__(self, names=(), # one set of names per entry
-                 unexpected_keys=(), # checkpoint keys no module took
-                 bytes_read: int | None = None, # bytes the source read from files, where it counts them
-                ):
+
+    def __init__(
+        self,
+        names=(),  # one set of names per entry
+        unexpected_keys=(),  # checkpoint keys no module took
+        bytes_read: int | None = None,  # bytes the source read from files, where it counts them
+    ):
         super().__init__(names)
         self.unexpected_keys, self.bytes_read = sorted(unexpected_keys), bytes_read
 
 # %% ../nbs/02_loading.ipynb #4ed3a2fa
 class LoadedNames(set):
     "The module-relative names `load_weights` loaded, with the state_dict keys no parameter took."
-    def __init__(self, names=(), # the names loaded
-                 unexpected_keys=(), # state_dict keys no parameter took
-                ):
+
+    def __init__(
+        self,
+        names=(),  # the names loaded
+        unexpected_keys=(),  # state_dict keys no parameter took
+    ):
         super().__init__(names)
         self.unexpected_keys = sorted(unexpected_keys)
 
@@ -302,8 +326,10 @@ def _swap_storage(p: torch.Tensor, t: torch.Tensor):
     "Make the tensor object `p` hold `t`'s storage (device, dtype), keeping its class, attributes and `requires_grad`."
     if isinstance(p, torch.nn.Parameter):
         new = torch.Tensor._make_subclass(type(p), t, p.requires_grad)
-        if p.__dict__: new.__dict__.update(p.__dict__)
-    else: new = t
+        if p.__dict__:
+            new.__dict__.update(p.__dict__)
+    else:
+        new = t
     torch.utils.swap_tensors(p, new)
 
 # %% ../nbs/02_loading.ipynb #e040bc6b
@@ -313,11 +339,13 @@ def _set_buffer(module, name: str, t: torch.Tensor):
 
 # %% ../nbs/02_loading.ipynb #e040bc6b-1
 def _note(e: BaseException, msg: str):
-    if hasattr(e, 'add_note'): e.add_note(msg)  # Python >= 3.11
+    if hasattr(e, 'add_note'):
+        e.add_note(msg)  # Python >= 3.11
 
 # %% ../nbs/02_loading.ipynb #3c9e1b07
 class _Progress:
     "A tqdm bar over a load's bytes (rate in B/s), the tensors done in its postfix; called as `bar(bytes, tensors)`."
+
     def __init__(self, source, plan, progress, desc):
         self.bar = tqdm(
             total=0,
@@ -330,16 +358,23 @@ class _Progress:
             bar_format='{l_bar}{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}, {rate_fmt}{postfix}]',
         )
         self.tensors, self.done = len(plan), 0
-        if self.bar.disable: return
+        if self.bar.disable:
+            return
         self.bar.total = sum(math.prod(source.shape(k)) * source.dtype(k).itemsize for _, k in plan)
         self.bar.set_postfix_str(f'0/{self.tensors} tensors')
+
     def __call__(self, nbytes: int, tensors: int):
         self.done += tensors
-        if self.bar.disable: return
+        if self.bar.disable:
+            return
         self.bar.set_postfix_str(f'{self.done}/{self.tensors} tensors', refresh=False)
         self.bar.update(nbytes)
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()
 
 # %% ../nbs/02_loading.ipynb #6c3174db
 def _read_new(source, slot, key, device) -> torch.Tensor:
@@ -356,8 +391,10 @@ def _write_in_place(source, slot, key, device):
     target = slot.tensor
     if target.dtype == source.dtype(key) and target.is_contiguous() and device.type == 'cpu':
         t = source.get(key, out=target)
-        if t is not target: target.copy_(t)  # a source that ignores `out`
-    else: target.copy_(source.get(key))
+        if t is not target:
+            target.copy_(t)  # a source that ignores `out`
+    else:
+        target.copy_(source.get(key))
 
 # %% ../nbs/02_loading.ipynb #2d8f6a31
 def _read_fresh(source, fresh: list, device: torch.device, bar) -> list:
@@ -390,14 +427,17 @@ def _write_all(source, in_place: list, device: torch.device, bar, what: str):
     "Overwrite every materialized slot of `in_place` [(slot, key)]"
     # an error partway through gets a note saying how many were overwritten.
     done = [0]
+
     def count(nbytes, tensors):
         done[0] += tensors
         bar(nbytes, tensors)
+
     batch = getattr(source, 'read_many', None)
     whole = [(k, s.tensor) for s, k in in_place if batch and s.tensor.is_contiguous()]
     rest = [(s, k) for s, k in in_place if not (batch and s.tensor.is_contiguous())]
     try:
-        if whole: batch(whole, progress=count)
+        if whole:
+            batch(whole, progress=count)
         for s, key in rest:
             _write_in_place(source, s, key, device)
             count(s.tensor.numel() * s.tensor.element_size(), 1)
@@ -425,12 +465,15 @@ def _fill(source, entries, device, what, progress=None) -> LoadResult:
             staged = _read_fresh(source, fresh, device, bar)
             _write_all(source, in_place, device, bar, what)
         for s, t in staged:
-            if s.is_param: _swap_storage(s.tensor, t)
+            if s.is_param:
+                _swap_storage(s.tensor, t)
             else:
-                for i, n in s.refs: _set_buffer(entries[i].module, n, t)
+                for i, n in s.refs:
+                    _set_buffer(entries[i].module, n, t)
         names = [set() for _ in entries]
         for s, _ in plan:
-            for i, n in s.refs: names[i].add(n)
+            for i, n in s.refs:
+                names[i].add(n)
         unexpected = [k for k in source.keys() if k not in consumed]  # noqa: SIM118 (a source has no __iter__)
         out = LoadResult(names, unexpected, getattr(source, 'bytes_read', None))
         # freed while the collector is off, so that turning it back on does not walk them
@@ -438,11 +481,12 @@ def _fill(source, entries, device, what, progress=None) -> LoadResult:
     return out
 
 # %% ../nbs/02_loading.ipynb #ee1474af
-def load_weights(state_dict: dict[str, Any], # checkpoint key -> Tensor; copied, never aliased
-                 module: torch.nn.Module, # filled in place; a module on `meta` gets CPU tensors
-                 prefix: str = None, # what the keys carry before the module's names
-                 enforce_missing_keys: bool = True, # raise `KeyError` for a parameter the state_dict lacks
-                ) -> LoadedNames:
+def load_weights(
+    state_dict: dict[str, Any],  # checkpoint key -> Tensor; copied, never aliased
+    module: torch.nn.Module,  # filled in place; a module on `meta` gets CPU tensors
+    prefix: str = None,  # what the keys carry before the module's names
+    enforce_missing_keys: bool = True,  # raise `KeyError` for a parameter the state_dict lacks
+) -> LoadedNames:
     "Fill `module` from `state_dict`, cast to its dtypes, ties kept"
     dev = next((t.device for t in module.state_dict().values() if not t.is_meta), torch.device('cpu'))
     res = _fill(
@@ -457,10 +501,12 @@ def load_weights(state_dict: dict[str, Any], # checkpoint key -> Tensor; copied,
 # %% ../nbs/02_loading.ipynb #2b8e1ea3
 def module_entries(modules) -> list:
     "`modules` as a list of ModuleAndPrefix: a lone module or entry is wrapped"
-    if isinstance(modules, (ModuleAndPrefix, torch.nn.Module)): modules = [modules]
+    if isinstance(modules, (ModuleAndPrefix, torch.nn.Module)):
+        modules = [modules]
     out = []
     for m in modules:
-        if isinstance(m, torch.nn.Module): m = ModuleAndPrefix(m)
+        if isinstance(m, torch.nn.Module):
+            m = ModuleAndPrefix(m)
         if not isinstance(m, ModuleAndPrefix):
             raise TypeError(f'modules must hold ModuleAndPrefix or nn.Module, got {type(m).__name__}')
         out.append(m)
@@ -477,39 +523,47 @@ def load_weights_from_file(
     "Fill `modules` from one safetensors file"
     modules = module_entries(modules)
     src = file_source(safetensors_file, mmap=mmap)
-    try: return _fill(src, modules, device, str(safetensors_file), progress)
-    finally: src.close()
+    try:
+        return _fill(src, modules, device, str(safetensors_file), progress)
+    finally:
+        src.close()
 
 # %% ../nbs/02_loading.ipynb #655a445a
-def load_weights_from_hf_shards(repo_dir: str | Path, # a checkpoint folder: index + shards, or one model.safetensors
-                                modules: list[ModuleAndPrefix], # the modules to fill, each with its prefix
-                                device: str = 'cpu', # where new tensors land
-                                conv: list | None = None, # WeightConverter recipes for fused or quantized layouts
-                                progress: bool | None = None, # a tqdm bar; None: only when stderr is a terminal
-                                mmap: bool = False, # new CPU tensors as copy-on-write views of the shards
-                               ) -> LoadResult:
+def load_weights_from_hf_shards(
+    repo_dir: str | Path,  # a checkpoint folder: index + shards, or one model.safetensors
+    modules: list[ModuleAndPrefix],  # the modules to fill, each with its prefix
+    device: str = 'cpu',  # where new tensors land
+    conv: list | None = None,  # WeightConverter recipes for fused or quantized layouts
+    progress: bool | None = None,  # a tqdm bar; None: only when stderr is a terminal
+    mmap: bool = False,  # new CPU tensors as copy-on-write views of the shards
+) -> LoadResult:
     "Fill `modules` from a HuggingFace safetensors checkpoint"
     modules = module_entries(modules)
     src = checkpoint_source(repo_dir, mmap=mmap)
-    if conv: src = converted_source(src, conv)
-    try: return _fill(src, modules, device, str(repo_dir), progress)
-    finally: src.close()
+    if conv:
+        src = converted_source(src, conv)
+    try:
+        return _fill(src, modules, device, str(repo_dir), progress)
+    finally:
+        src.close()
 
 # %% ../nbs/02_loading.ipynb #ba1cf953
-def load_from_source(source, # a source (see the safetensors page): keys, in, shape, dtype, get, where, borrowed, close
-                     modules: list[ModuleAndPrefix], # the modules to fill, each with its prefix
-                     device: str = 'cpu', # where new tensors land
-                     progress: bool | None = None, # a tqdm bar; None: only when stderr is a terminal
-                     what: str | None = None, # names the checkpoint in messages; default: the source's `what`
-                    ) -> LoadResult:
+def load_from_source(
+    source,  # a source (see the safetensors page): keys, in, shape, dtype, get, where, borrowed, close
+    modules: list[ModuleAndPrefix],  # the modules to fill, each with its prefix
+    device: str = 'cpu',  # where new tensors land
+    progress: bool | None = None,  # a tqdm bar; None: only when stderr is a terminal
+    what: str | None = None,  # names the checkpoint in messages; default: the source's `what`
+) -> LoadResult:
     "Fill `modules` from `source`, with every check of the loaders above; the caller closes the source."
     return _fill(source, module_entries(modules), device, what or getattr(source, 'what', 'source'), progress)
 
 # %% ../nbs/02_loading.ipynb #f3cc5028
-def check_loaded(module: torch.nn.Module, # the filled module
-                 loaded: set[str], # the names a loader returned for it
-                 what: str, # names the module in the message
-                ) -> None:
+def check_loaded(
+    module: torch.nn.Module,  # the filled module
+    loaded: set[str],  # the names a loader returned for it
+    what: str,  # names the module in the message
+) -> None:
     "`RuntimeError` unless `loaded` names every tensor of `module` and none is on `meta`"
     loaded = set(loaded)
     expected = [n for s in _slots([ModuleAndPrefix(module)]) for _, n in s.refs]
@@ -519,7 +573,8 @@ def check_loaded(module: torch.nn.Module, # the filled module
             f'{what}: {len(missing)} of {len(expected)} parameters/buffers not loaded: {listed(missing, 10)}'
         )
     on_meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if not on_meta: return
+    if not on_meta:
+        return
     computed = {n for n, _ in module.named_buffers()} - set(expected)
     hint = (
         (
@@ -532,10 +587,12 @@ def check_loaded(module: torch.nn.Module, # the filled module
     raise RuntimeError(f'{what}: {len(on_meta)} parameters/buffers still on meta: {listed(on_meta, 10)}{hint}')
 
 # %% ../nbs/02_loading.ipynb #15b430a8
-def process_weights_after_loading(root: torch.nn.Module, # the loaded module tree
-                                  device, # where derived tensors go
-                                 ) -> None:
+def process_weights_after_loading(
+    root: torch.nn.Module,  # the loaded module tree
+    device,  # where derived tensors go
+) -> None:
     "Call `m.process_weights_after_loading(device)` on each module of `root.modules()` that defines it"
     for m in root.modules():
         fn = getattr(m, 'process_weights_after_loading', None)
-        if callable(fn): fn(device)
+        if callable(fn):
+            fn(device)

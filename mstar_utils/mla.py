@@ -16,9 +16,11 @@ __all__ = ['MLARMSNorm', 'rope_freqs', 'apply_rope', 'MLAAttention']
 # %% ../nbs/05_mla.ipynb #7ea027a4
 class MLARMSNorm(nn.Module):
     "RMSNorm over the last axis, computed in float32 and cast back before the weight"
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
     def forward(self, x):
         h = x.float()
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -40,21 +42,29 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 # %% ../nbs/05_mla.ipynb #dc20d372
 class MLAAttention(nn.Module):
     "Multi-head latent attention with DeepseekV2Attention's parameter names"
-    def __init__(self, hidden_size: int, num_heads: int, # N
-                 kv_lora_rank: int, # L: the latent's width
-                 qk_nope_head_dim: int, # P
-                 qk_rope_head_dim: int, # R
-                 v_head_dim: int, # V
-                 q_lora_rank: int | None = None, # None: a full-rank q_proj
-                 attention_bias: bool = False, softmax_scale: float | None = None, # None: (P+R)^-0.5
-                 norm_eps: float = 1e-6, layer_idx: int | None = None):
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,  # N
+        kv_lora_rank: int,  # L: the latent's width
+        qk_nope_head_dim: int,  # P
+        qk_rope_head_dim: int,  # R
+        v_head_dim: int,  # V
+        q_lora_rank: int | None = None,  # None: a full-rank q_proj
+        attention_bias: bool = False,
+        softmax_scale: float | None = None,  # None: (P+R)^-0.5
+        norm_eps: float = 1e-6,
+        layer_idx: int | None = None,
+    ):
         super().__init__()
         self.num_heads, self.kv_lora_rank, self.q_lora_rank = num_heads, kv_lora_rank, q_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.layer_idx = layer_idx
         qk = qk_nope_head_dim + qk_rope_head_dim
-        self.softmax_scale = qk ** -0.5 if softmax_scale is None else softmax_scale
-        if q_lora_rank is None: self.q_proj = nn.Linear(hidden_size, num_heads * qk, bias=False)
+        self.softmax_scale = qk**-0.5 if softmax_scale is None else softmax_scale
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias)
             self.q_a_layernorm = MLARMSNorm(q_lora_rank, norm_eps)
@@ -65,6 +75,7 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
         self.register_buffer('w_kc', None, persistent=False)  # derived after loading; never in a checkpoint
         self.register_buffer('w_vc', None, persistent=False)
+
     def _name(self):
         return f'{type(self).__name__}' + (f'(layer_idx={self.layer_idx})' if self.layer_idx is not None else '')
 
@@ -99,8 +110,13 @@ def _heads(self: MLAAttention) -> int:
     P, R, V = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
     q = self.q_proj if self.q_lora_rank is None else self.q_b_proj
     n = self.kv_b_proj.out_features // (P + V)
-    cut = (0 < n < self.num_heads and self.num_heads % n == 0 and self.kv_b_proj.out_features == n * (P + V)
-           and q.out_features == n * (P + R) and self.o_proj.in_features == n * V)
+    cut = (
+        0 < n < self.num_heads
+        and self.num_heads % n == 0
+        and self.kv_b_proj.out_features == n * (P + V)
+        and q.out_features == n * (P + R)
+        and self.o_proj.in_features == n * V
+    )
     return n if cut else self.num_heads
 
 # %% ../nbs/05_mla.ipynb #d69b24f7
@@ -123,8 +139,8 @@ def process_weights_after_loading(self: MLAAttention, device) -> None:
             '(a tensor-parallel cut must give the query projection, kv_b_proj and o_proj the same whole heads)'
         )
     w = w.detach().to(device).view(N, P + V, L)
-    self.w_kc = w[:, :P].contiguous()                   # [N, P, L]
-    self.w_vc = w[:, P:].transpose(1, 2).contiguous()   # [N, L, V]
+    self.w_kc = w[:, :P].contiguous()  # [N, P, L]
+    self.w_vc = w[:, P:].transpose(1, 2).contiguous()  # [N, L, V]
 
 # %% ../nbs/05_mla.ipynb #633ce4e6
 @patch
@@ -145,10 +161,12 @@ def latents(self: MLAAttention, h, freqs_cis):
 
 # %% ../nbs/05_mla.ipynb #ad145659
 @patch
-def forward(self: MLAAttention, hidden_states, # [B, T, hidden]
-            freqs_cis, # [B, T, R/2] complex rotations of the T positions
-            cache: tuple | None = None, # (c_kv [B, S, L], k_pe [B, S, R]) of the S earlier positions
-           ):
+def forward(
+    self: MLAAttention,
+    hidden_states,  # [B, T, hidden]
+    freqs_cis,  # [B, T, R/2] complex rotations of the T positions
+    cache: tuple | None = None,  # (c_kv [B, S, L], k_pe [B, S, R]) of the S earlier positions
+):
     "(output [B, T, hidden], cache of all S+T positions): absorbed causal attention"
     if self.w_kc is None:
         raise RuntimeError(
@@ -158,9 +176,10 @@ def forward(self: MLAAttention, hidden_states, # [B, T, hidden]
     q_nope, q_pe = self.queries(hidden_states)
     q_pe = apply_rope(q_pe, freqs_cis)
     c, k_pe = self.latents(hidden_states, freqs_cis)
-    if cache is not None: c, k_pe = torch.cat([cache[0], c], 1), torch.cat([cache[1], k_pe], 1)
+    if cache is not None:
+        c, k_pe = torch.cat([cache[0], c], 1), torch.cat([cache[1], k_pe], 1)
     S = c.shape[1]
-    q_lat = torch.einsum('bntp,npl->bntl', q_nope, self.w_kc)        # the key half of kv_b_proj, folded into the query
+    q_lat = torch.einsum('bntp,npl->bntl', q_nope, self.w_kc)  # the key half of kv_b_proj, folded into the query
     scores = (
         torch.einsum('bntl,bsl->bnts', q_lat, c) + torch.einsum('bntr,bsr->bnts', q_pe, k_pe)
     ) * self.softmax_scale

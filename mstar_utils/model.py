@@ -42,6 +42,7 @@ def model_class_for(config) -> type:
     if not archs:
         raise ValueError(f'config.json (model_type {config.model_type!r}) names no architectures; pass model_class=')
     import transformers
+
     cls = getattr(transformers, archs[0], None)
     if cls is None:
         raise ValueError(
@@ -56,7 +57,7 @@ def _fp32_names(model, dtype) -> list:
     plan = model._get_dtype_plan(dtype) if hasattr(model, '_get_dtype_plan') else {}
     if not plan:
         return []
-    rx = re.compile('|'.join(f'(?:{p.replace("*", ".*")})' for p in plan))   # as build_glob_alternation, searched
+    rx = re.compile('|'.join(f'(?:{p.replace("*", ".*")})' for p in plan))  # as build_glob_alternation, searched
     return [n for n, t, _ in named_tensors(model) if t.is_floating_point() and rx.search(n)]
 
 # %% ../nbs/03_load_model.ipynb #482e65c4-1
@@ -74,10 +75,12 @@ def _to_fp32(model, name: str):
 # the build's patches of nn.Module.register_parameter and of torch's init are process-wide
 _BUILD_LOCK = threading.Lock()
 
+
 @contextmanager
 def _params_on_meta():
     "For the block, each parameter a module registers is moved to meta, its class, attributes and `requires_grad` kept."
     register = torch.nn.Module.register_parameter
+
     def on_meta(self, name, param):
         register(self, name, param)
         p = self._parameters.get(name)
@@ -87,6 +90,7 @@ def _params_on_meta():
         if p.__dict__:
             new.__dict__.update(p.__dict__)
         self._parameters[name] = new
+
     torch.nn.Module.register_parameter = on_meta
     try:
         yield
@@ -103,19 +107,21 @@ def _no_init():
     return no_init_weights()
 
 # %% ../nbs/03_load_model.ipynb #fcf437aa
-def meta_module(make, # a callable that builds and returns an nn.Module
-                dtype: torch.dtype | None = None, # cast the result's floating-point tensors to this
-               ) -> torch.nn.Module:
+def meta_module(
+    make,  # a callable that builds and returns an nn.Module
+    dtype: torch.dtype | None = None,  # cast the result's floating-point tensors to this
+) -> torch.nn.Module:
     "`make()` with its parameters created on `meta`, its buffers real and no weight initialized."
     with _BUILD_LOCK, _params_on_meta(), _no_init():
         m = make()
     return m if dtype is None else m.to(dtype)
 
 # %% ../nbs/03_load_model.ipynb #c79cfb69
-def build_on_meta(config, # a transformers config
-                  model_class: type | None = None, # a transformers model class; None: `model_class_for(config)`
-                  dtype: torch.dtype | None = None, # parameters' dtype; None: the config's
-                 ) -> torch.nn.Module:
+def build_on_meta(
+    config,  # a transformers config
+    model_class: type | None = None,  # a transformers model class; None: `model_class_for(config)`
+    dtype: torch.dtype | None = None,  # parameters' dtype; None: the config's
+) -> torch.nn.Module:
     "`model_class(config)` with parameters on `meta` and buffers real, ties re-tied."
     cls = model_class or model_class_for(config)
     dtype = dtype or getattr(config, 'dtype', None) or torch.float32
@@ -155,7 +161,8 @@ def auto_conversions(config) -> list:
     return [c for t in _model_types(config) if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
 
 # %% ../nbs/03_load_model.ipynb #6b2d0f05
-_REGEX = re.compile(r'[\\^$+?()\[\]{}|]')   # regular-expression syntax in a pattern beyond the `*` ours know
+_REGEX = re.compile(r'[\\^$+?()\[\]{}|]')  # regular-expression syntax in a pattern beyond the `*` ours know
+
 
 def _transformers_rules(config) -> tuple[list, list]:
     "(our recipes, descriptions of the rules skipped) for transformers' fusing rules of `config`'s model types."
@@ -178,12 +185,17 @@ def _transformers_rules(config) -> tuple[list, list]:
                 continue  # the same rule listed for the model type and for its text model
             seen.add(key)
             what = f"{', '.join(c.source_patterns)} -> {', '.join(c.target_patterns)}"
-            why = ('several targets' if len(c.target_patterns) != 1 else
-                   'no operation' if not names else
-                   f"operations {', '.join(n for n in names if n not in OPERATIONS)}"
-                   if any(n not in OPERATIONS for n in names) else
-                   'regular-expression patterns'
-                   if any(_REGEX.search(p) for p in [*c.source_patterns, *c.target_patterns]) else None)
+            why = (
+                'several targets'
+                if len(c.target_patterns) != 1
+                else 'no operation'
+                if not names
+                else f"operations {', '.join(n for n in names if n not in OPERATIONS)}"
+                if any(n not in OPERATIONS for n in names)
+                else 'regular-expression patterns'
+                if any(_REGEX.search(p) for p in [*c.source_patterns, *c.target_patterns])
+                else None
+            )
             if why is None:
                 try:
                     ops = [Operation(n, o.dim) for n, o in zip(names, c.operations, strict=False)]
@@ -205,9 +217,10 @@ def transformers_conversions_skipped(config) -> list[str]:
     return _transformers_rules(config)[1]
 
 # %% ../nbs/03_load_model.ipynb #6a1c0e02
-def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-built one will do)
-                       keys, # checkpoint keys
-                      ) -> dict:
+def checkpoint_renames(
+    model: torch.nn.Module,  # a transformers model (a meta-built one will do)
+    keys,  # checkpoint keys
+) -> dict:
     "{checkpoint key: the name transformers loads it under} for the `keys` that are not `model`'s names."
     try:
         from transformers import PreTrainedModel
@@ -234,10 +247,11 @@ def checkpoint_renames(model: torch.nn.Module, # a transformers model (a meta-bu
 # %% ../nbs/03_load_model.ipynb #4b049085
 _log = logging.getLogger('mstar_utils.model')
 
+
 def _report_unexpected(model, keys: list, where, strict: bool):
     "Warn (`ValueError` if `strict`) about checkpoint `keys` no parameter took, less those the class ignores."
     pats = [re.compile(p) for p in getattr(model, '_keys_to_ignore_on_load_unexpected', None) or []]
-    buffers = {n for n, _ in model.named_buffers()}   # a checkpoint may hold a buffer the class computes (position_ids)
+    buffers = {n for n, _ in model.named_buffers()}  # a checkpoint may hold a buffer the class computes (position_ids)
     keys = [k for k in keys if k not in buffers and not any(p.search(k) for p in pats)]
     if not keys:
         return
@@ -247,8 +261,9 @@ def _report_unexpected(model, keys: list, where, strict: bool):
     _log.warning(msg)
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d02
-def checkpoint_dtype(ckpt: Path, # a checkpoint folder
-                    ) -> torch.dtype | None:
+def checkpoint_dtype(
+    ckpt: Path,  # a checkpoint folder
+) -> torch.dtype | None:
     "The dtype `from_pretrained(dtype='auto')` gives a model whose config.json sets none."
     first = sorted(set(read_weight_map(ckpt).values()), key=str)[0]
     infos = read_header(first)[1]
@@ -259,17 +274,19 @@ def checkpoint_dtype(ckpt: Path, # a checkpoint folder
     return None
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d15
-def model_dtype(config, # the model's transformers config
-                ckpt: Path, # its checkpoint folder
-                dtype: torch.dtype | None = None, # asked for by the caller
-               ) -> torch.dtype | None:
+def model_dtype(
+    config,  # the model's transformers config
+    ckpt: Path,  # its checkpoint folder
+    dtype: torch.dtype | None = None,  # asked for by the caller
+) -> torch.dtype | None:
     "The dtype to build the model in, as `from_pretrained(dtype='auto')` picks it."
     return dtype or getattr(config, 'dtype', None) or checkpoint_dtype(ckpt)
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d06
-def _untie_stored(model: torch.nn.Module, # built on meta, ties tied
-                 keys, # the checkpoint's keys under the model's names (anything with `in`)
-                ) -> list[tuple[str, str]]:
+def _untie_stored(
+    model: torch.nn.Module,  # built on meta, ties tied
+    keys,  # the checkpoint's keys under the model's names (anything with `in`)
+) -> list[tuple[str, str]]:
     "Give each tied name of `model` that `keys` holds, past the first, a meta parameter of its own."
     # So that both load; returns the (kept, untied) name pairs, for `_retie_equal`.
     groups, pairs = {}, []
@@ -289,10 +306,11 @@ def _untie_stored(model: torch.nn.Module, # built on meta, ties tied
     return pairs
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d07
-def _retie_equal(model: torch.nn.Module, # loaded, after `_untie_stored`
-                pairs: list, # its (kept, untied) name pairs
-                where: str, # names the checkpoint in the warning
-               ) -> list[str]:
+def _retie_equal(
+    model: torch.nn.Module,  # loaded, after `_untie_stored`
+    pairs: list,  # its (kept, untied) name pairs
+    where: str,  # names the checkpoint in the warning
+) -> list[str]:
     "Tie each untied name to its kept one again where the values are equal; returns the names left untied."
     # Where they differ, it warns and drops the tie from `all_tied_weights_keys`, as `from_pretrained` does.
     left, tied = [], getattr(model, 'all_tied_weights_keys', None)
@@ -315,12 +333,13 @@ def _retie_equal(model: torch.nn.Module, # loaded, after `_untie_stored`
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d09
 @contextmanager
-def _built_buffers_kept(model: torch.nn.Module, # built on meta, buffers real
-                       keys, # the checkpoint's keys under the model's names (anything with `in`)
-                      ):
+def _built_buffers_kept(
+    model: torch.nn.Module,  # built on meta, buffers real
+    keys,  # the checkpoint's keys under the model's names (anything with `in`)
+):
     "For the block, the persistent buffers built and missing from `keys` count as non-persistent."
     # Built: not on meta. A load then keeps them as built. Yields their names.
-    loaded = {id(t) for n, t, _ in named_tensors(model) if n in keys}   # an alias of a stored buffer is loaded with it
+    loaded = {id(t) for n, t, _ in named_tensors(model) if n in keys}  # an alias of a stored buffer is loaded with it
     names, marked = [], []
     for n, t, is_param in named_tensors(model):
         if is_param or t.is_meta or n in keys or id(t) in loaded:
@@ -358,10 +377,11 @@ def _initialize_unloaded(
         init()
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d10
-def _report_kept_buffers(model: torch.nn.Module, # the loaded model
-                        kept: list, # the names `_built_buffers_kept` yielded
-                        where: str, # names the checkpoint
-                       ):
+def _report_kept_buffers(
+    model: torch.nn.Module,  # the loaded model
+    kept: list,  # the names `_built_buffers_kept` yielded
+    where: str,  # names the checkpoint
+):
     "Warn on the `mstar_utils.model` logger about the buffers the checkpoint lacked: how many, the first few."
     # `_built_buffers_kept` names them; `_initialize_unloaded` initializes them.
     if not kept:
@@ -372,10 +392,11 @@ def _report_kept_buffers(model: torch.nn.Module, # the loaded model
     )
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d14
-def _with_skipped_rules(e: KeyError, # a missing-key error of the loader
-                       config, # the model's transformers config
-                       conv, # the `conv` the load was given
-                      ) -> KeyError:
+def _with_skipped_rules(
+    e: KeyError,  # a missing-key error of the loader
+    config,  # the model's transformers config
+    conv,  # the `conv` the load was given
+) -> KeyError:
     "`e` with the fusing rules `conv='auto'` left unapplied named: the likely reason for missing keys."
     # The rules are transformers' for this model type.
     skipped = transformers_conversions_skipped(config) if conv == 'auto' else []
@@ -392,7 +413,8 @@ def _attach_generation_config(model, ckpt: Path, config=None):
     if not (hasattr(model, 'can_generate') and model.can_generate()):
         return
     from transformers import GenerationConfig
-    if ckpt.is_file():   # a GGUF file: from its config, as from_pretrained(gguf_file=...) does
+
+    if ckpt.is_file():  # a GGUF file: from its config, as from_pretrained(gguf_file=...) does
         model.generation_config = GenerationConfig.from_model_config(config)
     elif (ckpt / 'generation_config.json').is_file():
         model.generation_config = GenerationConfig.from_pretrained(ckpt)
@@ -412,7 +434,10 @@ def _as_stored(src: FileSource, recipes: list, dtype) -> list:
     keys = {}
     for k, f in src.k2f.items():
         keys.setdefault(f, []).append(k)
-    def stored(k): return src.dtype(k) == dtype and not any(r.match(k) for r in recipes)
+
+    def stored(k):
+        return src.dtype(k) == dtype and not any(r.match(k) for r in recipes)
+
     return [f for f in sorted(keys, key=str) if all(map(stored, keys[f]))]  # a shard's first fused or cast key ends it
 
 # %% ../nbs/03_load_model.ipynb #44d6946b
@@ -428,13 +453,14 @@ def _read_ahead(src: FileSource, mmap: bool, stored) -> FileSource:
     return src
 
 # %% ../nbs/03_load_model.ipynb #5b7d0a02
-def start_reads(ckpt: Path, # a checkpoint folder
-                config, # its transformers config
-                dtype: torch.dtype | None, # the dtype the model is built in (`model_dtype`)
-                conv: list | str | None = 'auto', # as `load_model`'s: the recipes whose keys are not read ahead
-                device: str = 'cpu', # where the weights land: nothing is read ahead for another device
-                mmap: bool = False, # mapped views: fault the mappings in instead of reading into owned memory
-               ) -> FileSource:
+def start_reads(
+    ckpt: Path,  # a checkpoint folder
+    config,  # its transformers config
+    dtype: torch.dtype | None,  # the dtype the model is built in (`model_dtype`)
+    conv: list | str | None = 'auto',  # as `load_model`'s: the recipes whose keys are not read ahead
+    device: str = 'cpu',  # where the weights land: nothing is read ahead for another device
+    mmap: bool = False,  # mapped views: fault the mappings in instead of reading into owned memory
+) -> FileSource:
     "The checkpoint's `FileSource`, the shards that load as stored already being read (`ReadAhead`)."
     src = checkpoint_source(ckpt, mmap=mmap)
     if torch.device(device).type != 'cpu' or getattr(config, 'quantization_config', None):
@@ -469,9 +495,7 @@ def _keep_reads(src: FileSource, config, ckpt: Path, dtype, conv, mmap: bool):
     if src.ahead is None or mmap:
         return
     keep = (
-        set()
-        if getattr(config, 'quantization_config', None)
-        else set(_as_stored(src, _recipes(config, conv), dtype))
+        set() if getattr(config, 'quantization_config', None) else set(_as_stored(src, _recipes(config, conv), dtype))
     )
     src.ahead.cancel([p for p in src.ahead.paths if p not in keep])
 
@@ -528,38 +552,57 @@ def _sharding(config, model, rank, world_size, plan, expert_parallel, rules):
 # %% ../nbs/03_load_model.ipynb #0a1b2c03
 class _Prepared(NamedTuple):
     "What `_prepare` gives: the folder, config, model (on meta, cut), the source to read, and more."
+
     ckpt: Path
     config: object
     model: torch.nn.Module
-    source: object   # what the load reads: keyed by the model's names, this rank's slices
-    whole: object   # the same keys before slicing (`source` on one device)
-    raw: object   # the checkpoint's FileSource, at the bottom of `source`
-    sharding: object   # this rank's Sharding; None on one device
-    untied: list   # (kept, untied) names, for `_retie_equal`
-    what: str   # names the model in messages
+    source: object  # what the load reads: keyed by the model's names, this rank's slices
+    whole: object  # the same keys before slicing (`source` on one device)
+    raw: object  # the checkpoint's FileSource, at the bottom of `source`
+    sharding: object  # this rank's Sharding; None on one device
+    untied: list  # (kept, untied) names, for `_retie_equal`
+    what: str  # names the model in messages
 
 # %% ../nbs/03_load_model.ipynb #861597e5
-def _prepare(checkpoint_dir, model_class=None, dtype=None, conv='auto', quantized='dequantize', renames=True,
-             rank=None, world_size=None, group=None, plan=None, expert_parallel=False, rules=(), dry=False,
-             mmap=False, device='cpu', built=None) -> _Prepared:
+def _prepare(
+    checkpoint_dir,
+    model_class=None,
+    dtype=None,
+    conv='auto',
+    quantized='dequantize',
+    renames=True,
+    rank=None,
+    world_size=None,
+    group=None,
+    plan=None,
+    expert_parallel=False,
+    rules=(),
+    dry=False,
+    mmap=False,
+    device='cpu',
+    built=None,
+) -> _Prepared:
     "Every step of `load_model` before a weight is read (see `load_model` for the arguments)."
     # `dry`: a source that only records reads; `built`: a meta model to copy.
     if quantized not in ('dequantize', 'keep'):
         raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
     if group is not None and (rank is None or world_size is None):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    from mstar_utils.gguf import gguf_file   # a .gguf file (or a folder of one) is read through `GGUFSource`
+    from mstar_utils.gguf import gguf_file  # a .gguf file (or a folder of one) is read through `GGUFSource`
+
     f = gguf_file(checkpoint_dir)
     if f is not None:
-        return _prepare_gguf(f, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules,
-                             dry, built)
+        return _prepare_gguf(
+            f, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules, dry, built
+        )
     ckpt = _checkpoint_dir(checkpoint_dir)
     early = not dry and _one_device(rank, world_size)  # a rank reads its slices, not whole shards
     raw = (
         _reads_before_config(ckpt, dtype, conv, device, mmap) if early else checkpoint_source(ckpt, mmap=mmap, dry=dry)
     )
     try:
-        from transformers import AutoConfig   # imported, the config and the model built, while the shards are read
+        from transformers import AutoConfig  # imported, the config and the model built, while the shards are read
+
         config = AutoConfig.from_pretrained(ckpt)
         dtype = model_dtype(config, ckpt, dtype)
         if early:
@@ -591,19 +634,21 @@ def _prepared(ckpt: Path, config, model, src, raw, sharding, group) -> _Prepared
     return _Prepared(ckpt, config, model, src, whole, raw, sharding, untied, what)
 
 # %% ../nbs/03_load_model.ipynb #78edd5c0
-def _prepare_gguf(f: Path, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules,
-                  dry, built) -> _Prepared:
+def _prepare_gguf(
+    f: Path, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules, dry, built
+) -> _Prepared:
     "`_prepare` for GGUF file `f`: its config from the metadata, the model in float32 unless `dtype`, a `GGUFSource`."
     from mstar_utils.gguf import GGUFSource, gguf_config, gguf_model_class, keep_gguf, read_gguf
+
     header = read_gguf(f)
-    config, dtype = gguf_config(f, header), dtype or torch.float32   # float32: what from_pretrained(gguf_file=) gives
+    config, dtype = gguf_config(f, header), dtype or torch.float32  # float32: what from_pretrained(gguf_file=) gives
     model_class = model_class or gguf_model_class(config)
     model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class, dtype)
     sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)
     src = GGUFSource(f, model, config, header, dry=dry)
     if quantized == 'keep':
         try:
-            keep_gguf(model, src, dtype)   # block-type Linear weights stay the file's bytes
+            keep_gguf(model, src, dtype)  # block-type Linear weights stay the file's bytes
         except BaseException:
             src.close()
             raise
@@ -627,7 +672,7 @@ def _finish(prep: _Prepared, res, kept: list, device, strict: bool) -> torch.nn.
     _retie_equal(model, prep.untied, name)
     _initialize_unloaded(model, res[0])
     _report_kept_buffers(model, kept, name)
-    model.to(device)   # the buffers built real on the CPU
+    model.to(device)  # the buffers built real on the CPU
     process_weights_after_loading(model, device)
     _report_unexpected(model, res.unexpected_keys, name, strict)
     _attach_generation_config(model, prep.ckpt, prep.config)
@@ -656,8 +701,22 @@ def load_model(
     mmap: bool = False,  # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
 ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, or rank `rank`'s part of it, loaded, checked and in eval mode."
-    prep = _prepare(checkpoint_dir, model_class, dtype, conv, quantized, renames, rank, world_size, group, plan,
-                    expert_parallel, rules, mmap=mmap, device=device)
+    prep = _prepare(
+        checkpoint_dir,
+        model_class,
+        dtype,
+        conv,
+        quantized,
+        renames,
+        rank,
+        world_size,
+        group,
+        plan,
+        expert_parallel,
+        rules,
+        mmap=mmap,
+        device=device,
+    )
     try:
         res, kept = _read_weights(prep, device)
     except KeyError as e:
@@ -691,6 +750,7 @@ def load_gguf_model(
 ) -> torch.nn.Module:
     "`load_model` of GGUF file `path`: the model `from_pretrained(folder, gguf_file=...)` builds."
     from mstar_utils.gguf import gguf_file
+
     if gguf_file(path) is None:
         raise FileNotFoundError(f'{path}: no .gguf file there')
     return load_model(path, model_class, **kw)
@@ -698,18 +758,20 @@ def load_gguf_model(
 # %% ../nbs/03_load_model.ipynb #0a1b2c11
 class PlannedTensor(NamedTuple):
     "One model tensor of a `LoadPlan`: its keys, its transforms, this rank's slice and the bytes read."
-    name: str   # the model's name for it
-    shape: tuple   # the shape this rank holds
-    dtype: str   # as the source gives it (before a cast into the model's dtype)
-    keys: list   # the checkpoint keys this rank reads for it
-    steps: list   # its transforms, in order
-    slice: Slice | None   # this rank's part of the whole tensor; None: all of it
-    bytes: int   # bytes read for it
-    ranges: list   # [(file name, start, stop)] read for it, merged
+
+    name: str  # the model's name for it
+    shape: tuple  # the shape this rank holds
+    dtype: str  # as the source gives it (before a cast into the model's dtype)
+    keys: list  # the checkpoint keys this rank reads for it
+    steps: list  # its transforms, in order
+    slice: Slice | None  # this rank's part of the whole tensor; None: all of it
+    bytes: int  # bytes read for it
+    ranges: list  # [(file name, start, stop)] read for it, merged
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c11-1
 class FileReads(NamedTuple):
     "The reads of one checkpoint file: byte ranges [(start, stop)] and the bytes read."
+
     file: str
     ranges: list
     bytes: int
@@ -718,13 +780,14 @@ class FileReads(NamedTuple):
 @dataclass
 class LoadPlan:
     "What `load_model` reads at one rank and does with it: per tensor (`tensors`) and per file (`files`)."
-    checkpoint: str   # the folder
+
+    checkpoint: str  # the folder
     rank: int
     world_size: int
-    tensors: list   # PlannedTensor, in the source's key order
-    files: list   # FileReads, by file name
-    total_bytes: int   # bytes this rank reads, all files
-    checkpoint_bytes: int   # bytes of tensor data the checkpoint holds
+    tensors: list  # PlannedTensor, in the source's key order
+    files: list  # FileReads, by file name
+    total_bytes: int  # bytes this rank reads, all files
+    checkpoint_bytes: int  # bytes of tensor data the checkpoint holds
     options: dict  # the keyword arguments of `load_model` it was made with
     held_bytes: int = 0  # bytes this rank's model holds once loaded: parameters and persistent buffers, ties once
 
@@ -734,20 +797,26 @@ class LoadPlan:
             f'{len(self.tensors)} tensors, reads {_mb(self.total_bytes)} of {_mb(self.checkpoint_bytes)} '
             f'in {len(self.files)} file(s), holds {_mb(self.held_bytes)}'
         )
+
         def row(t):
-            return (f'{t.name} {list(t.shape)} {t.dtype} <- {listed(t.keys, 2)}: '
-                    f'{" | ".join(t.steps) or "as stored"}, {_mb(t.bytes)}')
+            return (
+                f'{t.name} {list(t.shape)} {t.dtype} <- {listed(t.keys, 2)}: '
+                f'{" | ".join(t.steps) or "as stored"}, {_mb(t.bytes)}'
+            )
+
         rows = ['  ' + listed(self.tensors, 6, '\n  ', row)] if self.tensors else []
         files = [f'  {f.file}: {len(f.ranges)} range(s), {_mb(f.bytes)}' for f in self.files]
         return '\n'.join([head, *rows, *files])
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c12-1
-def _mb(n: int) -> str: return f'{n / 1e6:.2f} MB'
+def _mb(n: int) -> str:
+    return f'{n / 1e6:.2f} MB'
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c13
 @patch
 def to_json(self: LoadPlan, indent: int | None = 1) -> str:
     "The plan as JSON: every field, slices as {dim, ranges}, dtypes and files by name."
+
     def tensor(t):
         d = t._asdict()
         d['slice'] = None if t.slice is None else {'dim': t.slice.dim, 'ranges': [list(r) for r in t.slice.ranges]}
@@ -797,7 +866,7 @@ def _lineage(src, k: str, steps: list) -> list:
             ops.append(n.op)
             todo.extend(reversed(n.kids))
     steps.extend(dict.fromkeys(inside))
-    for op in dict.fromkeys(reversed(ops)):   # innermost first
+    for op in dict.fromkeys(reversed(ops)):  # innermost first
         steps.append(f'{"dequantize" if hasattr(op, "target_dtype") else "fuse"} {op!r}')
     return keys
 
@@ -844,6 +913,7 @@ def _touches(raw, key: str, merged: dict) -> bool:
 _STORED_CODES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.uint8, torch.int8}
 _SCALES = ('_scale_inv', '_scale', '_zero_point', '_scales', '_shape')
 
+
 def _planned(prep: _Prepared, k: str, quantized) -> PlannedTensor:
     "The `PlannedTensor` of key `k` of a dry `prep`: its own reads, the keys they touch, its transforms and slice."
     src, raw = prep.source, prep.raw
@@ -858,9 +928,16 @@ def _planned(prep: _Prepared, k: str, quantized) -> PlannedTensor:
     sl = src.slice(k) if prep.sharding is not None else None
     if sl is not None and sl.dim is not None:
         steps.append(f'slice dim {sl.dim} {list(sl.ranges)}')
-    return PlannedTensor(k, tuple(src.shape(k)), str(src.dtype(k)).replace('torch.', ''), keys, steps,
-                         None if sl is None or sl.dim is None else sl, sum(r[2] for r in mine),
-                         [(f, a, b) for f, rs in merged.items() for a, b in rs])
+    return PlannedTensor(
+        k,
+        tuple(src.shape(k)),
+        str(src.dtype(k)).replace('torch.', ''),
+        keys,
+        steps,
+        None if sl is None or sl.dim is None else sl,
+        sum(r[2] for r in mine),
+        [(f, a, b) for f, rs in merged.items() for a, b in rs],
+    )
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c16
 def load_plan(

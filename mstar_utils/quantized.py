@@ -34,42 +34,47 @@ __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32
 # %% ../nbs/06_quantized.ipynb #47664196
 # E2M1 value by code 0..15
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_FP4_PAIRS: dict = {}   # device -> [256] int64: a byte's (low nibble, high nibble) values as two float32s, side by side
+_FP4_PAIRS: dict = {}  # device -> [256] int64: a byte's (low nibble, high nibble) values as two float32s, side by side
+
 
 def _fp4_pairs(device) -> torch.Tensor:
     "[256] int64 on `device`: byte b's (value of b & 15, value of b >> 4) as two float32s side by side."
     lut = _FP4_PAIRS.get(device)
     if lut is None:
         v = torch.tensor(FP4_E2M1)
-        pairs = torch.stack([v.repeat(16), v.repeat_interleave(16)], -1)   # [256, 2] float32
+        pairs = torch.stack([v.repeat(16), v.repeat_interleave(16)], -1)  # [256, 2] float32
         lut = _FP4_PAIRS[device] = pairs.view(torch.int64).view(256).to(device)
     return lut
 
 # %% ../nbs/06_quantized.ipynb #47664196-1
-def unpack_fp4(blocks: torch.Tensor, # uint8 [..., n], two E2M1 codes a byte
-              ) -> torch.Tensor:
+def unpack_fp4(
+    blocks: torch.Tensor,  # uint8 [..., n], two E2M1 codes a byte
+) -> torch.Tensor:
     "FP4 values float32 [..., 2n]: a byte's low nibble is the even value, its high nibble the odd one."
-    pairs = _fp4_pairs(blocks.device).index_select(0, blocks.reshape(-1).int())   # one int64 a byte: its two values
+    pairs = _fp4_pairs(blocks.device).index_select(0, blocks.reshape(-1).int())  # one int64 a byte: its two values
     return pairs.view(torch.float32).view(*blocks.shape[:-1], -1)
 
 # %% ../nbs/06_quantized.ipynb #61ea0072
-def e8m0_to_float(e: torch.Tensor, # E8M0 exponents: uint8 or float8_e8m0fnu
-                 ) -> torch.Tensor:
+def e8m0_to_float(
+    e: torch.Tensor,  # E8M0 exponents: uint8 or float8_e8m0fnu
+) -> torch.Tensor:
     "2^(e−127) as float32, NaN for 255 (OCP MX v1.0, §5.4)."
     e = e if e.dtype == torch.uint8 else e.view(torch.uint8)
     out = torch.ldexp(torch.ones(e.shape, device=e.device), e.to(torch.int32) - 127)
     return out.masked_fill_(e == 255, float('nan'))
 
 # %% ../nbs/06_quantized.ipynb #5b352e46
-def unpack_int32(packed: torch.Tensor, # int32 [..., ⌈cols·b/32⌉]
-                 num_bits: int, # b: 1, 2, 4 or 8
-                 cols: int, # values a row
-                ) -> torch.Tensor:
+def unpack_int32(
+    packed: torch.Tensor,  # int32 [..., ⌈cols·b/32⌉]
+    num_bits: int,  # b: 1, 2, 4 or 8
+    cols: int,  # values a row
+) -> torch.Tensor:
     "Signed codes int8 [..., cols]: value i at bit i·b mod 32 of word ⌊i·b/32⌋"
     # stored plus 2^(b−1) (compressed-tensors' `pack_to_int32`).
     if num_bits not in (1, 2, 4, 8):
-        raise ValueError(f'num_bits={num_bits}: only 1, 2, 4 or 8 bits are unpacked (values that never straddle two '
-                         'int32 words)')
+        raise ValueError(
+            f'num_bits={num_bits}: only 1, 2, 4 or 8 bits are unpacked (values that never straddle two int32 words)'
+        )
     shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)
     u = (packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
     return (u.flatten(-2)[..., :cols] - (1 << (num_bits - 1))).to(torch.int8)
@@ -80,32 +85,38 @@ def _block(block, shape) -> tuple:
     return tuple(shape[i - 2] if b is None else b for i, b in enumerate(block))
 
 # %% ../nbs/06_quantized.ipynb #f1c7fa63-1
-def scale_grid(shape: tuple, # [..., R, C]: the codes
-               block: tuple, # (rows, cols) one scale covers; None: the whole axis
-              ) -> tuple:
+def scale_grid(
+    shape: tuple,  # [..., R, C]: the codes
+    block: tuple,  # (rows, cols) one scale covers; None: the whole axis
+) -> tuple:
     "[..., ⌈R/rows⌉, ⌈C/cols⌉]: the scales' shape, partial edge blocks included."
     br, bc = _block(block, shape)
     return (*shape[:-2], -(-shape[-2] // max(br, 1)), -(-shape[-1] // max(bc, 1)))
 
 # %% ../nbs/06_quantized.ipynb #a69c9551
-def per_block_(x: torch.Tensor, # float [..., R, C], changed in place
-               values: torch.Tensor, # [..., ⌈R/rows⌉, ⌈C/cols⌉]: one per block
-               block: tuple, # (rows, cols) per value; None: the whole axis
-               op=torch.Tensor.mul_, # an in-place binary op, e.g. torch.Tensor.sub_
-              ) -> torch.Tensor:
+def per_block_(
+    x: torch.Tensor,  # float [..., R, C], changed in place
+    values: torch.Tensor,  # [..., ⌈R/rows⌉, ⌈C/cols⌉]: one per block
+    block: tuple,  # (rows, cols) per value; None: the whole axis
+    op=torch.Tensor.mul_,  # an in-place binary op, e.g. torch.Tensor.sub_
+) -> torch.Tensor:
     "`op(block, value)` for every block of `x`, partial edge blocks included; returns `x`."
     br, bc = _block(block, x.shape)
     R, C = x.shape[-2:]
     v = values.to(x.dtype)
-    if br > 1: v = v.repeat_interleave(br, dim=-2)[..., :R, :]
+    if br > 1:
+        v = v.repeat_interleave(br, dim=-2)[..., :R, :]
     full = C // bc
-    if full: op(x[..., :full * bc].unflatten(-1, (full, bc)), v[..., :full, None])
-    if C > full * bc: op(x[..., full * bc:], v[..., full:])
+    if full:
+        op(x[..., : full * bc].unflatten(-1, (full, bc)), v[..., :full, None])
+    if C > full * bc:
+        op(x[..., full * bc :], v[..., full:])
     return x
 
 # %% ../nbs/06_quantized.ipynb #fastq001
 # the lock, how many `in_threads` calls run now, torch's thread count before the first
 _ONE_THREAD = [threading.Lock(), 0, 1]
+
 
 @contextmanager
 def _torch_threads_one():
@@ -113,22 +124,27 @@ def _torch_threads_one():
     # yields the count before.
     lock = _ONE_THREAD[0]
     with lock:
-        if _ONE_THREAD[1] == 0: _ONE_THREAD[2] = torch.get_num_threads()
+        if _ONE_THREAD[1] == 0:
+            _ONE_THREAD[2] = torch.get_num_threads()
         _ONE_THREAD[1] += 1
         torch.set_num_threads(1)
-    try: yield _ONE_THREAD[2]
+    try:
+        yield _ONE_THREAD[2]
     finally:
         with lock:
             _ONE_THREAD[1] -= 1
-            if _ONE_THREAD[1] == 0: torch.set_num_threads(_ONE_THREAD[2])
+            if _ONE_THREAD[1] == 0:
+                torch.set_num_threads(_ONE_THREAD[2])
 
 # %% ../nbs/06_quantized.ipynb #fastq001-1
-_POOL, _WORKER = [None, 0, threading.Lock()], threading.local()   # (pool, its threads, lock); a worker's flag
+_POOL, _WORKER = [None, 0, threading.Lock()], threading.local()  # (pool, its threads, lock); a worker's flag
+
 
 def _pool(n: int) -> ThreadPoolExecutor:
     "The module's pool of `n` threads or more: made once, made anew only when `n` outgrows it."
     with _POOL[2]:
-        if _POOL[0] is None or _POOL[1] < n: _POOL[0], _POOL[1] = ThreadPoolExecutor(n, thread_name_prefix='decode'), n
+        if _POOL[0] is None or _POOL[1] < n:
+            _POOL[0], _POOL[1] = ThreadPoolExecutor(n, thread_name_prefix='decode'), n
         return _POOL[0]
 
 # %% ../nbs/06_quantized.ipynb #fastq001-2
@@ -138,24 +154,31 @@ def _as_worker(job):
     return job()
 
 # %% ../nbs/06_quantized.ipynb #fastq001-3
-def in_threads(jobs: list, # callables of no arguments, each a piece of the work
-               threads: int | None = None, # None: torch's intra-op thread count (`torch.get_num_threads()`)
-              ) -> None:
+def in_threads(
+    jobs: list,  # callables of no arguments, each a piece of the work
+    threads: int | None = None,  # None: torch's intra-op thread count (`torch.get_num_threads()`)
+) -> None:
     "Run `jobs` on `threads` Python threads, one torch thread each; the first error is raised."
     with _torch_threads_one() as n:
         n = min(threads or n, len(jobs))
         if n <= 1 or getattr(_WORKER, 'on', False):
-            for j in jobs: j()
+            for j in jobs:
+                j()
             return
         futs = [_pool(n).submit(_as_worker, j) for j in jobs]
-        wait(futs)   # all of them, so that none still writes once the first error is raised
-        for f in futs: f.result()
+        wait(futs)  # all of them, so that none still writes once the first error is raised
+        for f in futs:
+            f.result()
 
 # %% ../nbs/06_quantized.ipynb #fastq002
 _SCRATCH = threading.local()
 
-def scratch(name: str, # the buffer's name: one buffer a name and thread
-            shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+
+def scratch(
+    name: str,  # the buffer's name: one buffer a name and thread
+    shape: tuple,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     "This thread's buffer `name`, of `shape` and `dtype`: kept between calls, grown when too small."
     n = int(torch.Size(shape).numel())
     buf = getattr(_SCRATCH, name, None)
@@ -167,14 +190,17 @@ def scratch(name: str, # the buffer's name: one buffer a name and thread
 # %% ../nbs/06_quantized.ipynb #9924710e
 class Dequantize(ConversionOp):
     "What the dequantizing operations share: a `ConversionOp` over all the rule's tensors"
+
     # whose result is in `target_dtype`.
-    _stackable = True   # leading axes (experts) may be done one slice at a time
+    _stackable = True  # leading axes (experts) may be done one slice at a time
+
     def out_dtype(self, dtypes: list) -> torch.dtype:
         "`target_dtype`, after checking that the codes `dtypes[0]` are of a dtype the format stores"
         # `ValueError` otherwise.
         if dtypes[0] not in self.codes:
-            raise ValueError(f'{type(self).__name__}: codes are {dtypes[0]}, the format stores '
-                             f'{" or ".join(map(str, self.codes))}')
+            raise ValueError(
+                f'{type(self).__name__}: codes are {dtypes[0]}, the format stores {" or ".join(map(str, self.codes))}'
+            )
         return self.target_dtype
 
 # %% ../nbs/06_quantized.ipynb #c254561f
@@ -182,9 +208,11 @@ class Dequantize(ConversionOp):
 def apply(self: Dequantize, tensors: list) -> torch.Tensor:
     "The dequantized tensor, in `target_dtype`; stacked inputs one slice of the leading axis at a time."
     shape = self.out_shape([tuple(t.shape) for t in tensors])
-    if len(shape) <= 2 or not self._stackable: return self._one(tensors).to(self.target_dtype)
+    if len(shape) <= 2 or not self._stackable:
+        return self._one(tensors).to(self.target_dtype)
     out = torch.empty(shape, dtype=self.target_dtype, device=tensors[0].device)
-    for i in range(shape[0]): out[i] = self._one([t[i] for t in tensors])
+    for i in range(shape[0]):
+        out[i] = self._one([t[i] for t in tensors])
     return out
 
 # %% ../nbs/06_quantized.ipynb #c254561f-1
@@ -207,9 +235,13 @@ def _scale_float(s: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class _BlockScaled(Dequantize):
     "(codes [..., R, C], scales [, zero points]) → (codes − zero point) × scale, one of each per `block`."
-    block: tuple = (128, 128)   # (rows, cols) per scale; None: the whole axis
+
+    block: tuple = (128, 128)  # (rows, cols) per scale; None: the whole axis
     target_dtype: torch.dtype = torch.bfloat16
-    def out_shape(self, shapes: list) -> tuple: return tuple(shapes[0])
+
+    def out_shape(self, shapes: list) -> tuple:
+        return tuple(shapes[0])
+
     def mismatch(self, shapes: list):
         "(0, j, rule) when input j does not hold one value per block of the codes, else None."
         want = scale_grid(shapes[0], self.block)
@@ -217,42 +249,52 @@ class _BlockScaled(Dequantize):
             if tuple(s) != want and not (_numel(s) == 1 and _numel(want) == 1):
                 return 0, j, f'one value per block of {list(_block(self.block, shapes[0]))}, so {list(want)}'
         return None
+
     def _one(self, ts):
         x, s = ts[0].float(), ts[1].reshape(scale_grid(ts[0].shape, self.block))
-        if len(ts) > 2: per_block_(x, ts[2].reshape(s.shape), self.block, torch.Tensor.sub_)
+        if len(ts) > 2:
+            per_block_(x, ts[2].reshape(s.shape), self.block, torch.Tensor.sub_)
         return per_block_(x, _scale_float(s), self.block)
 
 # %% ../nbs/06_quantized.ipynb #c7c98965-2
-def _numel(shape): return int(torch.Size(shape).numel())
+def _numel(shape):
+    return int(torch.Size(shape).numel())
 
 # %% ../nbs/06_quantized.ipynb #590137c3
 @dataclass(frozen=True)
 class FP8BlockDequantize(_BlockScaled):
     "(`weight` fp8 [..., R, C], `weight_scale_inv` [..., ⌈R/br⌉, ⌈C/bc⌉]) → weight × scale"
+
     # one scale per `block` (br, bc), partial at the edges. `quant_method: "fp8"` checkpoints (DeepSeek-V3, Qwen3-FP8).
     # `block=(None, None)`: one scale per tensor. E8M0 scales (uint8) are decoded. `scale` is the scale key's suffix:
     # `'_scale_inv'`, or `'_scale'` for the per-tensor `weight_scale` of AutoFP8 and vLLM checkpoints; either
     # multiplies.
     scale: str = '_scale_inv'
     codes: ClassVar[tuple] = (torch.float8_e4m3fn, torch.float8_e5m2)
+
     @property
-    def suffixes(self): return ('', self.scale)   # the stored keys: the weight's key + suffix
+    def suffixes(self):
+        return ('', self.scale)  # the stored keys: the weight's key + suffix
 
 # %% ../nbs/06_quantized.ipynb #7d2be872
 @dataclass(frozen=True)
 class FloatQuantizedDequantize(_BlockScaled):
     "(fp8 or int8 `weight`, `weight_scale` [, `weight_zero_point`]) → (weight − zero point) × scale."
+
     # compressed-tensors' float-quantized, int-quantized and naive-quantized formats. Strategies as blocks: tensor
     # (None, None), channel (1, None), group (1, g), block (br, bc).
-    symmetric: bool = True   # False: a `weight_zero_point` is stored
+    symmetric: bool = True  # False: a `weight_zero_point` is stored
     codes: ClassVar[tuple] = (torch.float8_e4m3fn, torch.int8)
+
     @property
-    def suffixes(self): return ('', '_scale') if self.symmetric else ('', '_scale', '_zero_point')
+    def suffixes(self):
+        return ('', '_scale') if self.symmetric else ('', '_scale', '_zero_point')
 
 # %% ../nbs/06_quantized.ipynb #cfd358cc
 @dataclass(frozen=True)
 class PackQuantizedDequantize(Dequantize):
     "(`weight_packed`, `weight_scale`, `weight_shape` [, `weight_zero_point`]) → (codes − zero) × scale."
+
     # compressed-tensors' pack-quantized format: `weight_packed` int32 [R, ⌈C·b/32⌉], `weight_zero_point` int32 packed
     # down
     # the rows; `block` as in `FloatQuantizedDequantize`, `weight_shape` the (R, C) the checkpoint's `weight_shape`
@@ -262,12 +304,16 @@ class PackQuantizedDequantize(Dequantize):
     weight_shape: tuple = None
     symmetric: bool = True
     target_dtype: torch.dtype = torch.bfloat16
-    stored_shape: tuple = None   # what `weight_shape` holds when this op dequantizes a cut of it; None: `weight_shape`
+    stored_shape: tuple = None  # what `weight_shape` holds when this op dequantizes a cut of it; None: `weight_shape`
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
+
     @property
-    def suffixes(self): return ('_packed', '_scale', '_shape') + (() if self.symmetric else ('_zero_point',))
-    def out_shape(self, shapes: list) -> tuple: return tuple(self.weight_shape)
+    def suffixes(self):
+        return ('_packed', '_scale', '_shape') + (() if self.symmetric else ('_zero_point',))
+
+    def out_shape(self, shapes: list) -> tuple:
+        return tuple(self.weight_shape)
 
 # %% ../nbs/06_quantized.ipynb #d4ed5fbf
 @patch
@@ -289,44 +335,55 @@ def _one(self: PackQuantizedDequantize, ts: list) -> torch.Tensor:
     R, C = self.weight_shape
     want = tuple(self.stored_shape or (R, C))
     if tuple(ts[2].tolist()) != want:
-        raise ValueError(f'{type(self).__name__}: weight_shape holds {ts[2].tolist()}, the recipe was made for '
-                         f'{list(want)}')
+        raise ValueError(
+            f'{type(self).__name__}: weight_shape holds {ts[2].tolist()}, the recipe was made for {list(want)}'
+        )
     x = unpack_int32(ts[0], self.num_bits, C).float()
-    if not self.symmetric: per_block_(x, unpack_int32(ts[3].T, self.num_bits, R).T, self.block, torch.Tensor.sub_)
+    if not self.symmetric:
+        per_block_(x, unpack_int32(ts[3].T, self.num_bits, R).T, self.block, torch.Tensor.sub_)
     return per_block_(x, ts[1].reshape(scale_grid((R, C), self.block)).float(), self.block)
 
 # %% ../nbs/06_quantized.ipynb #071ad3f9
 @dataclass(frozen=True)
 class MXFP4Dequantize(Dequantize):
     "(`*_blocks` uint8 [..., R, G, 16], `*_scales` E8M0 [..., R, G]) → FP4 values × 2^(scale−127)"
+
     # [..., G·32, R] (`transpose`) or [..., R, G·32]. gpt-oss's `quant_method: "mxfp4"` experts: one scale per 32 values
     # (OCP MX v1.0); `transpose` turns the stored [out, in] into the model's [in, out].
     target_dtype: torch.dtype = torch.bfloat16
     transpose: bool = True
     suffixes: ClassVar[tuple] = ('_blocks', '_scales')
     codes: ClassVar[tuple] = (torch.uint8,)
+
     def out_shape(self, shapes: list) -> tuple:
         b = tuple(shapes[0])
         return (*b[:-3], b[-2] * 32, b[-3]) if self.transpose else (*b[:-3], b[-3], b[-2] * 32)
+
     def mismatch(self, shapes: list):
         "(0, 1, rule) when blocks [..., R, G, 16] and scales [..., R, G] disagree, else None."
         b, s = tuple(shapes[0]), tuple(shapes[1])
-        return None if len(b) >= 3 and b[-1] == 16 and b[:-1] == s else (0, 1, 'blocks [..., R, G, 16] and scales '
-                                                                               '[..., R, G]')
+        return (
+            None
+            if len(b) >= 3 and b[-1] == 16 and b[:-1] == s
+            else (0, 1, 'blocks [..., R, G, 16] and scales [..., R, G]')
+        )
+
     def _one(self, ts):
-        x = unpack_fp4(ts[0]).mul_(e8m0_to_float(ts[1])[..., None]).flatten(-2)   # [..., R, G·32]
+        x = unpack_fp4(ts[0]).mul_(e8m0_to_float(ts[1])[..., None]).flatten(-2)  # [..., R, G·32]
         return x.transpose(-1, -2) if self.transpose else x
 
 # %% ../nbs/06_quantized.ipynb #93c61a4e
 class StoredCut(NamedTuple):
     "How range [start, stop) of one dim of a dequantized tensor is made: a part of each stored tensor"
+
     # an op, a trim.
-    parts: tuple # per stored tensor (in `suffixes` order): (dim, start, stop) to read, or None: all of it
-    op: object # the operation that dequantizes the parts: the op itself, or a copy for the cut's shape
-    trim: tuple | None # (dim, start, length) to keep of the op's result; None: all of it
+    parts: tuple  # per stored tensor (in `suffixes` order): (dim, start, stop) to read, or None: all of it
+    op: object  # the operation that dequantizes the parts: the op itself, or a copy for the cut's shape
+    trim: tuple | None  # (dim, start, length) to keep of the op's result; None: all of it
 
 # %% ../nbs/06_quantized.ipynb #93c61a4e-1
-def _trimmed(t: torch.Tensor, trim) -> torch.Tensor: return t if trim is None else t.narrow(*trim)
+def _trimmed(t: torch.Tensor, trim) -> torch.Tensor:
+    return t if trim is None else t.narrow(*trim)
 
 # %% ../nbs/06_quantized.ipynb #93c61a4e-2
 def _widen(start: int, stop: int, unit: int, size: int) -> tuple:
@@ -339,31 +396,38 @@ def _trim(dim: int, start: int, stop: int, lo: int, hi: int):
     return None if (lo, hi) == (start, stop) else (dim, start - lo, stop - start)
 
 # %% ../nbs/06_quantized.ipynb #93c61a4e-4
-def dequantize_cut(c: StoredCut, # from an op's `cut`
-                   parts: list, # the stored tensors' parts that `c.parts` names, read
-                  ) -> torch.Tensor:
+def dequantize_cut(
+    c: StoredCut,  # from an op's `cut`
+    parts: list,  # the stored tensors' parts that `c.parts` names, read
+) -> torch.Tensor:
     "The dequantized range: `c.op` over the parts, trimmed."
     return _trimmed(c.op.apply(parts), c.trim)
 
 # %% ../nbs/06_quantized.ipynb #68b795cc
 @patch
-def cut(self: _BlockScaled, shapes: list, # the stored tensors' shapes, in `suffixes` order
-        dim: int, # the dim of the result that is cut
-        start: int, # the range of it taken: [start, stop)
-        stop: int,
-       ) -> StoredCut | None:
+def cut(
+    self: _BlockScaled,
+    shapes: list,  # the stored tensors' shapes, in `suffixes` order
+    dim: int,  # the dim of the result that is cut
+    start: int,  # the range of it taken: [start, stop)
+    stop: int,
+) -> StoredCut | None:
     "The codes of the whole blocks holding [start, stop) of `dim`, their scales and zero points; None"
     # scales not in grid shape.
-    w = tuple(shapes[0]); nd = len(w); dim %= nd
+    w = tuple(shapes[0])
+    nd = len(w)
+    dim %= nd
     grid = scale_grid(w, self.block)
-    if any(tuple(s) != grid and _numel(s) != 1 for s in shapes[1:]): return None
-    if dim < nd - 2: return StoredCut(tuple((dim, start, stop) if len(s) == nd else None for s in shapes), self, None)
+    if any(tuple(s) != grid and _numel(s) != 1 for s in shapes[1:]):
+        return None
+    if dim < nd - 2:
+        return StoredCut(tuple((dim, start, stop) if len(s) == nd else None for s in shapes), self, None)
     n = _block(self.block, w)[dim - nd + 2]
-    if n >= w[dim]: return StoredCut(((dim, start, stop),) + (None,) * (len(shapes) - 1), self, None)   # one scale: all
+    if n >= w[dim]:
+        return StoredCut(((dim, start, stop),) + (None,) * (len(shapes) - 1), self, None)  # one scale: all
     lo, hi = _widen(start, stop, n, w[dim])
     scales = tuple((dim, lo // n, -(-hi // n)) if tuple(s) == grid else None for s in shapes[1:])
     return StoredCut(((dim, lo, hi), *scales), self, _trim(dim, start, stop, lo, hi))
-
 
 # %% ../nbs/06_quantized.ipynb #dac9d6b0
 @patch
@@ -373,7 +437,8 @@ def cut(self: PackQuantizedDequantize, shapes: list, dim: int, start: int, stop:
     (R, C), per = self.weight_shape, 32 // self.num_bits
     dim %= 2
     n, size = _block(self.block, (R, C))[dim], (R, C)[dim]
-    if dim == 0 and not self.symmetric and n != 1: return None   # zero points are packed one a row
+    if dim == 0 and not self.symmetric and n != 1:
+        return None  # zero points are packed one a row
     grouped = n < size
     unit = math.lcm(n if grouped else 1, per if dim == 1 or not self.symmetric else 1)
     lo, hi = _widen(start, stop, unit, size)
@@ -382,13 +447,15 @@ def cut(self: PackQuantizedDequantize, shapes: list, dim: int, start: int, stop:
     parts = ((0, lo, hi), scale, None, words) if dim == 0 else (words, scale, None, scale)
     shape = (hi - lo, C) if dim == 0 else (R, hi - lo)
     op = dataclasses.replace(self, weight_shape=shape, stored_shape=self.stored_shape or (R, C))
-    return StoredCut(parts[:len(shapes)], op, _trim(dim, start, stop, lo, hi))
+    return StoredCut(parts[: len(shapes)], op, _trim(dim, start, stop, lo, hi))
 
 # %% ../nbs/06_quantized.ipynb #dac9d6b0-1
 @patch
 def cut(self: MXFP4Dequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
     "Experts and rows cut exactly; values along the blocks in whole groups of 32, then trimmed."
-    nd = len(shapes[0]) - 1; dim %= nd; lead = nd - 2
+    nd = len(shapes[0]) - 1
+    dim %= nd
+    lead = nd - 2
     if dim < lead or dim == (nd - 1 if self.transpose else nd - 2):
         at = dim if dim < lead else lead
         return StoredCut(((at, start, stop),) * 2, self, None)
@@ -399,13 +466,14 @@ def cut(self: MXFP4Dequantize, shapes: list, dim: int, start: int, stop: int) ->
 @dataclass
 class QuantizedTensor:
     "A parameter `target` that the checkpoint stores quantized"
+
     # as `sources` (the keys `op` takes, in order) with their header `shapes` and `dtypes`.
     target: str
     sources: list
     op: object
     shapes: list
     dtypes: list
-    dropped: tuple = ()   # stored keys beside them that the op does not take: read to choose it, hidden from the load
+    dropped: tuple = ()  # stored keys beside them that the op does not take: read to choose it, hidden from the load
 
 # %% ../nbs/06_quantized.ipynb #dea6c242-1
 def _qconfig(config) -> dict | None:
@@ -418,7 +486,8 @@ def _qconfig(config) -> dict | None:
 def _keys(target: str, op) -> list:
     "The stored keys of `target`: `target` + each of `op.suffixes`"
     # or each suffix under `target`'s module where `op.module_keys` (GPTQ's `qweight`).
-    if not getattr(op, 'module_keys', False): return [target + s for s in op.suffixes]
+    if not getattr(op, 'module_keys', False):
+        return [target + s for s in op.suffixes]
     m = target.rpartition('.')[0]
     return [f'{m}.{s}' if m else s for s in op.suffixes]
 
@@ -430,23 +499,36 @@ def _unit(src, target: str, op, what: str, dropped: tuple = ()) -> QuantizedTens
     missing = [k for k in keys if k not in src]
     if missing and keys[0] in src:
         module = keys[0].rpartition('.')[0]
-        scales = sorted(k for k in src.keys()  # noqa: SIM118
-                        if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2])
-        beside = (f'the scale keys beside it are {", ".join(map(repr, scales))}' if scales
-                  else 'there is no scale key beside it')
-        raise ValueError(f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its '
-                         f'{missing[0]!r} is missing; {beside}')
+        scales = sorted(
+            k
+            for k in src.keys()  # noqa: SIM118
+            if k.rpartition('.')[0] == module and 'scale' in k.rpartition('.')[2]
+        )
+        beside = (
+            f'the scale keys beside it are {", ".join(map(repr, scales))}'
+            if scales
+            else 'there is no scale key beside it'
+        )
+        raise ValueError(
+            f'{what}: {keys[0]!r} ({src.dtype(keys[0])}) is quantized ({type(op).__name__}) but its '
+            f'{missing[0]!r} is missing; {beside}'
+        )
     if missing:
         have = next(k for k in keys if k in src)
-        raise ValueError(f'{what}: {have!r} ({src.dtype(have)}) belongs to quantized codes {keys[0]!r}, which are '
-                         'missing')
+        raise ValueError(
+            f'{what}: {have!r} ({src.dtype(have)}) belongs to quantized codes {keys[0]!r}, which are missing'
+        )
     shapes, dtypes = [tuple(src.shape(k)) for k in keys], [src.dtype(k) for k in keys]
     bad = op.mismatch(shapes)
     if bad:
-        raise ValueError(f'{what}: {keys[bad[1]]!r} has shape {list(shapes[bad[1]])} beside {keys[bad[0]]!r} '
-                         f'{list(shapes[bad[0]])}; {type(op).__name__} needs {bad[2]}')
-    try: op.out_dtype(dtypes)
-    except ValueError as e: raise ValueError(f'{what}: {keys[0]!r}: {e}') from None
+        raise ValueError(
+            f'{what}: {keys[bad[1]]!r} has shape {list(shapes[bad[1]])} beside {keys[bad[0]]!r} '
+            f'{list(shapes[bad[0]])}; {type(op).__name__} needs {bad[2]}'
+        )
+    try:
+        op.out_dtype(dtypes)
+    except ValueError as e:
+        raise ValueError(f'{what}: {keys[0]!r}: {e}') from None
     return QuantizedTensor(target, keys, op, shapes, dtypes, dropped)
 
 # %% ../nbs/06_quantized.ipynb #9855774e
@@ -462,25 +544,29 @@ def _fp8_op(src, target: str, block: tuple | None, dtype, what: str) -> FP8Block
     block = block if given else (128, 128)
     if key in src and target in src:
         w, s = tuple(src.shape(target)), tuple(src.shape(key))
-        if _numel(s) == 1 and _numel(scale_grid(w, block)) != 1: block = (None, None)
+        if _numel(s) == 1 and _numel(scale_grid(w, block)) != 1:
+            block = (None, None)
         elif not given and len(w) >= 2 and len(s) >= 2 and scale_grid(w, block) != s:
             shaped = tuple(-(-d // max(n, 1)) for d, n in zip(w[-2:], s[-2:], strict=False))
-            if scale_grid(w, shaped) == s: block = shaped
+            if scale_grid(w, shaped) == s:
+                block = shaped
     return FP8BlockDequantize(block, dtype, suffix)
 
 # %% ../nbs/06_quantized.ipynb #9855774f
-def _strip(k: str, suffixes) -> str | None: return next((k[:-len(s)] for s in suffixes if k.endswith(s)), None)
+def _strip(k: str, suffixes) -> str | None:
+    return next((k[: -len(s)] for s in suffixes if k.endswith(s)), None)
 
 # %% ../nbs/06_quantized.ipynb #9855774f-1
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+
 def _fp8_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"fp8\"`: every key with a `*_scale_inv` or `*.weight_scale` beside it"
     # or of an fp8 dtype.
-    bs = qc.get('weight_block_size', ...)   # missing: 128 x 128, or what the shapes give (`_fp8_op`); null: per tensor
+    bs = qc.get('weight_block_size', ...)  # missing: 128 x 128, or what the shapes give (`_fp8_op`); null: per tensor
     block = None if bs is ... else tuple(bs) if bs else (None, None)
     targets = {t for k in src.keys() if (t := _strip(k, ['_scale_inv'])) is not None}  # noqa: SIM118
-    targets |= {k[:-len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}  # noqa: SIM118
+    targets |= {k[: -len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}  # noqa: SIM118
     targets |= {k for k in src.keys() if src.dtype(k) in _FP8}  # noqa: SIM118
     return [_unit(src, t, _fp8_op(src, t, block, dtype, what), what) for t in sorted(targets)]
 
@@ -494,21 +580,31 @@ def _mxfp4_tensors(src, qc: dict, dtype, what: str) -> list:
 def _ct_block(w: dict, what: str) -> tuple:
     "The (rows, cols) one scale covers under compressed-tensors weight args `w`; None: the whole axis."
     s = w.get('strategy')
-    if s == 'tensor': return (None, None)
-    if s == 'channel': return (1, None)
-    if s == 'group': return (1, w['group_size'])
-    if s == 'block': return tuple(w['block_structure'])
-    raise NotImplementedError(f'{what}: compressed-tensors weight strategy {s!r} is not supported (tensor, channel, '
-                              'group and block are)')
+    if s == 'tensor':
+        return (None, None)
+    if s == 'channel':
+        return (1, None)
+    if s == 'group':
+        return (1, w['group_size'])
+    if s == 'block':
+        return tuple(w['block_structure'])
+    raise NotImplementedError(
+        f'{what}: compressed-tensors weight strategy {s!r} is not supported (tensor, channel, group and block are)'
+    )
 
 # %% ../nbs/06_quantized.ipynb #3475dbc0-1
-_CLASS_NAME = re.compile(r'[A-Z][A-Za-z0-9_]*')   # a target taken for a class name, such as 'Linear'
+_CLASS_NAME = re.compile(r'[A-Z][A-Za-z0-9_]*')  # a target taken for a class name, such as 'Linear'
+
 
 def _ct_scheme(qc: dict, module: str) -> dict | None:
     "The config group quantizing `module`, as compressed-tensors' `match_targets` orders targets"
+
     # exact names, then `re:` regexes, then class names; None when ignored or untargeted.
-    def named(t): return re.match(t[3:], module) is not None if t.startswith('re:') else t == module
-    if any(named(t) for t in qc.get('ignore') or []): return None
+    def named(t):
+        return re.match(t[3:], module) is not None if t.startswith('re:') else t == module
+
+    if any(named(t) for t in qc.get('ignore') or []):
+        return None
     # a target's last group
     group = {t: g for g in (qc.get('config_groups') or {}).values() for t in g.get('targets') or []}
     order = sorted(group, key=lambda t: ('re:' in t, t))
@@ -520,6 +616,7 @@ _CT_FLOAT = ('float-quantized', 'int-quantized', 'naive-quantized')
 # builders (src, qc, g, module, dtype, what) -> op or None, tried first: the formats of "More formats" below
 _CT_OPS: list = []
 
+
 def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
     "The operation for `module` under config group `g`."
     fmt, w = g.get('format') or qc.get('format'), g.get('weights') or {}
@@ -530,14 +627,18 @@ def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
         raise NotImplementedError(f'{what}: {module + ".weight_g_idx"!r}: activation-ordered groups are not supported')
     if fmt == 'pack-quantized':
         if module + '.weight_shape' not in src:
-            raise ValueError(f'{what}: {module + ".weight_packed"!r} (int32) is pack-quantized but its '
-                             f'{module + ".weight_shape"!r} is missing')
+            raise ValueError(
+                f'{what}: {module + ".weight_packed"!r} (int32) is pack-quantized but its '
+                f'{module + ".weight_shape"!r} is missing'
+            )
         shape = tuple(src.get(module + '.weight_shape').tolist())
         return PackQuantizedDequantize(w.get('num_bits', 4), block, shape, sym, dtype)
-    if fmt in _CT_FLOAT: return FloatQuantizedDequantize(block, dtype, sym)
-    raise NotImplementedError(f'{what}: compressed-tensors format {fmt!r} of {module!r} is not supported '
-                              f'({", ".join(("pack-quantized",) + _CT_FLOAT)} are)')
-
+    if fmt in _CT_FLOAT:
+        return FloatQuantizedDequantize(block, dtype, sym)
+    raise NotImplementedError(
+        f'{what}: compressed-tensors format {fmt!r} of {module!r} is not supported '
+        f'({", ".join(("pack-quantized",) + _CT_FLOAT)} are)'
+    )
 
 # %% ../nbs/06_quantized.ipynb #f7671dfb
 def _model_name(module: str, names: dict) -> str:
@@ -545,7 +646,8 @@ def _model_name(module: str, names: dict) -> str:
     # through the rename (`names`: checkpoint key -> model key) of its weight, packed weight or scale.
     for s in ('.weight', '.weight_packed', '.weight_scale'):
         new = names.get(module + s)
-        if new is not None and new.endswith(s): return new[:-len(s)]
+        if new is not None and new.endswith(s):
+            return new[: -len(s)]
     return module
 
 # %% ../nbs/06_quantized.ipynb #f7671dfb-1
@@ -553,39 +655,50 @@ def _ct_tensors(src, qc: dict, dtype, what: str, names: dict | None = None) -> l
     "`quant_method: \"compressed-tensors\"`: every module with a `weight_packed`, a `weight_scale`"
     # or an fp8 or int8 `weight`; targets match its model name (`names`: the checkpoint's renames).
     mods = {t for k in src.keys() if (t := _strip(k, ['.weight_packed', '.weight_scale'])) is not None}  # noqa: SIM118
-    mods |= {k[:-7] for k in src.keys()  # noqa: SIM118
-             if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)}
+    mods |= {
+        k[:-7]
+        for k in src.keys()  # noqa: SIM118
+        if k.endswith('.weight') and src.dtype(k) in _FP8 + (torch.int8,)
+    }
     units = []
     for m in sorted(mods):
         # targets name the model's modules, which a checkpoint may store renamed
         g = _ct_scheme(qc, _model_name(m, names or {}))
         if g is None:
-            raise ValueError(f'{what}: {m!r} has quantization parameters, but no config group of quantization_config '
-                             'targets it')
+            raise ValueError(
+                f'{what}: {m!r} has quantization parameters, but no config group of quantization_config targets it'
+            )
         units.append(_unit(src, m + '.weight', _ct_op(src, qc, g, m, dtype, what), what))
     return units
 
 # %% ../nbs/06_quantized.ipynb #2f15eaa8
 _FORMATS = {'fp8': _fp8_tensors, 'compressed-tensors': _ct_tensors, 'mxfp4': _mxfp4_tensors}
 
-def quantized_tensors(src, # a loader source (`keys()`, `shape(k)`, `dtype(k)`, `get(k)`), e.g. the checkpoint's
-                      config, # config.json as a dict, or a transformers config
-                      dtype: torch.dtype | None = None, # what dequantized weights become; None: bfloat16
-                      names: dict | None = None, # checkpoint key -> model key (`checkpoint_renames`), as targets name
-                     ) -> list[QuantizedTensor]:
+
+def quantized_tensors(
+    src,  # a loader source (`keys()`, `shape(k)`, `dtype(k)`, `get(k)`), e.g. the checkpoint's
+    config,  # config.json as a dict, or a transformers config
+    dtype: torch.dtype | None = None,  # what dequantized weights become; None: bfloat16
+    names: dict | None = None,  # checkpoint key -> model key (`checkpoint_renames`), as targets name
+) -> list[QuantizedTensor]:
     "The parameters the checkpoint stores quantized, by its `quantization_config`; [] without one."
     # `ValueError` names a key whose scale or codes are missing.
     qc = _qconfig(config)
-    if not qc: return []
+    if not qc:
+        return []
     what, method = Path(getattr(src, 'what', 'checkpoint')).name, qc.get('quant_method')
     if method not in _FORMATS:
-        raise NotImplementedError(f'{what}: quantization_config.quant_method {method!r} is not supported '
-                                  f'({", ".join(map(repr, _FORMATS))} are)')
-    if method == 'compressed-tensors': return _ct_tensors(src, qc, dtype or torch.bfloat16, what, names)
+        raise NotImplementedError(
+            f'{what}: quantization_config.quant_method {method!r} is not supported '
+            f'({", ".join(map(repr, _FORMATS))} are)'
+        )
+    if method == 'compressed-tensors':
+        return _ct_tensors(src, qc, dtype or torch.bfloat16, what, names)
     return _FORMATS[method](src, qc, dtype or torch.bfloat16, what)
 
 # %% ../nbs/06_quantized.ipynb #ab7f1df5
-def _tail(k: str, n: int) -> str: return '.'.join(k.split('.')[-n:])
+def _tail(k: str, n: int) -> str:
+    return '.'.join(k.split('.')[-n:])
 
 # %% ../nbs/06_quantized.ipynb #ab7f1df5-1
 def _fragments(units: list, keys) -> list:
@@ -594,24 +707,29 @@ def _fragments(units: list, keys) -> list:
     keys, out, pending, d = list(keys), [], list(units), 2
     while pending:
         ends = {}
-        for k in keys: ends.setdefault(_tail(k, d), set()).add(k)
+        for k in keys:
+            ends.setdefault(_tail(k, d), set()).add(k)
         groups = {}
-        for u in pending: groups.setdefault(_tail(u.target, d), []).append(u)
+        for u in pending:
+            groups.setdefault(_tail(u.target, d), []).append(u)
         pending = []
         for frag, us in groups.items():
             op, mine = us[0].op, {k for u in us for k in u.sources}
             pats = _keys(frag, op)
             same = all(u.op == op for u in us) and set().union(*(ends.get(p, set()) for p in pats)) <= mine
-            if same or d > len(frag.split('.')): out.append((pats, frag, op))   # a whole key: nothing longer to try
-            else: pending += us
+            if same or d > len(frag.split('.')):
+                out.append((pats, frag, op))  # a whole key: nothing longer to try
+            else:
+                pending += us
         d += 1
     return out
 
 # %% ../nbs/06_quantized.ipynb #ede4db8f
-def quantized_conversions(src, # a loader source, e.g. `checkpoint_source(folder)`
-                          config, # config.json as a dict, or a transformers config
-                          dtype: torch.dtype | None = None, # the dequantized weights' dtype; None: bfloat16
-                         ) -> list[WeightConverter]:
+def quantized_conversions(
+    src,  # a loader source, e.g. `checkpoint_source(folder)`
+    config,  # config.json as a dict, or a transformers config
+    dtype: torch.dtype | None = None,  # the dequantized weights' dtype; None: bfloat16
+) -> list[WeightConverter]:
     "`WeightConverter` recipes that dequantize every parameter the checkpoint stores quantized"
     # [] for an unquantized checkpoint. Raises as `quantized_tensors`.
     units = quantized_tensors(src, config, dtype)
@@ -619,19 +737,26 @@ def quantized_conversions(src, # a loader source, e.g. `checkpoint_source(folder
 
 # %% ../nbs/06_quantized.ipynb #c5fd7be5
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:
-    try: return model.get_submodule(path)
-    except AttributeError: return None
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 # %% ../nbs/06_quantized.ipynb #c5fd7be5-1
 def _place(model: nn.Module, u: QuantizedTensor, path: str, lin: list, whole: dict, per: dict) -> None:
     "File `u` (at module `path`) under the swap it needs: a Linear, a whole parameter"
     # or a per-expert weight of an ancestor.
     m, p = _submodule(model, path), u.target.rpartition('.')[2]
-    if isinstance(m, nn.Linear) and p == 'weight': lin.append((path, m, u)); return
-    if m is not None and p in m._parameters: whole.setdefault(path, {})[p] = u; return
+    if isinstance(m, nn.Linear) and p == 'weight':
+        lin.append((path, m, u))
+        return
+    if m is not None and p in m._parameters:
+        whole.setdefault(path, {})[p] = u
+        return
     parts = path.split('.')
     i = next((i for i in range(len(parts) - 1, 0, -1) if _submodule(model, '.'.join(parts[:i])) is not None), None)
-    if i is None: raise ValueError(f'{u.sources[0]!r}: no module of {type(model).__name__} holds {path + "." + p!r}')
+    if i is None:
+        raise ValueError(f'{u.sources[0]!r}: no module of {type(model).__name__} holds {path + "." + p!r}')
     per.setdefault('.'.join(parts[:i]), {})['.'.join(parts[i:])] = u
 
 # %% ../nbs/06_quantized.ipynb #0e2e96bd
@@ -644,17 +769,21 @@ def _stored(m: nn.Module, u: QuantizedTensor, name: str, device) -> None:
 # %% ../nbs/06_quantized.ipynb #0e2e96bd-1
 class QuantizedLinear(nn.Module):
     "A linear layer holding its weight as the checkpoint does"
+
     # `weight` + `u.op.suffixes` (e.g. `weight`, `weight_scale_inv`), in the checkpoint's shapes and dtypes. `forward`
     # dequantizes with `u.op`, then multiplies: a CPU reference for kernels that read the same parameters.
-    def __init__(self, in_features: int, out_features: int, u: QuantizedTensor, bias: bool = True, device=None,
-                 dtype=None):
+    def __init__(
+        self, in_features: int, out_features: int, u: QuantizedTensor, bias: bool = True, device=None, dtype=None
+    ):
         super().__init__()
         self.in_features, self.out_features, self.op = in_features, out_features, u.op
-        self.trim = None   # set by a tensor-parallel cut
+        self.trim = None  # set by a tensor-parallel cut
         got = tuple(u.op.out_shape(u.shapes))
         if got != (out_features, in_features):
-            raise ValueError(f'QuantizedLinear: {u.sources[0]!r} dequantizes to {list(got)}, the layer is '
-                             f'[{out_features}, {in_features}]')
+            raise ValueError(
+                f'QuantizedLinear: {u.sources[0]!r} dequantizes to {list(got)}, the layer is '
+                f'[{out_features}, {in_features}]'
+            )
         _stored(self, u, 'weight', device)
         b = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.register_parameter('bias', b)
@@ -678,28 +807,45 @@ def extra_repr(self: QuantizedLinear) -> str:
 # %% ../nbs/06_quantized.ipynb #b8b9e294
 class QuantizedExperts(nn.Module):
     "Stands in for experts module `inner`, holding its quantized weights under the checkpoint's names"
+
     # `forward` runs `inner` with them dequantized. `whole`: {parameter: QuantizedTensor} stored whole (gpt-oss);
     # `per_expert`: {relative path: QuantizedTensor} stored per expert, fused by the rules `conv` over keys under
     # `prefix` (the model's names) or `stored` (the checkpoint's, where a rule renames as it fuses).
-    def __init__(self, inner: nn.Module, whole: dict | None = None, per_expert: dict | None = None,
-                 conv: list | None = None, prefix: str = '', stored: str | None = None):
+    def __init__(
+        self,
+        inner: nn.Module,
+        whole: dict | None = None,
+        per_expert: dict | None = None,
+        conv: list | None = None,
+        prefix: str = '',
+        stored: str | None = None,
+    ):
         super().__init__()
-        self.__dict__['inner'] = inner   # not a submodule: its parameters are stand-ins
+        self.__dict__['inner'] = inner  # not a submodule: its parameters are stand-ins
         self.ops, self.conv, self.prefix = {p: u.op for p, u in (whole or {}).items()}, conv, prefix
         self.stored = stored or prefix
-        self.trims = {}   # a tensor-parallel cut's {parameter: trim}
-        self.expert_offset = 0   # the first expert an expert-parallel rank holds
+        self.trims = {}  # a tensor-parallel cut's {parameter: trim}
+        self.expert_offset = 0  # the first expert an expert-parallel rank holds
         if per_expert and not conv:
-            raise ValueError(f'QuantizedExperts: {prefix}: per-expert weights need conv, the rules that fuse them '
-                             f'for {type(inner).__name__}')
+            raise ValueError(
+                f'QuantizedExperts: {prefix}: per-expert weights need conv, the rules that fuse them '
+                f'for {type(inner).__name__}'
+            )
         dev = next(inner.parameters()).device
-        for p, u in (whole or {}).items(): _stored(self, u, p, dev)
-        for path, u in (per_expert or {}).items(): _add_linear(self, path, u, dev)
-        built = set(self.ops) | {h[2][len(prefix):] for c in conv or [] for p in per_expert or {}
-                                 for pre in {prefix, self.stored}
-                                 if (h := c.match(pre + p + '.weight')) and h[2].startswith(prefix)}
+        for p, u in (whole or {}).items():
+            _stored(self, u, p, dev)
+        for path, u in (per_expert or {}).items():
+            _add_linear(self, path, u, dev)
+        built = set(self.ops) | {
+            h[2][len(prefix) :]
+            for c in conv or []
+            for p in per_expert or {}
+            for pre in {prefix, self.stored}
+            if (h := c.match(pre + p + '.weight')) and h[2].startswith(prefix)
+        }
         for n, p in inner.named_parameters(recurse=False):
-            if n not in built: self.register_parameter(n, p)   # biases and the like: loaded as they are
+            if n not in built:
+                self.register_parameter(n, p)  # biases and the like: loaded as they are
 
 # %% ../nbs/06_quantized.ipynb #a089e566
 def _add_linear(root: nn.Module, path: str, u: QuantizedTensor, device) -> None:
@@ -708,7 +854,8 @@ def _add_linear(root: nn.Module, path: str, u: QuantizedTensor, device) -> None:
     *parents, leaf = path.split('.')
     m = root
     for p in parents:
-        if not hasattr(m, p): m.add_module(p, nn.Module())
+        if not hasattr(m, p):
+            m.add_module(p, nn.Module())
         m = getattr(m, p)
     R, C = u.op.out_shape(u.shapes)
     m.add_module(leaf, QuantizedLinear(C, R, u, bias=False, device=device))
@@ -725,17 +872,22 @@ def _renumbered(path: str, offset: int) -> str:
 def dequantized(self: QuantizedExperts) -> dict:
     "`inner`'s parameters by name: the quantized ones dequantized (and fused by `conv`)"
     # the others as held.
-    out = {p: _trimmed(op.apply([getattr(self, p + s) for s in op.suffixes]), self.trims.get(p))
-           for p, op in self.ops.items()}
-    lin = {_renumbered(n, self.expert_offset) + '.weight': m.dequantized_weight()
-           for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
+    out = {
+        p: _trimmed(op.apply([getattr(self, p + s) for s in op.suffixes]), self.trims.get(p))
+        for p, op in self.ops.items()
+    }
+    lin = {
+        _renumbered(n, self.expert_offset) + '.weight': m.dequantized_weight()
+        for n, m in self.named_modules()
+        if isinstance(m, QuantizedLinear)
+    }
     # rules for the model's names, then for the checkpoint's
     for pre in dict.fromkeys([self.prefix, self.stored]) if lin else []:
         named = {pre + k: v for k, v in lin.items()}
         rules = [c for c in self.conv if any(c.match(k) for k in named)]
         if rules:
             fused = convert_state_dict(named, rules).items()
-            out.update({k[len(self.prefix):]: v for k, v in fused if k not in named and k.startswith(self.prefix)})
+            out.update({k[len(self.prefix) :]: v for k, v in fused if k not in named and k.startswith(self.prefix)})
     mine = dict(self.named_parameters(recurse=False))
     out.update({n: mine[n] for n, _ in self.inner.named_parameters(recurse=False) if n not in out and n in mine})
     return out
@@ -751,38 +903,45 @@ def extra_repr(self: QuantizedExperts) -> str:
     return f'inner={type(self.inner).__name__}, ops={self.ops}' if self.ops else f'inner={type(self.inner).__name__}'
 
 # %% ../nbs/06_quantized.ipynb #45ae8d92
-def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped in place
-                   units: list, # from `quantized_tensors`
-                   conv: list | None = None, # the model's fusing rules, for experts stored one at a time
-                   prefix: str = '', # what the checkpoint's keys put before `model`'s names
-                  names: dict | None = None, # checkpoint key -> the model's key (`checkpoint_renames`)
-                  ) -> list:
+def keep_quantized(
+    model: nn.Module,  # on meta or not; its modules are swapped in place
+    units: list,  # from `quantized_tensors`
+    conv: list | None = None,  # the model's fusing rules, for experts stored one at a time
+    prefix: str = '',  # what the checkpoint's keys put before `model`'s names
+    names: dict | None = None,  # checkpoint key -> the model's key (`checkpoint_renames`)
+) -> list:
     "Swap in `QuantizedLinear` and `QuantizedExperts` where `units` are"
     # so a load keeps codes and scales; returns the rules of `conv` a load still needs.
     lin, whole, per = [], {}, {}
     for u in units:
         if not getattr(u.op, 'keepable', True):
-            raise NotImplementedError(f"{u.sources[0]!r}: quantized='keep' holds no {type(u.op).__name__} codes; "
-                                      "load it with quantized='dequantize'")
+            raise NotImplementedError(
+                f"{u.sources[0]!r}: quantized='keep' holds no {type(u.op).__name__} codes; "
+                "load it with quantized='dequantize'"
+            )
         path = _model_name(u.target.rpartition('.')[0], names or {})
-        if u.target.startswith(prefix): _place(model, u, path[len(prefix):], lin, whole, per)
-    for path, parts in per.items():   # fused as the experts' own parameters: a wrapped module must hold nothing else
+        if u.target.startswith(prefix):
+            _place(model, u, path[len(prefix) :], lin, whole, per)
+    for path, parts in per.items():  # fused as the experts' own parameters: a wrapped module must hold nothing else
         inner = model.get_submodule(path)
         held = [n for n, sub in inner.named_modules() if n and [*sub.parameters(False), *sub.buffers(False)]]
         if held:
             u = next(iter(parts.values()))
-            raise NotImplementedError(f"{u.sources[0]!r}: quantized='keep' fuses weights stored in parts only into "
-                                      f"an experts module's own parameters, and {path!r} ({type(inner).__name__}) "
-                                      f"has modules of its own ({', '.join(held)}); "
-                                      "load it with quantized='dequantize'")
+            raise NotImplementedError(
+                f"{u.sources[0]!r}: quantized='keep' fuses weights stored in parts only into "
+                f"an experts module's own parameters, and {path!r} ({type(inner).__name__}) "
+                f"has modules of its own ({', '.join(held)}); "
+                "load it with quantized='dequantize'"
+            )
     for path, m, u in lin:
         q = QuantizedLinear(m.in_features, m.out_features, u, bias=False, device=m.weight.device)
         q.bias = m.bias
         model.set_submodule(path, q)
     for path in {**whole, **per}:
         parts = per.get(path, {})
-        stored = next((u.target[:-len(p + '.weight')] for p, u in parts.items() if u.target.endswith(f'.{p}.weight')),
-                      None)
+        stored = next(
+            (u.target[: -len(p + '.weight')] for p, u in parts.items() if u.target.endswith(f'.{p}.weight')), None
+        )
         swap = QuantizedExperts(model.get_submodule(path), whole.get(path), parts, conv, prefix + path + '.', stored)
         model.set_submodule(path, swap)
     # rules match checkpoint or model names
@@ -792,26 +951,34 @@ def keep_quantized(model: nn.Module, # on meta or not; its modules are swapped i
 # %% ../nbs/06_quantized.ipynb #28decb80
 class _Without(WrappedSource):
     "The source `src` without the keys `hidden`: they are neither read nor reported unused."
+
     def __init__(self, src, hidden: set):
         super().__init__(src)
         self.hidden, self._keys = hidden, [k for k in src.keys() if k not in hidden]  # noqa: SIM118
-    def keys(self): return self._keys
-    def __contains__(self, k): return k not in self.hidden and k in self.src
+
+    def keys(self):
+        return self._keys
+
+    def __contains__(self, k):
+        return k not in self.hidden and k in self.src
 
 # %% ../nbs/06_quantized.ipynb #28decb80-1
-def quantized_source(src, # the checkpoint's source
-                     config, # its config.json as a dict, or a transformers config
-                     model: nn.Module, # the model to load, built on meta
-                     conv: list | None = None, # the model's own recipes (fused experts)
-                     keep: bool = False, # True: keep codes and scales (`keep_quantized`); False: dequantize on load
-                     dtype: torch.dtype | None = None, # dequantized weights' dtype; None: the model's
-                     names: dict | None = None, # checkpoint key -> the model's key (see `quantized_tensors`)
-                    ) -> tuple:
+def quantized_source(
+    src,  # the checkpoint's source
+    config,  # its config.json as a dict, or a transformers config
+    model: nn.Module,  # the model to load, built on meta
+    conv: list | None = None,  # the model's own recipes (fused experts)
+    keep: bool = False,  # True: keep codes and scales (`keep_quantized`); False: dequantize on load
+    dtype: torch.dtype | None = None,  # dequantized weights' dtype; None: the model's
+    names: dict | None = None,  # checkpoint key -> the model's key (see `quantized_tensors`)
+) -> tuple:
     "(source, recipes) to load `model` from: `src` seen through the dequantizing recipes"
     # or `src` and the recipes left after `keep_quantized`. Unquantized: (src, conv).
     units = quantized_tensors(src, config, dtype or getattr(model, 'dtype', None), names)
-    if not units: return src, conv
-    if keep: return src, keep_quantized(model, units, conv, names=names)
+    if not units:
+        return src, conv
+    if keep:
+        return src, keep_quantized(model, units, conv, names=names)
     hidden = {k for u in units for k in u.dropped}
     src = _Without(src, hidden) if hidden else src
     recipes = [WeightConverter(p, t, [op]) for p, t, op in _fragments(units, src.keys())]
@@ -820,74 +987,97 @@ def quantized_source(src, # the checkpoint's source
 # %% ../nbs/06_quantized.ipynb #fastq004
 class _DecodedInto(WrappedSource):
     "The dequantizing source, whose batched reads decode ops that have `_into` (NVFP4) straight into each destination."
+
     def _direct(self, k, d):
         "(source, tree) of target `k` when its op decodes into `d` itself (one op over stored keys), else None."
         got = self.src.resolve(k)
         tree = got[1] if got else None
         op, kids = getattr(tree, 'op', None), getattr(tree, 'kids', ())
-        if not hasattr(op, '_into') or not all(hasattr(c, 'key') for c in kids): return None
-        if d.device.type != 'cpu' or not d.is_contiguous() or d.dtype != op.target_dtype or d.dim() != 2: return None
+        if not hasattr(op, '_into') or not all(hasattr(c, 'key') for c in kids):
+            return None
+        if d.device.type != 'cpu' or not d.is_contiguous() or d.dtype != op.target_dtype or d.dim() != 2:
+            return None
         return got[0], tree
 
     def read_many(self, pairs, progress=None, **kw):
         direct, rest = [], []
-        for k, d in pairs: (direct if (h := self._direct(k, d)) else rest).append((k, d, h))
-        if rest: self.src.read_many([(k, d) for k, d, _ in rest], progress, **kw)
-        if not direct: return
-        def stored(src, tree):   # the op's stored tensors, read into new memory
+        for k, d in pairs:
+            (direct if (h := self._direct(k, d)) else rest).append((k, d, h))
+        if rest:
+            self.src.read_many([(k, d) for k, d, _ in rest], progress, **kw)
+        if not direct:
+            return
+
+        def stored(src, tree):  # the op's stored tensors, read into new memory
             vals = [torch.empty(c.shape, dtype=c.dtype) for c in tree.kids]
             src.read_many([(c.key, v) for c, v in zip(tree.kids, vals, strict=True)], **kw)
             return vals
+
         # the next weight's codes are read during this decode
         with ThreadPoolExecutor(1, thread_name_prefix='codes') as ex:
             ahead = ex.submit(stored, *direct[0][2])
             for i, (k, d, _) in enumerate(direct):
                 vals = ahead.result()
-                if i + 1 < len(direct): ahead = ex.submit(stored, *direct[i + 1][2])
+                if i + 1 < len(direct):
+                    ahead = ex.submit(stored, *direct[i + 1][2])
                 direct[i][2][1].op.apply_into(vals, d)
-                if progress: progress(d.numel() * d.element_size(), 1)
+                if progress:
+                    progress(d.numel() * d.element_size(), 1)
 
 # %% ../nbs/06_quantized.ipynb #1d8b469a
-def block_slice(key: str, # the checkpoint key being sharded, named in errors
-                block: int, # rows (or columns) one scale covers along the sharded axis
-                start: int, # the shard's first row (or column) of the weight
-                stop: int, # one past its last
-                size: int, # the axis' length
-               ) -> slice:
+def block_slice(
+    key: str,  # the checkpoint key being sharded, named in errors
+    block: int,  # rows (or columns) one scale covers along the sharded axis
+    start: int,  # the shard's first row (or column) of the weight
+    stop: int,  # one past its last
+    size: int,  # the axis' length
+) -> slice:
     "The slice of `key`'s scales for rows [start, stop)"
     # `ValueError` naming the key when a bound cuts through a block (`stop == size` may end in the last, partial one).
     if not 0 <= start < stop <= size:
         raise ValueError(f'{key!r}: shard [{start}, {stop}) is not a non-empty range inside [0, {size})')
     for b in (start, stop):
         if b % block and b != size:
-            raise ValueError(f'{key!r}: a shard boundary at {b} cuts through a block of {block} scaled values; shard '
-                             f'on multiples of {block}')
+            raise ValueError(
+                f'{key!r}: a shard boundary at {b} cuts through a block of {block} scaled values; shard '
+                f'on multiples of {block}'
+            )
     return slice(start // block, -(-stop // block))
 
 # %% ../nbs/06_quantized.ipynb #fmtq003
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
+
 @dataclass(frozen=True)
 class DenseQuantized(_BlockScaled):
     "(`weight` float [R, C], `weight_scale` [, `weight_zero_point`, ...]) → the weight as stored"
+
     # scales checked, then dropped. compressed-tensors' `dense` format: the weights are stored as their dequantized
     # values.
-    keys: tuple = ('', '_scale')   # the stored suffixes: the weight, then its quantization parameters
+    keys: tuple = ('', '_scale')  # the stored suffixes: the weight, then its quantization parameters
     codes: ClassVar[tuple] = _FLOATS
+
     @property
-    def suffixes(self): return self.keys
+    def suffixes(self):
+        return self.keys
+
     def mismatch(self, shapes: list):
         "(0, j, rule) when a scale or zero point does not hold one value per block"
         # else None (a global scale is one value).
         return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys, strict=False) if k != '_global_scale'])
-    def _one(self, ts): return ts[0]
+
+    def _one(self, ts):
+        return ts[0]
+
     def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
         "Exactly [start, stop) of the weight, stored as values; none of the parameters, which are dropped."
-        return StoredCut(((dim % len(shapes[0]), start, stop), *((0, 0, 0) if len(s) else None for s in shapes[1:])),
-                         self, None)
+        return StoredCut(
+            ((dim % len(shapes[0]), start, stop), *((0, 0, 0) if len(s) else None for s in shapes[1:])), self, None
+        )
 
 # %% ../nbs/06_quantized.ipynb #fmtq004
 _CT_PARAMS = ('_scale', '_zero_point', '_global_scale')
+
 
 def _ct_weight_block(w: dict, what: str) -> tuple:
     "The block of compressed-tensors weight args `w`"
@@ -901,11 +1091,15 @@ def _ct_dense(src, qc: dict, g: dict, module: str, dtype, what: str) -> DenseQua
     fmt, key = g.get('format') or qc.get('format'), module + '.weight'
     plain = key in src and module + '.weight_packed' not in src and src.dtype(key) in _FLOATS
     if fmt == 'dense' and key in src and not plain:
-        raise ValueError(f"{what}: quantization_config says format 'dense' (weights stored unquantized), but {key!r} "
-                         f"is {src.dtype(key)}")
-    if not plain: return None
+        raise ValueError(
+            f"{what}: quantization_config says format 'dense' (weights stored unquantized), but {key!r} "
+            f"is {src.dtype(key)}"
+        )
+    if not plain:
+        return None
     keys = ('',) + tuple(s for s in _CT_PARAMS if f'{key}{s}' in src)
     return DenseQuantized(_ct_weight_block(g.get('weights') or {}, f'{what}: {module!r}'), dtype, keys)
+
 
 _CT_OPS.append(_ct_dense)
 
@@ -913,16 +1107,21 @@ _CT_OPS.append(_ct_dense)
 @dataclass(frozen=True)
 class NVFP4Dequantize(Dequantize):
     "(FP4 uint8 [..., R, C/2], F8_E4M3 scales [..., R, ⌈C/16⌉], F32 global) → fp4 × (scale / global)."
+
     # compressed-tensors' `nvfp4-pack-quantized` (suffixes `_packed`, `_scale`, `_global_scale`: a divisor) and
     # ModelOpt's NVFP4 (`''`, `_scale`, `_scale_2`: its inverse, `inverse=True`).
     group: int = 16
     target_dtype: torch.dtype = torch.bfloat16
     keys: tuple = ('_packed', '_scale', '_global_scale')
-    inverse: bool = False   # True: the stored global scale is ModelOpt's weight_scale_2, whose inverse divides
+    inverse: bool = False  # True: the stored global scale is ModelOpt's weight_scale_2, whose inverse divides
     codes: ClassVar[tuple] = (torch.uint8, torch.float4_e2m1fn_x2)
+
     @property
-    def suffixes(self): return self.keys
-    def out_shape(self, shapes: list) -> tuple: return (*shapes[0][:-1], shapes[0][-1] * 2)
+    def suffixes(self):
+        return self.keys
+
+    def out_shape(self, shapes: list) -> tuple:
+        return (*shapes[0][:-1], shapes[0][-1] * 2)
 
 # %% ../nbs/06_quantized.ipynb #fmtq009
 @patch
@@ -930,21 +1129,22 @@ def mismatch(self: NVFP4Dequantize, shapes: list):
     "(0, j, rule) when the scales are not one per `group` values of the codes' rows"
     # or the global scale is not one value.
     want = scale_grid(self.out_shape(shapes), (1, self.group))
-    if tuple(shapes[1]) != want: return 0, 1, f'one scale per {self.group} values, so {list(want)}'
-    if _numel(shapes[2][len(shapes[0]) - 2:]) != 1: return 0, 2, 'one global scale per tensor'
+    if tuple(shapes[1]) != want:
+        return 0, 1, f'one scale per {self.group} values, so {list(want)}'
+    if _numel(shapes[2][len(shapes[0]) - 2 :]) != 1:
+        return 0, 2, 'one global scale per tensor'
     return None
 
-
 # %% ../nbs/06_quantized.ipynb #de66351e
-def nvfp4_table(global_scale: torch.Tensor, # the tensor's global scale: one float32 value, a divisor
-                dtype: torch.dtype = torch.bfloat16, # the decoded dtype (bfloat16, float16 or float32)
-               ) -> torch.Tensor:
+def nvfp4_table(
+    global_scale: torch.Tensor,  # the tensor's global scale: one float32 value, a divisor
+    dtype: torch.dtype = torch.bfloat16,  # the decoded dtype (bfloat16, float16 or float32)
+) -> torch.Tensor:
     "[65536] int32 (int64 for float32): entry s·256 + b is byte b's two values × E4M3 s / `global_scale`."
     scale = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() / global_scale.float().reshape(())
-    pairs = _fp4_pairs('cpu').view(torch.float32).view(1, 256, 2)   # the byte's (low, high) values
-    out = (scale.view(256, 1, 1) * pairs).to(dtype)                 # [scale, byte, 2], one rounding
+    pairs = _fp4_pairs('cpu').view(torch.float32).view(1, 256, 2)  # the byte's (low, high) values
+    out = (scale.view(256, 1, 1) * pairs).to(dtype)  # [scale, byte, 2], one rounding
     return out.view(torch.int64 if dtype.itemsize == 4 else torch.int32).reshape(-1)
-
 
 # %% ../nbs/06_quantized.ipynb #2d33b779
 @patch
@@ -956,57 +1156,67 @@ def _one(self: NVFP4Dequantize, ts: list) -> torch.Tensor:
         return per_block_(unpack_fp4(ts[0].view(torch.uint8)), scale, (1, self.group))
     return self._into(ts, torch.empty(R, C, dtype=self.target_dtype))
 
-
 # %% ../nbs/06_quantized.ipynb #a749cd19
-_LUT_PIECE = 1 << 19   # code bytes looked up at a time: 2 MiB of int32 indices, which stay in cache
+_LUT_PIECE = 1 << 19  # code bytes looked up at a time: 2 MiB of int32 indices, which stay in cache
+
 
 @patch
 def _into(self: NVFP4Dequantize, ts: list, out: torch.Tensor) -> torch.Tensor:
     "Decode into `out` [R, C] (CPU, contiguous) by `nvfp4_table`, in pieces of rows on torch's threads."
-    if ts[0].shape[1] * 2 % self.group or out.dtype.itemsize not in (2, 4): return out.copy_(self._one(ts))
+    if ts[0].shape[1] * 2 % self.group or out.dtype.itemsize not in (2, 4):
+        return out.copy_(self._one(ts))
     codes, scales, g = ts[0].view(torch.uint8), ts[1].view(torch.uint8), ts[2].float().reshape(())
-    with _torch_threads_one():   # one thread: a parallel op here would make OpenMP start its threads anew
+    with _torch_threads_one():  # one thread: a parallel op here would make OpenMP start its threads anew
         table = nvfp4_table(1 / g if self.inverse else g, out.dtype)
-    (R, C), G, half = out.shape, out.shape[1] // self.group, self.group // 2   # G groups a row of `half` code bytes
+    (R, C), G, half = out.shape, out.shape[1] // self.group, self.group // 2  # G groups a row of `half` code bytes
     step = max(1, _LUT_PIECE // max(C // 2, 1))
-    def rows(i: int, j: int):   # rows [i, j): index = scale byte · 256 + code byte, then one lookup a byte
-        populate_pages(out[i].data_ptr(), (j - i) * C * out.element_size())   # the piece's pages faulted in at once
+
+    def rows(i: int, j: int):  # rows [i, j): index = scale byte · 256 + code byte, then one lookup a byte
+        populate_pages(out[i].data_ptr(), (j - i) * C * out.element_size())  # the piece's pages faulted in at once
         idx = scratch('nvfp4_idx', (j - i, G, half), torch.int32)
-        idx.view(j - i, C // 2).copy_(codes[i:j])   # strided codes (a column cut) copy as well
+        idx.view(j - i, C // 2).copy_(codes[i:j])  # strided codes (a column cut) copy as well
         s = scratch('nvfp4_scale', (j - i, G), torch.int32).copy_(scales[i:j]).mul_(256)
         idx.add_(s.unsqueeze(-1))
         torch.index_select(table, 0, idx.view(-1), out=out[i:j].view(table.dtype).view(-1))
+
     in_threads([lambda i=i: rows(i, min(R, i + step)) for i in range(0, R, step)])
     return out
-
 
 # %% ../nbs/06_quantized.ipynb #fmtq010
 def _ct_nvfp4(src, qc: dict, g: dict, module: str, dtype, what: str) -> NVFP4Dequantize | None:
     "The op of an `nvfp4-pack-quantized` module; None for other formats."
-    if (g.get('format') or qc.get('format')) != 'nvfp4-pack-quantized': return None
+    if (g.get('format') or qc.get('format')) != 'nvfp4-pack-quantized':
+        return None
     w = g.get('weights') or {}
     if w.get('symmetric', True) is False:
-        raise NotImplementedError(f'{what}: {module!r}: asymmetric NVFP4 is not supported (compressed-tensors '
-                                  'refuses it too)')
+        raise NotImplementedError(
+            f'{what}: {module!r}: asymmetric NVFP4 is not supported (compressed-tensors refuses it too)'
+        )
     key = module + '.weight_packed'
     if key in src and src.dtype(key) not in NVFP4Dequantize.codes:
-        raise ValueError(f"{what}: quantization_config says format 'nvfp4-pack-quantized' (two FP4 codes a uint8), "
-                         f"but {key!r} is {src.dtype(key)}")
+        raise ValueError(
+            f"{what}: quantization_config says format 'nvfp4-pack-quantized' (two FP4 codes a uint8), "
+            f"but {key!r} is {src.dtype(key)}"
+        )
     return NVFP4Dequantize(w.get('group_size') or 16, dtype)
+
 
 _CT_OPS.append(_ct_nvfp4)
 
 # %% ../nbs/06_quantized.ipynb #fmtq013b
 @patch
-def cut(self: NVFP4Dequantize, shapes: list, # the stored tensors' shapes: codes, scales, global scale
-        dim: int, # the dim of the result that is cut
-        start: int, # the range of it taken: [start, stop)
-        stop: int,
-       ) -> StoredCut:
+def cut(
+    self: NVFP4Dequantize,
+    shapes: list,  # the stored tensors' shapes: codes, scales, global scale
+    dim: int,  # the dim of the result that is cut
+    start: int,  # the range of it taken: [start, stop)
+    stop: int,
+) -> StoredCut:
     "The codes and scales of the whole groups holding [start, stop) of `dim`; the global scale whole."
-    nd = len(shapes[0]); dim %= nd
-    per_expert = len(shapes[2]) > dim and tuple(shapes[2][:dim + 1]) == tuple(shapes[0][:dim + 1])
-    if dim < nd - 1:   # experts or rows: exact
+    nd = len(shapes[0])
+    dim %= nd
+    per_expert = len(shapes[2]) > dim and tuple(shapes[2][: dim + 1]) == tuple(shapes[0][: dim + 1])
+    if dim < nd - 1:  # experts or rows: exact
         part = (dim, start, stop)
         return StoredCut((part, part, part if per_expert else None), self, None)
     lo, hi = _widen(start, stop, self.group, shapes[0][-1] * 2)
@@ -1017,40 +1227,48 @@ def cut(self: NVFP4Dequantize, shapes: list, # the stored tensors' shapes: codes
 def _modelopt_algo(qc: dict, module: str) -> str | None:
     "The `quant_algo` ModelOpt's config gives `module` (per layer under MIXED_PRECISION)"
     # None when it names none.
-    q = qc.get('quantization') if isinstance(qc.get('quantization'), dict) else qc   # hf_quant_config.json nests it
+    q = qc.get('quantization') if isinstance(qc.get('quantization'), dict) else qc  # hf_quant_config.json nests it
     algo = q.get('quant_algo')
-    if algo == 'MIXED_PRECISION': return ((q.get('quantized_layers') or {}).get(module) or {}).get('quant_algo')
+    if algo == 'MIXED_PRECISION':
+        return ((q.get('quantized_layers') or {}).get(module) or {}).get('quant_algo')
     return algo
 
 # %% ../nbs/06_quantized.ipynb #fmtq015-1
 def _modelopt_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"modelopt\"`"
     # NVFP4 modules (uint8 `weight` + `weight_scale_2`) and FP8 ones (fp8 `weight` + `weight_scale`).
-    nv = {k[:-len('.weight_scale_2')] for k in src.keys() if k.endswith('.weight_scale_2')}  # noqa: SIM118
-    fp8 = {k[:-len('.weight')] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8}  # noqa: SIM118
+    nv = {k[: -len('.weight_scale_2')] for k in src.keys() if k.endswith('.weight_scale_2')}  # noqa: SIM118
+    fp8 = {k[: -len('.weight')] for k in src.keys() if k.endswith('.weight') and src.dtype(k) in _FP8}  # noqa: SIM118
     units = []
     for m in sorted(nv | fp8):
         got, algo = ('NVFP4' if m in nv else 'FP8'), _modelopt_algo(qc, m)
         if algo is not None and algo != got:
             how = 'uint8 weight with weight_scale_2' if got == 'NVFP4' else 'fp8 weight'
-            raise ValueError(f"{what}: {m!r} is stored as {got} ({how}), "
-                             f"but quantization_config's quant_algo for it is {algo!r}")
+            raise ValueError(
+                f"{what}: {m!r} is stored as {got} ({how}), but quantization_config's quant_algo for it is {algo!r}"
+            )
         q = qc.get('quantization') if isinstance(qc.get('quantization'), dict) else qc
-        op = (NVFP4Dequantize(q.get('group_size') or 16, dtype, ('', '_scale', '_scale_2'), True) if got == 'NVFP4'
-              else FP8BlockDequantize((None, None), dtype, '_scale'))
+        op = (
+            NVFP4Dequantize(q.get('group_size') or 16, dtype, ('', '_scale', '_scale_2'), True)
+            if got == 'NVFP4'
+            else FP8BlockDequantize((None, None), dtype, '_scale')
+        )
         units.append(_unit(src, m + '.weight', op, what))
     return units
+
 
 _FORMATS['modelopt'] = _modelopt_tensors
 
 # %% ../nbs/06_quantized.ipynb #fmtq021
 def _ct_mxfp8(src, qc: dict, g: dict, module: str, dtype, what: str) -> FloatQuantizedDequantize | None:
     "The op of an `mxfp8-quantized` module (E8M0 scales per 32); None for other formats."
-    if (g.get('format') or qc.get('format')) != 'mxfp8-quantized': return None
+    if (g.get('format') or qc.get('format')) != 'mxfp8-quantized':
+        return None
     key = module + '.weight_scale'
     if key in src and src.dtype(key) != torch.uint8:
         raise ValueError(f'{what}: {key!r} is {src.dtype(key)}; mxfp8-quantized stores E8M0 exponents as uint8')
     return FloatQuantizedDequantize((1, (g.get('weights') or {}).get('group_size') or 32), dtype)
+
 
 _CT_OPS.append(_ct_mxfp8)
 
@@ -1067,39 +1285,46 @@ def _unpack_cols(packed: torch.Tensor, bits: int, order: tuple | None = None) ->
     # the column each bit position holds, within a word.
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    if order is not None: u = u[..., [order.index(c) for c in range(len(order))]]
+    if order is not None:
+        u = u[..., [order.index(c) for c in range(len(order))]]
     return u.flatten(-2)
 
 # %% ../nbs/06_quantized.ipynb #gab003-2
 def _groups(K: int, n_groups: int, group_size: int, g_idx: torch.Tensor | None, device) -> torch.Tensor:
     "The group of each of K inputs: `g_idx` where given, else k // group_size (one group: all 0)."
-    if g_idx is not None: return g_idx.long()
-    if n_groups == 1 or group_size <= 0: return torch.zeros(K, dtype=torch.long, device=device)
+    if g_idx is not None:
+        return g_idx.long()
+    if n_groups == 1 or group_size <= 0:
+        return torch.zeros(K, dtype=torch.long, device=device)
     return torch.arange(K, device=device) // group_size
 
 # %% ../nbs/06_quantized.ipynb #gab006
 @dataclass(frozen=True)
 class GPTQDequantize(Dequantize):
     "(`qweight` [K·b/32, N], `qzeros` [G, ⌈N·b/32⌉], `scales` [G, N], `g_idx`) → ((q − z) × s)ᵀ [N, K]."
+
     # GPTQ's layout (AutoGPTQ, GPTQModel): codes packed down the input dim, zero points across the output dim; the group
     # of input k is `g_idx[k]` (permuted under `desc_act`), else k // `group_size`. `v1`: the classic format stores each
     # zero point less one.
     bits: int = 4
-    group_size: int = 128   # -1: one group over all inputs
-    v1: bool = True   # checkpoint_format 'gptq' (zero points stored less one); False: 'gptq_v2'
-    act_order: bool = False   # g_idx is not k // group_size: the groups permute the inputs
+    group_size: int = 128  # -1: one group over all inputs
+    v1: bool = True  # checkpoint_format 'gptq' (zero points stored less one); False: 'gptq_v2'
+    act_order: bool = False  # g_idx is not k // group_size: the groups permute the inputs
     target_dtype: torch.dtype = torch.bfloat16
-    g_idx: bool = True   # the op takes the stored `g_idx`
-    inputs: int = 0   # K when it takes none; 0: the codes' rows × 32/b
+    g_idx: bool = True  # the op takes the stored `g_idx`
+    inputs: int = 0  # K when it takes none; 0: the codes' rows × 32/b
     # act-order without the stored key: the `g_idx` read at detection, held so the load reads it no more
     order: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
-    order_key: str = ''   # the stored key `order` came from: the ops of two modules differ
-    module_keys: ClassVar[bool] = True   # suffixes name tensors of the weight's module
+    order_key: str = ''  # the stored key `order` came from: the ops of two modules differ
+    module_keys: ClassVar[bool] = True  # suffixes name tensors of the weight's module
     keepable: ClassVar[bool] = False
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
+
     @property
-    def suffixes(self): return ('qweight', 'qzeros', 'scales') + (('g_idx',) if self.g_idx else ())
+    def suffixes(self):
+        return ('qweight', 'qzeros', 'scales') + (('g_idx',) if self.g_idx else ())
+
     def out_shape(self, shapes: list) -> tuple:
         return (shapes[2][-1], shapes[3][0] if self.g_idx else self.inputs or shapes[0][0] * 32 // self.bits)
 
@@ -1129,21 +1354,26 @@ def _one(self: GPTQDequantize, ts: list) -> torch.Tensor:
     return ((q - z[g]).float() * ts[2].float()[g]).T
 
 # %% ../nbs/06_quantized.ipynb #gab011
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # the output column at each 4-bit position of an AWQ word
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column at each 4-bit position of an AWQ word
+
 
 @dataclass(frozen=True)
 class AWQDequantize(Dequantize):
     "(`qweight` int32 [K, N/8], `qzeros` int32 [G, N/8], `scales` [G, N]) → ((q − z) × s)ᵀ [N, K]"
+
     # the group of input k k // `group_size`. AutoAWQ's GEMM layout: eight 4-bit codes a word across the output dim, in
     # `AWQ_ORDER`; zero points packed the same way.
-    group_size: int = 128   # -1: one group
+    group_size: int = 128  # -1: one group
     target_dtype: torch.dtype = torch.bfloat16
     suffixes: ClassVar[tuple] = ('qweight', 'qzeros', 'scales')
     module_keys: ClassVar[bool] = True
     keepable: ClassVar[bool] = False
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
-    def out_shape(self, shapes: list) -> tuple: return (shapes[2][-1], shapes[0][0])
+
+    def out_shape(self, shapes: list) -> tuple:
+        return (shapes[2][-1], shapes[0][0])
+
     def mismatch(self, shapes: list):
         "(0, j, rule) when the zero points or scales do not fit the codes [K, N/8] and `group_size`"
         # else None.
@@ -1154,6 +1384,7 @@ class AWQDequantize(Dequantize):
                 want = f'4-bit codes of {K} inputs × {N} outputs, groups of {self.group_size}: {list(w)}'
                 return (0 if j else 2), j, want
         return None
+
     def _one(self, ts):
         N, K = self.out_shape([t.shape for t in ts])
         q, z = _unpack_cols(ts[0], 4, AWQ_ORDER)[:, :N], _unpack_cols(ts[1], 4, AWQ_ORDER)[:, :N]
@@ -1165,9 +1396,12 @@ def _value(src, k: str) -> torch.Tensor:
     "Tensor `k` of `src`"
     # read even from a dry source (a load plan's, which counts the bytes as a load does): `g_idx`, a quant state.
     t = src.get(k)
-    if not t.is_meta: return t
+    if not t.is_meta:
+        return t
     from safetensors import safe_open
-    with safe_open(str(src.k2f[k]), 'pt') as f: return f.get_tensor(k)
+
+    with safe_open(str(src.k2f[k]), 'pt') as f:
+        return f.get_tensor(k)
 
 # %% ../nbs/06_quantized.ipynb #gab014-1
 def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
@@ -1175,20 +1409,23 @@ def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:
     bits, gs = qc.get('bits', 4), qc.get('group_size', 128) or -1
     fmt = qc.get('checkpoint_format') or qc.get('format') or 'gptq'
     if bits not in (2, 4, 8):
-        raise NotImplementedError(f'{what}: GPTQ bits={bits} is not supported (2, 4 and 8 are: codes that never '
-                                  'straddle two int32 words)')
+        raise NotImplementedError(
+            f'{what}: GPTQ bits={bits} is not supported (2, 4 and 8 are: codes that never straddle two int32 words)'
+        )
     if fmt not in ('gptq', 'gptq_v2'):
         raise NotImplementedError(f"{what}: GPTQ checkpoint_format {fmt!r} is not supported ('gptq' and 'gptq_v2' are)")
     units = []
-    for m in sorted(k[:-len('.qweight')] for k in src.keys() if k.endswith('.qweight')):  # noqa: SIM118
+    for m in sorted(k[: -len('.qweight')] for k in src.keys() if k.endswith('.qweight')):  # noqa: SIM118
         has = f'{m}.g_idx' in src
         act = False
         if has:
             g = _value(src, f'{m}.g_idx').long()
             act = not torch.equal(g, _groups(len(g), 1 if gs <= 0 else 2, gs, None, g.device))
             if act and not qc.get('desc_act', True):
-                raise ValueError(f"{what}: {m + '.g_idx'!r} is not k // group_size ({gs}): it orders the inputs by "
-                                 "activation, but quantization_config says desc_act false")
+                raise ValueError(
+                    f"{what}: {m + '.g_idx'!r} is not k // group_size ({gs}): it orders the inputs by "
+                    "activation, but quantization_config says desc_act false"
+                )
         # the op takes no stored g_idx: plain groups are k // group_size, act-order holds the g_idx just read
         held = dict(order=g, order_key=f'{m}.g_idx') if act else {}
         op = GPTQDequantize(bits, gs, fmt == 'gptq', act, dtype, False, len(g) if has else 0, **held)
@@ -1201,11 +1438,13 @@ def _awq_tensors(src, qc: dict, dtype, what: str) -> list:
     "`quant_method: \"awq\"` (AutoAWQ's GEMM version): every module with a `qweight`."
     bits, version = qc.get('bits', qc.get('w_bit', 4)), str(qc.get('version', 'gemm')).lower()
     if bits != 4 or version != 'gemm':
-        raise NotImplementedError(f"{what}: AWQ bits={bits}, version {version!r} is not supported (4 bits, version "
-                                  "'gemm' is)")
+        raise NotImplementedError(
+            f"{what}: AWQ bits={bits}, version {version!r} is not supported (4 bits, version 'gemm' is)"
+        )
     gs = qc.get('group_size', qc.get('q_group_size', 128)) or -1
     keys = [k for k in sorted(src.keys()) if k.endswith('.qweight')]
-    return [_unit(src, k[:-len('.qweight')] + '.weight', AWQDequantize(gs, dtype), what) for k in keys]
+    return [_unit(src, k[: -len('.qweight')] + '.weight', AWQDequantize(gs, dtype), what) for k in keys]
+
 
 _FORMATS.update(gptq=_gptq_tensors, awq=_awq_tensors)
 
@@ -1219,18 +1458,20 @@ def cut(self: GPTQDequantize, shapes: list, dim: int, start: int, stop: int) -> 
     if dim == 0:
         lo, hi = _widen(start, stop, per, N)
         parts = ((1, lo, hi), (1, lo // per, -(-hi // per)), (1, lo, hi), None)
-        return StoredCut(parts[:len(shapes)], self, _trim(0, start, stop, lo, hi))
+        return StoredCut(parts[: len(shapes)], self, _trim(0, start, stop, lo, hi))
     if self.act_order:
-        raise ValueError(f'act-order g_idx (desc_act) permutes the {K} inputs across the groups, so inputs '
-                         f'[{start}, {stop}) need scales of every group; split this layer by its outputs, or load it '
-                         'on one device')
+        raise ValueError(
+            f'act-order g_idx (desc_act) permutes the {K} inputs across the groups, so inputs '
+            f'[{start}, {stop}) need scales of every group; split this layer by its outputs, or load it '
+            'on one device'
+        )
     G = shapes[2][0]
     n = self.group_size
     lo, hi = _widen(start, stop, per if G == 1 else math.lcm(n, per), K)
     groups = None if G == 1 else (0, lo // n, -(-hi // n))
     parts = ((0, lo // per, -(-hi // per)), groups, groups, (0, lo, hi))
-    op = dataclasses.replace(self, inputs=hi - lo) if self.inputs else self   # no g_idx to count the cut's inputs
-    return StoredCut(parts[:len(shapes)], op, _trim(1, start, stop, lo, hi))
+    op = dataclasses.replace(self, inputs=hi - lo) if self.inputs else self  # no g_idx to count the cut's inputs
+    return StoredCut(parts[: len(shapes)], op, _trim(1, start, stop, lo, hi))
 
 # %% ../nbs/06_quantized.ipynb #gab018-1
 @patch
@@ -1252,13 +1493,14 @@ def cut(self: AWQDequantize, shapes: list, dim: int, start: int, stop: int) -> S
 def _blockwise(x: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
     "Flat `x` times one `absmax` per `blocksize` values, the last block partial."
     full = x.numel() // blocksize * blocksize
-    head = (x[:full].view(-1, blocksize) * absmax[:full // blocksize, None]).flatten()
+    head = (x[:full].view(-1, blocksize) * absmax[: full // blocksize, None]).flatten()
     return torch.cat([head, x[full:] * absmax[full // blocksize]]) if full < x.numel() else head
 
 # %% ../nbs/06_quantized.ipynb #gab021-1
 @dataclass(frozen=True)
 class BnB4bitDequantize(Dequantize):
     "(`.absmax` [, nested], `.quant_map`, codes) → qmap[code] × absmax."
+
     # bitsandbytes' NF4 and FP4 as transformers saves them: codes uint8, flattened, two a byte (high nibble first), one
     # absmax per `blocksize`; nested (double quant, `.nested_absmax` and `.nested_quant_map`): the absmax themselves
     # uint8 codes of `nested_quant_map`, one float per `nested_blocksize`, plus `nested_offset`. The JSON quant state
@@ -1266,20 +1508,26 @@ class BnB4bitDequantize(Dequantize):
     quant_type: str = 'nf4'
     shape: tuple = ()
     blocksize: int = 64
-    nested_blocksize: int = 0   # 0: absmax stored as floats
+    nested_blocksize: int = 0  # 0: absmax stored as floats
     nested_offset: float = 0.0
     target_dtype: torch.dtype = torch.bfloat16
     keepable: ClassVar[bool] = False
-    codes_at: ClassVar[int] = -1   # the codes' place in `suffixes`, named in errors
+    codes_at: ClassVar[int] = -1  # the codes' place in `suffixes`, named in errors
     codes: ClassVar[tuple] = (torch.uint8,)
     _stackable: ClassVar[bool] = False
+
     @property
     # the weight last: its key is a prefix of the others, and a source pattern takes the first it matches
     def suffixes(self):
         nested = ('.nested_absmax', '.nested_quant_map') if self.nested_blocksize else ()
         return ('.absmax', *nested, '.quant_map', '')
-    def out_dtype(self, dtypes: list) -> torch.dtype: return Dequantize.out_dtype(self, dtypes[-1:])
-    def out_shape(self, shapes: list) -> tuple: return tuple(self.shape)
+
+    def out_dtype(self, dtypes: list) -> torch.dtype:
+        return Dequantize.out_dtype(self, dtypes[-1:])
+
+    def out_shape(self, shapes: list) -> tuple:
+        return tuple(self.shape)
+
     def mismatch(self, shapes: list):
         "(j, 0, rule) when the codes or absmax do not fit `shape` and `blocksize`, else None."
         n = _numel(self.shape)
@@ -1288,57 +1536,73 @@ class BnB4bitDequantize(Dequantize):
         if _numel(shapes[0]) != -(-n // self.blocksize):
             return len(shapes) - 1, 0, f'one absmax per {self.blocksize} values: {-(-n // self.blocksize)}'
         return None
+
     def _one(self, ts):
         absmax, qmap, w = ts[0], ts[-2].float(), ts[-1].view(torch.uint8).flatten()
         if self.nested_blocksize:
             absmax = _blockwise(ts[2].float()[absmax.long()], ts[1].float().flatten(), self.nested_blocksize)
             absmax = absmax + torch.tensor(self.nested_offset)
-        codes = torch.stack([w >> 4, w & 0xF], -1).flatten()[:_numel(self.shape)]
+        codes = torch.stack([w >> 4, w & 0xF], -1).flatten()[: _numel(self.shape)]
         return _blockwise(qmap[codes.long()], absmax.float(), self.blocksize).reshape(self.shape)
 
 # %% ../nbs/06_quantized.ipynb #gab022
 @dataclass(frozen=True)
 class BnBInt8Dequantize(Dequantize):
     "(`weight` int8 [N, K], `SCB` float32 [N] [, `weight_format`]) → weight × SCB / 127"
+
     # as `bitsandbytes.functional.int8_vectorwise_dequant`. bitsandbytes' LLM.int8() weights as transformers saves them:
     # one absmax per output row, beside the module's weight.
     target_dtype: torch.dtype = torch.bfloat16
-    weight_format: bool = True   # a `weight_format` is stored (and dropped)
+    weight_format: bool = True  # a `weight_format` is stored (and dropped)
     module_keys: ClassVar[bool] = True
     keepable: ClassVar[bool] = False
     codes: ClassVar[tuple] = (torch.int8,)
+
     @property
-    def suffixes(self): return ('weight', 'SCB') + (('weight_format',) if self.weight_format else ())
-    def out_shape(self, shapes: list) -> tuple: return tuple(shapes[0])
+    def suffixes(self):
+        return ('weight', 'SCB') + (('weight_format',) if self.weight_format else ())
+
+    def out_shape(self, shapes: list) -> tuple:
+        return tuple(shapes[0])
+
     def mismatch(self, shapes: list):
         "(0, 1, rule) when `SCB` is not one value per row of the weight, else None."
         return None if tuple(shapes[1]) == tuple(shapes[0][:1]) else (0, 1, f'one absmax per row: [{shapes[0][0]}]')
-    def _one(self, ts): return ts[0] * ts[1].view(-1, 1) * 7.874015718698502e-3
+
+    def _one(self, ts):
+        return ts[0] * ts[1].view(-1, 1) * 7.874015718698502e-3
+
     def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
         "Rows with their absmax, or columns with all of them."
         rows = dim % 2 == 0
-        return StoredCut(((dim % 2, start, stop), (0, start, stop) if rows else None, None)[:len(shapes)], self, None)
+        return StoredCut(((dim % 2, start, stop), (0, start, stop) if rows else None, None)[: len(shapes)], self, None)
 
 # %% ../nbs/06_quantized.ipynb #gab023
 @patch
 def cut(self: BnB4bitDequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
     "Refused: `ValueError`, as the codes and absmax are stored flattened across rows and columns alike."
-    raise ValueError(f'bitsandbytes {self.quant_type} stores the {list(self.shape)} weight flattened in blocks of '
-                     f'{self.blocksize}, so a slice [{start}, {stop}) of dim {dim} is not cut from its bytes; load it '
-                     'on one device')
+    raise ValueError(
+        f'bitsandbytes {self.quant_type} stores the {list(self.shape)} weight flattened in blocks of '
+        f'{self.blocksize}, so a slice [{start}, {stop}) of dim {dim} is not cut from its bytes; load it '
+        'on one device'
+    )
 
 # %% ../nbs/06_quantized.ipynb #gab023-1
 _BNB_STATE = '.quant_state.bitsandbytes__'
 
+
 def _bnb_op(src, key: str, dtype, what: str) -> BnB4bitDequantize:
     "The op that the quant_state blob `key` (uint8 JSON) describes."
     import json
-    try: st = json.loads(bytes(_value(src, key).tolist()).decode('utf-8'))
+
+    try:
+        st = json.loads(bytes(_value(src, key).tolist()).decode('utf-8'))
     except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f'{what}: {key!r} is not the JSON quant state bitsandbytes writes: {e}') from None
     if st.get('quant_type') not in ('nf4', 'fp4'):
-        raise ValueError(f"{what}: {key!r} has quant_type {st.get('quant_type')!r}; bitsandbytes 4-bit is 'nf4' or "
-                         "'fp4'")
+        raise ValueError(
+            f"{what}: {key!r} has quant_type {st.get('quant_type')!r}; bitsandbytes 4-bit is 'nf4' or 'fp4'"
+        )
     nested = st.get('nested_blocksize', 0) if 'nested_offset' in st else 0
     offset = float(st.get('nested_offset', 0.0))
     return BnB4bitDequantize(st['quant_type'], tuple(st['shape']), st['blocksize'], nested, offset, dtype)
@@ -1353,26 +1617,41 @@ def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
         states = [k for k in sorted(src.keys()) if _BNB_STATE in k]
         # the quant state, read once to build the op, is dropped from the load
         return [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what, (k,)) for k in states]
-    return [_unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)
-            for m in sorted(k[:-len('.SCB')] for k in src.keys() if k.endswith('.SCB'))]  # noqa: SIM118
+    return [
+        _unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)
+        for m in sorted(k[: -len('.SCB')] for k in src.keys() if k.endswith('.SCB'))
+    ]  # noqa: SIM118
+
 
 _FORMATS['bitsandbytes'] = _bnb_tensors
 
 # %% ../nbs/06_quantized.ipynb #f714e27c
-_ST_NAMES = {torch.float8_e4m3fn: 'F8_E4M3', torch.float8_e5m2: 'F8_E5M2', torch.float4_e2m1fn_x2: 'F4',
-             torch.uint8: 'U8', torch.int8: 'I8', torch.int32: 'I32', torch.int64: 'I64', torch.float16: 'F16',
-             torch.bfloat16: 'BF16', torch.float32: 'F32'}   # safetensors' names of the dtypes its headers hold
+_ST_NAMES = {
+    torch.float8_e4m3fn: 'F8_E4M3',
+    torch.float8_e5m2: 'F8_E5M2',
+    torch.float4_e2m1fn_x2: 'F4',
+    torch.uint8: 'U8',
+    torch.int8: 'I8',
+    torch.int32: 'I32',
+    torch.int64: 'I64',
+    torch.float16: 'F16',
+    torch.bfloat16: 'BF16',
+    torch.float32: 'F32',
+}  # safetensors' names of the dtypes its headers hold
 
-def stored_layout(src, # a source over the checkpoint (`checkpoint_source(folder)`)
-                  prefix: str, # the keys' common start: a module's (`'...down_proj.'`) or an expert tensor's
-                 ) -> dict:
+
+def stored_layout(
+    src,  # a source over the checkpoint (`checkpoint_source(folder)`)
+    prefix: str,  # the keys' common start: a module's (`'...down_proj.'`) or an expert tensor's
+) -> dict:
     "{name after `prefix`: (dtype, shape)} of what `src` stores under `prefix`, from the headers alone."
-    return {k[len(prefix):]: (src.dtype(k), tuple(src.shape(k))) for k in sorted(src.keys()) if k.startswith(prefix)}
+    return {k[len(prefix) :]: (src.dtype(k), tuple(src.shape(k))) for k in sorted(src.keys()) if k.startswith(prefix)}
 
 # %% ../nbs/06_quantized.ipynb #50be17a6
-def layout_bits(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
-                weights: int, # how many values the tensors decode to (N·K for one [N, K] weight)
-               ) -> float:
+def layout_bits(
+    stored: dict,  # {name: (dtype, shape)}, as `stored_layout` gives
+    weights: int,  # how many values the tensors decode to (N·K for one [N, K] weight)
+) -> float:
     "Bits stored per decoded weight: every tensor of `stored` (codes, scales, zero points, records)."
     return 8 * sum(math.prod(shape) * dtype.itemsize for dtype, shape in stored.values()) / weights
 
@@ -1381,35 +1660,46 @@ def _box(dtype: torch.dtype, shape: tuple, N: int, W: int) -> tuple:
     "(rows, bytes a row) that tensor `shape` is drawn as: its stored rows, flattened ones wrapped; area its bytes"
     # beside an [N rows, W bytes] outline. One value per output row is a column, other vectors squares.
     nbytes = math.prod(shape) * dtype.itemsize
-    if len(shape) == 1 and shape[0] == N: return N, dtype.itemsize
-    if len(shape) < 2: rows = min(N, math.isqrt(nbytes) or 1)   # a vector or a scalar: a square, as near as it goes
-    elif math.prod(shape[1:]) == 1: rows = min(N, shape[0])   # stored flat (bitsandbytes): wrapped to the N rows
-    else: rows = shape[0]
+    if len(shape) == 1 and shape[0] == N:
+        return N, dtype.itemsize
+    if len(shape) < 2:
+        rows = min(N, math.isqrt(nbytes) or 1)  # a vector or a scalar: a square, as near as it goes
+    elif math.prod(shape[1:]) == 1:
+        rows = min(N, shape[0])  # stored flat (bitsandbytes): wrapped to the N rows
+    else:
+        rows = shape[0]
     return rows, nbytes / rows
 
 # %% ../nbs/06_quantized.ipynb #b2d6453c-1
-def draw_layout(stored: dict, # {name: (dtype, shape)}, as `stored_layout` gives
-                weight: tuple, # the shape the tensors decode to: [N, K], or [E, N, K] for E experts
-                ax=None, # a matplotlib `Axes`; None: one of a new figure
-                title: str = '', # the panel's title, before its bits per weight
-               ):
+def draw_layout(
+    stored: dict,  # {name: (dtype, shape)}, as `stored_layout` gives
+    weight: tuple,  # the shape the tensors decode to: [N, K], or [E, N, K] for E experts
+    ax=None,  # a matplotlib `Axes`; None: one of a new figure
+    title: str = '',  # the panel's title, before its bits per weight
+):
     "Each tensor of `stored` as a box whose area is its bytes, beside the weight in bfloat16; the `Axes`."
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
+
     N, K = weight[-2:]
     W, weights = 2 * K, math.prod(weight)
     ax = ax or plt.subplots(figsize=(9, 2))[1]
     handles, x = [Patch(fill=False, ls='--', ec='0.4', label=f'BF16 {list(weight)}: the weight in bfloat16')], W * 1.06
-    by_size = sorted(stored.items(), key=lambda kv: -math.prod(kv[1][1]) * kv[1][0].itemsize)   # the codes first
+    by_size = sorted(stored.items(), key=lambda kv: -math.prod(kv[1][1]) * kv[1][0].itemsize)  # the codes first
     boxes = [_box(dtype, shape, N, W) for _, (dtype, shape) in by_size]
-    top = max([N] + [rows for rows, _ in boxes])   # the boxes hang from the top of the tallest
+    top = max([N] + [rows for rows, _ in boxes])  # the boxes hang from the top of the tallest
     for i, ((name, (dtype, shape)), (rows, w)) in enumerate(zip(by_size, boxes, strict=True)):
-        dw, dh = max(w, W * 0.012), max(rows, N * 0.03)   # the smallest still seen
+        dw, dh = max(w, W * 0.012), max(rows, N * 0.03)  # the smallest still seen
         ax.add_patch(Rectangle((x, top - dh), dw, dh, color=f'C{i}'))
         handles.append(Patch(color=f'C{i}', label=f'{name}  {_ST_NAMES.get(dtype, dtype)} {list(shape)}'))
         x += dw + W * 0.06
     ax.add_patch(Rectangle((0, top - N), W, N, fill=False, ls='--', ec='0.4'))
-    ax.set(xlim=(0, x), ylim=(0, top * 1.04), xlabel='bytes a row', ylabel='rows',
-           title=f'{title}{": " if title else ""}{layout_bits(stored, weights):.3f} bits/weight')
+    ax.set(
+        xlim=(0, x),
+        ylim=(0, top * 1.04),
+        xlabel='bytes a row',
+        ylabel='rows',
+        title=f'{title}{": " if title else ""}{layout_bits(stored, weights):.3f} bits/weight',
+    )
     ax.legend(handles=handles, loc='center left', bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     return ax

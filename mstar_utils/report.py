@@ -18,9 +18,11 @@ __all__ = ['NotACheckpoint', 'tokenizer_kind', 'checkpoint_report', 'check_can_a
 # %% ../nbs/12_report.ipynb #ed3af0fd
 def _require_checkpoint(path) -> Path:
     "`path` once it is a checkpoint folder with a config.json; `NotACheckpoint` otherwise."
-    try: p = checkpoint_dir(path)
-    except FileNotFoundError as e: raise NotACheckpoint(str(e)) from None
-    if not (p/'config.json').is_file():
+    try:
+        p = checkpoint_dir(path)
+    except FileNotFoundError as e:
+        raise NotACheckpoint(str(e)) from None
+    if not (p / 'config.json').is_file():
         raise NotACheckpoint(f'{p} is not a checkpoint folder: no config.json')
     return p
 
@@ -29,14 +31,17 @@ class NotACheckpoint(ValueError):
     "The path is not a HuggingFace safetensors checkpoint folder; the message says what it is instead."
 
 # %% ../nbs/12_report.ipynb #b3ebc810
-def tokenizer_kind(tokenizer_json: dict, # a parsed tokenizer.json (HF tokenizers format)
-                  ) -> str:
+def tokenizer_kind(
+    tokenizer_json: dict,  # a parsed tokenizer.json (HF tokenizers format)
+) -> str:
     "'byte-level BPE', 'SentencePiece' or 'other (MODEL)', from the decoder of a tokenizer.json."
     dec = tokenizer_json.get('decoder') or {}
     parts = dec.get('decoders', [dec]) if dec.get('type') == 'Sequence' else [dec]
     types = {d.get('type') for d in parts if isinstance(d, dict)}
-    if 'ByteLevel' in types: return 'byte-level BPE'
-    if 'ByteFallback' in types or 'Metaspace' in types: return 'SentencePiece'
+    if 'ByteLevel' in types:
+        return 'byte-level BPE'
+    if 'ByteFallback' in types or 'Metaspace' in types:
+        return 'SentencePiece'
     return f"other ({(tokenizer_json.get('model') or {}).get('type', 'unknown')})"
 
 # %% ../nbs/12_report.ipynb #689ceba6
@@ -44,25 +49,30 @@ def _param_group(key: str) -> str:
     "The report's group of a key: its leading parts up to the first layer index, at most two."
     parts = []
     for p in key.split('.')[:-1]:
-        if p.isdigit() or len(parts) == 2: break
+        if p.isdigit() or len(parts) == 2:
+            break
         parts.append(p)
     return '.'.join(parts) or key
+
 
 _BUFFER_DTYPES = {'torch.int64', 'torch.bool'}
 
 # %% ../nbs/12_report.ipynb #edabfdf8
-def _count_tensors(wm: dict, # checkpoint key -> shard, from `read_weight_map`
-                   problems: list, # receives a problem for each shard whose header cannot be read
-                  ) -> dict:
+def _count_tensors(
+    wm: dict,  # checkpoint key -> shard, from `read_weight_map`
+    problems: list,  # receives a problem for each shard whose header cannot be read
+) -> dict:
     "Parameter and buffer counts, by prefix and dtype"
     # from the headers of the shards `wm` names (the index is the truth); unreadable shards are skipped.
     by_prefix, dtypes, n_params, buffers = Counter(), Counter(), 0, Counter()
     for shard in sorted(set(wm.values())):
         header = _part(problems, shard.name, lambda: read_header(shard)[1], {})
         for k, info in header.items():
-            if wm.get(k) != shard: continue
+            if wm.get(k) != shard:
+                continue
             n = 1
-            for d in info.shape: n *= d
+            for d in info.shape:
+                n *= d
             dtypes[str(info.dtype).removeprefix('torch.')] += 1
             if str(info.dtype) in _BUFFER_DTYPES:
                 buffers[k] = n
@@ -80,19 +90,27 @@ def _count_tensors(wm: dict, # checkpoint key -> shard, from `read_weight_map`
 def _report_stop_ids(ckpt: Path) -> list[int]:
     "Stop ids of `ckpt`: through `TextOutput.from_checkpoint` with a tokenizer"
     # else generation_config.json's eos_token_id.
-    if (ckpt/'tokenizer.json').is_file():
+    if (ckpt / 'tokenizer.json').is_file():
         from mstar_utils.detokenize import TextOutput
-        try: return sorted(TextOutput.from_checkpoint(ckpt).stop_token_ids)
-        except ValueError: pass
+
+        try:
+            return sorted(TextOutput.from_checkpoint(ckpt).stop_token_ids)
+        except ValueError:
+            pass
     from mstar_utils.detokenize import generation_eos_ids
-    try: return sorted(generation_eos_ids(ckpt))
-    except ValueError: return []
+
+    try:
+        return sorted(generation_eos_ids(ckpt))
+    except ValueError:
+        return []
 
 # %% ../nbs/12_report.ipynb #d6e6bc1e
 def _read_json(path: Path) -> dict:
     "The JSON object in `path`; `ValueError` naming the file when it is not UTF-8, not JSON, or not an object."
-    try: d = json.loads(path.read_text(encoding='utf-8'))
-    except UnicodeDecodeError as e: raise ValueError(f'{path}: not UTF-8 text ({e})') from None
+    try:
+        d = json.loads(path.read_text(encoding='utf-8'))
+    except UnicodeDecodeError as e:
+        raise ValueError(f'{path}: not UTF-8 text ({e})') from None
     except (ValueError, RecursionError) as e:
         raise ValueError(f'{path}: not valid JSON ({e}); the file is cut short or was edited by hand') from None
     if not isinstance(d, dict):
@@ -100,15 +118,17 @@ def _read_json(path: Path) -> dict:
     return d
 
 # %% ../nbs/12_report.ipynb #d98ef192
-def _part(problems: list, # receives {'file', 'message'} when `fn` fails, once per file
-          name: str, # the file `fn` parses, named in the message
-          fn, # what parses it
-          default=None, # the part's value when it cannot be parsed
-         ):
+def _part(
+    problems: list,  # receives {'file', 'message'} when `fn` fails, once per file
+    name: str,  # the file `fn` parses, named in the message
+    fn,  # what parses it
+    default=None,  # the part's value when it cannot be parsed
+):
     "`fn()`, or `default` and a problem naming the file and the parser's message"
     # one unparseable file leaves the rest of the report.
-    try: return fn()
-    except Exception as e:   # tokenizers raises a bare Exception for a file it cannot read
+    try:
+        return fn()
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
         msg = re.sub(r'\S*' + re.escape(name) + r':\s*', '', str(e))
         if not any(p['file'] == name for p in problems):
             problems.append({'file': name, 'message': f'{name}: {type(e).__name__}: {msg}'})
@@ -118,21 +138,23 @@ def _part(problems: list, # receives {'file', 'message'} when `fn` fails, once p
 def _tokenizer_summary(path: Path) -> dict:
     "The tokenizer's kind and vocabulary size, as tokenizers reads the file."
     from tokenizers import Tokenizer
+
     return {
         'kind': tokenizer_kind(_read_json(path)),
         'vocab_size': Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True),
     }
 
 # %% ../nbs/12_report.ipynb #d6e6bc1f
-def checkpoint_report(checkpoint_dir, # an HF checkpoint folder
-                     ) -> dict:
+def checkpoint_report(
+    checkpoint_dir,  # an HF checkpoint folder
+) -> dict:
     "A JSON-ready summary of a checkpoint from its files only"
     ckpt = _require_checkpoint(checkpoint_dir)
-    config = _read_json(ckpt/'config.json')
-    wm, problems, tok, gc = read_weight_map(ckpt), [], None, ckpt/'generation_config.json'
+    config = _read_json(ckpt / 'config.json')
+    wm, problems, tok, gc = read_weight_map(ckpt), [], None, ckpt / 'generation_config.json'
     counts = _count_tensors(wm, problems)
-    if (ckpt/'tokenizer.json').is_file():
-        tok = _part(problems, 'tokenizer.json', lambda: _tokenizer_summary(ckpt/'tokenizer.json'))
+    if (ckpt / 'tokenizer.json').is_file():
+        tok = _part(problems, 'tokenizer.json', lambda: _tokenizer_summary(ckpt / 'tokenizer.json'))
     stop = _part(problems, 'tokenizer.json', lambda: _report_stop_ids(ckpt), [])
     gen = _part(problems, gc.name, lambda: _read_json(gc)) if gc.is_file() else None
     return {
@@ -153,19 +175,21 @@ def checkpoint_report(checkpoint_dir, # an HF checkpoint folder
     }
 
 # %% ../nbs/12_report.ipynb #55a0c544
-def check_can_answer(ckpt: Path, # a checkpoint folder
-                    ) -> type:
+def check_can_answer(
+    ckpt: Path,  # a checkpoint folder
+) -> type:
     "The transformers causal-LM class for `ckpt`"
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from mstar_utils.model import model_class_for
+
     config = AutoConfig.from_pretrained(ckpt)
     cls = model_class_for(config)
     if cls.__name__ not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
         raise NotACheckpoint(
             f'{ckpt.name}: {cls.__name__} is not a causal language model, so it cannot answer a prompt'
         )
-    if not ((ckpt/'tokenizer.json').is_file() or (ckpt/'tokenizer_config.json').is_file()):
+    if not ((ckpt / 'tokenizer.json').is_file() or (ckpt / 'tokenizer_config.json').is_file()):
         raise NotACheckpoint(
             f'{ckpt.name}: no tokenizer (tokenizer.json or tokenizer_config.json), so a prompt cannot be encoded'
         )
@@ -181,25 +205,29 @@ def _prompt_ids(tok, prompt: str):
     return tok(prompt, return_tensors='pt')['input_ids']
 
 # %% ../nbs/12_report.ipynb #8682a7bb
-def generate_reply(checkpoint_dir, # a causal LM checkpoint folder with a tokenizer
-                   prompt: str, # the user's message
-                   max_new_tokens: int = 64, # most tokens to generate
-                   out=None, # a binary stream that receives each step's bytes as they come
-                   log=None, # a text stream for progress lines (None: silent)
-                  ) -> list[int]:
+def generate_reply(
+    checkpoint_dir,  # a causal LM checkpoint folder with a tokenizer
+    prompt: str,  # the user's message
+    max_new_tokens: int = 64,  # most tokens to generate
+    out=None,  # a binary stream that receives each step's bytes as they come
+    log=None,  # a text stream for progress lines (None: silent)
+) -> list[int]:
     "Greedy-decode a reply to `prompt` with `load_model` and a KV cache, streaming bytes to `out`"
     import torch
     from transformers import AutoTokenizer, DynamicCache
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.model import load_model
+
     ckpt = _require_checkpoint(checkpoint_dir)
     check_can_answer(ckpt)
-    if log: print(f'loading {ckpt.name} with mstar_utils.load_model ...', file=log, flush=True)
+    if log:
+        print(f'loading {ckpt.name} with mstar_utils.load_model ...', file=log, flush=True)
     model, tok = load_model(ckpt), AutoTokenizer.from_pretrained(ckpt)
     text_out = TextOutput.from_checkpoint(ckpt, tokenizer=tok)
     step_in, cache, new = _prompt_ids(tok, prompt), DynamicCache(config=model.config), []
     step_bytes = text_out.step_fn()  # the decode loop's function: what text_out.step_bytes gives
-    if log: print(f'generating up to {max_new_tokens} tokens ...', file=log, flush=True)
+    if log:
+        print(f'generating up to {max_new_tokens} tokens ...', file=log, flush=True)
     with torch.no_grad():
         for _ in range(max_new_tokens):
             nxt = (
@@ -211,7 +239,8 @@ def generate_reply(checkpoint_dir, # a causal LM checkpoint folder with a tokeni
             if out is not None:
                 out.write(step_bytes(nxt, None))
                 out.flush()
-            if int(nxt) in text_out.stop_token_ids: break
+            if int(nxt) in text_out.stop_token_ids:
+                break
             new.append(int(nxt))
             step_in = nxt.reshape(1, 1)
     return new

@@ -17,8 +17,7 @@ import torch
 from fastcore.basics import patch
 from safetensors import safe_open
 
-from .io import (
-    Reads, Span, copier_for, populate_pages, read_at, read_direct, read_staged, sequential)
+from .io import Reads, Span, copier_for, populate_pages, read_at, read_direct, read_staged, sequential
 
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
@@ -26,17 +25,41 @@ __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'Tens
            'checkpoint_source', 'file_source', 'tensor_file_source', 'ReadAhead', 'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
-SAFETENSORS_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
-    'I64': torch.int64, 'I32': torch.int32, 'I16': torch.int16, 'I8': torch.int8, 'U8': torch.uint8, 'BOOL': torch.bool,
-    'U16': torch.uint16, 'U32': torch.uint32, 'U64': torch.uint64, 'C64': torch.complex64,
-    'F8_E4M3': torch.float8_e4m3fn, 'F8_E5M2': torch.float8_e5m2}
-SAFETENSORS_DTYPES.update({k: getattr(torch, v) for k, v in {
-    'F8_E8M0': 'float8_e8m0fnu', 'F8_E4M3FNUZ': 'float8_e4m3fnuz', 'F8_E5M2FNUZ': 'float8_e5m2fnuz',
-    'F4': 'float4_e2m1fn_x2'}.items() if hasattr(torch, v)})
+SAFETENSORS_DTYPES = {
+    'F64': torch.float64,
+    'F32': torch.float32,
+    'F16': torch.float16,
+    'BF16': torch.bfloat16,
+    'I64': torch.int64,
+    'I32': torch.int32,
+    'I16': torch.int16,
+    'I8': torch.int8,
+    'U8': torch.uint8,
+    'BOOL': torch.bool,
+    'U16': torch.uint16,
+    'U32': torch.uint32,
+    'U64': torch.uint64,
+    'C64': torch.complex64,
+    'F8_E4M3': torch.float8_e4m3fn,
+    'F8_E5M2': torch.float8_e5m2,
+}
+SAFETENSORS_DTYPES.update(
+    {
+        k: getattr(torch, v)
+        for k, v in {
+            'F8_E8M0': 'float8_e8m0fnu',
+            'F8_E4M3FNUZ': 'float8_e4m3fnuz',
+            'F8_E5M2FNUZ': 'float8_e5m2fnuz',
+            'F4': 'float4_e2m1fn_x2',
+        }.items()
+        if hasattr(torch, v)
+    }
+)
 _PAIRED = {'F4'}  # dtypes torch holds two values an element: the header's last dimension counts values, torch's is half
 
 # %% ../nbs/01_safetensors.ipynb #fb9f7011
 _MAX_HEADER = 100_000_000  # safetensors refuses larger headers
+
 
 def _readinto(f, buf, what: str):
     "Fill the writable buffer `buf` from the binary file `f` at its position."
@@ -59,8 +82,10 @@ def _cut_short(header: dict, avail: int) -> str | None:
     cut = next((k for e, k in ends if e > avail), None)
     if cut is None:
         return None
-    return (f'data cut short: the header needs {ends[-1][0]} bytes of tensor data, the file holds {avail}, '
-            f'so tensor {cut!r} and any after it are incomplete')
+    return (
+        f'data cut short: the header needs {ends[-1][0]} bytes of tensor data, the file holds {avail}, '
+        f'so tensor {cut!r} and any after it are incomplete'
+    )
 
 # %% ../nbs/01_safetensors.ipynb #4d2f7a60
 @contextmanager
@@ -119,15 +144,17 @@ def _raw_header(path, f) -> tuple[int, dict]:
 # %% ../nbs/01_safetensors.ipynb #566814b1
 class TensorInfo(NamedTuple):
     "One tensor of a safetensors header: torch `dtype`, `shape`, and its byte span `[begin, end)`."
+
     dtype: torch.dtype
     shape: tuple
     begin: int
     end: int
 
 # %% ../nbs/01_safetensors.ipynb #e2b4f711
-def read_header(path: str | Path, # a safetensors file
-                f=None, # an open binary handle on `path` to read through (the loaders keep one per shard)
-               ) -> tuple[int, dict[str, TensorInfo]]:
+def read_header(
+    path: str | Path,  # a safetensors file
+    f=None,  # an open binary handle on `path` to read through (the loaders keep one per shard)
+) -> tuple[int, dict[str, TensorInfo]]:
     "(byte offset of the data section, {key: `TensorInfo`}) of a safetensors file."
     if f is None:
         with _open(Path(path)) as f:
@@ -177,7 +204,7 @@ def _not_a_checkpoint(p: Path) -> str | None:
         return f'{p}: checkpoint folder not found'
     if (p / INDEX_FILE).exists() or (p / SINGLE_FILE).exists():
         return None
-    snaps = sorted(s.name for s in (p/'snapshots').iterdir() if s.is_dir()) if (p/'snapshots').is_dir() else []
+    snaps = sorted(s.name for s in (p / 'snapshots').iterdir() if s.is_dir()) if (p / 'snapshots').is_dir() else []
     if snaps:
         return (
             f'{p} is a hub cache repo, not a checkpoint folder; '
@@ -192,8 +219,11 @@ def _not_a_checkpoint(p: Path) -> str | None:
             '(transformers: from_pretrained then save_pretrained(safe_serialization=True))'
         )
     ggufs = sorted(x.name for x in p.glob('*.gguf'))
-    hint = (f'; it holds GGUF {ggufs[0]}, which load_model and load_plan read (inspect and diff read safetensors)'
-            if ggufs else '')
+    hint = (
+        f'; it holds GGUF {ggufs[0]}, which load_model and load_plan read (inspect and diff read safetensors)'
+        if ggufs
+        else ''
+    )
     return f'{p}: neither {INDEX_FILE} nor {SINGLE_FILE} found{hint}'
 
 # %% ../nbs/01_safetensors.ipynb #8bfd3f9c
@@ -208,6 +238,7 @@ def checkpoint_dir(path: str | Path) -> Path:
 # %% ../nbs/01_safetensors.ipynb #484fc4e8
 class _Object(dict):
     "A JSON object that records the keys it met twice with different values, in `clashes`."
+
     def __init__(self, pairs):
         super().__init__()
         self.clashes = []
@@ -224,9 +255,11 @@ def _shard_path(index: Path, root: Path, key: str, shard) -> Path:
         raise ValueError(f'{index}: weight_map[{key!r}] is {shard!r}, not a shard file name')
     parts = shard.replace('\\', '/').split('/')
     if '\x00' in shard or os.path.isabs(shard) or shard.startswith(('/', '\\')) or '..' in parts:
-        raise ValueError(f'{index}: shard {shard!r} for key {key!r} is outside the checkpoint folder {root}: '
-                         'a weight_map entry must be a file name relative to the folder, without ".."')
-    p = root/shard
+        raise ValueError(
+            f'{index}: shard {shard!r} for key {key!r} is outside the checkpoint folder {root}: '
+            'a weight_map entry must be a file name relative to the folder, without ".."'
+        )
+    p = root / shard
     try:
         found = p.is_file()
     except OSError as e:
@@ -256,13 +289,14 @@ def _read_index(index: Path) -> dict:
     return wm
 
 # %% ../nbs/01_safetensors.ipynb #b832e982
-def read_weight_map(repo_dir: str | Path, # a checkpoint folder
-                   ) -> dict[str, Path]:
+def read_weight_map(
+    repo_dir: str | Path,  # a checkpoint folder
+) -> dict[str, Path]:
     "Checkpoint key -> shard file, from `model.safetensors.index.json` or the lone `model.safetensors`."
     repo = checkpoint_dir(repo_dir)
-    index = repo/INDEX_FILE
+    index = repo / INDEX_FILE
     if not index.exists():
-        single = repo/SINGLE_FILE
+        single = repo / SINGLE_FILE
         return {k: single for k in read_header(single)[1]}
     out, seen = {}, {}
     for key, shard in _read_index(index).items():
@@ -275,21 +309,44 @@ def read_weight_map(repo_dir: str | Path, # a checkpoint folder
 # %% ../nbs/01_safetensors.ipynb #5a0c1e01
 class Source:
     "What the loaders read tensors through: a subclass must give keys, in, shape, dtype, where and get."
-    what: str = 'source'   # names the checkpoint in messages
-    mmap: bool = False   # `get` hands out mapped views of files
-    reads_slices: bool = False   # `get_slice` reads only the slice's bytes
-    bytes_read: int = 0   # bytes read from files so far
-    def _must(self, name): raise NotImplementedError(f'{type(self).__name__} is a Source and must define {name}')
-    def keys(self): self._must('keys()')
-    def __contains__(self, k): self._must('__contains__')
-    def shape(self, k) -> tuple: self._must('shape(k)')
-    def dtype(self, k) -> torch.dtype: self._must('dtype(k)')
-    def where(self, k) -> str: self._must('where(k)')
-    def get(self, k, out: torch.Tensor | None = None) -> torch.Tensor: self._must('get(k, out=None)')
-    def close(self): pass
-    def borrowed(self, k) -> bool: return False
-    def stored_in(self, keys) -> dict: return {}
-    def resolve(self, k): return None
+
+    what: str = 'source'  # names the checkpoint in messages
+    mmap: bool = False  # `get` hands out mapped views of files
+    reads_slices: bool = False  # `get_slice` reads only the slice's bytes
+    bytes_read: int = 0  # bytes read from files so far
+
+    def _must(self, name):
+        raise NotImplementedError(f'{type(self).__name__} is a Source and must define {name}')
+
+    def keys(self):
+        self._must('keys()')
+
+    def __contains__(self, k):
+        self._must('__contains__')
+
+    def shape(self, k) -> tuple:
+        self._must('shape(k)')
+
+    def dtype(self, k) -> torch.dtype:
+        self._must('dtype(k)')
+
+    def where(self, k) -> str:
+        self._must('where(k)')
+
+    def get(self, k, out: torch.Tensor | None = None) -> torch.Tensor:
+        self._must('get(k, out=None)')
+
+    def close(self):
+        pass
+
+    def borrowed(self, k) -> bool:
+        return False
+
+    def stored_in(self, keys) -> dict:
+        return {}
+
+    def resolve(self, k):
+        return None
 
 # %% ../nbs/01_safetensors.ipynb #5a0c1e02
 @patch
@@ -323,36 +380,71 @@ class WrappedSource(Source):
 
     def __init__(self, src, what: str | None = None):
         self.src, self.what = src, what or getattr(src, 'what', 'checkpoint')
+
     mmap = property(lambda self: getattr(self.src, 'mmap', False))
     reads_slices = property(lambda self: getattr(self.src, 'reads_slices', False))
     bytes_read = property(lambda self: getattr(self.src, 'bytes_read', 0))
-    def keys(self): return self.src.keys()
-    def __contains__(self, k): return k in self.src
-    def shape(self, k): return self.src.shape(k)
-    def dtype(self, k): return self.src.dtype(k)
-    def where(self, k): return self.src.where(k)
-    def get(self, k, out=None): return self.src.get(k, out=out)
-    def borrowed(self, k): return self.src.borrowed(k)
-    def stored_in(self, keys): return self.src.stored_in(keys) if hasattr(self.src, 'stored_in') else {}
-    def resolve(self, k): return self.src, k
+
+    def keys(self):
+        return self.src.keys()
+
+    def __contains__(self, k):
+        return k in self.src
+
+    def shape(self, k):
+        return self.src.shape(k)
+
+    def dtype(self, k):
+        return self.src.dtype(k)
+
+    def where(self, k):
+        return self.src.where(k)
+
+    def get(self, k, out=None):
+        return self.src.get(k, out=out)
+
+    def borrowed(self, k):
+        return self.src.borrowed(k)
+
+    def stored_in(self, keys):
+        return self.src.stored_in(keys) if hasattr(self.src, 'stored_in') else {}
+
+    def resolve(self, k):
+        return self.src, k
+
     def read_many(self, pairs, progress=None, **kw):
-        inner = getattr(self.src, 'read_many', None)   # a source of the caller's own making may lack it
+        inner = getattr(self.src, 'read_many', None)  # a source of the caller's own making may lack it
         return inner(pairs, progress, **kw) if inner else Source.read_many(self.src, pairs, progress)
-    def close(self): self.src.close()
+
+    def close(self):
+        self.src.close()
 
 # %% ../nbs/01_safetensors.ipynb #b429eefb
 class DictSource(Source):
     "Tensors from an in-memory `state_dict` (str -> Tensor)."
+
     def __init__(self, state_dict, what='state_dict'):
         if not hasattr(state_dict, 'keys'):
             raise TypeError(f'state_dict must be a mapping of str to Tensor, got {type(state_dict).__name__}')
         self.sd, self.what = state_dict, what
-    def keys(self): return self.sd.keys()
-    def __contains__(self, k): return k in self.sd
-    def shape(self, k): return tuple(self._tensor(k).shape)
-    def dtype(self, k): return self._tensor(k).dtype
-    def where(self, k): return self.what
-    def borrowed(self, k): return True
+
+    def keys(self):
+        return self.sd.keys()
+
+    def __contains__(self, k):
+        return k in self.sd
+
+    def shape(self, k):
+        return tuple(self._tensor(k).shape)
+
+    def dtype(self, k):
+        return self._tensor(k).dtype
+
+    def where(self, k):
+        return self.what
+
+    def borrowed(self, k):
+        return True
 
 # %% ../nbs/01_safetensors.ipynb #3e082976
 @patch
@@ -386,20 +478,37 @@ def default_threads() -> int:
 # %% ../nbs/01_safetensors.ipynb #722a8ecf
 class FileSource(Source):
     "Tensors from safetensors files: `key_to_file` maps each key to the file trusted for it."
+
     reads_slices = True
-    def __init__(self, key_to_file: dict, what: str, mmap: bool = False, threads: int | None = None,
-                 record: bool = False, # list every read (file, offset, bytes) in `reads`
-                 dry: bool = False, # record reads without reading: tensors come back on meta, tiny ones excepted
-                ):
+
+    def __init__(
+        self,
+        key_to_file: dict,
+        what: str,
+        mmap: bool = False,
+        threads: int | None = None,
+        record: bool = False,  # list every read (file, offset, bytes) in `reads`
+        dry: bool = False,  # record reads without reading: tensors come back on meta, tiny ones excepted
+    ):
         self.k2f, self.what, self.mmap, self._headers, self._files, self._maps = key_to_file, what, mmap, {}, {}, {}
         self.threads, self._info = threads or default_threads(), {}  # _info: key -> info(key), once asked
         self.dry, self.reads, self.bytes_read, self._lock = dry, [] if record or dry else None, 0, threading.Lock()
         self.ahead = None  # a `ReadAhead` over some of the files, once one is started
-    def keys(self): return self.k2f.keys()
-    def __contains__(self, k): return k in self.k2f
-    def where(self, k): return str(self.k2f[k])
-    def shape(self, k): return (self._info.get(k) or self.info(k))[2].shape
-    def dtype(self, k): return (self._info.get(k) or self.info(k))[2].dtype
+
+    def keys(self):
+        return self.k2f.keys()
+
+    def __contains__(self, k):
+        return k in self.k2f
+
+    def where(self, k):
+        return str(self.k2f[k])
+
+    def shape(self, k):
+        return (self._info.get(k) or self.info(k))[2].shape
+
+    def dtype(self, k):
+        return (self._info.get(k) or self.info(k))[2].dtype
 
     def maps(self, k):
         return self.mmap or (self.ahead is not None and self.k2f[k] in self.ahead)  # get(k): a view, no copy
@@ -464,7 +573,8 @@ def stored_in(self: FileSource, keys) -> dict:
     return out
 
 # %% ../nbs/01_safetensors.ipynb #96547803
-_DRY_REAL = 64   # bytes: a dry source still reads a tensor this small when asked for its value (a `weight_shape`)
+_DRY_REAL = 64  # bytes: a dry source still reads a tensor this small when asked for its value (a `weight_shape`)
+
 
 @patch
 def _note(self: FileSource, path, offset: int, n: int):
@@ -499,7 +609,7 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     held = self.ahead is not None and path in self.ahead  # read ahead into memory the source owns
     if (self.mmap or held) and out is None and end > begin and (start + begin) % dt.itemsize == 0:
         self._note(path, start + begin, end - begin)
-        return self._mapped(path)[start + begin:start + end].view(dt).view(shape)
+        return self._mapped(path)[start + begin : start + end].view(dt).view(shape)
     if out is not None and (
         out.dtype != dt or out.shape != shape or out.device.type != 'cpu' or not out.is_contiguous()
     ):
@@ -515,7 +625,7 @@ def get(self: FileSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
                 f'{path}: tensor {k!r} spans {end - begin} bytes, but {dt} {list(shape)} needs {buf.nbytes}'
             )
         if held:
-            t.view(-1).view(torch.uint8).copy_(self._mapped(path)[start + begin:start + end])
+            t.view(-1).view(torch.uint8).copy_(self._mapped(path)[start + begin : start + end])
             self._note(path, start + begin, end - begin)
             return t
         got = read_at(self._fd(path), [memoryview(buf)], start + begin)
@@ -581,20 +691,22 @@ def read_many(
                 read_staged(g, self._fd, copier_for(dev), self.threads, progress, chunk_bytes)
 
 # %% ../nbs/01_safetensors.ipynb #21a7b7de
-def checkpoint_source(repo_dir: str | Path, # a checkpoint folder
-                      mmap: bool = False, # hand out copy-on-write mapped views instead of owned memory
-                      threads: int | None = None, # reader threads; default `default_threads()`
-                      record: bool = False, # list every read in `reads`
-                      dry: bool = False, # record the reads without reading (see `FileSource`)
-                     ) -> FileSource:
+def checkpoint_source(
+    repo_dir: str | Path,  # a checkpoint folder
+    mmap: bool = False,  # hand out copy-on-write mapped views instead of owned memory
+    threads: int | None = None,  # reader threads; default `default_threads()`
+    record: bool = False,  # list every read in `reads`
+    dry: bool = False,  # record the reads without reading (see `FileSource`)
+) -> FileSource:
     "A `FileSource` over the checkpoint folder `repo_dir`, keyed by its `read_weight_map`."
     return FileSource(read_weight_map(repo_dir), str(repo_dir), mmap=mmap, threads=threads, record=record, dry=dry)
 
 # %% ../nbs/01_safetensors.ipynb #7e4b1a90
-def file_source(path: str | Path, # a safetensors file
-                mmap: bool = False, # hand out copy-on-write mapped views instead of owned memory
-                threads: int | None = None, # reader threads; default `default_threads()`
-               ) -> FileSource:
+def file_source(
+    path: str | Path,  # a safetensors file
+    mmap: bool = False,  # hand out copy-on-write mapped views instead of owned memory
+    threads: int | None = None,  # reader threads; default `default_threads()`
+) -> FileSource:
     "A `FileSource` over the one safetensors file `path`, its header read once."
     path = Path(path)
     src = FileSource({}, str(path), mmap=mmap, threads=threads)
@@ -607,12 +719,13 @@ def file_source(path: str | Path, # a safetensors file
     return src
 
 # %% ../nbs/01_safetensors.ipynb #3db2ecc8
-def tensor_file_source(path: str | Path, # the file
-                       tensors: dict, # {key: `TensorInfo`}, offsets counted from `data_start`
-                       data_start: int = 0, # where the offsets start in the file
-                       mmap: bool = False, # hand out copy-on-write mapped views instead of owned memory
-                       dry: bool = False, # record the reads without reading (see `FileSource`)
-                      ) -> FileSource:
+def tensor_file_source(
+    path: str | Path,  # the file
+    tensors: dict,  # {key: `TensorInfo`}, offsets counted from `data_start`
+    data_start: int = 0,  # where the offsets start in the file
+    mmap: bool = False,  # hand out copy-on-write mapped views instead of owned memory
+    dry: bool = False,  # record the reads without reading (see `FileSource`)
+) -> FileSource:
     "A `FileSource` over the one file `path` whose tensors another format's header located."
     path = Path(path)
     src = FileSource(dict.fromkeys(tensors, path), str(path), mmap=mmap, dry=dry)
@@ -622,6 +735,7 @@ def tensor_file_source(path: str | Path, # the file
 # %% ../nbs/01_safetensors.ipynb #9a7e0c02
 class ReadAhead:
     "The files `paths` of `src` read whole into owned memory on a background thread, from now on."
+
     def __init__(
         self,
         src: FileSource,  # the source that hands out views of the buffers; closing it stops the reads
@@ -702,7 +816,7 @@ def cancel(self: ReadAhead, paths):
         for p in paths:
             if p in self._done and p not in self.cancelled:
                 self.cancelled.add(p)
-                self._bufs.pop(p, None)   # a read under way finishes into it, then it is freed
+                self._bufs.pop(p, None)  # a read under way finishes into it, then it is freed
 
 # %% ../nbs/01_safetensors.ipynb #7b1e0c02
 def _slice_runs(shape, itemsize: int, dim: int, ranges) -> list:
@@ -711,7 +825,7 @@ def _slice_runs(shape, itemsize: int, dim: int, ranges) -> list:
     for s in shape[:dim]:
         outer *= s
     inner = itemsize
-    for s in shape[dim + 1:]:
+    for s in shape[dim + 1 :]:
         inner *= s
     row, runs = shape[dim] * inner, []
     for o in range(outer):
@@ -727,11 +841,13 @@ def _slice_runs(shape, itemsize: int, dim: int, ranges) -> list:
 
 # %% ../nbs/01_safetensors.ipynb #7b1e0c03
 @patch
-def get_slice(self: FileSource, k, # a key of the source
-              dim: int, # the dimension to slice (negative counts from the end)
-              ranges, # [(start, stop), ...] along `dim`, joined in order
-              out: torch.Tensor | None = None, # a contiguous CPU tensor of the slice's shape and the checkpoint's dtype
-             ) -> torch.Tensor:
+def get_slice(
+    self: FileSource,
+    k,  # a key of the source
+    dim: int,  # the dimension to slice (negative counts from the end)
+    ranges,  # [(start, stop), ...] along `dim`, joined in order
+    out: torch.Tensor | None = None,  # a contiguous CPU tensor of the slice's shape and the checkpoint's dtype
+) -> torch.Tensor:
     "Part of tensor `k`: indices `ranges` along `dim`, joined in order; reads only those bytes."
     path, start, (dt, shape, begin, end) = self.info(k)
     if not -len(shape) <= dim < len(shape):
@@ -740,7 +856,7 @@ def get_slice(self: FileSource, k, # a key of the source
     bad = [(a, b) for a, b in ranges if not 0 <= a <= b <= shape[d]]
     if bad:
         raise ValueError(f'{path}: tensor {k!r} has {shape[d]} entries along dim {d}; range {bad[0]} is outside it')
-    sliced = (*shape[:d], sum(b - a for a, b in ranges), *shape[d + 1:])
+    sliced = (*shape[:d], sum(b - a for a, b in ranges), *shape[d + 1 :])
     t = torch.empty(sliced, dtype=dt, device='meta' if self.dry else 'cpu') if out is None else out
     if tuple(t.shape) != sliced or t.dtype != dt or not t.is_contiguous():
         raise ValueError(
@@ -756,16 +872,18 @@ def get_slice(self: FileSource, k, # a key of the source
         return t
     buf, pos, fd = memoryview(t.view(-1).view(torch.uint8).numpy()), 0, self._fd(path)
     for off, n in runs:
-        got = read_at(fd, [buf[pos:pos + n]], start + begin + off)
+        got = read_at(fd, [buf[pos : pos + n]], start + begin + off)
         if got < n:
             raise ValueError(
-                f'{path}: tensor {k!r} is cut short: read {got} of {n} bytes at offset {start + begin + off}')
+                f'{path}: tensor {k!r} is cut short: read {got} of {n} bytes at offset {start + begin + off}'
+            )
         pos += n
     return t
 
 # %% ../nbs/01_safetensors.ipynb #5e1d0a02
 class RenamedSource(WrappedSource):
     "The source `src` with the keys of `renames` (checkpoint key -> new key) under their new names."
+
     def __init__(self, src, renames: dict, what: str | None = None):
         super().__init__(src, what)
         self.old = {new: old for old, new in renames.items()}
@@ -779,17 +897,39 @@ class RenamedSource(WrappedSource):
             raise ValueError(f'{self.what}: two checkpoint keys are renamed to the same key')
         self._keys = [renames.get(k, k) for k in src.keys()]  # noqa: SIM118
         self._set = set(self._keys)
-    def _k(self, k): return self.old.get(k, k)
-    def keys(self): return self._keys
-    def __contains__(self, k): return k in self._set
-    def __len__(self): return len(self._keys)
-    def shape(self, k): return self.src.shape(self._k(k))
-    def dtype(self, k): return self.src.dtype(self._k(k))
-    def borrowed(self, k): return self.src.borrowed(self._k(k))
-    def resolve(self, k): return self.src, self._k(k)
-    def maps(self, k): return getattr(self.src, 'maps', lambda k: False)(self._k(k))   # get(k): a view the source holds
-    def where(self, k): return self.src.where(self._k(k)) + (f' (as {self._k(k)!r})' if k in self.old else '')
-    def get(self, k, out=None): return self.src.get(self._k(k), out=out)
+
+    def _k(self, k):
+        return self.old.get(k, k)
+
+    def keys(self):
+        return self._keys
+
+    def __contains__(self, k):
+        return k in self._set
+
+    def __len__(self):
+        return len(self._keys)
+
+    def shape(self, k):
+        return self.src.shape(self._k(k))
+
+    def dtype(self, k):
+        return self.src.dtype(self._k(k))
+
+    def borrowed(self, k):
+        return self.src.borrowed(self._k(k))
+
+    def resolve(self, k):
+        return self.src, self._k(k)
+
+    def maps(self, k):
+        return getattr(self.src, 'maps', lambda k: False)(self._k(k))  # get(k): a view the source holds
+
+    def where(self, k):
+        return self.src.where(self._k(k)) + (f' (as {self._k(k)!r})' if k in self.old else '')
+
+    def get(self, k, out=None):
+        return self.src.get(self._k(k), out=out)
 
     def read_many(self, pairs, progress=None, **kw):
         return super().read_many([(self._k(k), d) for k, d in pairs], progress, **kw)

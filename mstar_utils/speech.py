@@ -27,53 +27,74 @@ __all__ = ['whisper_config_json', 'whisper_report', 'read_audio', 'audio_blocks'
 # %% ../nbs/11_speech.ipynb #85ae6d5b
 def _count_lists(d: dict, longest: int = 8) -> dict:
     "`d` with lists and dicts longer than `longest` replaced by 'N items' and 'N entries'."
+
     def short(v):
-        if isinstance(v, list) and len(v) > longest: return f'{len(v)} items'
-        if isinstance(v, dict) and len(v) > longest: return f'{len(v)} entries'
+        if isinstance(v, list) and len(v) > longest:
+            return f'{len(v)} items'
+        if isinstance(v, dict) and len(v) > longest:
+            return f'{len(v)} entries'
         return v
+
     return {k: short(v) for k, v in d.items()}
 
 # %% ../nbs/11_speech.ipynb #3ba5947a
 def whisper_config_json(checkpoint_dir) -> dict:
     "The parsed config.json of a Whisper checkpoint folder; a `ValueError` names any other folder."
-    path = Path(checkpoint_dir)/'config.json'
-    try: cfg = json.loads(path.read_text(encoding='utf-8'))
+    path = Path(checkpoint_dir) / 'config.json'
+    try:
+        cfg = json.loads(path.read_text(encoding='utf-8'))
     except (OSError, ValueError) as e:
-        raise ValueError(f'{Path(checkpoint_dir).name}: cannot read config.json ({e}); '
-                         'expected a Whisper checkpoint folder') from None
+        raise ValueError(
+            f'{Path(checkpoint_dir).name}: cannot read config.json ({e}); expected a Whisper checkpoint folder'
+        ) from None
     if not isinstance(cfg, dict) or cfg.get('model_type') != 'whisper':
         kind = cfg.get('model_type') if isinstance(cfg, dict) else None
-        raise ValueError(f'{Path(checkpoint_dir).name} holds a {kind!r} model (config.json model_type), not Whisper: '
-                         'speech needs a Whisper checkpoint')
+        raise ValueError(
+            f'{Path(checkpoint_dir).name} holds a {kind!r} model (config.json model_type), not Whisper: '
+            'speech needs a Whisper checkpoint'
+        )
     return cfg
 
 # %% ../nbs/11_speech.ipynb #241b45f9
 def whisper_report(checkpoint_dir) -> dict:
     "A Whisper folder's encoder and decoder sizes, audio window, special ids and generation settings."
     d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
-    read = lambda f: json.loads((d/f).read_text(encoding='utf-8')) if (d/f).exists() else {}
+    read = lambda f: json.loads((d / f).read_text(encoding='utf-8')) if (d / f).exists() else {}
     gen, pre = read('generation_config.json'), read('preprocessor_config.json')
-    half = lambda side, positions: dict(layers=cfg[f'{side}_layers'], heads=cfg[f'{side}_attention_heads'],
-                                        d_model=cfg['d_model'], ffn_dim=cfg[f'{side}_ffn_dim'],
-                                        max_positions=cfg[positions])
+    half = lambda side, positions: dict(
+        layers=cfg[f'{side}_layers'],
+        heads=cfg[f'{side}_attention_heads'],
+        d_model=cfg['d_model'],
+        ffn_dim=cfg[f'{side}_ffn_dim'],
+        max_positions=cfg[positions],
+    )
     return dict(
-        model_type='whisper', dtype=cfg.get('dtype'), vocab_size=cfg['vocab_size'],
+        model_type='whisper',
+        dtype=cfg.get('dtype'),
+        vocab_size=cfg['vocab_size'],
         multilingual=gen.get('is_multilingual'),
         encoder=dict(half('encoder', 'max_source_positions'), num_mel_bins=cfg['num_mel_bins']),
         decoder=half('decoder', 'max_target_positions'),
-        audio=dict(sampling_rate=pre.get('sampling_rate'), chunk_seconds=pre.get('chunk_length'),
-                   hop_length=pre.get('hop_length')),
+        audio=dict(
+            sampling_rate=pre.get('sampling_rate'),
+            chunk_seconds=pre.get('chunk_length'),
+            hop_length=pre.get('hop_length'),
+        ),
         languages=len(gen.get('lang_to_id') or {}),
-        generation=_count_lists({k: v for k, v in gen.items() if k != 'transformers_version'}))
+        generation=_count_lists({k: v for k, v in gen.items() if k != 'transformers_version'}),
+    )
 
 # %% ../nbs/11_speech.ipynb #b8de3d6a
-def read_audio(path, # an audio file soundfile reads: WAV, FLAC, OGG, ...
-               sampling_rate: int = 16000, # the rate to return, in Hz (Whisper's feature extractor wants 16000)
-              ) -> np.ndarray:
+def read_audio(
+    path,  # an audio file soundfile reads: WAV, FLAC, OGG, ...
+    sampling_rate: int = 16000,  # the rate to return, in Hz (Whisper's feature extractor wants 16000)
+) -> np.ndarray:
     "The samples of `path` as a float32 mono array in [-1, 1] at `sampling_rate`."
     import soundfile as sf
     from scipy.signal import resample_poly
-    try: data, rate = sf.read(str(path), dtype='float32', always_2d=True)
+
+    try:
+        data, rate = sf.read(str(path), dtype='float32', always_2d=True)
     except (sf.LibsndfileError, RuntimeError) as e:
         raise ValueError(f'cannot read audio from {Path(path).name}: {e}') from None
     mono = data.mean(axis=1)
@@ -83,14 +104,17 @@ def read_audio(path, # an audio file soundfile reads: WAV, FLAC, OGG, ...
     return mono
 
 # %% ../nbs/11_speech.ipynb #d0646249
-def audio_blocks(path, # an audio file soundfile reads: WAV, FLAC, OGG, ...
-                 sampling_rate: int = 16000, # the rate to return, in Hz
-                 seconds: float = 30.0, # about how much audio each block holds
-                ) -> Iterator[np.ndarray]:
+def audio_blocks(
+    path,  # an audio file soundfile reads: WAV, FLAC, OGG, ...
+    sampling_rate: int = 16000,  # the rate to return, in Hz
+    seconds: float = 30.0,  # about how much audio each block holds
+) -> Iterator[np.ndarray]:
     "`read_audio(path, sampling_rate)` in consecutive float32 mono blocks, each resampled on its own."
     import soundfile as sf
     from scipy.signal import resample_poly
-    try: f = sf.SoundFile(str(path))
+
+    try:
+        f = sf.SoundFile(str(path))
     except (sf.LibsndfileError, RuntimeError) as e:
         raise ValueError(f'cannot read audio from {Path(path).name}: {e}') from None
     with f:
@@ -100,117 +124,163 @@ def audio_blocks(path, # an audio file soundfile reads: WAV, FLAC, OGG, ...
         step = down * max(1, round(seconds * rate / down))
         read = lambda n: f.read(n, dtype='float32', always_2d=True).mean(axis=1)
         if up == down:
-            while len(block := read(step)): yield block
+            while len(block := read(step)):
+                yield block
             return
         buf, start, s = read(step + ctx), 0, 0  # buf holds input samples from `start` on; a block starts at s
         while s < total:
             while start + len(buf) < min(s + step + ctx, total) and len(more := read(step)):
                 buf = np.concatenate([buf, more])
             lo = max(0, s - ctx)
-            y = resample_poly(buf[lo - start:s + step + ctx - start], up, down)
+            y = resample_poly(buf[lo - start : s + step + ctx - start], up, down)
             lead = (s - lo) * up // down
-            yield (y[lead:] if s + step >= total else y[lead:lead + step * up // down]).astype(np.float32)
+            yield (y[lead:] if s + step >= total else y[lead : lead + step * up // down]).astype(np.float32)
             s += step
-            if s - ctx > start: buf, start = buf[s - ctx - start:], s - ctx
+            if s - ctx > start:
+                buf, start = buf[s - ctx - start :], s - ctx
 
 # %% ../nbs/11_speech.ipynb #d468af8f
-def log_mel(checkpoint_dir, # a Whisper folder with preprocessor_config.json
-            audio: np.ndarray, # mono float samples at the folder's sampling rate (16 kHz), at most one window (30 s)
-           ) -> torch.Tensor:
+def log_mel(
+    checkpoint_dir,  # a Whisper folder with preprocessor_config.json
+    audio: np.ndarray,  # mono float samples at the folder's sampling rate (16 kHz), at most one window (30 s)
+) -> torch.Tensor:
     "Whisper's input features for `audio`, float32 `[1, num_mel_bins, frames]`, by its feature extractor."
     from transformers import WhisperFeatureExtractor
+
     fe = WhisperFeatureExtractor.from_pretrained(checkpoint_dir)
     if len(audio) > fe.n_samples:
-        raise ValueError(f'{len(audio) / fe.sampling_rate:.1f} s of audio is longer than the {fe.chunk_length} s '
-                         'window Whisper reads at once; cut it into windows')
+        raise ValueError(
+            f'{len(audio) / fe.sampling_rate:.1f} s of audio is longer than the {fe.chunk_length} s '
+            'window Whisper reads at once; cut it into windows'
+        )
     return fe(audio, sampling_rate=fe.sampling_rate, return_tensors='pt').input_features
 
 # %% ../nbs/11_speech.ipynb #4d482170
 class _IdQueue:
     "A `generate` streamer: each generated id onto `queue`, then `None`; the prompt's `put` is skipped."
-    def __init__(self): self.queue, self._prompt = queue.Queue(), True
+
+    def __init__(self):
+        self.queue, self._prompt = queue.Queue(), True
+
     def put(self, value):
-        if self._prompt: self._prompt = False
+        if self._prompt:
+            self._prompt = False
         else:
-            for i in value.reshape(-1).tolist(): self.queue.put(i)
-    def end(self): self.queue.put(None)
+            for i in value.reshape(-1).tolist():
+                self.queue.put(i)
+
+    def end(self):
+        self.queue.put(None)
 
 # %% ../nbs/11_speech.ipynb #4d482170-1
 class _Cancelled:
     "A `generate` stopping criterion: stop at the next step once `event` is set (the reader went away)."
-    def __init__(self, event: threading.Event): self.event = event
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
     def __call__(self, input_ids, scores, **kwargs):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 # %% ../nbs/11_speech.ipynb #bc0ec52a
-def generate_stream(model, # a transformers model that can `generate`, e.g. `WhisperForConditionalGeneration`
-                    input_features: torch.Tensor, # its input, e.g. `log_mel(...)`; cast to the model's dtype and device
-                    **generate_kwargs, # passed to `model.generate`: language=, task=, return_timestamps=, ...
-                   ) -> Iterator[int]:
+def generate_stream(
+    model,  # a transformers model that can `generate`, e.g. `WhisperForConditionalGeneration`
+    input_features: torch.Tensor,  # its input, e.g. `log_mel(...)`; cast to the model's dtype and device
+    **generate_kwargs,  # passed to `model.generate`: language=, task=, return_timestamps=, ...
+) -> Iterator[int]:
     "The ids `model.generate(input_features, **generate_kwargs)` decodes, one at a time as they come."
     from transformers.generation.stopping_criteria import StoppingCriteriaList
+
     ids, failed, cancel = _IdQueue(), [], threading.Event()
     stops = StoppingCriteriaList([*(generate_kwargs.pop('stopping_criteria', None) or []), _Cancelled(cancel)])
+
     def run():
         try:
             with torch.inference_mode():
-                model.generate(input_features.to(model.device, model.dtype), streamer=ids, stopping_criteria=stops,
-                               **generate_kwargs)
-        except BaseException as e: failed.append(e); ids.end()
+                model.generate(
+                    input_features.to(model.device, model.dtype),
+                    streamer=ids,
+                    stopping_criteria=stops,
+                    **generate_kwargs,
+                )
+        except BaseException as e:
+            failed.append(e)
+            ids.end()
+
     worker = threading.Thread(target=run, name='generate_stream', daemon=True)
     worker.start()
     try:
-        while (i := ids.queue.get()) is not None: yield i
+        while (i := ids.queue.get()) is not None:
+            yield i
     finally:
         cancel.set()
         worker.join()
-    if failed: raise failed[0]
+    if failed:
+        raise failed[0]
 
 # %% ../nbs/11_speech.ipynb #f090b69c
 def timestamp_ids(checkpoint_dir) -> range:
     "Whisper's timestamp ids (`<|0.00|>` ... `<|30.00|>`): `no_timestamps_token_id` + 1 to `vocab_size`."
     d = Path(checkpoint_dir)
     cfg = whisper_config_json(d)
-    if 'vocab_size' not in cfg: raise ValueError(f'{d.name}/config.json has no vocab_size')
-    gen_file = d/'generation_config.json'
+    if 'vocab_size' not in cfg:
+        raise ValueError(f'{d.name}/config.json has no vocab_size')
+    gen_file = d / 'generation_config.json'
     gen = json.loads(gen_file.read_text(encoding='utf-8')) if gen_file.is_file() else {}
     first = gen.get('no_timestamps_token_id')
-    if first is None: first = whisper_decoding_config(d, warn=False).no_timestamps_token_id
+    if first is None:
+        first = whisper_decoding_config(d, warn=False).no_timestamps_token_id
     return range(first + 1, cfg['vocab_size'])
 
 # %% ../nbs/11_speech.ipynb #f9d0f0d8
 _WARNED: set = set()
 
-def whisper_decoding_config(checkpoint_dir, # a Whisper checkpoint folder
-                              tokenizer=None, # its tokenizer, if already loaded
-                              warn: bool = True, # say once per folder, as a warning, what was derived
-                             ):
+
+def whisper_decoding_config(
+    checkpoint_dir,  # a Whisper checkpoint folder
+    tokenizer=None,  # its tokenizer, if already loaded
+    warn: bool = True,  # say once per folder, as a warning, what was derived
+):
     "The folder's `GenerationConfig` with what Whisper decoding needs, ids it lacks from the tokenizer."
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
     from mstar_utils.ct2_whisper import OPENAI_MAX_INITIAL_TIMESTAMP, OPENAI_MULTILINGUAL_VOCAB
+
     d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
-    has_file = (d/'generation_config.json').is_file()
+    has_file = (d / 'generation_config.json').is_file()
     legacy = {} if has_file else dict(config_file_name='config.json', _from_model_config=True)
     gc = GenerationConfig.from_pretrained(d, **legacy)
     added = (tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(d)).get_added_vocab()
     where, derived = 'generation_config.json' + ('' if has_file else ' (absent)'), []
-    for key, token in (('decoder_start_token_id', '<|startoftranscript|>'), ('eos_token_id', '<|endoftext|>'),
-                       ('no_timestamps_token_id', '<|notimestamps|>')):
-        if getattr(gc, key, None) is not None: continue
-        if cfg.get(key) is not None: setattr(gc, key, cfg[key]); derived.append(f'{key}={cfg[key]} (config.json)')
-        elif token in added: setattr(gc, key, added[token]); derived.append(f'{key}={added[token]} ({token})')
-        else: raise ValueError(f'{d.name}/{where} has no {key} and its tokenizer has no {token} token: '
-                               f'Whisper cannot be decoded without it; add "{key}" to generation_config.json')
+    for key, token in (
+        ('decoder_start_token_id', '<|startoftranscript|>'),
+        ('eos_token_id', '<|endoftext|>'),
+        ('no_timestamps_token_id', '<|notimestamps|>'),
+    ):
+        if getattr(gc, key, None) is not None:
+            continue
+        if cfg.get(key) is not None:
+            setattr(gc, key, cfg[key])
+            derived.append(f'{key}={cfg[key]} (config.json)')
+        elif token in added:
+            setattr(gc, key, added[token])
+            derived.append(f'{key}={added[token]} ({token})')
+        else:
+            raise ValueError(
+                f'{d.name}/{where} has no {key} and its tokenizer has no {token} token: '
+                f'Whisper cannot be decoded without it; add "{key}" to generation_config.json'
+            )
     if getattr(gc, 'is_multilingual', None) is None:
         gc.is_multilingual = cfg['vocab_size'] >= OPENAI_MULTILINGUAL_VOCAB
         derived.append(f"is_multilingual={gc.is_multilingual} (vocab_size {cfg['vocab_size']})")
     if gc.is_multilingual and not getattr(gc, 'lang_to_id', None):
         gc.lang_to_id = {f'<|{c}|>': added[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in added}
-        if gc.lang_to_id: derived.append(f'lang_to_id ({len(gc.lang_to_id)} language tokens)')
+        if gc.lang_to_id:
+            derived.append(f'lang_to_id ({len(gc.lang_to_id)} language tokens)')
     if gc.is_multilingual and not getattr(gc, 'task_to_id', None):
         gc.task_to_id = {t: added[f'<|{t}|>'] for t in TASK_IDS if f'<|{t}|>' in added}
-        if gc.task_to_id: derived.append(f'task_to_id={gc.task_to_id}')
+        if gc.task_to_id:
+            derived.append(f'task_to_id={gc.task_to_id}')
     if getattr(gc, 'max_initial_timestamp_index', None) is None:
         gc.max_initial_timestamp_index = round(OPENAI_MAX_INITIAL_TIMESTAMP / 0.02)
         derived.append(f'max_initial_timestamp_index={gc.max_initial_timestamp_index} (OpenAI: 1 s)')
@@ -222,20 +292,23 @@ def whisper_decoding_config(checkpoint_dir, # a Whisper checkpoint folder
 # %% ../nbs/11_speech.ipynb #57119a90
 class Segment(NamedTuple):
     "One segment of a transcription: its start and end in seconds from the audio's start, and its words."
-    start: float # seconds
-    end: float # seconds
-    text: str # the words, special and timestamp tokens dropped
+
+    start: float  # seconds
+    end: float  # seconds
+    text: str  # the words, special and timestamp tokens dropped
 
 # %% ../nbs/11_speech.ipynb #57119a90-1
 class Language(NamedTuple):
     "The language a multilingual model hears in the first window, with the model's probability for it."
-    code: str # e.g. 'en'
-    probability: float # softmax over the language tokens' logits after <|startoftranscript|>
+
+    code: str  # e.g. 'en'
+    probability: float  # softmax over the language tokens' logits after <|startoftranscript|>
 
 # %% ../nbs/11_speech.ipynb #5676f939
 def _language_id(gc, language: str, name: str) -> int:
     "The id of `language` ('de', 'german' or '<|de|>') in `gc.lang_to_id`, read as generate reads it."
     from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
     lang = language.lower()
     token = lang if lang in gc.lang_to_id else f'<|{TO_LANGUAGE_CODE.get(lang, lang)}|>'
     if token not in gc.lang_to_id:
@@ -248,11 +321,15 @@ def _prompt(gc, name: str, language, task, timestamps: bool) -> tuple[list[int],
     "The decoder prompt `generate` builds for `language` and `task`; True when the language is to detect."
     if not gc.is_multilingual:
         if task not in (None, 'transcribe'):
-            raise ValueError(f'task={task!r}: {name} is an English-only Whisper (is_multilingual false), which cannot '
-                             'translate; use a multilingual checkpoint such as whisper-base')
+            raise ValueError(
+                f'task={task!r}: {name} is an English-only Whisper (is_multilingual false), which cannot '
+                'translate; use a multilingual checkpoint such as whisper-base'
+            )
         if language is not None and str(language).lower() not in ('en', 'english', '<|en|>'):
-            raise ValueError(f'language={language!r}: {name} is an English-only Whisper (is_multilingual false); '
-                             'for other languages use a multilingual checkpoint such as whisper-base')
+            raise ValueError(
+                f'language={language!r}: {name} is an English-only Whisper (is_multilingual false); '
+                'for other languages use a multilingual checkpoint such as whisper-base'
+            )
         language = task = None
     if task not in (None, 'transcribe', 'translate'):
         raise ValueError(f"task={task!r}: Whisper's tasks are 'transcribe' and 'translate'")
@@ -264,31 +341,41 @@ def _prompt(gc, name: str, language, task, timestamps: bool) -> tuple[list[int],
             raise ValueError(f"{name}: forced_decoder_ids {forced} do not follow Whisper's prompt")
         ids += [t for _, t in forced]
     if gc.is_multilingual:
-        if language is not None: ids[1:2] = [_language_id(gc, language, name)]
+        if language is not None:
+            ids[1:2] = [_language_id(gc, language, name)]
         elif len(ids) < 2 or ids[1] is None:
             if not getattr(gc, 'lang_to_id', None):
-                raise ValueError(f'{name}: no lang_to_id in generation_config.json and no language tokens in its '
-                                 'tokenizer, so the language cannot be detected; pass language=')
+                raise ValueError(
+                    f'{name}: no lang_to_id in generation_config.json and no language tokens in its '
+                    'tokenizer, so the language cannot be detected; pass language='
+                )
             ids[1:2], detect = [None], True
         task_ids = getattr(gc, 'task_to_id', None) or {}
         if task is not None:
-            if task not in task_ids: raise ValueError(f'task={task!r}: {name} has no <|{task}|> token (task_to_id)')
+            if task not in task_ids:
+                raise ValueError(f'task={task!r}: {name} has no <|{task}|> token (task_to_id)')
             ids.append(task_ids[task])
         elif language is not None and 'transcribe' in task_ids and not set(ids) & set(task_ids.values()):
             ids.append(task_ids['transcribe'])
-    if not timestamps and ids[-1] != gc.no_timestamps_token_id: ids.append(gc.no_timestamps_token_id)
-    elif timestamps and ids[-1] == gc.no_timestamps_token_id: ids.pop()
+    if not timestamps and ids[-1] != gc.no_timestamps_token_id:
+        ids.append(gc.no_timestamps_token_id)
+    elif timestamps and ids[-1] == gc.no_timestamps_token_id:
+        ids.pop()
     return ids, detect
 
 # %% ../nbs/11_speech.ipynb #eba9da70
 class _Rules:
     "The logits rules of transformers' Whisper `generate` after a prompt, suppressed ids indexed once."
-    def __init__(self, gc, # the decoding config (`whisper_decoding_config`)
-                 timestamps: bool, # apply the timestamp rules
-                 vocab: int, # the logits' width
-                ):
+
+    def __init__(
+        self,
+        gc,  # the decoding config (`whisper_decoding_config`)
+        timestamps: bool,  # apply the timestamp rules
+        vocab: int,  # the logits' width
+    ):
         def index(ids):  # the ids inside the vocabulary, as `index_fill_` takes them (isin ignores the others)
             return None if ids is None else torch.tensor(sorted({i for i in ids if 0 <= i < vocab}), dtype=torch.long)
+
         self.always, self.first = index(gc.suppress_tokens), index(gc.begin_suppress_tokens)
         self.timestamps, self.nt, self.tb = timestamps, gc.no_timestamps_token_id, gc.no_timestamps_token_id + 1
         self.eos = gc.eos_token_id or gc.bos_token_id  # as WhisperTimeStampLogitsProcessor
@@ -297,67 +384,90 @@ class _Rules:
 
 # %% ../nbs/11_speech.ipynb #e7a1c0d2
 @patch
-def __call__(self: _Rules,
-             scores: torch.Tensor, # [1, vocab] float32 logits of the next id, filled in place
-             toks: list[int], # the ids decoded after the prompt
-            ) -> torch.Tensor:
+def __call__(
+    self: _Rules,
+    scores: torch.Tensor,  # [1, vocab] float32 logits of the next id, filled in place
+    toks: list[int],  # the ids decoded after the prompt
+) -> torch.Tensor:
     "`scores` with the ids `generate` forbids after `toks` set to -inf."
     ninf = -float('inf')
-    if self.first is not None and not toks: scores.index_fill_(-1, self.first, ninf)
-    if self.always is not None: scores.index_fill_(-1, self.always, ninf)
-    if not self.timestamps: return scores
+    if self.first is not None and not toks:
+        scores.index_fill_(-1, self.first, ninf)
+    if self.always is not None:
+        scores.index_fill_(-1, self.always, ninf)
+    if not self.timestamps:
+        return scores
     tb = self.tb
     scores[:, self.nt] = ninf
     last = len(toks) >= 1 and toks[-1] >= tb
     penultimate = len(toks) < 2 or toks[-2] >= tb
-    if last and penultimate: scores[:, tb:] = ninf  # a pair closed: text or eos next
-    elif last: scores[:, :self.eos] = ninf  # a single timestamp: another, or eos
+    if last and penultimate:
+        scores[:, tb:] = ninf  # a pair closed: text or eos next
+    elif last:
+        scores[:, : self.eos] = ninf  # a single timestamp: another, or eos
     stamp = next((t for t in reversed(toks) if t >= tb), None)
-    if stamp is not None: scores[:, tb:stamp + (0 if last and not penultimate else 1)] = ninf
+    if stamp is not None:
+        scores[:, tb : stamp + (0 if last and not penultimate else 1)] = ninf
     if not toks:
         scores[:, :tb] = ninf
-        if self.max_initial is not None: scores[:, tb + self.max_initial + 1:] = ninf
+        if self.max_initial is not None:
+            scores[:, tb + self.max_initial + 1 :] = ninf
     if self.logprob:
         logprobs = torch.nn.functional.log_softmax(scores.float(), dim=-1)
-        if logprobs[:, tb:].logsumexp(dim=-1) > logprobs[:, :tb].max(dim=-1).values: scores[:, :tb] = ninf
+        if logprobs[:, tb:].logsumexp(dim=-1) > logprobs[:, :tb].max(dim=-1).values:
+            scores[:, :tb] = ninf
     return scores
 
 # %% ../nbs/11_speech.ipynb #b7c1e2a1
 class _SelfKV:
     "A self-attention cache layer: keys and values written in place into one buffer of `max_length` positions."
+
     is_sliding = is_compileable = is_croppable = False
+
     def __init__(self, max_length: int):
         self.max_length, self.n, self.bufs = max_length, 0, None
         self.keys = self.values = None
         self.is_initialized = False
+
     def lazy_initialization(self, key_states, value_states):
         (b, h, _, d), k = key_states.shape, key_states
         have = None if self.bufs is None else (self.bufs[0].shape[:2], self.bufs[0].dtype, self.bufs[0].device)
         if have != ((b, h), k.dtype, k.device):
             self.bufs = [k.new_empty(b, h, self.max_length, d), value_states.new_empty(b, h, self.max_length, d)]
         self.device, self.is_initialized = k.device, True
+
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized: self.lazy_initialization(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         n = self.n + key_states.shape[-2]
-        self.bufs[0][:, :, self.n:n].copy_(key_states)
-        self.bufs[1][:, :, self.n:n].copy_(value_states)
+        self.bufs[0][:, :, self.n : n].copy_(key_states)
+        self.bufs[1][:, :, self.n : n].copy_(value_states)
         self.n, self.keys, self.values = n, self.bufs[0][:, :, :n], self.bufs[1][:, :, :n]
         return self.keys, self.values
-    def get_mask_sizes(self, query_length: int): return self.n + query_length, 0
-    def get_seq_length(self): return self.n
-    def get_max_length(self): return self.max_length
-    def reset(self): self.n, self.keys, self.values, self.is_initialized = 0, None, None, False
 
+    def get_mask_sizes(self, query_length: int):
+        return self.n + query_length, 0
+
+    def get_seq_length(self):
+        return self.n
+
+    def get_max_length(self):
+        return self.max_length
+
+    def reset(self):
+        self.n, self.keys, self.values, self.is_initialized = 0, None, None, False
 
 # %% ../nbs/11_speech.ipynb #b7c1e2a3
 def _window_cache(model, max_length: int):
     "An `EncoderDecoderCache` for one window of `model`'s decoder: self-attention in `_SelfKV` buffers."
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
+
     CacheLayerMixin.register(_SelfKV)  # an attention layer, as `Cache` checks
     layers = model.config.decoder_layers
-    return EncoderDecoderCache(Cache(layers=[_SelfKV(max_length) for _ in range(layers)]),
-                               Cache(layers=[DynamicLayer() for _ in range(layers)]))
-
+    return EncoderDecoderCache(
+        Cache(layers=[_SelfKV(max_length) for _ in range(layers)]),
+        Cache(layers=[DynamicLayer() for _ in range(layers)]),
+    )
 
 # %% ../nbs/11_speech.ipynb #601215a3
 def _greedy(model, encoded: torch.Tensor, prompt: list[int], rules: _Rules, max_length: int, eos: int) -> Iterator[int]:
@@ -368,18 +478,25 @@ def _greedy(model, encoded: torch.Tensor, prompt: list[int], rules: _Rules, max_
     dev, toks, n = encoded.device, [], len(prompt)
     step, positions = torch.tensor([prompt], device=dev), torch.arange(max_length, device=dev)
     while n < max_length:
-        out = model(encoder_outputs=(encoded,), decoder_input_ids=step, use_cache=True, **{key: cache},
-                    cache_position=positions[n - step.shape[1]:n])
+        out = model(
+            encoder_outputs=(encoded,),
+            decoder_input_ids=step,
+            use_cache=True,
+            **{key: cache},
+            cache_position=positions[n - step.shape[1] : n],
+        )
         t = int(rules(out.logits[:, -1, :].float(), toks).argmax())  # the logits are this step's own: filled in place
         toks.append(t)
         n += 1
         yield t
-        if t == eos: return
+        if t == eos:
+            return
         step = torch.tensor([[t]], device=dev)
 
 # %% ../nbs/11_speech.ipynb #61c6fffc
 class _Frames:
     "Whisper's log10 mel frames of an audio file, a range at a time from `audio_blocks`, ranges in order."
+
     def __init__(self, fe, path, samples: int):
         self.fe, self.n, self.blocks = fe, samples, audio_blocks(path, fe.sampling_rate, seconds=5.0)
         size = fe.n_samples + fe.n_fft + 12 * fe.sampling_rate  # a window and two 5 s blocks
@@ -397,16 +514,16 @@ class _Frames:
                 if self.len - keep + len(block) > len(self.buf):
                     self.bufs = [np.empty(2 * (self.len - keep + len(block)), np.float32) for _ in range(2)]
                 other = self.bufs[1] if self.buf is self.bufs[0] else self.bufs[0]
-                other[:self.len - keep] = self.buf[keep:self.len]
+                other[: self.len - keep] = self.buf[keep : self.len]
                 self.buf, self.start, self.len, keep = other, self.start + keep, self.len - keep, 0
-            self.buf[self.len:self.len + len(block)] = block
+            self.buf[self.len : self.len + len(block)] = block
             self.len += len(block)
 
     def samples(self, j0: int, j1: int) -> np.ndarray:
         "Samples j0..j1 of the audio, reflected at both ends as torch.stft(center=True) pads them."
         if 0 <= j0 and j1 <= self.n:  # inside the audio: a view of the held samples, no copy
             self.hold(j0, j1)
-            return self.buf[j0 - self.start:j1 - self.start]
+            return self.buf[j0 - self.start : j1 - self.start]
         idx = np.abs(np.arange(j0, j1))
         idx = np.where(idx >= self.n, 2 * self.n - 2 - idx, idx)
         self.hold(min(int(idx.min()), max(j0, 0)), int(idx.max()) + 1)
@@ -423,7 +540,9 @@ class _Frames:
 def _features(audio_path, fe):
     "(frames, window, samples): `window(seek, n)` is the [1, mel, 3000] input of `n` frames from `seek`."
     import soundfile as sf
-    try: info = sf.info(str(audio_path))
+
+    try:
+        info = sf.info(str(audio_path))
     except (sf.LibsndfileError, RuntimeError) as e:
         raise ValueError(f'cannot read audio from {Path(audio_path).name}: {e}') from None
     g = math.gcd(int(info.samplerate), fe.sampling_rate)
@@ -432,27 +551,37 @@ def _features(audio_path, fe):
     if samples <= fe.n_samples:  # one window: the extractor pads the audio to 30 s, as generate's short form
         audio = read_audio(audio_path, fe.sampling_rate)
         whole = fe(audio, sampling_rate=fe.sampling_rate, return_tensors='pt').input_features
-        pad = lambda seek, n: torch.nn.functional.pad(whole[:, :, seek:seek + n], (0, size - n))
+        pad = lambda seek, n: torch.nn.functional.pad(whole[:, :, seek : seek + n], (0, size - n))
         return whole.shape[-1], pad, samples
     scan = _Frames(fe, audio_path, samples)  # first pass: the loudest value, which sets the floor
     top = max(scan.log_mel(f0, min(f0 + size, scan.frames)).max().item() for f0 in range(0, scan.frames, size))
     frames = _Frames(fe, audio_path, samples)
+
     def window(seek, n):
         spec = (torch.maximum(frames.log_mel(seek, seek + n), torch.tensor(top - 8.0)) + 4.0) / 4.0
         return torch.nn.functional.pad(spec, (0, size - n))[None]
+
     return frames.frames, window, samples
 
 # %% ../nbs/11_speech.ipynb #31737c75
 class _Window(NamedTuple):
     "What the long-form loop reports: ids now known to stay, then the segment they close, if one did."
-    ids: list # token ids released to the client
-    segment: tuple | None # (start, end) in seconds when a segment ended
+
+    ids: list  # token ids released to the client
+    segment: tuple | None  # (start, end) in seconds when a segment ended
 
 # %% ../nbs/11_speech.ipynb #31737c75-1
 def _detect_language(model, gc, encoded: torch.Tensor, start: int) -> Language:
     "The language heard in `encoded`: the likeliest language token after `start`, as `detect_language`."
-    logits = model(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor([[start]], device=encoded.device),
-                   use_cache=False).logits[0, -1].float()
+    logits = (
+        model(
+            encoder_outputs=(encoded,),
+            decoder_input_ids=torch.tensor([[start]], device=encoded.device),
+            use_cache=False,
+        )
+        .logits[0, -1]
+        .float()
+    )
     codes, ids = list(gc.lang_to_id), torch.tensor(list(gc.lang_to_id.values()))
     probs = logits[ids].softmax(-1)
     return Language(codes[int(probs.argmax())][2:-2], float(probs.max()))
@@ -479,31 +608,43 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
         toks, out, cut, pairs = [], 0, 0, False  # the window's ids, how many went out, where the open segment starts
         for t in _greedy(model, encoded, prompt, rules, max_length, eos):
             last = t
-            if t == eos: break
+            if t == eos:
+                break
             toks.append(t)
-            if not timestamps: yield _Window([t], None)
+            if not timestamps:
+                yield _Window([t], None)
             elif len(toks) >= 2 and toks[-1] >= tb and toks[-2] >= tb:  # a segment ends, the next begins
                 yield _Window(toks[out:], (offset + (toks[cut] - tb) * tp, offset + (toks[-2] - tb) * tp))
                 out, cut, pairs = len(toks), len(toks) - 1, True
-            elif not pairs: yield _Window([t], None); out = len(toks)
-        if not timestamps: yield _Window([], (offset, offset + n * tpf)); seek += n
+            elif not pairs:
+                yield _Window([t], None)
+                out = len(toks)
+        if not timestamps:
+            yield _Window([], (offset, offset + n * tpf))
+            seek += n
         elif pairs and [t >= tb for t in toks[-2:]] == [False, True]:  # ends on one timestamp: speech ends there
-            yield _Window(toks[out:], (offset + (toks[cut] - tb) * tp, offset + (toks[-1] - tb) * tp)); seek += n
-        elif pairs: seek += max((toks[cut - 1] - tb) * stride, 1)  # drop the cut-off segment, seek to the last end
+            yield _Window(toks[out:], (offset + (toks[cut] - tb) * tp, offset + (toks[-1] - tb) * tp))
+            seek += n
+        elif pairs:
+            seek += max((toks[cut - 1] - tb) * stride, 1)  # drop the cut-off segment, seek to the last end
         else:  # no boundary: the whole window is one segment, to its last timestamp or its end
             stamps = [t for t in toks if t >= tb]
             end = stamps[-1] - tb if stamps and stamps[-1] != tb else int(n * tpf / tp)
-            yield _Window(toks[out:], (offset, offset + end * tp)); seek += n
-    if last == eos: yield _Window([eos], None)
+            yield _Window(toks[out:], (offset, offset + end * tp))
+            seek += n
+    if last == eos:
+        yield _Window([eos], None)
 
 # %% ../nbs/11_speech.ipynb #ce9ff421
 _OPTIONS = ('language', 'task', 'return_timestamps', 'max_new_tokens', 'condition_on_prev_tokens', 'temperature')
 
+
 def _check_options(options: dict):
     "Refuse, by name, the `generate` options that greedy long-form decoding without conditioning lacks."
     if unknown := sorted(set(options) - set(_OPTIONS)):
-        raise ValueError(f"{', '.join(unknown)}: transcription is greedy long-form decoding; "
-                         f"it takes {', '.join(_OPTIONS)}")
+        raise ValueError(
+            f"{', '.join(unknown)}: transcription is greedy long-form decoding; it takes {', '.join(_OPTIONS)}"
+        )
     if options.get('condition_on_prev_tokens'):
         raise ValueError('condition_on_prev_tokens=True: not supported, each window is decoded alone')
     if options.get('temperature'):
@@ -512,29 +653,35 @@ def _check_options(options: dict):
 # %% ../nbs/11_speech.ipynb #c4c8e1a0
 _CACHE: dict = {}  # folder -> (its files' stamps, {key: what was built})
 
+
 def _cached(checkpoint_dir, key, build):
     "`build()` once a process for `key` and the folder, again when a file in it changes (mtime or size)."
     d = Path(checkpoint_dir).resolve()
     stamp = tuple(sorted((p.name, s.st_mtime_ns, s.st_size) for p in d.iterdir() if p.is_file() for s in [p.stat()]))
     if (entry := _CACHE.get(d)) is None or entry[0] != stamp:
-        if len(_CACHE) >= 8: _CACHE.pop(next(iter(_CACHE)))  # the folder cached first
+        if len(_CACHE) >= 8:
+            _CACHE.pop(next(iter(_CACHE)))  # the folder cached first
         entry = _CACHE[d] = (stamp, {})
-    if key not in entry[1]: entry[1][key] = build()
+    if key not in entry[1]:
+        entry[1][key] = build()
     return entry[1][key]
 
 # %% ../nbs/11_speech.ipynb #1ab68f37
 class _Token(NamedTuple):
     "One released token: its id and its bytes for the client."
+
     id: int
     chunk: bytes
 
 # %% ../nbs/11_speech.ipynb #1ab68f37-1
-def _events(checkpoint_dir, audio_path, model=None, device='cpu', dtype=torch.float32, keep_special=False,
-            **options) -> Iterator:
+def _events(
+    checkpoint_dir, audio_path, model=None, device='cpu', dtype=torch.float32, keep_special=False, **options
+) -> Iterator:
     "`Language`, `_Token` and `Segment` records of the transcription of `audio_path`, in order."
     from transformers import AutoTokenizer, WhisperFeatureExtractor
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.model import load_model
+
     whisper_config_json(checkpoint_dir)
     name = Path(checkpoint_dir).name
     _check_options(options)
@@ -544,20 +691,40 @@ def _events(checkpoint_dir, audio_path, model=None, device='cpu', dtype=torch.fl
     frames, window, samples = _features(audio_path, fe)
     seconds, timestamps = samples / fe.sampling_rate, options.get('return_timestamps')
     if samples > fe.n_samples and timestamps is False:
-        raise ValueError(f'{seconds:.1f} s of audio is longer than one {fe.chunk_length} s window: long-form '
-                         'transcription needs timestamps; drop return_timestamps=False')
-    if timestamps is None: timestamps = getattr(gc, 'return_timestamps', False)
+        raise ValueError(
+            f'{seconds:.1f} s of audio is longer than one {fe.chunk_length} s window: long-form '
+            'transcription needs timestamps; drop return_timestamps=False'
+        )
+    if timestamps is None:
+        timestamps = getattr(gc, 'return_timestamps', False)
     timestamps = samples > fe.n_samples or bool(timestamps)
-    if model is None: model = load_model(checkpoint_dir, device=device, dtype=dtype)
+    if model is None:
+        model = load_model(checkpoint_dir, device=device, dtype=dtype)
     ts = range(gc.no_timestamps_token_id + 1, max(model.config.vocab_size, len(tok)))
-    text = lambda keep: _cached(checkpoint_dir, ('text', keep, ts.stop), lambda: TextOutput.from_checkpoint(
-        checkpoint_dir, tokenizer=tok, keep_special=keep, keep_timestamps=keep, extra_skip_ids=() if keep else ts))
+    text = lambda keep: _cached(
+        checkpoint_dir,
+        ('text', keep, ts.stop),
+        lambda: TextOutput.from_checkpoint(
+            checkpoint_dir, tokenizer=tok, keep_special=keep, keep_timestamps=keep, extra_skip_ids=() if keep else ts
+        ),
+    )
     out, words = text(keep_special), text(False) if keep_special else None
     said = bytearray()
     with torch.inference_mode():
-        for ev in _longform(model, gc, name, frames, window, options.get('language'), options.get('task'), timestamps,
-                            options.get('max_new_tokens')):
-            if isinstance(ev, Language): yield ev; continue
+        for ev in _longform(
+            model,
+            gc,
+            name,
+            frames,
+            window,
+            options.get('language'),
+            options.get('task'),
+            timestamps,
+            options.get('max_new_tokens'),
+        ):
+            if isinstance(ev, Language):
+                yield ev
+                continue
             for i in ev.ids:
                 chunk = out.step_bytes([i])
                 said += chunk if words is None else words.step_bytes([i])
@@ -568,46 +735,55 @@ def _events(checkpoint_dir, audio_path, model=None, device='cpu', dtype=torch.fl
                 said.clear()
 
 # %% ../nbs/11_speech.ipynb #da493dac
-def transcribe_events(checkpoint_dir, # a Whisper checkpoint folder with its tokenizer and preprocessor_config.json
-                      audio_path, # an audio file soundfile reads, of any length
-                      *,
-                      model=None, # the loaded model; None: `load_model(checkpoint_dir, device=device, dtype=dtype)`
-                      device: str = 'cpu', # where a model loaded here runs
-                      dtype: torch.dtype = torch.float32, # the dtype of a model loaded here (float16 is slow on CPU)
-                      keep_special: bool = False, # True: special and timestamp tokens' text is streamed too
-                      **options, # as `generate` takes them: language=, task=, return_timestamps=, max_new_tokens=
-                     ) -> Iterator[bytes | Segment | Language]:
+def transcribe_events(
+    checkpoint_dir,  # a Whisper checkpoint folder with its tokenizer and preprocessor_config.json
+    audio_path,  # an audio file soundfile reads, of any length
+    *,
+    model=None,  # the loaded model; None: `load_model(checkpoint_dir, device=device, dtype=dtype)`
+    device: str = 'cpu',  # where a model loaded here runs
+    dtype: torch.dtype = torch.float32,  # the dtype of a model loaded here (float16 is slow on CPU)
+    keep_special: bool = False,  # True: special and timestamp tokens' text is streamed too
+    **options,  # as `generate` takes them: language=, task=, return_timestamps=, max_new_tokens=
+) -> Iterator[bytes | Segment | Language]:
     "The transcription as it decodes: token bytes, a `Segment` as each ends, first a detected `Language`."
     for ev in _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, **options):
         yield ev.chunk if isinstance(ev, _Token) else ev
 
 # %% ../nbs/11_speech.ipynb #ac210ffb
 @delegates(transcribe_events, keep=True)
-def transcribe_stream(checkpoint_dir, # a Whisper checkpoint folder with its tokenizer and preprocessor_config.json
-                      audio_path, # an audio file soundfile reads, of any length
-                      **kwargs, # as for `transcribe_events`: model=, device=, keep_special=, language=, task=, ...
-                     ) -> Iterator[bytes]:
+def transcribe_stream(
+    checkpoint_dir,  # a Whisper checkpoint folder with its tokenizer and preprocessor_config.json
+    audio_path,  # an audio file soundfile reads, of any length
+    **kwargs,  # as for `transcribe_events`: model=, device=, keep_special=, language=, task=, ...
+) -> Iterator[bytes]:
     "The transcription of `audio_path` as it decodes: one bytes chunk per token, b'' for the stop token."
     for ev in transcribe_events(checkpoint_dir, audio_path, **kwargs):
-        if isinstance(ev, bytes): yield ev
+        if isinstance(ev, bytes):
+            yield ev
 
 # %% ../nbs/11_speech.ipynb #f1c104e8
 class Transcript(NamedTuple):
     "A whole transcription: its text, segments, token ids and, when detected, language."
-    text: str # the words
-    segments: list # `Segment`s
-    ids: list # the token ids, as transformers' long-form `generate` returns them (plus the final stop token)
-    language: Language | None # what was detected, or None when given or English-only
+
+    text: str  # the words
+    segments: list  # `Segment`s
+    ids: list  # the token ids, as transformers' long-form `generate` returns them (plus the final stop token)
+    language: Language | None  # what was detected, or None when given or English-only
 
 # %% ../nbs/11_speech.ipynb #f1c104e8-1
 @delegates(transcribe_events, keep=True, but='keep_special')
-def transcribe(checkpoint_dir, # a Whisper checkpoint folder
-               audio_path, # an audio file soundfile reads, of any length
-               **kwargs, # as for `transcribe_events`: model=, device=, dtype=, language=, task=, ...
-              ) -> Transcript:
+def transcribe(
+    checkpoint_dir,  # a Whisper checkpoint folder
+    audio_path,  # an audio file soundfile reads, of any length
+    **kwargs,  # as for `transcribe_events`: model=, device=, dtype=, language=, task=, ...
+) -> Transcript:
     "The whole `Transcript` of `audio_path`, collected from `transcribe_events`."
     evs = list(_events(checkpoint_dir, audio_path, keep_special=False, **kwargs))
     tokens = [e for e in evs if isinstance(e, _Token)]
     text = b''.join(t.chunk for t in tokens).decode('utf-8', 'replace')
-    return Transcript(text, [e for e in evs if isinstance(e, Segment)], [t.id for t in tokens],
-                      next((e for e in evs if isinstance(e, Language)), None))
+    return Transcript(
+        text,
+        [e for e in evs if isinstance(e, Segment)],
+        [t.id for t in tokens],
+        next((e for e in evs if isinstance(e, Language)), None),
+    )

@@ -17,7 +17,14 @@ from fastcore.basics import patch
 
 from .sources import Source, WrappedSource, checkpoint_source, default_threads
 from .convert import MergeModulelist, Concatenate, converted_source
-from .loading import ModuleAndPrefix, LoadResult, load_from_source, module_entries, named_tensors, norm_prefix
+from mstar_utils.loading import (
+    ModuleAndPrefix,
+    LoadResult,
+    load_from_source,
+    module_entries,
+    named_tensors,
+    norm_prefix,
+)
 from .quantized import QuantizedLinear, QuantizedExperts, dequantize_cut
 
 # %% auto #0
@@ -31,22 +38,25 @@ class Slice(NamedTuple):
     dim: int | None = None
     ranges: tuple = ()
 
+
 WHOLE = Slice()
 
 # %% ../nbs/07_tensor_parallel.ipynb #8f1c3762
-def slice_shape(shape, # the whole tensor's shape
-                sl: Slice, # the part taken
-               ) -> tuple:
+def slice_shape(
+    shape,  # the whole tensor's shape
+    sl: Slice,  # the part taken
+) -> tuple:
     "The shape of slice `sl` of a tensor of `shape`."
     if sl.dim is None:
         return tuple(shape)
     d = sl.dim % len(shape)
-    return (*shape[:d], sum(b - a for a, b in sl.ranges), *shape[d + 1:])
+    return (*shape[:d], sum(b - a for a, b in sl.ranges), *shape[d + 1 :])
 
 # %% ../nbs/07_tensor_parallel.ipynb #8f1c3762-1
-def take(t: torch.Tensor, # the whole tensor
-         sl: Slice, # the part taken
-        ) -> torch.Tensor:
+def take(
+    t: torch.Tensor,  # the whole tensor
+    sl: Slice,  # the part taken
+) -> torch.Tensor:
     "Slice `sl` of `t`: a view when it is one range (or `WHOLE`), else a new tensor."
     if sl.dim is None:
         return t
@@ -62,7 +72,8 @@ class TPStyle:
     bias_dim: int | None = None
     parts: int = 1
     forward: str | None = None
-    uneven: bool = False   # experts: the first n % world_size ranks take one more, as vLLM splits them
+    uneven: bool = False  # experts: the first n % world_size ranks take one more, as vLLM splits them
+
 
 _COL, _ROW = TPStyle(-2, -1), TPStyle(-1, None, forward='reduce_output')
 TP_STYLES = {
@@ -111,11 +122,13 @@ def _dim_for(style: TPStyle, leaf: str, ndim: int) -> int | None:
 class Sharding:
     "Which slice of each tensor rank `rank` of `world_size` holds under `plan`."
 
-    def __init__(self, plan: dict, # {module or parameter pattern: style}, e.g. a config's `base_model_tp_plan`
-                 rank: int, # this process's rank in the tensor-parallel group
-                 world_size: int, # the group's size
-                 rules=(), # callables `rule(sharding, key, shape) -> Slice | None`, asked first
-                ):
+    def __init__(
+        self,
+        plan: dict,  # {module or parameter pattern: style}, e.g. a config's `base_model_tp_plan`
+        rank: int,  # this process's rank in the tensor-parallel group
+        world_size: int,  # the group's size
+        rules=(),  # callables `rule(sharding, key, shape) -> Slice | None`, asked first
+    ):
         if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(
                 f'rank {rank!r} of world_size {world_size!r}: need an int world_size >= 1 and 0 <= rank < world_size'
@@ -145,27 +158,33 @@ def style_of(self: Sharding, key: str) -> tuple | None:
 
 # %% ../nbs/07_tensor_parallel.ipynb #1fc83ed5
 @patch
-def even(self: Sharding, key: str, # names the tensor in the error
-         shape, # the whole tensor's shape
-         dim: int, # the dimension to split
-         parts: int = 1, # packed parts, each split on its own
-        ) -> Slice:
+def even(
+    self: Sharding,
+    key: str,  # names the tensor in the error
+    shape,  # the whole tensor's shape
+    dim: int,  # the dimension to split
+    parts: int = 1,  # packed parts, each split on its own
+) -> Slice:
     "This rank's equal share of each of `parts` equal parts of `dim`."
     d, ws = dim % len(shape), self.world_size
     n = shape[d]
     if n % (parts * ws):
         by = f'{parts} packed parts x world_size {ws}' if parts > 1 else f'world_size {ws}'
-        raise ValueError(f'{key}: dim {d} of shape {list(shape)} has size {n}, which does not divide by {by}; '
-                         f'use a world_size that divides it, or a plan that leaves {key!r} whole')
+        raise ValueError(
+            f'{key}: dim {d} of shape {list(shape)} has size {n}, which does not divide by {by}; '
+            f'use a world_size that divides it, or a plan that leaves {key!r} whole'
+        )
     part = n // parts
     local = part // ws
     return Slice(d, tuple((j * part + self.rank * local, j * part + (self.rank + 1) * local) for j in range(parts)))
 
 # %% ../nbs/07_tensor_parallel.ipynb #4a898994
 @patch
-def slice_for(self: Sharding, key: str, # a parameter's or checkpoint key's name
-              shape, # its whole shape
-             ) -> Slice:
+def slice_for(
+    self: Sharding,
+    key: str,  # a parameter's or checkpoint key's name
+    shape,  # its whole shape
+) -> Slice:
     "The slice of tensor `key` this rank holds: the first rule's, else its plan style's, else `WHOLE`."
     shape = tuple(shape)
     if key in self.pinned:
@@ -183,10 +202,12 @@ def slice_for(self: Sharding, key: str, # a parameter's or checkpoint key's name
 
 # %% ../nbs/07_tensor_parallel.ipynb #86bd3cce
 @patch
-def spread(self: Sharding, key: str, # names the tensor in the error
-           shape, # the whole tensor's shape
-           dim: int, # the dimension to split: experts
-          ) -> Slice:
+def spread(
+    self: Sharding,
+    key: str,  # names the tensor in the error
+    shape,  # the whole tensor's shape
+    dim: int,  # the dimension to split: experts
+) -> Slice:
     "This rank's experts as vLLM splits them: n // world_size each, one more on the first n % world_size."
     d, ws, r = dim % len(shape), self.world_size, self.rank
     n = shape[d]
@@ -202,6 +223,7 @@ def spread(self: Sharding, key: str, # names the tensor in the error
 # %% ../nbs/07_tensor_parallel.ipynb #0ba81c5e
 _ATTENTION = re.compile(r'(^|\.)(self_attn|attention|attn)\.')
 _HEADS = {'colwise': 'colwise_gather_output', 'rowwise': 'rowwise_split_input'}
+
 
 def _own_plan(cfg, world_size: int, expert_parallel: bool) -> dict:
     "`cfg`'s `base_model_tp_plan` (`base_model_ep_plan` over it), attention gathering where heads do not divide; or {}."
@@ -222,11 +244,12 @@ def _tower(model, sub) -> str:
     return min(names, key=len) + '.'
 
 # %% ../nbs/07_tensor_parallel.ipynb #57b92bd7
-def tp_plan(config, # a transformers config; a multimodal one's text plan applies to its language model
-            world_size: int = 1, # the tensor-parallel group's size
-            expert_parallel: bool = False, # experts split by expert (the config's `base_model_ep_plan`)
-            model=None, # the model of `config`: where a multimodal model's towers are; None: built on meta if needed
-           ) -> dict:
+def tp_plan(
+    config,  # a transformers config; a multimodal one's text plan applies to its language model
+    world_size: int = 1,  # the tensor-parallel group's size
+    expert_parallel: bool = False,  # experts split by expert (the config's `base_model_ep_plan`)
+    model=None,  # the model of `config`: where a multimodal model's towers are; None: built on meta if needed
+) -> dict:
     "The config's `base_model_tp_plan`, and `base_model_ep_plan` over it."
     cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
     plan = _own_plan(cfg, world_size, expert_parallel)
@@ -238,8 +261,9 @@ def tp_plan(config, # a transformers config; a multimodal one's text plan applie
         )
     if cfg is config:
         return plan
-    if model is None:   # only its module names are needed: the class config.json names, built on meta
+    if model is None:  # only its module names are needed: the class config.json names, built on meta
         import transformers
+
         cls = getattr(transformers, (getattr(config, 'architectures', None) or [''])[0], None)
         if cls is None:
             raise ValueError(
@@ -248,7 +272,7 @@ def tp_plan(config, # a transformers config; a multimodal one's text plan applie
         with torch.device('meta'):
             model = cls(config)
     out = {_tower(model, cfg) + k: v for k, v in plan.items()}
-    for name in getattr(config, 'sub_configs', {}):   # a tower is whole unless its own config gives a plan
+    for name in getattr(config, 'sub_configs', {}):  # a tower is whole unless its own config gives a plan
         sub = getattr(config, name, None)
         own = _own_plan(sub, world_size, expert_parallel) if sub is not None and sub is not cfg else {}
         if own:
@@ -287,6 +311,7 @@ def _route_concat(node, sl: Slice, out) -> list:
                 pos += hi - lo
     return parts
 
+
 SLICE_ROUTES = {MergeModulelist: _route_merge, Concatenate: _route_concat}
 
 # %% ../nbs/07_tensor_parallel.ipynb #a6c219a5
@@ -308,12 +333,11 @@ def _route_dequantize(node, sl: Slice) -> list | None:
         pos += b - a
     return out
 
-
 # %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3
 def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
     "Fill `out` with slice `sl` of tree `node`'s value"
     # reading from `src` only the parts of its leaves that land in it.
-    if hasattr(node, 'key'):   # a leaf of the conversion tree: one checkpoint key
+    if hasattr(node, 'key'):  # a leaf of the conversion tree: one checkpoint key
         if out.is_contiguous():
             read_slice(src, node.key, sl, out, count)
         else:
@@ -348,12 +372,13 @@ def _read_part(src, kid, part, count, dry: bool = False) -> torch.Tensor:
     return v
 
 # %% ../nbs/07_tensor_parallel.ipynb #5b1e14e2
-def read_slice(src, # a loader source (see `Source`)
-               key: str, # the key to read
-               sl: Slice, # the part of it to read
-               out: torch.Tensor | None = None, # a contiguous CPU tensor of the slice's shape and the key's dtype
-               count=None, # called with the byte count of each read
-              ) -> torch.Tensor:
+def read_slice(
+    src,  # a loader source (see `Source`)
+    key: str,  # the key to read
+    sl: Slice,  # the part of it to read
+    out: torch.Tensor | None = None,  # a contiguous CPU tensor of the slice's shape and the key's dtype
+    count=None,  # called with the byte count of each read
+) -> torch.Tensor:
     "Slice `sl` of `src`'s tensor `key`, reading only its bytes where `src` can."
     count = count or (lambda n: None)
     step = src.resolve(key) if hasattr(src, 'resolve') else None
@@ -380,27 +405,43 @@ def read_slice(src, # a loader source (see `Source`)
     return t
 
 # %% ../nbs/07_tensor_parallel.ipynb #5b1e14e2-1
-def _numel(shape) -> int: return int(torch.Size(shape).numel())
+def _numel(shape) -> int:
+    return int(torch.Size(shape).numel())
 
 # %% ../nbs/07_tensor_parallel.ipynb #8c1d301d
 class ShardedSource(WrappedSource):
     "A loader source over `src` that presents rank `sharding.rank`'s slice of each key."
 
-    def __init__(self, src, # a source keyed by the modules' names: FileSource, ConvertedSource, DictSource, ...
-                 sharding: Sharding, # which slice of each key this rank holds
-                 what: str | None = None, # names the checkpoint in messages; default: the source's
-                ):
+    def __init__(
+        self,
+        src,  # a source keyed by the modules' names: FileSource, ConvertedSource, DictSource, ...
+        sharding: Sharding,  # which slice of each key this rank holds
+        what: str | None = None,  # names the checkpoint in messages; default: the source's
+    ):
         super().__init__(src, what)
         self.sharding, self._slices = sharding, {}
-    def full_shape(self, k) -> tuple: return tuple(self.src.shape(k))
-    def shape(self, k) -> tuple: return slice_shape(self.full_shape(k), self.slice(k))
-    def borrowed(self, k): return self.slice(k).dim is None and self.src.borrowed(k)
-    def resolve(self, k): return None   # its tensors are slices: it reads them itself
-    def _mine(self, k) -> bool: return not k.startswith(tuple(self.sharding.elsewhere))
+
+    def full_shape(self, k) -> tuple:
+        return tuple(self.src.shape(k))
+
+    def shape(self, k) -> tuple:
+        return slice_shape(self.full_shape(k), self.slice(k))
+
+    def borrowed(self, k):
+        return self.slice(k).dim is None and self.src.borrowed(k)
+
+    def resolve(self, k):
+        return None  # its tensors are slices: it reads them itself
+
+    def _mine(self, k) -> bool:
+        return not k.startswith(tuple(self.sharding.elsewhere))
+
     def keys(self):
         keys = self.src.keys()
         return [k for k in keys if self._mine(k)] if self.sharding.elsewhere else keys
-    def __contains__(self, k): return k in self.src and self._mine(k)
+
+    def __contains__(self, k):
+        return k in self.src and self._mine(k)
 
 # %% ../nbs/07_tensor_parallel.ipynb #d237693b
 @patch
@@ -502,11 +543,11 @@ def _pin_per_expert(m, path: str, sharding: Sharding):
             f'{path}: experts kept quantized one expert at a time are cut by expert only '
             f'(expert_parallel=True); the plan splits {dims}: load them with quantized="dequantize"'
         )
-    (lo, hi), = next(iter(cuts))[1]
+    ((lo, hi),) = next(iter(cuts))[1]
     gone = [k for k in m._modules if k.isdigit() and not lo <= int(k) < hi]
     for k in gone:
         del m._modules[k]
-    sharding.elsewhere += [f'{path}.{k}.' for k in gone]   # their keys are other ranks': not unused here
+    sharding.elsewhere += [f'{path}.{k}.' for k in gone]  # their keys are other ranks': not unused here
     m.expert_offset, m.tp_slice = lo, next(iter(split.values()))
 
 # %% ../nbs/07_tensor_parallel.ipynb #418cbe0f
@@ -526,16 +567,20 @@ def _pin_kept(m, path: str, sharding: Sharding):
                 sharding.pinned[f'{path}.{p}{s}'] = WHOLE
             continue
         if len(sl.ranges) != 1:
-            raise NotImplementedError(f'{path}.{p}: a packed plan style cuts it in {len(sl.ranges)} ranges; '
-                                                          'kept quantized weights are cut in one')
-        (a, b), = sl.ranges
+            raise NotImplementedError(
+                f'{path}.{p}: a packed plan style cuts it in {len(sl.ranges)} ranges; '
+                'kept quantized weights are cut in one'
+            )
+        ((a, b),) = sl.ranges
         c = op.cut(stored, sl.dim, a, b)
         if c is None:
-            raise ValueError(f'{path}.{p}: {type(op).__name__} cannot cut its scales along dim {sl.dim}; '
-                             'load it with quantized="dequantize"')
+            raise ValueError(
+                f'{path}.{p}: {type(op).__name__} cannot cut its scales along dim {sl.dim}; '
+                'load it with quantized="dequantize"'
+            )
         for s, part in zip(op.suffixes, c.parts, strict=True):
             sharding.pinned[f'{path}.{p}{s}'] = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
-        m.tp_slice = sl   # the weight's slice: what the collectives cut inputs by
+        m.tp_slice = sl  # the weight's slice: what the collectives cut inputs by
         if isinstance(m, QuantizedLinear):
             m.op, m.trim = c.op, c.trim
             m.out_features, m.in_features = slice_shape(shape, sl)
@@ -544,11 +589,12 @@ def _pin_kept(m, path: str, sharding: Sharding):
             m.trims[p] = c.trim
 
 # %% ../nbs/07_tensor_parallel.ipynb #08cc4cca
-def shard_module(module: torch.nn.Module, # built on meta (or materialized: then its tensors are sliced)
-                 sharding: Sharding, # which slice this rank holds
-                 group=None, # the torch.distributed process group of the collectives; None: the default group
-                 prefix: str = '', # what the plan's names carry before the module's own (a submodule's path)
-                ) -> dict[str, Slice]:
+def shard_module(
+    module: torch.nn.Module,  # built on meta (or materialized: then its tensors are sliced)
+    sharding: Sharding,  # which slice this rank holds
+    group=None,  # the torch.distributed process group of the collectives; None: the default group
+    prefix: str = '',  # what the plan's names carry before the module's own (a submodule's path)
+) -> dict[str, Slice]:
     "Cut `module`'s parameters and persistent buffers to this rank's slices, in place."
     prefix, tensors, cut = norm_prefix(prefix), {}, {}
     for name, m in module.named_modules():
@@ -589,7 +635,10 @@ def _split(sl: Slice, m, kind: str) -> Slice:
 # %% ../nbs/07_tensor_parallel.ipynb #583f09fe-1
 def _all_reduce_output(m, sharding, sl, group):
     "moe_tp_experts, all_reduce: the module's output summed over the ranks."
-    def hook(mod, args, out): dist.all_reduce(out[0] if isinstance(out, tuple) else out, group=group)
+
+    def hook(mod, args, out):
+        dist.all_reduce(out[0] if isinstance(out, tuple) else out, group=group)
+
     m.register_forward_hook(hook)
 
 # %% ../nbs/07_tensor_parallel.ipynb #583f09fe-2
@@ -598,10 +647,12 @@ def _reduce_output(m, sharding, sl, group):
     if not isinstance(m, (torch.nn.Linear, QuantizedLinear)):
         raise ValueError(f'rowwise splits nn.Linear layers; {type(m).__name__} is not one')
     weight = (lambda x: m.dequantized_weight().to(x.dtype)) if isinstance(m, QuantizedLinear) else (lambda x: m.weight)
+
     def forward(x):
         y = F.linear(x, weight(x))
         dist.all_reduce(y, group=group)
         return y if m.bias is None else y + m.bias
+
     m.forward = forward
 
 # %% ../nbs/07_tensor_parallel.ipynb #583f09fe-3
@@ -615,10 +666,12 @@ def _split_input(m, sharding, sl, group):
 # %% ../nbs/07_tensor_parallel.ipynb #21fe7bb8
 def _gather_output(m, sharding, sl, group):
     "colwise_gather_output, embedding_colwise: every rank's slice of the output, gathered along the last dim."
+
     def hook(mod, args, out):
         parts = [torch.empty_like(out) for _ in range(sharding.world_size)]
         dist.all_gather(parts, out.contiguous(), group=group)
         return torch.cat(parts, -1)
+
     m.register_forward_hook(hook)
 
 # %% ../nbs/07_tensor_parallel.ipynb #21fe7bb8-1
@@ -635,6 +688,7 @@ def _vocab_parallel(m, sharding, sl, group):
         ids = args[0]
         state['mine'] = mine = (ids >= lo) & (ids < hi)
         return (torch.where(mine, ids - lo, 0), *args[1:])
+
     def hook(mod, args, out):
         out = out * state.pop('mine').unsqueeze(-1).to(out.dtype)
         dist.all_reduce(out, group=group)
@@ -648,8 +702,9 @@ def _expert_dispatch(m, sharding, sl, group):
     "ep_dispatch_experts: the module holds experts [lo, hi) and sums their outputs"
     # tokens routed elsewhere get its skip index `num_experts` and weight 0.
     lo, hi = _split(sl, m, 'expert_dispatch').ranges[0]
-    for e in {m, m.inner} if isinstance(m, QuantizedExperts) else (m,):   # a kept one runs its inner module
-        e.num_experts, e._is_expert_parallel = hi - lo, True   # transformers' kernels then mask the skip index
+    for e in {m, m.inner} if isinstance(m, QuantizedExperts) else (m,):  # a kept one runs its inner module
+        e.num_experts, e._is_expert_parallel = hi - lo, True  # transformers' kernels then mask the skip index
+
     def pre(mod, args):
         if len(args) < 3:
             raise ValueError(
@@ -659,19 +714,28 @@ def _expert_dispatch(m, sharding, sl, group):
         x, idx, w = args[:3]
         mine = (idx >= lo) & (idx < hi)
         return (x, torch.where(mine, idx - lo, hi - lo), w * mine.to(w.dtype), *args[3:])
+
     m.register_forward_pre_hook(pre)
     _all_reduce_output(m, sharding, sl, group)
 
-FORWARDS = {'all_reduce': _all_reduce_output, 'reduce_output': _reduce_output, 'split_input': _split_input,
-            'gather_output': _gather_output, 'vocab_parallel': _vocab_parallel, 'expert_dispatch': _expert_dispatch}
+
+FORWARDS = {
+    'all_reduce': _all_reduce_output,
+    'reduce_output': _reduce_output,
+    'split_input': _split_input,
+    'gather_output': _gather_output,
+    'vocab_parallel': _vocab_parallel,
+    'expert_dispatch': _expert_dispatch,
+}
 
 # %% ../nbs/07_tensor_parallel.ipynb #c309b7c0
-def install_collectives(module: torch.nn.Module, # the rank's cut model
-                        sharding: Sharding, # the plan it was cut by
-                        cut: dict, # {parameter name: Slice}, as `shard_module` returns
-                        group=None, # the process group; None: the default group
-                        prefix: str = '', # what the plan's names carry before the module's own
-                       ) -> list[str]:
+def install_collectives(
+    module: torch.nn.Module,  # the rank's cut model
+    sharding: Sharding,  # the plan it was cut by
+    cut: dict,  # {parameter name: Slice}, as `shard_module` returns
+    group=None,  # the process group; None: the default group
+    prefix: str = '',  # what the plan's names carry before the module's own
+) -> list[str]:
     "Give each submodule a plan entry names the collective its style's `forward` needs."
     prefix, done = norm_prefix(prefix), []
     for name, m in module.named_modules():

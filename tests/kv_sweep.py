@@ -1,4 +1,5 @@
 "The KV sweep: every causal-LM config class transformers declares, its cache filled by transformers, against our figures."
+
 import warnings
 from dataclasses import dataclass
 
@@ -9,37 +10,48 @@ from mstar_utils.kv import kv_geometry
 # Released defaults that transformers' own model cannot run as they stand, and the smallest change that lets it:
 # each keeps the class's shapes and only picks which layers attend.
 FIXUPS = {
-    'bamba': dict(attn_layer_indices=[9, 18, 27]),          # default: no attention layer, and the model then fails get_seq_length
+    'bamba': dict(
+        attn_layer_indices=[9, 18, 27]
+    ),  # default: no attention layer, and the model then fails get_seq_length
     'granitemoehybrid': dict(layer_types=['mamba'] * 3 + ['attention'] + ['mamba'] * 28),
-    'lfm2': dict(full_attn_idxs=[2, 5, 8, 10, 12, 14]),    # default: every layer attends, no conv layer (LFM2-1.2B's layout)
+    'lfm2': dict(
+        full_attn_idxs=[2, 5, 8, 10, 12, 14]
+    ),  # default: every layer attends, no conv layer (LFM2-1.2B's layout)
 }
 
 
 @dataclass(frozen=True)
 class SweepResult:
     "One config class against transformers' cache: what it held at two lengths, what we say, or why it was skipped."
+
     model_type: str
-    status: str # matched, mismatched or skipped
+    status: str  # matched, mismatched or skipped
     reason: str = ''
-    grows: int | None = None # bytes per token transformers' cache grew by
-    stays: int | None = None # bytes it held besides
-    per_token: int | None = None # ours, convention='transformers'
+    grows: int | None = None  # bytes per token transformers' cache grew by
+    stays: int | None = None  # bytes it held besides
+    per_token: int | None = None  # ours, convention='transformers'
     fixed: int | None = None
 
 
 def cache_bytes(obj, seen=None, depth=0) -> int:
     "Bytes of every tensor a transformers cache holds: its layers' keys, values, states, indexer keys, MiniMax's linear_cache."
     seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):   # integer tensors are bookkeeping (window sizes, lengths), not cached values
-        if id(obj) in seen or not obj.is_floating_point(): return 0
+    if isinstance(obj, torch.Tensor):  # integer tensors are bookkeeping (window sizes, lengths), not cached values
+        if id(obj) in seen or not obj.is_floating_point():
+            return 0
         seen.add(id(obj))
         return obj.numel() * obj.element_size()
-    if depth > 4 or id(obj) in seen: return 0
+    if depth > 4 or id(obj) in seen:
+        return 0
     seen.add(id(obj))
-    if isinstance(obj, dict): items = obj.values()
-    elif isinstance(obj, (list, tuple)): items = obj
-    elif hasattr(obj, '__dict__') and type(obj).__module__.startswith('transformers'): items = vars(obj).values()
-    else: return 0
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif hasattr(obj, '__dict__') and type(obj).__module__.startswith('transformers'):
+        items = vars(obj).values()
+    else:
+        return 0
     return sum(cache_bytes(v, seen, depth + 1) for v in items)
 
 
@@ -51,60 +63,79 @@ def _windows(text) -> int:
 def _filled(model, config, tokens: int):
     "transformers' cache after one forward of `tokens` tokens through `model` (on meta: shapes and dtypes, no arithmetic)."
     ids = torch.zeros(1, tokens, dtype=torch.long, device='meta')
-    with torch.no_grad(): out = model(input_ids=ids, use_cache=True)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
     cache = out.get('cache', None) if hasattr(out, 'get') else None
     cache = cache if cache is not None else getattr(out, 'past_key_values', None)
-    if cache is None: raise LookupError('its forward returns no cache')
+    if cache is None:
+        raise LookupError('its forward returns no cache')
     return cache
 
 
 def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = False):
     "`model_type`'s config class with its defaults (and FIXUPS), in `dtype`, long enough for `tokens`, as a decoder if asked."
     from transformers import CONFIG_MAPPING
+
     config = CONFIG_MAPPING[model_type](**FIXUPS.get(model_type, {}))
     config.dtype = dtype
     text = config.get_text_config(decoder=True)
-    if decoder: config.is_decoder = text.is_decoder = True   # BERT-like classes cache only as decoders
+    if decoder:
+        config.is_decoder = text.is_decoder = True  # BERT-like classes cache only as decoders
     if tokens and (getattr(text, 'max_position_embeddings', None) or tokens) < tokens:
-        text.max_position_embeddings = tokens   # a window longer than the context: run (and count) past it
+        text.max_position_embeddings = tokens  # a window longer than the context: run (and count) past it
     return config
 
 
 def sweep_one(model_type: str, dtype=torch.bfloat16) -> SweepResult:
     "Build `model_type`'s causal LM from its config class's defaults on meta, fill its cache at two lengths, compare."
     from transformers import AutoModelForCausalLM
-    try: text = _config(model_type, dtype).get_text_config(decoder=True)
-    except Exception as e: return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
+
+    try:
+        text = _config(model_type, dtype).get_text_config(decoder=True)
+    except Exception as e:
+        return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
     t1 = max(_windows(text) + 1, 3)
     t2 = t1 + 4
     for decoder in (False, True):
-        try: config = _config(model_type, dtype, t2, decoder)
-        except Exception as e: return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
-        try: g = kv_geometry(config, convention='transformers')
-        except ValueError as e: return SweepResult(model_type, 'skipped', f'not counted: {str(e)[:160]}')
+        try:
+            config = _config(model_type, dtype, t2, decoder)
+        except Exception as e:
+            return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
+        try:
+            g = kv_geometry(config, convention='transformers')
+        except ValueError as e:
+            return SweepResult(model_type, 'skipped', f'not counted: {str(e)[:160]}')
         try:
             with warnings.catch_warnings(), torch.device('meta'):
                 warnings.simplefilter('ignore')
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        except Exception as e: return SweepResult(model_type, 'skipped', f'model build: {type(e).__name__}: {str(e)[:120]}')
-        try: b1, b2 = (cache_bytes(_filled(model, config, t)) for t in (t1, t2))
+        except Exception as e:
+            return SweepResult(model_type, 'skipped', f'model build: {type(e).__name__}: {str(e)[:120]}')
+        try:
+            b1, b2 = (cache_bytes(_filled(model, config, t)) for t in (t1, t2))
         except LookupError as e:
-            if not decoder and hasattr(config, 'is_decoder'): continue
+            if not decoder and hasattr(config, 'is_decoder'):
+                continue
             return SweepResult(model_type, 'skipped', f'forward on meta: {e}')
-        except Exception as e: return SweepResult(model_type, 'skipped', f'forward on meta: {type(e).__name__}: {str(e)[:120]}')
+        except Exception as e:
+            return SweepResult(model_type, 'skipped', f'forward on meta: {type(e).__name__}: {str(e)[:120]}')
         break
-    if b1 == 0 and b2 == 0: return SweepResult(model_type, 'skipped', 'its cache holds no tensors')
+    if b1 == 0 and b2 == 0:
+        return SweepResult(model_type, 'skipped', 'its cache holds no tensors')
     grows, rem = divmod(b2 - b1, t2 - t1)
     stays = b1 - t1 * grows
     cross = sum(l.fixed_bytes for l in g.layers if l.kind == 'cross_attention')
     note = 'cross-attention left out: a causal-LM forward encodes no image or audio' if cross else ''
     ok = rem == 0 and grows == g.bytes_per_token and stays == g.fixed_bytes - cross
-    return SweepResult(model_type, 'matched' if ok else 'mismatched', note, grows, stays, g.bytes_per_token, g.fixed_bytes - cross)
+    return SweepResult(
+        model_type, 'matched' if ok else 'mismatched', note, grows, stays, g.bytes_per_token, g.fixed_bytes - cross
+    )
 
 
 def causal_lm_types() -> list[str]:
     "Every model type transformers maps to a causal LM class."
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
@@ -112,9 +143,11 @@ if __name__ == '__main__':
     import collections
     import sys
     import time
+
     transformers.utils.logging.set_verbosity_error()
     t0 = time.time()
     res = [sweep_one(mt) for mt in (sys.argv[1:] or causal_lm_types())]
     for r in res:
-        if r.status != 'matched': print(r)
+        if r.status != 'matched':
+            print(r)
     print(collections.Counter(r.status for r in res), f'{time.time() - t0:.0f} s')

@@ -1,10 +1,11 @@
 "The loader benchmark's tables are whole: every method has a label and a loader, every target names methods that exist."
+
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]/'benchmarks'))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'benchmarks'))
 import bench_load as bl  # noqa: E402
 
 
@@ -39,7 +40,19 @@ def test_targets_are_rows_or_functions():
 def test_a_ratio_line_from_a_summary():
     ck = bl.SMOL
     row = dict(ready_s=1.0, load_s=1.0, peak_rss=1.0, rss_x_bytes=1.0, us_per_tensor=1.0)
-    summary = [dict(row, ckpt=ck, cache='warm', method='ours', gbps=3.0), dict(row, ckpt=ck, cache='warm', method='limit-prefaulted', gbps=4.0)]
+    summary = [
+        dict(row, ckpt=ck, cache='warm', method='ours', gbps=3.0),
+        dict(row, ckpt=ck, cache='warm', method='limit-prefaulted', gbps=4.0),
+    ]
     got = [t for t in bl.targets(summary, {ck: {}}) if t['target'].startswith('1.')]
-    assert got == [dict(ckpt=ck, cache='warm', target='1. warm: ours GB/s / readinto per file into pre-faulted memory',
-                        value=0.75, op='>=', limit=0.8, met=False)]
+    assert got == [
+        dict(
+            ckpt=ck,
+            cache='warm',
+            target='1. warm: ours GB/s / readinto per file into pre-faulted memory',
+            value=0.75,
+            op='>=',
+            limit=0.8,
+            met=False,
+        )
+    ]

@@ -12,6 +12,7 @@ The corpus (`CORPUS`, >= 300 strings) is built deterministically:
    joined by separators drawn from spaces, runs of spaces, tabs, "\\n", "\\r\\n" and U+3000.
 Duplicates are dropped keeping the first occurrence, so the list and its order are the same on every run.
 """
+
 import codecs
 import functools
 import json
@@ -32,52 +33,128 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from tokenizers import decoders, pre_tokenizers
 
 from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, tokenizer_folder
-from mstar_utils.detokenize import (ByteLevelDetokenizer, SentencePieceDetokenizer, TextChunkDetokenizer, TextOutput,
-                                    TextStream, drop_stop_tokens)
+from mstar_utils.detokenize import (
+    ByteLevelDetokenizer,
+    SentencePieceDetokenizer,
+    TextChunkDetokenizer,
+    TextOutput,
+    TextStream,
+    drop_stop_tokens,
+)
 from mstar_utils.testing import clip_tokenizer_folder, metaspace_tokenizer, redecorated
 
 # ---------------------------------------------------------------- corpus
 HAND = {
     'english': [
-        'Hello, world!', 'The quick brown fox jumps over the lazy dog.', "Don't stop; it's fine, isn't it?",
-        'Dear [Name], I hope this message finds you well.', 'e.g. U.S.A. vs. U.K. -- 3.14159 and 1,000,000.',
-        'Mr. Smith paid $42.50 (tax incl.) on 2024-02-29 at 11:59pm.', '"Quoted," she said. \'Single\' too.',
-        'ALL CAPS AND lower case AND MiXeD CaSe', 'hyphen-ated, en–dash, em—dash, ellipsis…',
-        'a', ' ', '', 'I', '?!', 'The end.\n',
+        'Hello, world!',
+        'The quick brown fox jumps over the lazy dog.',
+        "Don't stop; it's fine, isn't it?",
+        'Dear [Name], I hope this message finds you well.',
+        'e.g. U.S.A. vs. U.K. -- 3.14159 and 1,000,000.',
+        'Mr. Smith paid $42.50 (tax incl.) on 2024-02-29 at 11:59pm.',
+        '"Quoted," she said. \'Single\' too.',
+        'ALL CAPS AND lower case AND MiXeD CaSe',
+        'hyphen-ated, en–dash, em—dash, ellipsis…',
+        'a',
+        ' ',
+        '',
+        'I',
+        '?!',
+        'The end.\n',
     ],
     'code': [
-        'def f(x):\n    return x * 2\n', 'if (a) {\n\tb();\n}', 'a    b', 'x  =  1;   y   =   2',
-        'for i in range(10):\n        print(i)\n\n\n', '    indented\n        more\n            most',
-        "{'a': 'search', 'b': 'replace'}", "d = {'key': 'value'}  # comment", '$ ls -la | grep "\\.py$"',
-        'SELECT * FROM t WHERE x <> 0;', '<div class="x">&amp;</div>', '```python\nprint(1)\n```',
-        'λx. x + 1', 'let v: Vec<u8> = vec![0; 16];', '#include <stdio.h>\nint main(void) { return 0; }',
+        'def f(x):\n    return x * 2\n',
+        'if (a) {\n\tb();\n}',
+        'a    b',
+        'x  =  1;   y   =   2',
+        'for i in range(10):\n        print(i)\n\n\n',
+        '    indented\n        more\n            most',
+        "{'a': 'search', 'b': 'replace'}",
+        "d = {'key': 'value'}  # comment",
+        '$ ls -la | grep "\\.py$"',
+        'SELECT * FROM t WHERE x <> 0;',
+        '<div class="x">&amp;</div>',
+        '```python\nprint(1)\n```',
+        'λx. x + 1',
+        'let v: Vec<u8> = vec![0; 16];',
+        '#include <stdio.h>\nint main(void) { return 0; }',
     ],
     'cjk': [
-        '你好，世界', '北京欢迎你', '我爱自然语言处理', '机器学习和深度学习', '東京の天気は晴れです。',
-        '今日は良い天気ですね', 'カタカナとひらがな', '안녕하세요, 세계!', '北東爿', '龘靐齉爩',
-        '中文English混合text', '「引用」と『二重引用』', '𠀀𠀁𪚥', '１２３ＡＢＣ', '漢字\u3000全角スペース',
+        '你好，世界',
+        '北京欢迎你',
+        '我爱自然语言处理',
+        '机器学习和深度学习',
+        '東京の天気は晴れです。',
+        '今日は良い天気ですね',
+        'カタカナとひらがな',
+        '안녕하세요, 세계!',
+        '北東爿',
+        '龘靐齉爩',
+        '中文English混合text',
+        '「引用」と『二重引用』',
+        '𠀀𠀁𪚥',
+        '１２３ＡＢＣ',
+        '漢字\u3000全角スペース',
     ],
     'arabic': [
-        'مرحبا بالعالم', 'السلام عليكم ورحمة الله', 'اللغة العربية جميلة', 'رقم ١٢٣ و 456',
-        'كِتَابٌ مُشَكَّلٌ', 'English then عربي then English',
+        'مرحبا بالعالم',
+        'السلام عليكم ورحمة الله',
+        'اللغة العربية جميلة',
+        'رقم ١٢٣ و 456',
+        'كِتَابٌ مُشَكَّلٌ',
+        'English then عربي then English',
     ],
     'hindi': [
-        'नमस्ते दुनिया', 'हिन्दी भाषा', 'क्षत्रिय और ज्ञान', 'मैं ठीक हूँ।', 'संस्कृतम् ॐ', 'Hindi हिन्दी mixed',
+        'नमस्ते दुनिया',
+        'हिन्दी भाषा',
+        'क्षत्रिय और ज्ञान',
+        'मैं ठीक हूँ।',
+        'संस्कृतम् ॐ',
+        'Hindi हिन्दी mixed',
     ],
     'emoji': [
-        '👍', '👍🏽', '👩‍💻', '👩🏽‍💻', '👨‍👩‍👧‍👦', '🏳️‍🌈', '❤️', '🇫🇷🇯🇵', '🧑🏿‍🤝‍🧑🏻',
-        'Great job 👏🏼👏🏼!', '1️⃣ keycap', '😀😃😄😁', '🫠 new emoji 🪿',
+        '👍',
+        '👍🏽',
+        '👩‍💻',
+        '👩🏽‍💻',
+        '👨‍👩‍👧‍👦',
+        '🏳️‍🌈',
+        '❤️',
+        '🇫🇷🇯🇵',
+        '🧑🏿‍🤝‍🧑🏻',
+        'Great job 👏🏼👏🏼!',
+        '1️⃣ keycap',
+        '😀😃😄😁',
+        '🫠 new emoji 🪿',
     ],
     'combining': [
-        'e\u0301', 'cafe\u0301 vs café', 'n\u0303 n\u0303\u0301', 'Z\u0351\u0352\u0353a\u0354\u0355lgo',
-        'a\u0308o\u0308u\u0308', 'ṩ vs s\u0323\u0307', 'Å vs A\u030a', '\u0915\u094d\u0937',
+        'e\u0301',
+        'cafe\u0301 vs café',
+        'n\u0303 n\u0303\u0301',
+        'Z\u0351\u0352\u0353a\u0354\u0355lgo',
+        'a\u0308o\u0308u\u0308',
+        'ṩ vs s\u0323\u0307',
+        'Å vs A\u030a',
+        '\u0915\u094d\u0937',
     ],
     'crlf': [
-        'line one\r\nline two\r\n', '\r\n', 'a\r\n\r\nb', 'windows\r\nstyle\r\n  indented\r\n', 'mixed\n\r\nends\r',
+        'line one\r\nline two\r\n',
+        '\r\n',
+        'a\r\n\r\nb',
+        'windows\r\nstyle\r\n  indented\r\n',
+        'mixed\n\r\nends\r',
     ],
     'control': [
-        'tab\there', 'bell\x07 and null\x00 byte', 'esc\x1b[31mred\x1b[0m', 'form\x0cfeed and vt\x0b',
-        'del\x7f char', 'nbsp\u00a0here', 'zwsp\u200bhere', 'bom\ufeffhere', 'soft\u00adhyphen', 'c1\x85\x9ccontrols',
+        'tab\there',
+        'bell\x07 and null\x00 byte',
+        'esc\x1b[31mred\x1b[0m',
+        'form\x0cfeed and vt\x0b',
+        'del\x7f char',
+        'nbsp\u00a0here',
+        'zwsp\u200bhere',
+        'bom\ufeffhere',
+        'soft\u00adhyphen',
+        'c1\x85\x9ccontrols',
     ],
 }
 SEPARATORS = [' ', '', '\n', '\r\n', '\t', '    ', '  ', '\u3000', ' \n']
@@ -85,8 +162,10 @@ SEPARATORS = [' ', '', '\n', '\r\n', '\t', '    ', '  ', '\u3000', ' \n']
 
 def build_corpus() -> list[str]:
     out = []
-    for texts in HAND.values(): out += texts
-    for texts in HAND.values(): out += [' ' + t for t in texts] + [t + '\n' for t in texts]
+    for texts in HAND.values():
+        out += texts
+    for texts in HAND.values():
+        out += [' ' + t for t in texts] + [t + '\n' for t in texts]
     rng, groups = random.Random(20250311), list(HAND)
     for _ in range(200):
         parts = [rng.choice(HAND[g]) for g in rng.sample(groups, rng.randint(2, 4))]
@@ -102,13 +181,20 @@ SENTENCEPIECE = ['mistral-v1', 'mistral-v3']
 def test_corpus_covers_what_the_issue_asks():
     assert len(CORPUS) >= 300
     joined = ''.join(CORPUS)
-    def has(pred): return any(pred(c) for c in joined)
-    assert has(lambda c: '\u4e00' <= c <= '\u9fff') and has(lambda c: '\u0600' <= c <= '\u06ff') and has(lambda c: '\u0900' <= c <= '\u097f')
-    assert '\u200d' in joined and has(lambda c: '\U0001f3fb' <= c <= '\U0001f3ff')      # ZWJ, skin tones
-    assert has(lambda c: unicodedata.category(c) == 'Mn')                                # combining marks
+
+    def has(pred):
+        return any(pred(c) for c in joined)
+
+    assert (
+        has(lambda c: '\u4e00' <= c <= '\u9fff')
+        and has(lambda c: '\u0600' <= c <= '\u06ff')
+        and has(lambda c: '\u0900' <= c <= '\u097f')
+    )
+    assert '\u200d' in joined and has(lambda c: '\U0001f3fb' <= c <= '\U0001f3ff')  # ZWJ, skin tones
+    assert has(lambda c: unicodedata.category(c) == 'Mn')  # combining marks
     assert '\r\n' in joined and 'a    b' in CORPUS and "{'a': 'search', 'b': 'replace'}" in CORPUS
-    assert has(lambda c: unicodedata.category(c) == 'Cc' and c not in '\r\n\t')           # control characters
-    assert build_corpus() == CORPUS                                                       # deterministic
+    assert has(lambda c: unicodedata.category(c) == 'Cc' and c not in '\r\n\t')  # control characters
+    assert build_corpus() == CORPUS  # deterministic
 
 
 # ---------------------------------------------------------------- tokenizers (loaded once)
@@ -119,11 +205,13 @@ def load(name):
 
 
 class _Toks:
-    def __getitem__(self, name): return load(name)
+    def __getitem__(self, name):
+        return load(name)
 
 
 @pytest.fixture(scope='module')
-def toks(): return _Toks()
+def toks():
+    return _Toks()
 
 
 def strip1(s: str) -> str:
@@ -177,7 +265,7 @@ def test_byte_level_corpus(toks, name):
 @pytest.mark.parametrize('name', SENTENCEPIECE)
 def test_sentencepiece_corpus(toks, name):
     tok = toks[name]
-    sp = SentencePieceDetokenizer(json.loads((tokenizer_folder(name)/'tokenizer.json').read_text()))
+    sp = SentencePieceDetokenizer(json.loads((tokenizer_folder(name) / 'tokenizer.json').read_text()))
     chunk = TextChunkDetokenizer(tok)
     assert sp.model_type == 'BPE' and chunk.mode == 'sentencepiece'
     rng, partial, stripped = random.Random(name), 0, 0
@@ -187,7 +275,7 @@ def test_sentencepiece_corpus(toks, name):
         ours = sp.to_bytes(ids).decode()
         assert b''.join(sp.piece_bytes(i) for i in ids) == sp.to_bytes(ids)
         assert strip1(ours) == tok.decode(ids, skip_special_tokens=True), (name, text)
-        assert sp.to_bytes(wrapped) == sp.to_bytes(ids)                       # special tokens give nothing
+        assert sp.to_bytes(wrapped) == sp.to_bytes(ids)  # special tokens give nothing
         assert strip1(chunk.to_bytes(wrapped).decode()) == tok.decode(wrapped)  # ... unless kept
         stripped += ours != tok.decode(ids, skip_special_tokens=True)
         partial += check_stream(sp, ids, rng, ours)
@@ -203,7 +291,8 @@ def test_hypothesis_text(name, text, seed):
     ids = tok.encode(text, add_special_tokens=False)
     det = _chunk(tok) if name in SENTENCEPIECE else _byte_level(tok)
     got = det.to_bytes(ids)
-    try: ours = got.decode()
+    try:
+        ours = got.decode()
     except UnicodeDecodeError:
         # the vocabulary lacks a byte the text needs (SmolLM2 has no token for some lead bytes such as 0xF1), so
         # encode dropped it: the ids are not valid UTF-8 on their own, and decode shows U+FFFD where ours has raw bytes
@@ -211,29 +300,39 @@ def test_hypothesis_text(name, text, seed):
         assert name not in SENTENCEPIECE and '\ufffd' in want and got.decode('utf-8', 'replace') == want
         return
     # the byte-level detokenizer drops special tokens (hypothesis also tries strings like '<|im_end|>'); TextChunk keeps them
-    if name in SENTENCEPIECE: assert strip1(ours) == tok.decode(ids)
-    else: assert ours == tok.decode(ids, skip_special_tokens=True)
+    if name in SENTENCEPIECE:
+        assert strip1(ours) == tok.decode(ids)
+    else:
+        assert ours == tok.decode(ids, skip_special_tokens=True)
     check_stream(det, ids, random.Random(seed), ours)
 
 
 _DETS = {}
+
+
 def _byte_level(tok, keep_special=False):
     "One detokenizer per tokenizer for the hypothesis tests, so examples share a warm memo."
     key = ('bl', id(tok), keep_special)
-    if key not in _DETS: _DETS[key] = ByteLevelDetokenizer(tok, keep_special=keep_special)
+    if key not in _DETS:
+        _DETS[key] = ByteLevelDetokenizer(tok, keep_special=keep_special)
     return _DETS[key]
 
 
 def _chunk(tok):
     key = ('chunk', id(tok))
-    if key not in _DETS: _DETS[key] = TextChunkDetokenizer(tok)
+    if key not in _DETS:
+        _DETS[key] = TextChunkDetokenizer(tok)
     return _DETS[key]
 
 
 def _ids_strategy(tok, byte_ids):
     "Random ids: anywhere in the vocabulary, byte tokens (which split characters), and the added tokens."
-    return st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(byte_ids),
-                              st.sampled_from(sorted(tok.added_tokens_decoder))), max_size=30)
+    return st.lists(
+        st.one_of(
+            st.integers(0, len(tok) - 1), st.sampled_from(byte_ids), st.sampled_from(sorted(tok.added_tokens_decoder))
+        ),
+        max_size=30,
+    )
 
 
 @pytest.mark.parametrize('name', BYTE_LEVEL)
@@ -253,6 +352,7 @@ def test_byte_level_random_ids(name, data):
 
 def _byte_chars():
     from mstar_utils.detokenize import _BYTE_DECODER
+
     return list(_BYTE_DECODER)
 
 
@@ -265,11 +365,13 @@ def test_sentencepiece_random_ids(name, data):
     ids = data.draw(_ids_strategy(tok, byte_ids))
     det = _chunk(tok)
     got, want = det.to_bytes(ids), tok.decode(ids)
-    try: text = got.decode()
+    try:
+        text = got.decode()
     except UnicodeDecodeError:
         # ByteFallback writes an invalid byte run as one U+FFFD per byte; ours stays bytes for the client to judge
         assert '\ufffd' in want
-    else: assert strip1(text) == want
+    else:
+        assert strip1(text) == want
     assert b''.join(det.to_bytes(c) for c in random_split(ids, random.Random(len(ids)))) == got
 
 
@@ -290,7 +392,7 @@ def test_cjk_character_across_two_tokens(toks, name):
 def test_sentencepiece_pieces_bei_dong_pan(toks, name):
     tok = toks[name]
     ids = tok.convert_tokens_to_ids(['▁', '北', '東', '<0xE7>', '<0x88>', '<0xBF>'])
-    sp = SentencePieceDetokenizer(json.loads((tokenizer_folder(name)/'tokenizer.json').read_text()))
+    sp = SentencePieceDetokenizer(json.loads((tokenizer_folder(name) / 'tokenizer.json').read_text()))
     assert sp.to_bytes(ids).decode() == ' 北東爿' == ' ' + tok.decode(ids)
     assert [sp.piece_bytes(i) for i in ids[3:]] == [bytes([b]) for b in '爿'.encode()]
 
@@ -309,8 +411,10 @@ def test_qwen_chatml_stop(toks):
 
 # ---------------------------------------------------------------- modes, added tokens, cleanup, slow, Unigram
 def test_text_chunk_modes(toks):
-    for n in BYTE_LEVEL: assert TextChunkDetokenizer(toks[n]).mode == 'byte_level'
-    for n in SENTENCEPIECE: assert TextChunkDetokenizer(toks[n]).mode == 'sentencepiece'
+    for n in BYTE_LEVEL:
+        assert TextChunkDetokenizer(toks[n]).mode == 'byte_level'
+    for n in SENTENCEPIECE:
+        assert TextChunkDetokenizer(toks[n]).mode == 'sentencepiece'
     mini = AutoTokenizer.from_pretrained(minilm_checkpoint())
     assert TextChunkDetokenizer(mini).mode == 'wordpiece'
     # per-token decode is the fallback for a decoder whose token text depends on its neighbours (CTC merges repeats)
@@ -320,16 +424,19 @@ def test_text_chunk_modes(toks):
     ids = ctc.encode('Streaming tokenizers, one step at a time', add_special_tokens=True)
     assert [det.token_bytes(i) for i in ids] == [ctc.decode([i]).encode() for i in ids]
     assert det.to_bytes(ids) == ctc.decode(ids).encode()
-    assert TextChunkDetokenizer(ctc, keep_special=False).to_bytes(ids) == ctc.decode(ids, skip_special_tokens=True).encode()
+    assert (
+        TextChunkDetokenizer(ctc, keep_special=False).to_bytes(ids)
+        == ctc.decode(ids, skip_special_tokens=True).encode()
+    )
     with pytest.raises(ValueError, match="'WordPiece'"):
-        SentencePieceDetokenizer(json.loads((minilm_checkpoint()/'tokenizer.json').read_text()))
+        SentencePieceDetokenizer(json.loads((minilm_checkpoint() / 'tokenizer.json').read_text()))
 
 
 def test_word_spaces_survive_sentencepiece(toks):
     tok = toks['mistral-v3']
     ids = tok.encode('Dear [Name], I hope', add_special_tokens=False)
     per_step = ''.join(tok.decode([i]) for i in ids)
-    assert per_step == 'Dear[Name],Ihope'       # what the contract's per-step decode streams
+    assert per_step == 'Dear[Name],Ihope'  # what the contract's per-step decode streams
     det = TextChunkDetokenizer(tok)
     assert strip1(b''.join(det.token_bytes(i) for i in ids).decode()) == tok.decode(ids) == 'Dear [Name], I hope'
 
@@ -351,7 +458,10 @@ def test_added_tokens_are_text(toks):
     # the byte table ('café' -> b'caf\xe9', invalid UTF-8), the detokenizer gives what encode() matched
     qwen.add_tokens(['café'])
     cafe = qwen.convert_tokens_to_ids('café')
-    assert qwen.encode('café', add_special_tokens=False) == [cafe] and ByteLevelDetokenizer(qwen).token_bytes(cafe) == 'café'.encode()
+    assert (
+        qwen.encode('café', add_special_tokens=False) == [cafe]
+        and ByteLevelDetokenizer(qwen).token_bytes(cafe) == 'café'.encode()
+    )
 
 
 def test_no_cleanup_rewrite(toks):
@@ -361,26 +471,32 @@ def test_no_cleanup_rewrite(toks):
     # transformers 5 ignores the flag for BPE, so decode is unchanged and the tokenizer still counts as byte-level
     assert ByteLevelDetokenizer.is_byte_level(on) and on.decode(ids) == text
     assert TextChunkDetokenizer(on).to_bytes(ids).decode() == text
-    forced = AutoTokenizer.from_pretrained(smollm2_checkpoint(), clean_up_tokenization_spaces=True,
-                                           clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
-    assert forced.decode(ids) != text                                  # "':'search"
+    forced = AutoTokenizer.from_pretrained(
+        smollm2_checkpoint(),
+        clean_up_tokenization_spaces=True,
+        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True,
+    )
+    assert forced.decode(ids) != text  # "':'search"
     assert not ByteLevelDetokenizer.is_byte_level(forced)
-    with pytest.raises(ValueError, match='clean_up_tokenization_spaces'): ByteLevelDetokenizer(forced)
+    with pytest.raises(ValueError, match='clean_up_tokenization_spaces'):
+        ByteLevelDetokenizer(forced)
     # the chunks still stream the decoder's bytes: the rewrite works on whole texts, and the reason says it is not applied
     chunk = TextChunkDetokenizer(forced)
     assert chunk.mode == 'byte_level' and 'clean_up_tokenization_spaces' in chunk.reason
     assert chunk.to_bytes(ids).decode() == text == forced.decode(ids, clean_up_tokenization_spaces=False)
-    for n in BYTE_LEVEL: assert ByteLevelDetokenizer(toks[n]).to_bytes(toks[n].encode(text)).decode() == text
+    for n in BYTE_LEVEL:
+        assert ByteLevelDetokenizer(toks[n]).to_bytes(toks[n].encode(text)).decode() == text
 
 
 def _gpt2_slow(tmp_path, **kw):
     "A slow (Python) byte-level tokenizer over GPT-2's real vocabulary: ClvpTokenizer reads GPT-2's vocab.json/merges.txt format."
     from transformers import ClvpTokenizer
-    model = json.loads((tokenizer_folder('gpt2')/'tokenizer.json').read_text())['model']
-    (tmp_path/'vocab.json').write_text(json.dumps(model['vocab']))
+
+    model = json.loads((tokenizer_folder('gpt2') / 'tokenizer.json').read_text())['model']
+    (tmp_path / 'vocab.json').write_text(json.dumps(model['vocab']))
     merges = [m if isinstance(m, str) else ' '.join(m) for m in model['merges']]
-    (tmp_path/'merges.txt').write_text('#version: 0.2\n' + '\n'.join(merges) + '\n')
-    return ClvpTokenizer(str(tmp_path/'vocab.json'), str(tmp_path/'merges.txt'), **kw)
+    (tmp_path / 'merges.txt').write_text('#version: 0.2\n' + '\n'.join(merges) + '\n')
+    return ClvpTokenizer(str(tmp_path / 'vocab.json'), str(tmp_path / 'merges.txt'), **kw)
 
 
 def test_slow_byte_level_tokenizer(toks, tmp_path):
@@ -398,13 +514,16 @@ def test_slow_byte_level_tokenizer(toks, tmp_path):
 def _unigram_tokenizer():
     "A small SentencePiece-style Unigram tokenizer with byte fallback, built with HF tokenizers (no real Unigram vocabulary ships in a package we pin)."
     from tokenizers import Tokenizer, decoders, models, normalizers
+
     words = ['▁', '▁the', '▁quick', '▁brown', '▁fox', '▁hello', '▁world', 'ing', 's', '▁a', '▁b', '北', '東', '▁你好']
     letters = sorted(set('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?\'"():;[]{}-_=#*'))
     vocab = [('<unk>', 0.0), ('<s>', 0.0), ('</s>', 0.0)] + [(f'<0x{b:02X}>', -20.0) for b in range(256)]
     vocab += [(w, -2.0 - 0.1 * k) for k, w in enumerate(words)] + [(c, -8.0) for c in letters]
     tk = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
     tk.normalizer = normalizers.Sequence([normalizers.Prepend('▁'), normalizers.Replace(' ', '▁')])
-    tk.decoder = decoders.Sequence([decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(' ', 1, 0)])
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(' ', 1, 0)]
+    )
     tk.add_special_tokens(['<unk>', '<s>', '</s>'])
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token='<unk>', bos_token='<s>', eos_token='</s>')
 
@@ -427,16 +546,23 @@ def test_unigram_byte_fallback():
 # ---------------------------------------------------------------- bad ids
 @pytest.mark.parametrize('kind', ['byte_level', 'sentencepiece', 'chunk_sp', 'chunk_decode'])
 def test_bad_ids(toks, kind):
-    det = {'byte_level': lambda: ByteLevelDetokenizer(toks['smollm2']),
-           'sentencepiece': lambda: SentencePieceDetokenizer(json.loads((tokenizer_folder('mistral-v1')/'tokenizer.json').read_text())),
-           'chunk_sp': lambda: TextChunkDetokenizer(toks['mistral-v3']),
-           'chunk_decode': lambda: TextChunkDetokenizer(AutoTokenizer.from_pretrained(minilm_checkpoint()))}[kind]()
+    det = {
+        'byte_level': lambda: ByteLevelDetokenizer(toks['smollm2']),
+        'sentencepiece': lambda: SentencePieceDetokenizer(
+            json.loads((tokenizer_folder('mistral-v1') / 'tokenizer.json').read_text())
+        ),
+        'chunk_sp': lambda: TextChunkDetokenizer(toks['mistral-v3']),
+        'chunk_decode': lambda: TextChunkDetokenizer(AutoTokenizer.from_pretrained(minilm_checkpoint())),
+    }[kind]()
     size = det.vocab_size
-    det.token_bytes(1); det.token_bytes(size - 1)  # warm: equal floats and bools must still be refused
+    det.token_bytes(1)
+    det.token_bytes(size - 1)  # warm: equal floats and bools must still be refused
     for bad in (-1, size, size + 1, 10**12, 1.0, 1.5, True, float(size - 1), '3', None, torch.tensor(1)):
-        with pytest.raises(ValueError) as e: det.token_bytes(bad)
+        with pytest.raises(ValueError) as e:
+            det.token_bytes(bad)
         assert str(size) in str(e.value) and (repr(bad) in str(e.value) or str(bad) in str(e.value)), e.value
-        with pytest.raises(ValueError): det.to_bytes([1, bad])
+        with pytest.raises(ValueError):
+            det.to_bytes([1, bad])
     assert det.token_bytes(np.int64(1)) == det.token_bytes(1)
     assert det.to_bytes(torch.tensor([1, size - 1])) == det.to_bytes([1, size - 1])
     with pytest.raises(ValueError, match=str(size)):
@@ -450,27 +576,39 @@ def test_memo_is_thread_safe(toks, make):
     ids = sorted({i for t in CORPUS for i in tok.encode(t, add_special_tokens=False)} | set(range(0, len(tok), 97)))
     reference = TextChunkDetokenizer(tok)
     want = {i: reference.token_bytes(i) for i in ids}
-    det = TextChunkDetokenizer(tok)   # cold memo, shared by 8 threads
+    det = TextChunkDetokenizer(tok)  # cold memo, shared by 8 threads
     barrier, results, errors = threading.Barrier(8), [None] * 8, []
+
     def work(k):
         try:
-            order = ids[:]; random.Random(k).shuffle(order)
+            order = ids[:]
+            random.Random(k).shuffle(order)
             barrier.wait()
             got = {i: det.token_bytes(i) for i in order}
             for bad in (-1, len(tok)):
-                try: det.token_bytes(bad)
-                except ValueError: pass
-                else: errors.append(f'{bad} accepted')
+                try:
+                    det.token_bytes(bad)
+                except ValueError:
+                    pass
+                else:
+                    errors.append(f'{bad} accepted')
             results[k] = got
-        except Exception as e: errors.append(repr(e))
-    old = sys.getswitchinterval(); sys.setswitchinterval(1e-6)
+        except Exception as e:
+            errors.append(repr(e))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
     try:
         threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-        for t in threads: t.start()
-        for t in threads: t.join()
-    finally: sys.setswitchinterval(old)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
     assert not errors, errors
-    for got in results: assert got == want
+    for got in results:
+        assert got == want
     # one canonical object per id, whichever thread computed it
     assert all(all(r[i] is results[0][i] for r in results) for i in ids)
     assert len(det._memo) == len(ids)  # the one memo holds each id once, and no refused id
@@ -492,11 +630,20 @@ def test_drop_stop_tokens():
     assert drop_stop_tokens([3, 2, 4], {2}, None) == [3]
     assert drop_stop_tokens((3, 4), {2}, None) == [3, 4] and drop_stop_tokens(range(3, 5), {4}, None) == [3]
     assert drop_stop_tokens(np.array([[3, 2]]), {2}, None) == [3]
-    for bad, msg in [('32', 'output is the str'), (b'3', 'output is the bytes'), ([3, 2.0], r'2\.0, a float'),
-                     ([3, True], 'True, a bool'), (np.array([1.0]), r'1\.0, a float'), (None, 'output is the NoneType'), (3, 'output is the int')]:
-        with pytest.raises(ValueError, match=msg): drop_stop_tokens(bad, {2}, None)
+    for bad, msg in [
+        ('32', 'output is the str'),
+        (b'3', 'output is the bytes'),
+        ([3, 2.0], r'2\.0, a float'),
+        ([3, True], 'True, a bool'),
+        (np.array([1.0]), r'1\.0, a float'),
+        (None, 'output is the NoneType'),
+        (3, 'output is the int'),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            drop_stop_tokens(bad, {2}, None)
     for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1 + 0j])):
-        with pytest.raises(ValueError, match='integer tensor'): drop_stop_tokens(bad, {2}, None)
+        with pytest.raises(ValueError, match='integer tensor'):
+            drop_stop_tokens(bad, {2}, None)
 
 
 @pytest.mark.parametrize('name', ['smollm2', 'qwen', 'mistral-v1'])
@@ -515,40 +662,55 @@ def _checkpoint(folder, generation_config, tokenizer_source=None):
     "A checkpoint folder with this generation_config.json (a dict, or raw text; None for none) and, if given, `tokenizer_source`'s tokenizer files."
     folder.mkdir()
     if tokenizer_source is not None:
-        for f in ('tokenizer.json', 'tokenizer_config.json'): shutil.copy(tokenizer_source/f, folder/f)
+        for f in ('tokenizer.json', 'tokenizer_config.json'):
+            shutil.copy(tokenizer_source / f, folder / f)
     if generation_config is not None:
         raw = generation_config if isinstance(generation_config, str) else json.dumps(generation_config)
-        (folder/'generation_config.json').write_text(raw)
+        (folder / 'generation_config.json').write_text(raw)
     return folder
 
 
 def test_from_checkpoint(toks, tmp_path):
     to = TextOutput.from_checkpoint(smollm2_checkpoint(), tokenizer=toks['smollm2'])
     assert to.stop_token_ids == {2} and to.detokenizer.mode == 'byte_level'
-    assert TextOutput.from_checkpoint(smollm2_checkpoint()).stop_token_ids == {2}         # loads the tokenizer itself
-    mistral = TextOutput.from_checkpoint(_checkpoint(tmp_path/'m', {'eos_token_id': 2}, tokenizer_folder('mistral-v1')))
+    assert TextOutput.from_checkpoint(smollm2_checkpoint()).stop_token_ids == {2}  # loads the tokenizer itself
+    mistral = TextOutput.from_checkpoint(
+        _checkpoint(tmp_path / 'm', {'eos_token_id': 2}, tokenizer_folder('mistral-v1'))
+    )
     assert mistral.detokenizer.mode == 'sentencepiece' and mistral.stop_token_ids == {2}
     # Llama-3-style list; Qwen's vocabulary (151646 ids) holds both ids, and its tokenizer's eos is <|endoftext|> 151643
     qwen = toks['qwen']
-    def stops(name, cfg): return TextOutput.from_checkpoint(_checkpoint(tmp_path/name, cfg), tokenizer=qwen).stop_token_ids
+
+    def stops(name, cfg):
+        return TextOutput.from_checkpoint(_checkpoint(tmp_path / name, cfg), tokenizer=qwen).stop_token_ids
+
     assert stops('a', {'eos_token_id': [128001, 128009]}) == {128001, 128009, 151643}
     assert stops('b', {'eos_token_id': 151645, 'bos_token_id': 151643}) == {151645, 151643}
     assert stops('c', None) == {151643} and stops('d', {'eos_token_id': None}) == {151643}
-    for k, (cfg, msg) in enumerate([({'eos_token_id': 'x'}, 'eos_token_id must be an int'),
-                                    ({'eos_token_id': [2, None]}, 'eos_token_id must be an int'),
-                                    ({'eos_token_id': True}, 'eos_token_id must be an int'),
-                                    ({'eos_token_id': 10**9}, 'eos_token_id is 1000000000, outside .*vocabulary size 151646'),
-                                    ('{not json', 'is not a JSON object'), ('[1, 2]', 'is not a JSON object')]):
-        with pytest.raises(ValueError, match=msg) as e: stops(f'bad{k}', cfg)
+    for k, (cfg, msg) in enumerate(
+        [
+            ({'eos_token_id': 'x'}, 'eos_token_id must be an int'),
+            ({'eos_token_id': [2, None]}, 'eos_token_id must be an int'),
+            ({'eos_token_id': True}, 'eos_token_id must be an int'),
+            ({'eos_token_id': 10**9}, 'eos_token_id is 1000000000, outside .*vocabulary size 151646'),
+            ('{not json', 'is not a JSON object'),
+            ('[1, 2]', 'is not a JSON object'),
+        ]
+    ):
+        with pytest.raises(ValueError, match=msg) as e:
+            stops(f'bad{k}', cfg)
         assert 'generation_config.json' in str(e.value)
-    with pytest.raises(ValueError, match='no tokenizer loads from'): TextOutput.from_checkpoint(tmp_path/'missing')
+    with pytest.raises(ValueError, match='no tokenizer loads from'):
+        TextOutput.from_checkpoint(tmp_path / 'missing')
 
 
 def test_pickle_round_trip(toks):
     to = TextOutput(TextChunkDetokenizer(toks['gpt2']), frozenset({50256}))
     ids = toks['gpt2'].encode('你好 pickle', add_special_tokens=False)
     back = pickle.loads(pickle.dumps(to))
-    assert back.stop_token_ids == to.stop_token_ids and back.output_bytes(torch.tensor(ids)) == to.output_bytes(torch.tensor(ids))
+    assert back.stop_token_ids == to.stop_token_ids and back.output_bytes(torch.tensor(ids)) == to.output_bytes(
+        torch.tensor(ids)
+    )
     assert back.detokenizer.token_bytes(ids[0]) == to.detokenizer.token_bytes(ids[0])
 
 
@@ -560,11 +722,16 @@ def test_pickle_round_trip(toks):
 # (byte_fallback declared, a decoder without a ByteFallback step): there the same decoder with ByteFallback put first.
 # With no decoder at all, decode itself is the reference: the notebook says the chunks follow it.
 
+
 def _unigram_metaspace():
     "T5-style: a Unigram vocabulary with a Metaspace decoder (prepend_scheme always) and byte fallback in the model."
     tok = _unigram_tokenizer()
-    return redecorated(tok, normalizer=None, pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme='always'),
-                       decoder=decoders.Metaspace(prepend_scheme='always'))
+    return redecorated(
+        tok,
+        normalizer=None,
+        pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme='always'),
+        decoder=decoders.Metaspace(prepend_scheme='always'),
+    )
 
 
 FAMILIES = {  # name: (build, mode, edge)
@@ -581,24 +748,76 @@ FAMILIES = {  # name: (build, mode, edge)
     'metaspace-always': (lambda: metaspace_tokenizer('always'), 'metaspace', 'lead'),
     'metaspace-never': (lambda: metaspace_tokenizer('never'), 'metaspace', 'exact'),
     'metaspace-v1': (lambda: metaspace_tokenizer('first', 'mistral-v1'), 'metaspace', 'lead'),
-    'wordpiece-no-cleanup': (lambda: redecorated(AutoTokenizer.from_pretrained(minilm_checkpoint()), decoder=decoders.WordPiece(cleanup=False)), 'wordpiece', 'lead'),
-    'bpe-suffix': (lambda: redecorated(AutoTokenizer.from_pretrained(clip_tokenizer_folder()), decoder=decoders.BPEDecoder(suffix='</w>')), 'bpe_suffix', 'trail'),
+    'wordpiece-no-cleanup': (
+        lambda: redecorated(
+            AutoTokenizer.from_pretrained(minilm_checkpoint()), decoder=decoders.WordPiece(cleanup=False)
+        ),
+        'wordpiece',
+        'lead',
+    ),
+    'bpe-suffix': (
+        lambda: redecorated(
+            AutoTokenizer.from_pretrained(clip_tokenizer_folder()), decoder=decoders.BPEDecoder(suffix='</w>')
+        ),
+        'bpe_suffix',
+        'trail',
+    ),
     'byte-fallback-unigram': (lambda: _unigram_tokenizer(), 'sentencepiece', 'lead'),
     'metaspace-unigram': (_unigram_metaspace, 'metaspace', 'lead'),
-    'no-decoder': (lambda: redecorated(AutoTokenizer.from_pretrained(minilm_checkpoint()), decoder=None), 'joined', 'lead'),
+    'no-decoder': (
+        lambda: redecorated(AutoTokenizer.from_pretrained(minilm_checkpoint()), decoder=None),
+        'joined',
+        'lead',
+    ),
     # no decoder over a byte_fallback vocabulary, and over one with an end-of-word suffix: decode joins the raw pieces with spaces
     'no-decoder-byte-fallback': (lambda: redecorated(load('mistral-v1'), decoder=None), 'joined', 'lead'),
-    'no-decoder-suffix': (lambda: redecorated(AutoTokenizer.from_pretrained(clip_tokenizer_folder()), decoder=None), 'joined', 'lead'),
+    'no-decoder-suffix': (
+        lambda: redecorated(AutoTokenizer.from_pretrained(clip_tokenizer_folder()), decoder=None),
+        'joined',
+        'lead',
+    ),
     # an empty Sequence joins the pieces as they are; the vocabulary's byte_fallback applies
-    'empty-sequence': (lambda: redecorated(load('mistral-v1'), decoder=decoders.Sequence([])), 'sentencepiece', 'exact'),
+    'empty-sequence': (
+        lambda: redecorated(load('mistral-v1'), decoder=decoders.Sequence([])),
+        'sentencepiece',
+        'exact',
+    ),
     # ByteLevel inside a Sequence, as tokenizer-training scripts write it
-    'sequence-byte-level': (lambda: redecorated(load('gpt2'), decoder=decoders.Sequence([decoders.ByteLevel()])), 'byte_level', 'exact'),
-    'byte-level-fuse': (lambda: redecorated(load('qwen'), decoder=decoders.Sequence([decoders.ByteLevel(), decoders.Fuse()])), 'byte_level', 'exact'),
-    'byte-level-strip': (lambda: redecorated(load('smollm2'), decoder=decoders.Sequence([decoders.ByteLevel(), decoders.Strip(' ', 1, 0)])), 'byte_level', 'lead'),
-    'byte-level-replace-1-byte': (lambda: redecorated(load('gpt2'), decoder=decoders.Sequence([decoders.ByteLevel(), decoders.Replace('\n', ' ')])), 'byte_level', 'exact'),
+    'sequence-byte-level': (
+        lambda: redecorated(load('gpt2'), decoder=decoders.Sequence([decoders.ByteLevel()])),
+        'byte_level',
+        'exact',
+    ),
+    'byte-level-fuse': (
+        lambda: redecorated(load('qwen'), decoder=decoders.Sequence([decoders.ByteLevel(), decoders.Fuse()])),
+        'byte_level',
+        'exact',
+    ),
+    'byte-level-strip': (
+        lambda: redecorated(
+            load('smollm2'), decoder=decoders.Sequence([decoders.ByteLevel(), decoders.Strip(' ', 1, 0)])
+        ),
+        'byte_level',
+        'lead',
+    ),
+    'byte-level-replace-1-byte': (
+        lambda: redecorated(
+            load('gpt2'), decoder=decoders.Sequence([decoders.ByteLevel(), decoders.Replace('\n', ' ')])
+        ),
+        'byte_level',
+        'exact',
+    ),
     # a one-byte Replace after ByteFallback and the join streams
-    'byte-fallback-replace-1-byte': (lambda: redecorated(load('mistral-v3'), decoder=decoders.Sequence(
-        [decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(), decoders.Replace(' ', '_')])), 'sentencepiece', 'exact'),
+    'byte-fallback-replace-1-byte': (
+        lambda: redecorated(
+            load('mistral-v3'),
+            decoder=decoders.Sequence(
+                [decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(), decoders.Replace(' ', '_')]
+            ),
+        ),
+        'sentencepiece',
+        'exact',
+    ),
 }
 
 
@@ -608,32 +827,46 @@ def family(name):
     tok = FAMILIES[name][0]()
     ref, tj = tok, json.loads(tok.backend_tokenizer.to_str())
     steps = json.dumps(tj.get('decoder'))
-    if tj['model'].get('byte_fallback') and tj.get('decoder') is not None and '"ByteFallback"' not in steps:   # the vocabulary wins: see the notebook
-        ref = _Backend(tok.backend_tokenizer, decoders.Sequence([decoders.ByteFallback(), tok.backend_tokenizer.decoder]))
+    if (
+        tj['model'].get('byte_fallback') and tj.get('decoder') is not None and '"ByteFallback"' not in steps
+    ):  # the vocabulary wins: see the notebook
+        ref = _Backend(
+            tok.backend_tokenizer, decoders.Sequence([decoders.ByteFallback(), tok.backend_tokenizer.decoder])
+        )
     return tok, ref, TextChunkDetokenizer(tok)
 
 
 class _Backend:
     "A copy of a tokenizers.Tokenizer with another decoder, decoding as transformers does (special tokens kept by default)."
+
     def __init__(self, backend, decoder):
         from tokenizers import Tokenizer
-        self.tk = Tokenizer.from_str(backend.to_str()); self.tk.decoder = decoder
-    def decode(self, ids, skip_special_tokens=False): return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        self.tk = Tokenizer.from_str(backend.to_str())
+        self.tk.decoder = decoder
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def edge_trim(s: str, edge: str) -> str:
     "What decode gives for a reply whose streamed text is `s`, when the reply opens and closes with ordinary words."
-    if edge == 'lead': return s[1:] if s.startswith(' ') else s
-    if edge == 'trail': return s[:-1] if s.endswith(' ') else s
+    if edge == 'lead':
+        return s[1:] if s.startswith(' ') else s
+    if edge == 'trail':
+        return s[:-1] if s.endswith(' ') else s
     return s
 
 
 def bare_rule(det, tok, ids, edge, mode) -> bytes:
     "The documented edge rule on the bare ids: what decode(ids) must be, from the streamed bytes."
-    if not ids: return b''
+    if not ids:
+        return b''
     first, rest = det.token_bytes(ids[0]), det.to_bytes(ids[1:])
-    if mode == 'metaspace' and edge == 'lead': return first.replace(b' ', b'') + rest   # every ▁ of the first token dropped
-    if mode in ('wordpiece', 'joined'): return tok.decode([ids[0]]).encode() + rest       # the first token as decode writes it alone
+    if mode == 'metaspace' and edge == 'lead':
+        return first.replace(b' ', b'') + rest  # every ▁ of the first token dropped
+    if mode in ('wordpiece', 'joined'):
+        return tok.decode([ids[0]]).encode() + rest  # the first token as decode writes it alone
     return edge_trim(det.to_bytes(ids).decode(), edge).encode()
 
 
@@ -653,15 +886,29 @@ def test_decoder_family_corpus(name):
         assert edge_trim(ours, edge) == ref.decode(whole), (name, text, ours)
         assert det.to_bytes(whole) == b''.join(det.token_bytes(i) for i in whole)
         # a bare reply: the documented rule at its edges
-        try: want = ref.decode(ids).encode()
-        except Exception: continue
-        if '\ufffd' not in ref.decode(ids): assert bare_rule(det, ref, ids, edge, mode) == want, (name, text)
+        try:
+            want = ref.decode(ids).encode()
+        except Exception:
+            continue
+        if '\ufffd' not in ref.decode(ids):
+            assert bare_rule(det, ref, ids, edge, mode) == want, (name, text)
         lead += det.to_bytes(ids) != want
         partial += check_stream(det, ids, rng, det.to_bytes(ids).decode(), rounds=1)
-    assert edge == 'exact' or lead > 50, lead            # the edge rule is really exercised
+    assert edge == 'exact' or lead > 50, lead  # the edge rule is really exercised
     # and characters really split across chunks, where the vocabulary has byte pieces (WordPiece has none; a BPEDecoder
     # alone leaves CLIP's byte-map characters as they are, as decode does)
-    assert name in ('minilm', 'wordpiece-no-cleanup', 'no-decoder', 'bpe-suffix', 'no-decoder-byte-fallback', 'no-decoder-suffix') or partial > 0
+    assert (
+        name
+        in (
+            'minilm',
+            'wordpiece-no-cleanup',
+            'no-decoder',
+            'bpe-suffix',
+            'no-decoder-byte-fallback',
+            'no-decoder-suffix',
+        )
+        or partial > 0
+    )
 
 
 def test_metaspace_per_step_decode_loses_the_spaces():
@@ -669,7 +916,11 @@ def test_metaspace_per_step_decode_loses_the_spaces():
     tok, _, det = family('metaspace-first')
     ids = tok.encode("Hello! I'm an AI language model", add_special_tokens=False)
     assert ''.join(tok.decode([i]) for i in ids) == "Hello!I'manAIlanguagemodel"
-    assert b''.join(det.token_bytes(i) for i in ids).decode() == ' ' + tok.decode(ids) == " Hello! I'm an AI language model"
+    assert (
+        b''.join(det.token_bytes(i) for i in ids).decode()
+        == ' ' + tok.decode(ids)
+        == " Hello! I'm an AI language model"
+    )
 
 
 def test_vocabulary_wins_over_decoder():
@@ -678,13 +929,15 @@ def test_vocabulary_wins_over_decoder():
     ids = tok.encode('爿', add_special_tokens=False)
     assert '<0xE7>' in tok.decode(ids) and det.to_bytes(ids).decode().strip() == '爿' == ref.decode(ids).strip()
     assert 'byte_fallback' in det.reason
-    tj = json.loads(tok.backend_tokenizer.to_str()); tj['model']['byte_fallback'] = False
+    tj = json.loads(tok.backend_tokenizer.to_str())
+    tj['model']['byte_fallback'] = False
     literal = TextChunkDetokenizer(redecorated(tok, model=tj['model']))
     assert literal.to_bytes(ids).decode() == ' ' + tok.decode(ids) and 'byte_fallback' not in literal.reason
     # CLIP: a ByteLevel decoder over a vocabulary that ends words with </w>
     clip = family('clip')[0]
     assert not ByteLevelDetokenizer.is_byte_level(clip) and "'</w>'" in family('clip')[2].reason
-    with pytest.raises(ValueError, match='end_of_word_suffix'): ByteLevelDetokenizer(clip)
+    with pytest.raises(ValueError, match='end_of_word_suffix'):
+        ByteLevelDetokenizer(clip)
 
 
 @pytest.mark.parametrize('name', ['minilm', 'metaspace-first', 'mistral-v3', 'clip', 'smollm2'])
@@ -696,14 +949,33 @@ def test_keep_special_false_matches_skip_special_tokens(name):
     a, b = tok.encode('hello', add_special_tokens=False)[:1], tok.encode('world', add_special_tokens=False)[-1:]
     for text in CORPUS[::9]:
         whole = [specials[0], *a, *tok.encode(text, add_special_tokens=False), *b, specials[-1]]
-        assert edge_trim(det.to_bytes(whole).decode(), FAMILIES[name][2]) == ref.decode(whole, skip_special_tokens=True), text
+        assert edge_trim(det.to_bytes(whole).decode(), FAMILIES[name][2]) == ref.decode(
+            whole, skip_special_tokens=True
+        ), text
     extra = TextChunkDetokenizer(tok, extra_skip_ids={a[0]})
-    assert extra.token_bytes(a[0]) == b'' and extra.token_bytes(specials[0]) == TextChunkDetokenizer(tok).token_bytes(specials[0])
+    assert extra.token_bytes(a[0]) == b'' and extra.token_bytes(specials[0]) == TextChunkDetokenizer(tok).token_bytes(
+        specials[0]
+    )
 
 
-@pytest.mark.parametrize('name', ['minilm', 'wordpiece-no-cleanup', 'bpe-suffix', 'clip', 'metaspace-never', 'no-decoder',
-                                  'no-decoder-byte-fallback', 'no-decoder-suffix', 'empty-sequence', 'sequence-byte-level',
-                                  'byte-level-fuse', 'byte-level-replace-1-byte', 'byte-fallback-replace-1-byte'])
+@pytest.mark.parametrize(
+    'name',
+    [
+        'minilm',
+        'wordpiece-no-cleanup',
+        'bpe-suffix',
+        'clip',
+        'metaspace-never',
+        'no-decoder',
+        'no-decoder-byte-fallback',
+        'no-decoder-suffix',
+        'empty-sequence',
+        'sequence-byte-level',
+        'byte-level-fuse',
+        'byte-level-replace-1-byte',
+        'byte-fallback-replace-1-byte',
+    ],
+)
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_decoder_family_random_ids(name, data):
@@ -714,11 +986,13 @@ def test_decoder_family_random_ids(name, data):
     whole = [*a, *ids, *b]
     got = det.to_bytes(whole)
     assert b''.join(det.to_bytes(c) for c in random_split(whole, random.Random(len(ids)))) == got
-    try: ours = got.decode()
+    try:
+        ours = got.decode()
     except UnicodeDecodeError:
         assert '\ufffd' in ref.decode(whole)
         # ByteLevel decodes its joined bytes with from_utf8_lossy, which substitutes maximal subparts as Python's 'replace' does
-        if det.mode == 'byte_level': assert edge_trim(got.decode('utf-8', 'replace'), FAMILIES[name][2]) == ref.decode(whole)
+        if det.mode == 'byte_level':
+            assert edge_trim(got.decode('utf-8', 'replace'), FAMILIES[name][2]) == ref.decode(whole)
         return
     assert edge_trim(ours, FAMILIES[name][2]) == ref.decode(whole)
 
@@ -734,7 +1008,11 @@ def test_handed_multi_token_step(toks):
         assert to.step_bytes(out, {'ignore_eos': True}) == smol.decode(step).encode()
     # later steps: a TextStream remembers that the reply ended
     s = to.stream()
-    assert [s.step(torch.tensor(step[:1])), s.step(torch.tensor(step[1:4])), s.step(torch.tensor(step[4:]))] == [b' Paris', b'.', b'']
+    assert [s.step(torch.tensor(step[:1])), s.step(torch.tensor(step[1:4])), s.step(torch.tensor(step[4:]))] == [
+        b' Paris',
+        b'.',
+        b'',
+    ]
     assert s.ended and s.step(torch.tensor([smol.encode('x')[0]])) == b''
     s = TextStream(to, {'ignore_eos': True})
     assert b''.join(s.step(torch.tensor([i])) for i in step) == smol.decode(step).encode() and not s.ended
@@ -747,12 +1025,20 @@ def test_hot_step_path_agrees_with_general_path(toks, name):
     to = TextOutput(TextChunkDetokenizer(tok), frozenset({tok.eos_token_id}))
     other = TextChunkDetokenizer(tok)  # the general path, spelled out on a memo of its own
     fn = to.step_fn()  # the decode loop's function: the same short cut over the same memo
-    def general(t, kw): return b''.join(map(other.token_bytes, drop_stop_tokens(t, to.stop_token_ids, kw)))
+
+    def general(t, kw):
+        return b''.join(map(other.token_bytes, drop_stop_tokens(t, to.stop_token_ids, kw)))
+
     ids = sorted({i for t in CORPUS[::3] for i in tok.encode(t, add_special_tokens=False)} | {tok.eos_token_id})
     for _ in range(2):  # cold, then warm
         for i in ids:
             for kw in (None, {}, {'ignore_eos': True}):
-                for t in (torch.tensor([i]), torch.tensor(i), torch.tensor([[i]]), torch.tensor([i], dtype=torch.int32)):
+                for t in (
+                    torch.tensor([i]),
+                    torch.tensor(i),
+                    torch.tensor([[i]]),
+                    torch.tensor([i], dtype=torch.int32),
+                ):
                     assert to.step_bytes(t, kw) == general(t, kw), (i, kw, t)
                     assert fn(t, kw) == general(t, kw), ('step_fn', i, kw, t)
     assert to.step_bytes(torch.tensor([tok.eos_token_id])) == b''
@@ -767,24 +1053,42 @@ def test_hot_step_path_agrees_with_general_path(toks, name):
                         assert to.step_bytes(t, kw) == general(t, kw), (step, kw)
                         assert fn(t, kw) == general(t, kw), ('step_fn', step, kw)
     for f in (to.step_bytes, fn):
-        for bad in (torch.tensor([1.0, 2.0]), torch.tensor([True, False]), torch.tensor([ids[1], len(tok)])):  # ids[1]: no stop id
-            with pytest.raises(ValueError): f(bad)
-        for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([len(tok)]), torch.tensor([-1]), torch.tensor([-1, 5, 6])):
-            with pytest.raises(ValueError): f(bad)
+        for bad in (
+            torch.tensor([1.0, 2.0]),
+            torch.tensor([True, False]),
+            torch.tensor([ids[1], len(tok)]),
+        ):  # ids[1]: no stop id
+            with pytest.raises(ValueError):
+                f(bad)
+        for bad in (
+            torch.tensor([1.0]),
+            torch.tensor([True]),
+            torch.tensor([len(tok)]),
+            torch.tensor([-1]),
+            torch.tensor([-1, 5, 6]),
+        ):
+            with pytest.raises(ValueError):
+                f(bad)
         assert f(torch.tensor([], dtype=torch.long)) == b''
     # more stop ids, none, and a stop set that is no set: the short cut's stop checks, against the general path
     for stops in (frozenset({tok.eos_token_id, ids[1], ids[-1]}), frozenset(), [tok.eos_token_id]):
         s_to = TextOutput(to.detokenizer, stops)
         s_fn = s_to.step_fn()
-        for step in [[i] for i in ids[:50]] + [ids[j:j + k] for k in (2, 3, 5) for j in range(0, len(ids), 7)]:
+        for step in [[i] for i in ids[:50]] + [ids[j : j + k] for k in (2, 3, 5) for j in range(0, len(ids), 7)]:
             for kw in (None, {'ignore_eos': True}):
                 want = b''.join(map(other.token_bytes, drop_stop_tokens(step, stops, kw)))
-                assert s_fn(torch.tensor(step), kw) == s_to.step_bytes(torch.tensor(step), kw) == want, (stops, step, kw)
+                assert s_fn(torch.tensor(step), kw) == s_to.step_bytes(torch.tensor(step), kw) == want, (
+                    stops,
+                    step,
+                    kw,
+                )
     # copies give the same bytes: _replace, pickle
     for copy in (to._replace(stop_token_ids=frozenset()), pickle.loads(pickle.dumps(to))):
         j = next(i for i in ids if i != tok.eos_token_id)
         assert type(copy) is TextOutput and copy.step_bytes(torch.tensor([j])) == to.step_bytes(torch.tensor([j]))
-    assert to._replace(stop_token_ids=frozenset()).step_bytes(torch.tensor([tok.eos_token_id])) == TextChunkDetokenizer(tok).token_bytes(tok.eos_token_id)
+    assert to._replace(stop_token_ids=frozenset()).step_bytes(torch.tensor([tok.eos_token_id])) == TextChunkDetokenizer(
+        tok
+    ).token_bytes(tok.eos_token_id)
 
 
 def test_from_checkpoint_keep_special(toks, tmp_path):
@@ -796,7 +1100,7 @@ def test_from_checkpoint_keep_special(toks, tmp_path):
     assert plain.output_bytes(chat, {'ignore_eos': True}).decode() == smol.decode(chat, skip_special_tokens=True)
     assert plain.detokenizer.special_ids >= set(chat) - set(smol.encode('assistant\nBonjour', add_special_tokens=False))
     # a base model's <s> (Mistral) is special in tokenizer.json: dropped with keep_special=False
-    folder = _checkpoint(tmp_path/'m', {'eos_token_id': 2}, tokenizer_folder('mistral-v1'))
+    folder = _checkpoint(tmp_path / 'm', {'eos_token_id': 2}, tokenizer_folder('mistral-v1'))
     m = toks['mistral-v1']
     ids = [m.bos_token_id, *m.encode('Hi there', add_special_tokens=False)]
     assert TextOutput.from_checkpoint(folder).output_bytes(ids).startswith(b'<s>')
@@ -816,13 +1120,18 @@ def test_sequence_with_byte_level_streams_or_says_why():
     assert ByteLevelDetokenizer(seq, keep_special=True).to_bytes(ids).decode() == seq.decode(ids)
     assert TextOutput(TextChunkDetokenizer(seq)).step_bytes(ids[:1]) == gpt2.decode(ids[:1]).encode()
     # a multi-byte Replace after ByteLevel can straddle two tokens, counted in bytes: per-token decode, and the reason says so
-    chains = {'▁ after ByteLevel': [decoders.ByteLevel(), decoders.Replace('▁', ' ')],
-              'é after ByteLevel': [decoders.ByteLevel(), decoders.Replace('é', 'e')],
-              'ab after ByteLevel': [decoders.ByteLevel(), decoders.Replace('ab', 'x')]}
+    chains = {
+        '▁ after ByteLevel': [decoders.ByteLevel(), decoders.Replace('▁', ' ')],
+        'é after ByteLevel': [decoders.ByteLevel(), decoders.Replace('é', 'e')],
+        'ab after ByteLevel': [decoders.ByteLevel(), decoders.Replace('ab', 'x')],
+    }
     for name, chain in chains.items():
         tok = redecorated(gpt2, decoder=decoders.Sequence(chain))
         det = TextChunkDetokenizer(tok)
-        assert det.mode == 'decode' and 'comes after its ByteLevel step' in det.reason and 'bytes)' in det.reason, (name, det.reason)
+        assert det.mode == 'decode' and 'comes after its ByteLevel step' in det.reason and 'bytes)' in det.reason, (
+            name,
+            det.reason,
+        )
         for text in CORPUS[::11] + ['x ▁ y', 'café é', 'abab']:
             ids = tok.encode(text, add_special_tokens=False)
             assert det.to_bytes(ids) == tok.decode(ids).encode(), (name, text)
@@ -836,10 +1145,21 @@ def test_sequence_with_byte_level_streams_or_says_why():
 def test_multi_byte_match_after_byte_fallback_falls_back():
     "ByteFallback turns a run of byte pieces into one token in decode: a later multi-byte match or a per-token Strip is refused."
     m = load('mistral-v1')
-    for chain, why in [([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace('▁', ' ')], "Replace of '▁' (3 bytes) comes after its ByteFallback step"),
-                       ([decoders.ByteFallback(), decoders.Replace('▁', ' '), decoders.Fuse()], "Replace of '▁' (3 bytes) comes after its ByteFallback step"),
-                       ([decoders.ByteFallback(), decoders.Metaspace()], "Metaspace of '▁' (3 bytes)"),
-                       ([decoders.ByteFallback(), decoders.Strip(' ', 1, 0), decoders.Fuse()], 'Strip step strips each token after its ByteFallback step')]:
+    for chain, why in [
+        (
+            [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace('▁', ' ')],
+            "Replace of '▁' (3 bytes) comes after its ByteFallback step",
+        ),
+        (
+            [decoders.ByteFallback(), decoders.Replace('▁', ' '), decoders.Fuse()],
+            "Replace of '▁' (3 bytes) comes after its ByteFallback step",
+        ),
+        ([decoders.ByteFallback(), decoders.Metaspace()], "Metaspace of '▁' (3 bytes)"),
+        (
+            [decoders.ByteFallback(), decoders.Strip(' ', 1, 0), decoders.Fuse()],
+            'Strip step strips each token after its ByteFallback step',
+        ),
+    ]:
         tok = redecorated(m, decoder=decoders.Sequence(chain))
         det = TextChunkDetokenizer(tok)
         assert det.mode == 'decode' and why in det.reason, det.reason
@@ -858,15 +1178,24 @@ def test_added_tokens_under_byte_level_chains():
     ids = tok.encode('x<tool_call>\n{"a": 1}a\nb 你好<|im_end|>', add_special_tokens=False)
     assert tok.convert_tokens_to_ids('a\nb') in ids
     assert det.to_bytes(ids).decode() == tok.decode(ids)
-    assert det.token_bytes(tok.convert_tokens_to_ids('a\nb')) == tok.decode([tok.convert_tokens_to_ids('a\nb')]).encode() == b'a b'
+    assert (
+        det.token_bytes(tok.convert_tokens_to_ids('a\nb'))
+        == tok.decode([tok.convert_tokens_to_ids('a\nb')]).encode()
+        == b'a b'
+    )
 
 
 # ---------------------------------------------------------------- added tokens with normalized=True
 def _llama2_style(name):
     "`name`'s SentencePiece vocabulary with Llama 2's normalizer (Prepend('▁'), Replace(' ', '▁')), and tokens added as fine-tunes add them."
     from tokenizers import AddedToken, normalizers
-    tok = redecorated(load(name), normalizer=normalizers.Sequence([normalizers.Prepend('▁'), normalizers.Replace(' ', '▁')]))
-    tok.add_tokens(['<tool>', 'Deniz', ' sp', 'a b', '▁x▁', '<0x41>', AddedToken('<raw>', normalized=False)])  # add_tokens: normalized=True
+
+    tok = redecorated(
+        load(name), normalizer=normalizers.Sequence([normalizers.Prepend('▁'), normalizers.Replace(' ', '▁')])
+    )
+    tok.add_tokens(
+        ['<tool>', 'Deniz', ' sp', 'a b', '▁x▁', '<0x41>', AddedToken('<raw>', normalized=False)]
+    )  # add_tokens: normalized=True
     tok.add_special_tokens({'additional_special_tokens': [AddedToken('<|sep|>', special=True)]})
     return tok
 
@@ -878,14 +1207,20 @@ def _mistral_added():
     return tok
 
 
-NORMALIZED = {'llama2-v1': functools.cache(lambda: _llama2_style('mistral-v1')), 'llama2-v3': functools.cache(lambda: _llama2_style('mistral-v3')),
-              'mistral-v1-added': functools.cache(_mistral_added)}
+NORMALIZED = {
+    'llama2-v1': functools.cache(lambda: _llama2_style('mistral-v1')),
+    'llama2-v3': functools.cache(lambda: _llama2_style('mistral-v3')),
+    'mistral-v1-added': functools.cache(_mistral_added),
+}
 
 
 def _with_added(tok, text, rng):
     "`text`'s ids with added tokens dropped in at random places, none inside a character's run of byte pieces."
     byte = lambda i: re.fullmatch(r'<0x[0-9A-F]{2}>', tok.convert_ids_to_tokens(i) or '') is not None
-    ids, added = tok.encode(text, add_special_tokens=False), [i for i in sorted(tok.added_tokens_decoder) if not byte(i)]
+    ids, added = (
+        tok.encode(text, add_special_tokens=False),
+        [i for i in sorted(tok.added_tokens_decoder) if not byte(i)],
+    )
     for _ in range(rng.randint(1, 3)):
         places = [k for k in range(len(ids) + 1) if not (0 < k < len(ids) and byte(ids[k - 1]) and byte(ids[k]))]
         ids.insert(rng.choice(places), rng.choice(added))
@@ -897,7 +1232,9 @@ def test_normalized_added_tokens_corpus(name):
     "decode reads a normalized added token's normalized content (id_to_token); both SentencePiece paths stream it, up to the one leading space."
     tok = NORMALIZED[name]()
     backend = tok.backend_tokenizer
-    assert any(backend.id_to_token(i) != t.content for i, t in backend.get_added_tokens_decoder().items())  # normalization really changes some
+    assert any(
+        backend.id_to_token(i) != t.content for i, t in backend.get_added_tokens_decoder().items()
+    )  # normalization really changes some
     chunk, sp = TextChunkDetokenizer(tok), SentencePieceDetokenizer(json.loads(backend.to_str()))
     plain = TextChunkDetokenizer(tok, keep_special=False)
     rng = random.Random(name)
@@ -916,11 +1253,14 @@ def test_normalized_special_token():
     """A special token added with normalized=True decodes from its normalized content too, when kept. (tokenizers' skip_special_tokens
     looks it up by that content and misses it; keep_special=False drops it by its flag, as the notebook says.)"""
     from tokenizers import AddedToken
+
     tok = _llama2_style('mistral-v1')
     tok.add_special_tokens({'additional_special_tokens': [AddedToken('<|nsep|>', normalized=True, special=True)]})
     nsep = tok.convert_tokens_to_ids('<|nsep|>')
     ids = [*tok.encode('Hello', add_special_tokens=False), nsep, *tok.encode('world', add_special_tokens=False)]
-    assert strip1(TextChunkDetokenizer(tok).to_bytes(ids).decode()) == tok.decode(ids) and tok.decode(ids).count(' ') == 2
+    assert (
+        strip1(TextChunkDetokenizer(tok).to_bytes(ids).decode()) == tok.decode(ids) and tok.decode(ids).count(' ') == 2
+    )
     assert TextChunkDetokenizer(tok, keep_special=False).token_bytes(nsep) == b''
 
 
@@ -934,20 +1274,25 @@ def test_normalized_added_tokens_random_ids(name, data):
     chunk, sp = _chunk(tok), _sp(tok)
     for det, want in ((chunk, tok.decode(ids)), (sp, tok.decode(ids, skip_special_tokens=True))):
         got = det.to_bytes(ids)
-        try: text = got.decode()
-        except UnicodeDecodeError: assert '\ufffd' in want   # ByteFallback writes an invalid run as U+FFFD per byte
-        else: assert strip1(text) == want, (tok.convert_ids_to_tokens(ids), text, want)
+        try:
+            text = got.decode()
+        except UnicodeDecodeError:
+            assert '\ufffd' in want  # ByteFallback writes an invalid run as U+FFFD per byte
+        else:
+            assert strip1(text) == want, (tok.convert_ids_to_tokens(ids), text, want)
 
 
 def _sp(tok):
     key = ('sp', id(tok))
-    if key not in _DETS: _DETS[key] = SentencePieceDetokenizer(json.loads(tok.backend_tokenizer.to_str()))
+    if key not in _DETS:
+        _DETS[key] = SentencePieceDetokenizer(json.loads(tok.backend_tokenizer.to_str()))
     return _DETS[key]
 
 
 def test_normalized_added_tokens_byte_level():
     "Byte-level: an added token is text, and the text is its normalized content, as decode gives it."
     from tokenizers import normalizers
+
     for name in ('gpt2', 'smollm2'):
         tok = redecorated(load(name), normalizer=normalizers.Lowercase())
         tok.add_tokens(['<TOOL>', 'NOW'])
@@ -963,7 +1308,8 @@ def test_sentencepiece_normalizer_errors():
     "A normalizer HF tokenizers cannot read is named, when an added token needs it; a file without normalized added tokens doesn't need it."
     tj = json.loads(_mistral_added().backend_tokenizer.to_str())
     tj['normalizer'] = {'type': 'NoSuchNormalizer'}
-    with pytest.raises(ValueError, match="tokenizer.json 'normalizer' is not one HF tokenizers reads"): SentencePieceDetokenizer(tj)
+    with pytest.raises(ValueError, match="tokenizer.json 'normalizer' is not one HF tokenizers reads"):
+        SentencePieceDetokenizer(tj)
     tj['added_tokens'] = [t for t in tj['added_tokens'] if t['special']]
     ids = load('mistral-v1').encode('Hello world', add_special_tokens=False)
     assert strip1(SentencePieceDetokenizer(tj).to_bytes(ids).decode()) == load('mistral-v1').decode(ids)
@@ -973,17 +1319,27 @@ def test_sentencepiece_normalizer_errors():
 @functools.cache
 def _whisper():
     from mstar_utils.checkpoints import whisper_checkpoint
+
     return AutoTokenizer.from_pretrained(whisper_checkpoint('tiny.en'))
 
 
 def test_whisper_timestamps_follow_decode():
     "decode deletes timestamps with or without specials; so do both detokenizers by default, and keep_timestamps gives decode_with_timestamps."
     from transformers import WhisperTokenizer
+
     tok = _whisper()
     assert isinstance(tok, WhisperTokenizer)
-    ts = tok.timestamp_ids()   # transformers' own list, <|0.00|> ... <|30.00|>
+    ts = tok.timestamp_ids()  # transformers' own list, <|0.00|> ... <|30.00|>
     words = tok.encode(' And so my fellow Americans, ask not', add_special_tokens=False)
-    ids = tok.convert_tokens_to_ids(['<|startoftranscript|>', '<|en|>', '<|transcribe|>']) + [ts[0], *words[:4], ts[100], ts[100], *words[4:], ts[250], tok.eos_token_id]
+    ids = tok.convert_tokens_to_ids(['<|startoftranscript|>', '<|en|>', '<|transcribe|>']) + [
+        ts[0],
+        *words[:4],
+        ts[100],
+        ts[100],
+        *words[4:],
+        ts[250],
+        tok.eos_token_id,
+    ]
     bl, bl_kept = ByteLevelDetokenizer(tok), ByteLevelDetokenizer(tok, keep_special=True)
     assert ByteLevelDetokenizer.is_byte_level(tok) and bl.timestamp_ids == frozenset(ts)
     assert bl.to_bytes(ids).decode() == tok.decode(ids, skip_special_tokens=True)
@@ -992,9 +1348,14 @@ def test_whisper_timestamps_follow_decode():
     assert chunk.to_bytes(ids).decode() == tok.decode(ids) and 'timestamp' in chunk.reason
     assert plain.to_bytes(ids).decode() == tok.decode(ids, skip_special_tokens=True)
     # asked for: the timestamps' text, as decode_with_timestamps writes a reply within one window
-    for det in (ByteLevelDetokenizer(tok, keep_timestamps=True), TextChunkDetokenizer(tok, keep_special=False, keep_timestamps=True)):
+    for det in (
+        ByteLevelDetokenizer(tok, keep_timestamps=True),
+        TextChunkDetokenizer(tok, keep_special=False, keep_timestamps=True),
+    ):
         assert det.to_bytes(ids).decode() == tok.decode(ids, skip_special_tokens=True, decode_with_timestamps=True)
-    assert TextChunkDetokenizer(tok, keep_timestamps=True).to_bytes(ids).decode() == tok.decode(ids, decode_with_timestamps=True)
+    assert TextChunkDetokenizer(tok, keep_timestamps=True).to_bytes(ids).decode() == tok.decode(
+        ids, decode_with_timestamps=True
+    )
     # pickling keeps the choice
     back = pickle.loads(pickle.dumps(TextChunkDetokenizer(tok, keep_timestamps=True)))
     assert back.keep_timestamps and back.token_bytes(ts[0]) == b'<|0.00|>'
@@ -1006,18 +1367,22 @@ def test_whisper_random_ids(data):
     "Any ids, timestamps and specials among them: the joined bytes are decode's text (U+FFFD where a character is cut short)."
     tok = _whisper()
     ts, specials = tok.timestamp_ids(), sorted(i for i in tok.added_tokens_decoder if i < tok.timestamp_ids()[0])
-    ids = data.draw(st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(ts), st.sampled_from(specials)), max_size=30))
+    ids = data.draw(
+        st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(ts), st.sampled_from(specials)), max_size=30)
+    )
     # decode(skip_special_tokens=True) drops a previous-text prompt that opens the ids: not a reply's shape (see the notebook)
     assume_not_prompt = not ids or ids[0] != tok.convert_tokens_to_ids('<|startofprev|>')
     for det, skip in ((_byte_level(tok), True), (_byte_level(tok, True), False), (_chunk(tok), False)):
         want = tok.decode(ids, skip_special_tokens=skip)
-        if skip and not assume_not_prompt: continue
+        if skip and not assume_not_prompt:
+            continue
         assert det.to_bytes(ids).decode('utf-8', 'replace') == want, (tok.convert_ids_to_tokens(ids), want)
 
 
 def test_whisper_from_checkpoint_and_other_tokenizers(tmp_path):
     "from_checkpoint drops timestamps unless asked; a tokenizer without Whisper's decode keeps a '<|1.00|>' token, as its decode does."
     from mstar_utils.checkpoints import whisper_checkpoint
+
     tok = _whisper()
     ts = tok.timestamp_ids()
     ids = [ts[0], *tok.encode(' Ask not', add_special_tokens=False), ts[50], tok.eos_token_id, ts[60]]
@@ -1037,6 +1402,7 @@ def test_whisper_from_checkpoint_and_other_tokenizers(tmp_path):
 def _no_decoder_byte_fallback():
     "What `Tokenizer(models.BPE(byte_fallback=True))` saves without a decoder: Mistral's pieces, here a few of them, in-process."
     from tokenizers import Tokenizer, models, pre_tokenizers as pt
+
     m = load('mistral-v3')
     keep = ['<unk>', '<s>', '</s>', '▁', '▁the', '▁cat', 'at', '北', '東', *(f'<0x{b:02X}>' for b in range(256))]
     tk = Tokenizer(models.BPE({p: k for k, p in enumerate(keep)}, [], unk_token='<unk>', byte_fallback=True))
@@ -1049,7 +1415,9 @@ def test_no_decoder_with_byte_fallback_follows_decode():
     tok, _ = _no_decoder_byte_fallback()
     det = TextChunkDetokenizer(tok)
     assert tok.backend_tokenizer.decoder is None
-    assert det.mode == 'joined' and det.reason.startswith('it has no decoder') and 'ByteFallback' not in det.reason, det.reason
+    assert det.mode == 'joined' and det.reason.startswith('it has no decoder') and 'ByteFallback' not in det.reason, (
+        det.reason
+    )
     for text in ['北東爿', 'the cat 爿 北', '你好', 'x\ny', '']:
         ids = tok.encode(text, add_special_tokens=False)
         assert strip1(det.to_bytes(ids).decode()) == tok.decode(ids), text
@@ -1076,6 +1444,7 @@ def test_reason_names_the_decoders_own_steps():
 def _holey(decoder):
     "A WordLevel vocabulary with ids 0-9 and 20-29 (a hole of ten), built in-process, as trimmed vocabularies number theirs."
     from tokenizers import Tokenizer, models
+
     vocab = {c: i for i, c in enumerate('abcdefghij')} | {c: 20 + i for i, c in enumerate('klmnopqrst')}
     tk = Tokenizer(models.WordLevel(vocab, unk_token='a'))
     tk.decoder = decoder
@@ -1085,8 +1454,11 @@ def _holey(decoder):
 def _sparse_byte_level():
     "SmolLM2's byte-level pieces for a few texts, numbered 3 apart: a byte-level vocabulary with holes."
     from tokenizers import Tokenizer, models
+
     smol = load('smollm2')
-    pieces = sorted({p for t in CORPUS[:60] for p in smol.convert_ids_to_tokens(smol.encode(t, add_special_tokens=False))})
+    pieces = sorted(
+        {p for t in CORPUS[:60] for p in smol.convert_ids_to_tokens(smol.encode(t, add_special_tokens=False))}
+    )
     tk = Tokenizer(models.WordLevel({p: 3 * k for k, p in enumerate(pieces)}, unk_token=pieces[0]))
     tk.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tk)
@@ -1097,15 +1469,20 @@ def test_vocabulary_bound_is_largest_id_plus_one(tmp_path):
     assert len(tok) == 20 and tok.decode([25, 29]) == 'pt'
     det = TextChunkDetokenizer(tok)
     assert det.vocab_size == 30 == max(tok.get_vocab().values()) + 1
-    for i in range(30): assert det.token_bytes(i) == tok.decode([i]).encode(), i      # a hole gives b'', as decode gives ''
-    with pytest.raises(ValueError, match='token id 30 is outside .* ids run from 0 to 29 .*mask the logits of ids 30 and up'): det.token_bytes(30)
+    for i in range(30):
+        assert det.token_bytes(i) == tok.decode([i]).encode(), i  # a hole gives b'', as decode gives ''
+    with pytest.raises(
+        ValueError, match='token id 30 is outside .* ids run from 0 to 29 .*mask the logits of ids 30 and up'
+    ):
+        det.token_bytes(30)
     # the stop ids are checked against the same bound
-    tok.save_pretrained(tmp_path/'holey')
-    (tmp_path/'holey'/'generation_config.json').write_text(json.dumps({'eos_token_id': [29, 15]}))
-    to = TextOutput.from_checkpoint(tmp_path/'holey')
+    tok.save_pretrained(tmp_path / 'holey')
+    (tmp_path / 'holey' / 'generation_config.json').write_text(json.dumps({'eos_token_id': [29, 15]}))
+    to = TextOutput.from_checkpoint(tmp_path / 'holey')
     assert to.stop_token_ids == {29, 15} and to.output_bytes([25, 15, 26]) == tok.decode([25]).encode()
-    (tmp_path/'holey'/'generation_config.json').write_text(json.dumps({'eos_token_id': 30}))
-    with pytest.raises(ValueError, match='generation_config.json: eos_token_id is 30, outside .*ids run from 0 to 29'): TextOutput.from_checkpoint(tmp_path/'holey')
+    (tmp_path / 'holey' / 'generation_config.json').write_text(json.dumps({'eos_token_id': 30}))
+    with pytest.raises(ValueError, match='generation_config.json: eos_token_id is 30, outside .*ids run from 0 to 29'):
+        TextOutput.from_checkpoint(tmp_path / 'holey')
     # byte-level
     sparse = _sparse_byte_level()
     bl = ByteLevelDetokenizer(sparse)
@@ -1118,7 +1495,9 @@ def test_vocabulary_bound_is_largest_id_plus_one(tmp_path):
 def test_vocabulary_with_holes_random_ids(data):
     for tok in (_holey_fuse(), _sparse_bl()):
         det = _chunk(tok)
-        ids = data.draw(st.lists(st.integers(0, max(tok.get_vocab().values())), max_size=30))   # every id decode knows, holes and past len(tok)
+        ids = data.draw(
+            st.lists(st.integers(0, max(tok.get_vocab().values())), max_size=30)
+        )  # every id decode knows, holes and past len(tok)
         assert det.to_bytes(ids).decode('utf-8', 'replace') == tok.decode(ids)
         if isinstance(tok.backend_tokenizer.decoder, decoders.ByteLevel):
             assert _byte_level(tok).to_bytes(ids).decode('utf-8', 'replace') == tok.decode(ids)
@@ -1133,8 +1512,12 @@ def test_padded_embedding_ids_raise_clearly(toks):
     assert qwen.decode([len(qwen)]) == ''
     for det in (TextChunkDetokenizer(qwen), ByteLevelDetokenizer(qwen)):
         for i in (len(qwen), len(qwen) + 289):
-            with pytest.raises(ValueError, match=f'token id {i} is outside .*mask the logits of ids {len(qwen)} and up'): det.token_bytes(i)
-    with pytest.raises(ValueError) as e: TextChunkDetokenizer(qwen).token_bytes(-1)
+            with pytest.raises(
+                ValueError, match=f'token id {i} is outside .*mask the logits of ids {len(qwen)} and up'
+            ):
+                det.token_bytes(i)
+    with pytest.raises(ValueError) as e:
+        TextChunkDetokenizer(qwen).token_bytes(-1)
     assert 'mask the logits' not in str(e.value)
 
 
@@ -1148,10 +1531,14 @@ def test_slow_tokenizer_bound(tmp_path):
 def test_sentencepiece_refuses_byte_level_json(name):
     tok = family(name)[0] if name in FAMILIES and name not in BYTE_LEVEL else load(name)
     tj = json.loads(tok.backend_tokenizer.to_str())
-    with pytest.raises(ValueError, match=r'byte-level BPE \(its (pre_tokenizer|decoder) has a ByteLevel step\).*use ByteLevelDetokenizer or TextChunkDetokenizer'):
+    with pytest.raises(
+        ValueError,
+        match=r'byte-level BPE \(its (pre_tokenizer|decoder) has a ByteLevel step\).*use ByteLevelDetokenizer or TextChunkDetokenizer',
+    ):
         SentencePieceDetokenizer(tj)
-    tj['pre_tokenizer'] = None   # the decoder alone says so too
-    with pytest.raises(ValueError, match=r'its decoder has a ByteLevel step'): SentencePieceDetokenizer(tj)
+    tj['pre_tokenizer'] = None  # the decoder alone says so too
+    with pytest.raises(ValueError, match=r'its decoder has a ByteLevel step'):
+        SentencePieceDetokenizer(tj)
 
 
 def test_sentencepiece_added_byte_pieces():
@@ -1162,7 +1549,8 @@ def test_sentencepiece_added_byte_pieces():
     assert {a, e7} <= set(tok.added_tokens_decoder)
     ids = [1010, a, 1010, *tok.convert_tokens_to_ids(['▁', '<0xE7>', '<0x88>', '<0xBF>']), 1010]
     assert sp.token_bytes(a) == b'A' == tok.decode([a]).encode() and sp.token_bytes(e7) == b'\xe7'
-    for det in (sp, chunk): assert strip1(det.to_bytes(ids).decode()) == tok.decode(ids)
+    for det in (sp, chunk):
+        assert strip1(det.to_bytes(ids).decode()) == tok.decode(ids)
 
 
 def test_declared_skip_ids_past_the_vocabulary_give_no_text():
@@ -1170,6 +1558,7 @@ def test_declared_skip_ids_past_the_vocabulary_give_no_text():
     from transformers import AutoTokenizer
     from mstar_utils.checkpoints import tokenizer_folder
     from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
+
     tok = AutoTokenizer.from_pretrained(tokenizer_folder('gpt2'))
     past = len(tok) + 10
     det = TextChunkDetokenizer(tok, extra_skip_ids={past})
@@ -1178,4 +1567,5 @@ def test_declared_skip_ids_past_the_vocabulary_give_no_text():
     assert det.to_bytes(ids[:1] + [past] + ids[1:]).decode() == tok.decode(ids)
     out = TextOutput(det, stop_token_ids=frozenset())
     assert b''.join(out.step_bytes([i]) for i in ids[:1] + [past] + ids[1:]).decode() == tok.decode(ids)
-    with pytest.raises(ValueError, match=rf'token id {past + 1} is outside the vocabulary'): det.token_bytes(past + 1)
+    with pytest.raises(ValueError, match=rf'token id {past + 1} is outside the vocabulary'):
+        det.token_bytes(past + 1)

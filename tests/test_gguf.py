@@ -1,4 +1,5 @@
 "GGUF: the block decoders against gguf-py, tiny files written by gguf-py against transformers' from_pretrained(gguf_file=...), SmolLM2's real Q4_1 file, refusals."
+
 import os
 import shutil
 
@@ -21,10 +22,29 @@ from mstar_utils.testing import tiny_llama_gguf_config, write_gguf_checkpoint
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
-SCALE_AT = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q2_K: [80, 82], T.Q3_K: [108],
-            T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-ALL_TYPES = {'attn_q': 'Q4_0', 'attn_k': 'Q4_1', 'attn_v': 'Q5_0', 'attn_output': 'Q5_1', 'ffn_gate': 'Q2_K', 'ffn_up': 'Q3_K',
-             'ffn_down': 'Q4_K', 'token_embd': 'Q5_K', 'output': 'Q6_K'}
+SCALE_AT = {
+    T.Q8_0: [0],
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q2_K: [80, 82],
+    T.Q3_K: [108],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
+}
+ALL_TYPES = {
+    'attn_q': 'Q4_0',
+    'attn_k': 'Q4_1',
+    'attn_v': 'Q5_0',
+    'attn_output': 'Q5_1',
+    'ffn_gate': 'Q2_K',
+    'ffn_up': 'Q3_K',
+    'ffn_down': 'Q4_K',
+    'token_embd': 'Q5_K',
+    'output': 'Q6_K',
+}
 
 
 def same(a, b):
@@ -33,13 +53,15 @@ def same(a, b):
 
 
 def logits(m):
-    with torch.no_grad(): return m(IDS).logits
+    with torch.no_grad():
+        return m(IDS).logits
 
 
 def random_blocks(rng, qtype, shape):
     "Random bytes of a tensor of `shape` (the last axis counted in blocks), float16 scales kept finite."
     b = rng.integers(0, 256, (*shape, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    for at in SCALE_AT[qtype]: b[..., at + 1] &= 0xBF
+    for at in SCALE_AT[qtype]:
+        b[..., at + 1] &= 0xBF
     return b.reshape(*shape[:-1], -1)
 
 
@@ -54,15 +76,20 @@ def test_block_decoders_equal_gguf_py(qtype, shape):
 def test_gguf_py_quantized_values_decode_as_gguf_py(qtype):
     x = np.random.default_rng(1).standard_normal((13, 96)).astype(np.float32) * 3
     q = gguf.quants.quantize(x, qtype)
-    same(dequantize_gguf(torch.from_numpy(q.view(np.uint8).copy()), qtype), torch.from_numpy(gguf.quants.dequantize(q, qtype).astype(np.float32)))
+    same(
+        dequantize_gguf(torch.from_numpy(q.view(np.uint8).copy()), qtype),
+        torch.from_numpy(gguf.quants.dequantize(q, qtype).astype(np.float32)),
+    )
 
 
 def test_out_and_refusals():
     b = random_blocks(np.random.default_rng(2), T.Q4_K, (4, 2))
     out = torch.empty(4, 512)
     assert dequantize_gguf(torch.from_numpy(b), T.Q4_K, out) is out
-    with pytest.raises(ValueError, match='a row of 35 bytes is not a whole number of 34-byte blocks'): dequantize_gguf(torch.zeros(2, 35, dtype=torch.uint8), T.Q8_0)
-    with pytest.raises(NotImplementedError, match='IQ2_XXS is not decoded'): dequantize_gguf(torch.zeros(2, 66, dtype=torch.uint8), T.IQ2_XXS)
+    with pytest.raises(ValueError, match='a row of 35 bytes is not a whole number of 34-byte blocks'):
+        dequantize_gguf(torch.zeros(2, 35, dtype=torch.uint8), T.Q8_0)
+    with pytest.raises(NotImplementedError, match='IQ2_XXS is not decoded'):
+        dequantize_gguf(torch.zeros(2, 66, dtype=torch.uint8), T.IQ2_XXS)
     assert T.Q4_K in GGUF_TYPES and T.IQ2_XXS not in GGUF_TYPES
 
 
@@ -72,11 +99,13 @@ def test_fresh_and_resident_outputs_decode_alike(qtype, heads):
     "Into fresh memory one thread decodes while another faults the output in; into resident memory, all threads decode."
     from mstar_utils.gguf import _resident
     import mmap
-    rows = 64   # 16M values in all: 64 MB of float32, in pieces of several rows
+
+    rows = 64  # 16M values in all: 64 MB of float32, in pieces of several rows
     n = (1 << 24) // rows // GGML_QUANT_SIZES[qtype][0]
     b = torch.from_numpy(random_blocks(np.random.default_rng(int(qtype)), qtype, (rows, n)))
     ref = torch.from_numpy(gguf.quants.dequantize(b.numpy(), qtype))
-    if heads: ref = unpermute_rows(ref, heads)
+    if heads:
+        ref = unpermute_rows(ref, heads)
     # a new anonymous mapping has no page in memory yet, whatever earlier tests left in malloc's free lists
     buf = mmap.mmap(-1, rows * n * GGML_QUANT_SIZES[qtype][0] * 4)
     fresh = torch.frombuffer(buf, dtype=torch.float32).view(rows, -1)
@@ -84,11 +113,12 @@ def test_fresh_and_resident_outputs_decode_alike(qtype, heads):
     same(dequantize_gguf(b, qtype, fresh, heads), ref)
     assert _resident(fresh)
     fresh.zero_()
-    same(dequantize_gguf(b, qtype, fresh, heads), ref)   # resident now: the other path
+    same(dequantize_gguf(b, qtype, fresh, heads), ref)  # resident now: the other path
 
 
 def test_unpermute_undoes_llamacpp_and_matches_transformers():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
     w = torch.randn(24, 5)
     same(unpermute_rows(w, 3), torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(w.numpy(), 3, 3)))
 
@@ -97,10 +127,15 @@ def test_unpermute_undoes_llamacpp_and_matches_transformers():
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp('gguf')
     out = {}
-    for name, qt, tie in [('all_types', ALL_TYPES, False), ('plain_tied', {'token_embd': 'F16', 'ffn': 'BF16', 'attn': 'F32'}, True),
-                          ('q8_0', {}, False)]:
-        (root/name).mkdir()
-        out[name] = write_gguf_checkpoint(root/name/'tiny.gguf', qt, config=tiny_llama_gguf_config(tie_word_embeddings=tie))
+    for name, qt, tie in [
+        ('all_types', ALL_TYPES, False),
+        ('plain_tied', {'token_embd': 'F16', 'ffn': 'BF16', 'attn': 'F32'}, True),
+        ('q8_0', {}, False),
+    ]:
+        (root / name).mkdir()
+        out[name] = write_gguf_checkpoint(
+            root / name / 'tiny.gguf', qt, config=tiny_llama_gguf_config(tie_word_embeddings=tie)
+        )
     return out
 
 
@@ -111,9 +146,12 @@ def test_tiny_files_load_as_from_pretrained(name, tiny):
     for m in (load_model(f), load_model(f.parent)):
         a, b = m.state_dict(), ref.state_dict()
         assert set(a) == set(b)
-        for k in a: same(a[k], b[k])
+        for k in a:
+            same(a[k], b[k])
         same(logits(m), logits(ref))
-        assert (m.lm_head.weight is m.model.embed_tokens.weight) == (ref.lm_head.weight is ref.model.embed_tokens.weight)
+        assert (m.lm_head.weight is m.model.embed_tokens.weight) == (
+            ref.lm_head.weight is ref.model.embed_tokens.weight
+        )
 
 
 def test_dtype_is_one_rounding_of_the_float32_values(tiny):
@@ -139,7 +177,8 @@ def test_smollm2_q4_1_equals_from_pretrained():
     m = load_model(f)
     a, b = m.state_dict(), ref.state_dict()
     assert set(a) == set(b) and len(a) > 200
-    for k in a: same(a[k], b[k])
+    for k in a:
+        same(a[k], b[k])
     same(logits(m), logits(ref))
     h = read_gguf(f)
     assert gguf_config(f, h).to_dict() == AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
@@ -148,33 +187,42 @@ def test_smollm2_q4_1_equals_from_pretrained():
 
 def test_refusals_name_the_file(tiny, tmp_path):
     f = tiny['q8_0']
-    bad = tmp_path/'cut.gguf'
+    bad = tmp_path / 'cut.gguf'
     bad.write_bytes(f.read_bytes()[:-100])
-    with pytest.raises(ValueError, match=r"cut\.gguf: tensor '.*' ends at byte \d+, past the end of the file"): read_gguf(bad)
-    (tmp_path/'x.gguf').write_bytes(b'GGML' + b'\0' * 20)
-    with pytest.raises(ValueError, match=r"x\.gguf: not a GGUF file"): read_gguf(tmp_path/'x.gguf')
-    two = tmp_path/'two'
+    with pytest.raises(ValueError, match=r"cut\.gguf: tensor '.*' ends at byte \d+, past the end of the file"):
+        read_gguf(bad)
+    (tmp_path / 'x.gguf').write_bytes(b'GGML' + b'\0' * 20)
+    with pytest.raises(ValueError, match=r"x\.gguf: not a GGUF file"):
+        read_gguf(tmp_path / 'x.gguf')
+    two = tmp_path / 'two'
     two.mkdir()
-    for n in ('a.gguf', 'b.gguf'): shutil.copy(f, two/n)
-    with pytest.raises(ValueError, match=r'holds 2 GGUF files \(a\.gguf, b\.gguf\); give the file to load'): load_model(two)
-    assert gguf_file(tmp_path/'nothing') is None
+    for n in ('a.gguf', 'b.gguf'):
+        shutil.copy(f, two / n)
+    with pytest.raises(ValueError, match=r'holds 2 GGUF files \(a\.gguf, b\.gguf\); give the file to load'):
+        load_model(two)
+    assert gguf_file(tmp_path / 'nothing') is None
 
 
 def test_keep_holds_the_blocks_and_equals_the_dequantized_load(tmp_path, monkeypatch):
     "keep_gguf's QuantizedLinear layers hold the file's Q8_0 and Q4_K bytes and give the logits of the dequantizing load."
     import mstar_utils.gguf as G
     from mstar_utils.quantized import QuantizedLinear
-    (tmp_path/'k').mkdir()
-    f = write_gguf_checkpoint(tmp_path/'k'/'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'})
+
+    (tmp_path / 'k').mkdir()
+    f = write_gguf_checkpoint(
+        tmp_path / 'k' / 'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'}
+    )
     ref, h = load_model(f), read_gguf(f)
     kept = []
     keep = G.keep_gguf
-    monkeypatch.setattr(G, 'keep_gguf', lambda *a, **k: kept.extend(keep(*a, **k)) or kept)   # to see what it kept
+    monkeypatch.setattr(G, 'keep_gguf', lambda *a, **k: kept.extend(keep(*a, **k)) or kept)  # to see what it kept
     m = load_model(f, quantized='keep')
-    assert len(kept) == 7 * 2 + 1 and 'model.embed_tokens.weight' not in kept   # q k v o gate up down a layer, and lm_head
+    assert (
+        len(kept) == 7 * 2 + 1 and 'model.embed_tokens.weight' not in kept
+    )  # q k v o gate up down a layer, and lm_head
     q = m.model.layers[1].self_attn.q_proj
     assert isinstance(q, QuantizedLinear) and q.op.qtype == T.Q8_0 and q.op.heads == m.config.num_attention_heads
-    assert torch.equal(q.weight, h.tensors['blk.1.attn_q.weight'].data.reshape(q.weight.shape))   # the file's bytes
+    assert torch.equal(q.weight, h.tensors['blk.1.attn_q.weight'].data.reshape(q.weight.shape))  # the file's bytes
     assert m.model.layers[0].mlp.down_proj.op.qtype == T.Q4_K and m.lm_head.weight.dtype == torch.uint8
     same(q.dequantized_weight(), ref.model.layers[1].self_attn.q_proj.weight)
     torch.testing.assert_close(logits(m), logits(ref), atol=1e-4, rtol=0)
@@ -186,22 +234,34 @@ def test_unaligned_bytes_decode_as_gguf_py(qtype):
     b = random_blocks(np.random.default_rng(5), qtype, (9, 2))
     buf = torch.zeros(b.size + 8, dtype=torch.uint8)
     for at in (0, 1, 3):
-        src = buf[at:at + b.size].view(b.shape)
+        src = buf[at : at + b.size].view(b.shape)
         src.copy_(torch.from_numpy(b))
         same(dequantize_gguf(src, qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
-        same(dequantize_gguf(src, qtype, torch.empty(9, b.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0], dtype=torch.bfloat16)),
-             torch.from_numpy(gguf.quants.dequantize(b, qtype)).to(torch.bfloat16))
+        same(
+            dequantize_gguf(
+                src,
+                qtype,
+                torch.empty(
+                    9, b.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0], dtype=torch.bfloat16
+                ),
+            ),
+            torch.from_numpy(gguf.quants.dequantize(b, qtype)).to(torch.bfloat16),
+        )
 
 
 # ---- tensor parallelism: a rank reads its rows, or its columns' whole blocks, through the one pipeline
+
 
 def straddled(f, config) -> int:
     "Bytes a cut may read on both of its sides: a block in every row, or a head of a Llama q or k."
     # llama.cpp's converter permuted each head's rows of q and k, so they are cut on whole heads
     heads = {'.attn_q.': config.num_attention_heads, '.attn_k.': config.num_key_value_heads}
-    return sum(t.shape[0] * GGML_QUANT_SIZES[t.qtype][1] + max(
-        [t.data.numel() // n for part, n in heads.items() if part in t.name], default=0)
-        for t in read_gguf(f).tensors.values() if len(t.shape) == 2)
+    return sum(
+        t.shape[0] * GGML_QUANT_SIZES[t.qtype][1]
+        + max([t.data.numel() // n for part, n in heads.items() if part in t.name], default=0)
+        for t in read_gguf(f).tensors.values()
+        if len(t.shape) == 2
+    )
 
 
 def check_ranks(f, ws, keys=None, quantized='dequantize'):
@@ -210,12 +270,17 @@ def check_ranks(f, ws, keys=None, quantized='dequantize'):
     from mstar_utils.model import load_plan
     from mstar_utils.quantized import QuantizedLinear
     from mstar_utils.tensor_parallel import Sharding, take
+
     full = load_model(f)
     fsd, read = full.state_dict(), 0
-    assert full.bytes_read == load_plan(f, detail=False).total_bytes == sum(t.data.numel() for t in read_gguf(f).tensors.values())
+    assert (
+        full.bytes_read
+        == load_plan(f, detail=False).total_bytes
+        == sum(t.data.numel() for t in read_gguf(f).tensors.values())
+    )
     for r in range(ws):
         m = load_model(f, rank=r, world_size=ws, quantized=quantized)
-        values = Sharding(m.tp_sharding.plan, r, ws)   # the plan's slices of the values, not the kept bytes' pins
+        values = Sharding(m.tp_sharding.plan, r, ws)  # the plan's slices of the values, not the kept bytes' pins
         kept = {f'{n}.weight': q for n, q in m.named_modules() if isinstance(q, QuantizedLinear)}
         assert (quantized == 'keep') == bool(kept), sorted(kept)
         sd = m.state_dict()
@@ -225,9 +290,12 @@ def check_ranks(f, ws, keys=None, quantized='dequantize'):
         plan = load_plan(f, r, ws, quantized=quantized)
         assert m.tp_bytes_read == plan.total_bytes
         read += m.tp_bytes_read
-        replicated = sum(t.bytes for t in plan.tensors if t.slice is None)   # the same on every rank
+        replicated = sum(t.bytes for t in plan.tensors if t.slice is None)  # the same on every rank
     assert read <= 1.01 * (full.bytes_read + (ws - 1) * replicated) + (ws - 1) * straddled(f, full.config), (
-        read, full.bytes_read, replicated)
+        read,
+        full.bytes_read,
+        replicated,
+    )
 
 
 @pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0'])
@@ -239,16 +307,27 @@ def test_ranks_are_slices_of_the_full_load(name, ws, tiny):
 @pytest.mark.parametrize('quantized', ['dequantize', 'keep'])
 def test_smollm2_q4_1_ranks_are_slices_of_the_full_load(quantized):
     "The real Q4_1 file at two ranks, whose 9 heads and 3 key-value heads don't divide by 2."
-    check_ranks(smollm2_gguf(), 2, ['model.layers.3.self_attn.q_proj.weight', 'model.layers.3.self_attn.k_proj.weight',
-                                    'model.layers.3.self_attn.o_proj.weight', 'model.layers.3.mlp.down_proj.weight',
-                                    'model.embed_tokens.weight'], quantized=quantized)
+    check_ranks(
+        smollm2_gguf(),
+        2,
+        [
+            'model.layers.3.self_attn.q_proj.weight',
+            'model.layers.3.self_attn.k_proj.weight',
+            'model.layers.3.self_attn.o_proj.weight',
+            'model.layers.3.mlp.down_proj.weight',
+            'model.embed_tokens.weight',
+        ],
+        quantized=quantized,
+    )
 
 
 @pytest.mark.parametrize('ws', [2, 4])
 def test_keep_under_tensor_parallelism_cuts_the_blocks(ws, tmp_path):
     "Kept Q8_0 and Q4_K layers at 2 and 4 ranks: rows (whole heads of the permuted q and k) or whole blocks of columns."
-    (tmp_path/'k').mkdir()
-    f = write_gguf_checkpoint(tmp_path/'k'/'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'})
+    (tmp_path / 'k').mkdir()
+    f = write_gguf_checkpoint(
+        tmp_path / 'k' / 'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'}
+    )
     check_ranks(f, ws, quantized='keep')
 
 
@@ -257,17 +336,26 @@ def test_keep_under_tensor_parallelism_gives_the_logits(tmp_path):
     "Two ranks with their collectives, Q8_0 and Q4_K kept: each rank's logits equal the whole dequantizing load's."
     import io
     from mstar_utils.testing import run_ranks, tp_cells
-    (tmp_path/'k').mkdir()
-    f = write_gguf_checkpoint(tmp_path/'k'/'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'})
-    want = logits(load_model(f))   # large (about 1e4): the ranks' sums in another order differ in the last float32 bits
+
+    (tmp_path / 'k').mkdir()
+    f = write_gguf_checkpoint(
+        tmp_path / 'k' / 'tiny.gguf', {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'}
+    )
+    want = logits(load_model(f))  # large (about 1e4): the ranks' sums in another order differ in the last float32 bits
     for r, res in enumerate(run_ranks(tp_cells, 2, [(f, {'input_ids': IDS}, False, 'keep')], timeout=600)):
-        torch.testing.assert_close(torch.load(io.BytesIO(res[0]), weights_only=False)['logits'], want, atol=1e-4, rtol=1e-6,
-                                   msg=lambda m, r=r: f'rank {r}: {m}')
+        torch.testing.assert_close(
+            torch.load(io.BytesIO(res[0]), weights_only=False)['logits'],
+            want,
+            atol=1e-4,
+            rtol=1e-6,
+            msg=lambda m, r=r: f'rank {r}: {m}',
+        )
 
 
 def test_a_gguf_folder_is_named_where_only_safetensors_are_read(tmp_path):
     "inspect and diff read safetensors: a folder of one GGUF file says so, naming the file and what reads it."
     from mstar_utils.sources import checkpoint_dir
-    write_gguf_checkpoint(tmp_path/'tiny.gguf', {})
+
+    write_gguf_checkpoint(tmp_path / 'tiny.gguf', {})
     with pytest.raises(FileNotFoundError, match=r'holds GGUF tiny\.gguf, which load_model and load_plan read'):
         checkpoint_dir(tmp_path)

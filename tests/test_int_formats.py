@@ -1,5 +1,6 @@
 """GPTQ, AWQ and bitsandbytes checkpoints: decoders against the packed integers and bitsandbytes' own functional API, loads
 against from_pretrained of the dequantized checkpoint, tensor-parallel ranks against the full load's slices."""
+
 import io
 import json
 import os
@@ -16,10 +17,27 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from mstar_utils.model import load_model, load_plan
-from mstar_utils.quantized import AWQ_ORDER, AWQDequantize, GPTQDequantize, _unpack_cols, _unpack_rows, dequantize_cut, quantized_tensors
+from mstar_utils.quantized import (
+    AWQ_ORDER,
+    AWQDequantize,
+    GPTQDequantize,
+    _unpack_cols,
+    _unpack_rows,
+    dequantize_cut,
+    quantized_tensors,
+)
 from mstar_utils.sources import checkpoint_source
-from mstar_utils.testing import (_pack, _rewrite, assert_tensors_equal, awq_quantize, formats_config, gptq_quantize, rank_reads,
-                                 write_bnb_checkpoint, write_int4_checkpoint)
+from mstar_utils.testing import (
+    _pack,
+    _rewrite,
+    assert_tensors_equal,
+    awq_quantize,
+    formats_config,
+    gptq_quantize,
+    rank_reads,
+    write_bnb_checkpoint,
+    write_int4_checkpoint,
+)
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -28,10 +46,12 @@ GPTQ_KEYS = ('qweight', 'qzeros', 'scales', 'g_idx')
 
 
 def logits(m):
-    with torch.no_grad(): return m(IDS).logits
+    with torch.no_grad():
+        return m(IDS).logits
 
 
-def config_of(d): return json.loads((d/'config.json').read_text())
+def config_of(d):
+    return json.loads((d / 'config.json').read_text())
 
 
 def fresh():
@@ -39,29 +59,42 @@ def fresh():
     return AutoModelForCausalLM.from_config(formats_config(), dtype=torch.float32)
 
 
-CKPTS = {'gptq': ('gptq', dict(group_size=32)), 'gptq_act': ('gptq', dict(group_size=32, act_order=True)),
-         'gptq8_v2': ('gptq', dict(bits=8, group_size=-1, sym=False, v1=False)), 'awq': ('awq', dict(group_size=32)),
-         'awq_one_group': ('awq', dict(group_size=-1))}
-BNB = {'nf4_nested': ('nf4', True), 'nf4': ('nf4', False), 'fp4_nested': ('fp4', True), 'fp4': ('fp4', False), 'int8': ('int8', False)}
+CKPTS = {
+    'gptq': ('gptq', dict(group_size=32)),
+    'gptq_act': ('gptq', dict(group_size=32, act_order=True)),
+    'gptq8_v2': ('gptq', dict(bits=8, group_size=-1, sym=False, v1=False)),
+    'awq': ('awq', dict(group_size=32)),
+    'awq_one_group': ('awq', dict(group_size=-1)),
+}
+BNB = {
+    'nf4_nested': ('nf4', True),
+    'nf4': ('nf4', False),
+    'fp4_nested': ('fp4', True),
+    'fp4': ('fp4', False),
+    'int8': ('int8', False),
+}
 
 
 @pytest.fixture(scope='module')
 def ckpts(tmp_path_factory):
     "{name: (folder, {weight key: the float32 weight it dequantizes to} or None for bitsandbytes)}."
     root = tmp_path_factory.mktemp('intq')
-    out = {n: write_int4_checkpoint(fresh(), root/n, m, **kw) for n, (m, kw) in CKPTS.items()}
-    out.update({n: (write_bnb_checkpoint(fresh(), root/n, kind, nested), None) for n, (kind, nested) in BNB.items()})
+    out = {n: write_int4_checkpoint(fresh(), root / n, m, **kw) for n, (m, kw) in CKPTS.items()}
+    out.update({n: (write_bnb_checkpoint(fresh(), root / n, kind, nested), None) for n, (kind, nested) in BNB.items()})
     return out
 
 
 def bnb_reference(d) -> dict:
     "{weight key: bitsandbytes' own float32 dequantization} of every quantized weight of checkpoint `d`."
-    sd, out = load_file(str(d/'model.safetensors')), {}
+    sd, out = load_file(str(d / 'model.safetensors')), {}
     for k in sd:
-        if k.endswith('.SCB'): out[k[:-4] + '.weight'] = int8_vectorwise_dequant(sd[k[:-4] + '.weight'], sd[k])
+        if k.endswith('.SCB'):
+            out[k[:-4] + '.weight'] = int8_vectorwise_dequant(sd[k[:-4] + '.weight'], sd[k])
         elif '.quant_state.bitsandbytes__' in k:
             w = k.partition('.quant_state.')[0]
-            qs = QuantState.from_dict({n[len(w) + 1:]: v for n, v in sd.items() if n.startswith(w + '.')}, device='cpu')
+            qs = QuantState.from_dict(
+                {n[len(w) + 1 :]: v for n, v in sd.items() if n.startswith(w + '.')}, device='cpu'
+            )
             qs.dtype = torch.float32
             out[w] = dequantize_4bit(sd[w], qs)
     return out
@@ -70,8 +103,11 @@ def bnb_reference(d) -> dict:
 def reference_dir(d, weights: dict, dest):
     "Checkpoint `d` with its quantized weights replaced by `weights` (float32) and no quantization_config."
     mods = {k.rpartition('.')[0] for k in weights}
-    rest = {k: v for k, v in load_file(str(d/'model.safetensors')).items() if k.rpartition('.')[0] not in mods and
-            not any(k.startswith(m + '.') for m in mods)}
+    rest = {
+        k: v
+        for k, v in load_file(str(d / 'model.safetensors')).items()
+        if k.rpartition('.')[0] not in mods and not any(k.startswith(m + '.') for m in mods)
+    }
     shutil.copytree(d, dest)
     return _rewrite(dest, {**rest, **weights}, None, torch.float32)
 
@@ -82,6 +118,7 @@ def weights_of(ckpts, name):
 
 
 # ---- decoders on shapes that divide neither the words nor the groups
+
 
 @pytest.mark.parametrize('N,K', [(20, 96), (7, 40), (64, 128)])
 @pytest.mark.parametrize('bits', [4, 8])
@@ -95,7 +132,9 @@ def test_gptq_decodes_the_packed_integers(N, K, bits, group_size, act_order, v1,
     op = GPTQDequantize(bits, group_size, v1, act_order, torch.float32)
     assert op.mismatch([x.shape for x in ts]) is None
     assert_tensors_equal(op.apply(ts), ref)
-    wrong = GPTQDequantize(bits, group_size, not v1, act_order, torch.float32).apply(ts)   # the zero-point offset is read
+    wrong = GPTQDequantize(bits, group_size, not v1, act_order, torch.float32).apply(
+        ts
+    )  # the zero-point offset is read
     assert not torch.equal(wrong, ref)
 
 
@@ -106,7 +145,6 @@ def test_awq_decodes_the_packed_integers(N, K, group_size):
     t, ref = awq_quantize(torch.randn(N, K), group_size)
     ts = [t[k] for k in ('qweight', 'qzeros', 'scales')]
     assert_tensors_equal(AWQDequantize(group_size, torch.float32).apply(ts), ref)
-
 
 
 def test_word_orders_are_the_documented_ones():
@@ -121,25 +159,27 @@ def test_word_orders_are_the_documented_ones():
 @pytest.mark.parametrize('name', list(BNB))
 def test_bnb_decoders_equal_bitsandbytes(name, ckpts):
     d, _ = ckpts[name]
-    sd, want = load_file(str(d/'model.safetensors')), bnb_reference(d)
+    sd, want = load_file(str(d / 'model.safetensors')), bnb_reference(d)
     units = quantized_tensors(checkpoint_source(d), config_of(d), torch.float32)
     assert sorted(u.target for u in units) == sorted(want) and len(units) == 14
-    for u in units: assert_tensors_equal(u.op.apply([sd[k] for k in u.sources]), want[u.target], u.target)
+    for u in units:
+        assert_tensors_equal(u.op.apply([sd[k] for k in u.sources]), want[u.target], u.target)
     nested = [k for k in sd if k.endswith('.nested_absmax')]
     assert bool(nested) == BNB[name][1]
 
 
 # ---- loaded models against from_pretrained of the reference-dequantized checkpoint
 
+
 @pytest.mark.parametrize('name', list(CKPTS) + list(BNB))
 def test_logits_equal_the_dequantized_reference(name, ckpts, tmp_path):
     d, weights = weights_of(ckpts, name)
-    ref = AutoModelForCausalLM.from_pretrained(reference_dir(d, weights, tmp_path/'ref'), dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir(d, weights, tmp_path / 'ref'), dtype=torch.float32).eval()
     m = load_model(d, dtype=torch.float32)
     assert_tensors_equal(m.model.layers[1].mlp.down_proj.weight, ref.model.layers[1].mlp.down_proj.weight)
     assert_tensors_equal(logits(m), logits(ref), atol=1e-4)
     if name == 'gptq_act':
-        ref16 = AutoModelForCausalLM.from_pretrained(tmp_path/'ref', dtype=torch.bfloat16).eval()
+        ref16 = AutoModelForCausalLM.from_pretrained(tmp_path / 'ref', dtype=torch.bfloat16).eval()
         assert_tensors_equal(logits(load_model(d, dtype=torch.bfloat16)), logits(ref16))
 
 
@@ -150,29 +190,36 @@ def test_keep_is_refused_by_name(ckpts):
 
 
 def test_contradictions_are_named(ckpts, tmp_path):
-    d = shutil.copytree(ckpts['gptq'][0], tmp_path/'bad')
+    d = shutil.copytree(ckpts['gptq'][0], tmp_path / 'bad')
     cfg = config_of(d)
     cfg['quantization_config']['group_size'] = 64
-    (d/'config.json').write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.g_idx' is not k // group_size \(64\).*desc_act false"):
+    (d / 'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.g_idx' is not k // group_size \(64\).*desc_act false"
+    ):
         load_model(d)
     cfg['quantization_config']['desc_act'] = True
-    (d/'config.json').write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.scales' has shape \[8, 128\].*group of 64 of 256 inputs"):
+    (d / 'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.scales' has shape \[8, 128\].*group of 64 of 256 inputs"
+    ):
         load_model(d)
     cfg['quantization_config'].update(group_size=32, checkpoint_format='marlin')
-    (d/'config.json').write_text(json.dumps(cfg))
-    with pytest.raises(NotImplementedError, match="checkpoint_format 'marlin'"): load_model(d)
-    a = shutil.copytree(ckpts['awq'][0], tmp_path/'gemv')
+    (d / 'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(NotImplementedError, match="checkpoint_format 'marlin'"):
+        load_model(d)
+    a = shutil.copytree(ckpts['awq'][0], tmp_path / 'gemv')
     cfg = config_of(a)
     cfg['quantization_config']['version'] = 'gemv'
-    (a/'config.json').write_text(json.dumps(cfg))
-    with pytest.raises(NotImplementedError, match="version 'gemv'"): load_model(a)
+    (a / 'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(NotImplementedError, match="version 'gemv'"):
+        load_model(a)
 
 
 def stored_bytes(d) -> int:
     "Bytes of tensor data the checkpoint's file holds, from its safetensors header."
-    with open(d/'model.safetensors', 'rb') as f: head = json.loads(f.read(int.from_bytes(f.read(8), 'little')))
+    with open(d / 'model.safetensors', 'rb') as f:
+        head = json.loads(f.read(int.from_bytes(f.read(8), 'little')))
     return sum(v['data_offsets'][1] - v['data_offsets'][0] for k, v in head.items() if k != '__metadata__')
 
 
@@ -191,10 +238,13 @@ ONE_GROUP = {'gptq8_v2', 'awq_one_group'}
 
 def whole_keys(name):
     "(stored key, cut dim) -> True where every rank needs all of it: what the bound counts as replicated."
+
     def whole(k, dim):
-        if k.endswith(('.g_idx', '.weight_format')): return True   # read to tell act-order from plain groups; a format tag
+        if k.endswith(('.g_idx', '.weight_format')):
+            return True  # read to tell act-order from plain groups; a format tag
         # a layer split by its inputs needs every output's scale: int8's absmax, a single group's scales and zero points
         return dim == 1 and (k.endswith('.SCB') or name in ONE_GROUP and k.endswith(('.scales', '.qzeros')))
+
     return whole
 
 
@@ -203,7 +253,7 @@ def whole_keys(name):
 def test_ranks_are_slices_of_the_full_load(name, ws, ckpts):
     d, _ = ckpts[name]
     r = rank_reads(d, ws, whole_keys(name), dtype=torch.float32)
-    assert r.full == r.checkpoint, r   # one device reads every byte once
+    assert r.full == r.checkpoint, r  # one device reads every byte once
     # the codes, scales and zero points of a split layer are read once over the ranks, in whole words and groups
     assert sum(r.per_rank) <= r.bound(), (sum(r.per_rank), r.bound(), r)
 
@@ -221,47 +271,62 @@ def test_cuts_read_whole_words_and_groups(fmt, dim):
     "Cuts of every start and stop on a shape that divides neither the words nor the groups equal the full decode's slice."
     torch.manual_seed(dim)
     N, K = 20, 100
-    t, ref = (awq_quantize(torch.randn(N, K), 32) if fmt == 'awq' else gptq_quantize(torch.randn(N, K), 4, 32))
+    t, ref = awq_quantize(torch.randn(N, K), 32) if fmt == 'awq' else gptq_quantize(torch.randn(N, K), 4, 32)
     keys = GPTQ_KEYS if fmt == 'gptq' else GPTQ_KEYS[:3]
     ts = [t[k] for k in keys]
     # plain groups: the load takes no g_idx, and the op counts the inputs itself
-    op = {'gptq': GPTQDequantize(4, 32, True, False, torch.float32), 'awq': AWQDequantize(32, torch.float32),
-          'gptq_no_g_idx': GPTQDequantize(4, 32, True, False, torch.float32, g_idx=False, inputs=K)}[fmt]
+    op = {
+        'gptq': GPTQDequantize(4, 32, True, False, torch.float32),
+        'awq': AWQDequantize(32, torch.float32),
+        'gptq_no_g_idx': GPTQDequantize(4, 32, True, False, torch.float32, g_idx=False, inputs=K),
+    }[fmt]
     size = (N, K)[dim]
     for a in range(0, size, 3):
         for b in range(a + 1, size + 1, 5):
             c = op.cut([x.shape for x in ts], dim, a, b)
             parts = [x if p is None else x.narrow(p[0], p[1], p[2] - p[1]) for x, p in zip(ts, c.parts, strict=True)]
             assert_tensors_equal(dequantize_cut(c, parts), ref.narrow(dim, a, b - a), f'[{a}, {b}) of dim {dim}')
-            unit = 32 if dim == 1 else 8   # whole groups of 32 inputs, or whole words of eight outputs
+            unit = 32 if dim == 1 else 8  # whole groups of 32 inputs, or whole words of eight outputs
             lo, hi = a // unit * unit, min(-(-b // unit) * unit, size)
             packed = fmt != 'awq' and dim == 1 or fmt == 'awq' and dim == 0
-            assert parts[0].shape[1 - dim] == (-(-hi // 8) - lo // 8 if packed else hi - lo), f'[{a}, {b}): codes read {list(parts[0].shape)}'
+            assert parts[0].shape[1 - dim] == (-(-hi // 8) - lo // 8 if packed else hi - lo), (
+                f'[{a}, {b}): codes read {list(parts[0].shape)}'
+            )
 
 
 @pytest.mark.skipif(not os.environ.get('MSTAR_UTILS_SLOW'), reason='spawns two ranks (40 s): set MSTAR_UTILS_SLOW=1')
 def test_tp_logits_equal_the_dequantized_reference(ckpts, tmp_path):
     "Two ranks with their collectives: each rank's logits equal from_pretrained of the dequantized checkpoint."
     from mstar_utils.testing import run_ranks, tp_cells
+
     names = ['gptq', 'awq', 'int8']
     jobs = [(ckpts[n][0], {'input_ids': IDS}, False, 'dequantize') for n in names]
     per_rank = run_ranks(tp_cells, 2, jobs, timeout=600)
     for i, n in enumerate(names):
         d, weights = weights_of(ckpts, n)
-        ref = AutoModelForCausalLM.from_pretrained(reference_dir(d, weights, tmp_path/n), dtype=torch.float32).eval()
+        ref = AutoModelForCausalLM.from_pretrained(reference_dir(d, weights, tmp_path / n), dtype=torch.float32).eval()
         for r, res in enumerate(per_rank):
             got = torch.load(io.BytesIO(res[i]), weights_only=False)['logits']
             assert_tensors_equal(got, logits(ref), f'{n} rank {r}', atol=1e-4)
 
 
-@pytest.mark.parametrize('name,line', [('gptq_act', 'GPTQ int4 in int32, groups of 32, act-order, gptq zero points'),
-                                       ('gptq8_v2', 'GPTQ int8 in int32, one group, gptq_v2 zero points'),
-                                       ('awq', 'AWQ int4 in int32 (GEMM order), groups of 32'),
-                                       ('nf4_nested', 'bitsandbytes nf4, absmax per 64, nested'), ('int8', 'bitsandbytes int8, SCB per row')])
+@pytest.mark.parametrize(
+    'name,line',
+    [
+        ('gptq_act', 'GPTQ int4 in int32, groups of 32, act-order, gptq zero points'),
+        ('gptq8_v2', 'GPTQ int8 in int32, one group, gptq_v2 zero points'),
+        ('awq', 'AWQ int4 in int32 (GEMM order), groups of 32'),
+        ('nf4_nested', 'bitsandbytes nf4, absmax per 64, nested'),
+        ('int8', 'bitsandbytes int8, SCB per row'),
+    ],
+)
 def test_explore_names_the_format(name, line, ckpts):
     from mstar_utils.explore import explore
+
     text = str(explore(ckpts[name][0]))
-    assert re.search(r'model\.layers\.\*\.mlp\.down_proj\.weight +' + re.escape(line) + ' ', text), text[text.index('2. Formats'):][:800]
+    assert re.search(r'model\.layers\.\*\.mlp\.down_proj\.weight +' + re.escape(line) + ' ', text), text[
+        text.index('2. Formats') :
+    ][:800]
     assert '3. Will it load: yes' in text
 
 
@@ -270,15 +335,20 @@ def test_explore_lists_only_the_tp_sizes_load_accepts(name, ckpts):
     "explore's bytes-per-rank summary names a size only where load_plan and load_model take it; the others are refused by both."
     from transformers import AutoConfig
     from mstar_utils.explore import _ranks, explore, rank_table
+
     d = ckpts[name][0]
     rows, _ = rank_table(d, AutoConfig.from_pretrained(d))
     listed = {r.world_size for r in rows if not r.refused}
-    assert 1 in listed and (name == 'int8') == (listed == {1, 2, 4, 8}), listed   # 4-bit: flattened blocks, one device only
+    assert 1 in listed and (name == 'int8') == (listed == {1, 2, 4, 8}), (
+        listed
+    )  # 4-bit: flattened blocks, one device only
     for r in rows:
         if r.refused:
-            with pytest.raises(ValueError, match=re.escape(r.refused.split(';')[0])): load_model(d, rank=0, world_size=r.world_size)
+            with pytest.raises(ValueError, match=re.escape(r.refused.split(';')[0])):
+                load_model(d, rank=0, world_size=r.world_size)
         else:
-            for rank in range(r.world_size): load_plan(d, rank, r.world_size)
+            for rank in range(r.world_size):
+                load_plan(d, rank, r.world_size)
             load_model(d, rank=r.world_size - 1, world_size=r.world_size)
     summary = _ranks(explore(d, stats=False))[0]
     assert summary.split(';')[0] == 'TP ' + ', '.join(map(str, sorted(listed))), summary

@@ -1,4 +1,5 @@
 "Loader behaviour on real checkpoints (SmolLM2, all-MiniLM-L6-v2): one test per promise of the loading notebook."
+
 import json
 import os
 from pathlib import Path
@@ -10,8 +11,16 @@ from mstar_utils.testing import assert_state_dict_equal
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from mstar_utils import (ModuleAndPrefix, check_loaded, load_weights, load_weights_from_file,
-                         load_weights_from_hf_shards, process_weights_after_loading, smollm2_checkpoint, minilm_checkpoint)
+from mstar_utils import (
+    ModuleAndPrefix,
+    check_loaded,
+    load_weights,
+    load_weights_from_file,
+    load_weights_from_hf_shards,
+    process_weights_after_loading,
+    smollm2_checkpoint,
+    minilm_checkpoint,
+)
 
 
 def meta_smol(dtype=torch.bfloat16):
@@ -69,7 +78,7 @@ def test_meta_device_target_is_refused_by_check_loaded(smol_ckpt):
 
 
 def test_ties_survive_and_one_name_fills_all(smol_ckpt):
-    idx = json.loads((smol_ckpt/'model.safetensors.index.json').read_text())
+    idx = json.loads((smol_ckpt / 'model.safetensors.index.json').read_text())
     assert 'lm_head.weight' not in idx['weight_map']  # the checkpoint stores only the embedding
     m = meta_smol()
     [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m)])
@@ -86,12 +95,16 @@ def test_tied_materialized_module_stays_tied(smol_ckpt, smol_config):
 
 def test_loaded_names_per_module_in_order(smol_ckpt):
     m = meta_smol()
-    mods = [ModuleAndPrefix(m.model.layers[3], 'model.layers.3.'), ModuleAndPrefix(m.model.embed_tokens, 'model.embed_tokens.'),
-            ModuleAndPrefix(m.model.norm, 'model.norm')]
+    mods = [
+        ModuleAndPrefix(m.model.layers[3], 'model.layers.3.'),
+        ModuleAndPrefix(m.model.embed_tokens, 'model.embed_tokens.'),
+        ModuleAndPrefix(m.model.norm, 'model.norm'),
+    ]
     got = load_weights_from_hf_shards(smol_ckpt, mods)
     assert [len(g) for g in got] == [9, 1, 1]
     assert got[1] == {'weight'} and 'mlp.down_proj.weight' in got[0]
-    for mp, g in zip(mods, got, strict=True): check_loaded(mp.module, g, 'part')
+    for mp, g in zip(mods, got, strict=True):
+        check_loaded(mp.module, g, 'part')
 
 
 def test_check_loaded_message_names_what_count_and_missing(smol_ckpt):
@@ -112,23 +125,33 @@ def test_check_loaded_refuses_meta_buffer(smol_ckpt, smol_config):
 def test_missing_keys_raise_with_prefix(smol_ckpt):
     m = meta_smol()
     with pytest.raises(KeyError, match=r"missing key.*prefix 'model\.layers\.3\.'.*model\.layers\.3\.extra"):
+
         class Extra(torch.nn.Module):
             def __init__(self):
-                super().__init__(); self.input_layernorm = m.model.layers[3].input_layernorm
+                super().__init__()
+                self.input_layernorm = m.model.layers[3].input_layernorm
                 self.extra = torch.nn.Parameter(torch.zeros(2))
+
         load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(Extra(), 'model.layers.3.')])
 
 
 def test_missing_keys_tolerated_when_not_enforced(smol_ckpt):
-    e = torch.nn.Module(); e.input_layernorm = torch.nn.RMSNorm(576); e.extra = torch.nn.Parameter(torch.zeros(2))
-    [loaded] = load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(e, 'model.layers.3.', enforce_missing_keys=False)])
+    e = torch.nn.Module()
+    e.input_layernorm = torch.nn.RMSNorm(576)
+    e.extra = torch.nn.Parameter(torch.zeros(2))
+    [loaded] = load_weights_from_hf_shards(
+        smol_ckpt, [ModuleAndPrefix(e, 'model.layers.3.', enforce_missing_keys=False)]
+    )
     assert loaded == {'input_layernorm.weight'}
-    with pytest.raises(RuntimeError, match='extra'): check_loaded(e, loaded, 'extra')
+    with pytest.raises(RuntimeError, match='extra'):
+        check_loaded(e, loaded, 'extra')
 
 
 def test_shape_mismatch_names_key_and_shapes(smol_ckpt):
     lin = torch.nn.Linear(576, 100, bias=False)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*checkpoint has \[1536, 576\].*expects \[100, 576\]"):
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*checkpoint has \[1536, 576\].*expects \[100, 576\]"
+    ):
         load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(lin, 'model.layers.0.mlp.up_proj.')])
 
 
@@ -143,21 +166,26 @@ def test_single_file_path_minilm_embeddings_match():
 
 def test_load_weights_from_file_reads_one_shard(smol_ckpt):
     m = meta_smol()
-    shard = smol_ckpt/json.loads((smol_ckpt/'model.safetensors.index.json').read_text())['weight_map']['model.norm.weight']
+    shard = (
+        smol_ckpt
+        / json.loads((smol_ckpt / 'model.safetensors.index.json').read_text())['weight_map']['model.norm.weight']
+    )
     [loaded] = load_weights_from_file(str(shard), [ModuleAndPrefix(m.model.norm, 'model.norm.')])
     assert loaded == {'weight'}
 
 
 def link_checkpoint(tmp_path) -> Path:
-    d = tmp_path/'ckpt'; d.mkdir()
+    d = tmp_path / 'ckpt'
+    d.mkdir()
     for f in smollm2_checkpoint().iterdir():
-        if f.name != '.complete': os.link(f, d/f.name)
+        if f.name != '.complete':
+            os.link(f, d / f.name)
     return d
 
 
 def test_index_is_truth_stray_single_file_ignored(tmp_path):
     d = link_checkpoint(tmp_path)
-    save_file({'model.norm.weight': torch.full((576,), 7.0, dtype=torch.bfloat16)}, d/'model.safetensors')
+    save_file({'model.norm.weight': torch.full((576,), 7.0, dtype=torch.bfloat16)}, d / 'model.safetensors')
     m = meta_smol()
     load_weights_from_hf_shards(d, [ModuleAndPrefix(m.model.norm, 'model.norm.')])
     assert not torch.equal(m.model.norm.weight, torch.full((576,), 7.0, dtype=torch.bfloat16))
@@ -165,22 +193,25 @@ def test_index_is_truth_stray_single_file_ignored(tmp_path):
 
 def test_index_is_truth_tensor_in_other_shard_ignored(smol_ckpt, tmp_path):
     d = link_checkpoint(tmp_path)
-    idx = json.loads((d/'model.safetensors.index.json').read_text())
+    idx = json.loads((d / 'model.safetensors.index.json').read_text())
     owner = idx['weight_map']['model.norm.weight']
     other = next(s for s in sorted(set(idx['weight_map'].values())) if s != owner)
     # rewrite `other` with an extra, wrong copy of model.norm.weight
     from safetensors.torch import load_file
-    sd = load_file(d/other); sd['model.norm.weight'] = torch.full((576,), 7.0, dtype=torch.bfloat16)
-    (d/other).unlink(); save_file(sd, d/other)
+
+    sd = load_file(d / other)
+    sd['model.norm.weight'] = torch.full((576,), 7.0, dtype=torch.bfloat16)
+    (d / other).unlink()
+    save_file(sd, d / other)
     m = meta_smol()
     load_weights_from_hf_shards(d, [ModuleAndPrefix(m.model.norm, 'model.norm.')])
-    truth = load_file(smol_ckpt/owner)['model.norm.weight']
+    truth = load_file(smol_ckpt / owner)['model.norm.weight']
     assert torch.equal(m.model.norm.weight, truth)
 
 
 def test_missing_shard_names_shard_and_key(tmp_path):
     d = link_checkpoint(tmp_path)
-    (d/'model-00002-of-00003.safetensors').unlink()
+    (d / 'model-00002-of-00003.safetensors').unlink()
     with pytest.raises(FileNotFoundError, match=r"model-00002-of-00003\.safetensors.*should hold 'model\."):
         load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
 
@@ -188,16 +219,19 @@ def test_missing_shard_names_shard_and_key(tmp_path):
 @pytest.mark.parametrize('bad', ['/etc/passwd', '../outside.safetensors', 'sub/../../x.safetensors'])
 def test_shard_outside_repo_refused(tmp_path, bad):
     d = link_checkpoint(tmp_path)
-    idx = json.loads((d/'model.safetensors.index.json').read_text())
+    idx = json.loads((d / 'model.safetensors.index.json').read_text())
     idx['weight_map']['model.norm.weight'] = bad
-    (d/'model.safetensors.index.json').unlink(); (d/'model.safetensors.index.json').write_text(json.dumps(idx))
+    (d / 'model.safetensors.index.json').unlink()
+    (d / 'model.safetensors.index.json').write_text(json.dumps(idx))
     with pytest.raises(ValueError, match='outside the checkpoint folder'):
         load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
 
 
 def test_progress_bar_off_when_not_interactive_or_turned_off(smol_ckpt, capsys):
     m = meta_smol()
-    load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')])  # stderr is not a tty under pytest
+    load_weights_from_hf_shards(
+        smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')]
+    )  # stderr is not a tty under pytest
     assert 'tensor' not in capsys.readouterr().err
     load_weights_from_hf_shards(smol_ckpt, [ModuleAndPrefix(m.model.norm, 'model.norm.')], progress=False)
     assert capsys.readouterr().err == ''
@@ -208,16 +242,25 @@ def test_progress_bar_off_when_not_interactive_or_turned_off(smol_ckpt, capsys):
 
 def test_process_weights_after_loading_each_module_once_root_included():
     calls = []
+
     class P(torch.nn.Module):
-        def process_weights_after_loading(self, device): calls.append((id(self), device))
-    shared = P(); root = P(); root.a = shared; root.b = torch.nn.Sequential(shared, P())
+        def process_weights_after_loading(self, device):
+            calls.append((id(self), device))
+
+    shared = P()
+    root = P()
+    root.a = shared
+    root.b = torch.nn.Sequential(shared, P())
     process_weights_after_loading(root, 'cpu')
     assert len(calls) == 3 and len({c[0] for c in calls}) == 3 and calls[0][0] == id(root)
 
 
 def test_load_weights_from_state_dict_prefix_and_ties():
-    emb = torch.nn.Embedding(5, 3); head = torch.nn.Linear(3, 5, bias=False)
-    m = torch.nn.Module(); m.emb, m.head = emb, head; m.head.weight = m.emb.weight
+    emb = torch.nn.Embedding(5, 3)
+    head = torch.nn.Linear(3, 5, bias=False)
+    m = torch.nn.Module()
+    m.emb, m.head = emb, head
+    m.head.weight = m.emb.weight
     w = torch.randn(5, 3)
     loaded = load_weights({'x.head.weight': w}, m, prefix='x.')
     assert loaded == {'emb.weight', 'head.weight'} and m.head.weight is m.emb.weight and torch.equal(m.emb.weight, w)
@@ -231,46 +274,65 @@ def test_mmap_mode_equal_tied_and_copy_on_write(tmp_path, ref):
     check_loaded(m, loaded, 'smol mmap')
     assert m.lm_head.weight is m.model.embed_tokens.weight
     assert_state_dict_equal(m, ref)
-    with torch.no_grad(): m.model.norm.weight.fill_(3)  # a private mapping: the shard on disk must not change
+    with torch.no_grad():
+        m.model.norm.weight.fill_(3)  # a private mapping: the shard on disk must not change
     assert {f.name: f.read_bytes() for f in d.glob('*.safetensors')} == before
     # a cast still copies: a float32 module gets its own memory
     m32 = meta_smol(torch.float32)
     load_weights_from_hf_shards(d, [ModuleAndPrefix(m32.model.norm, 'model.norm.')], mmap=True)
-    assert m32.model.norm.weight.dtype == torch.float32 and torch.equal(m32.model.norm.weight, ref.model.norm.weight.float())
+    assert m32.model.norm.weight.dtype == torch.float32 and torch.equal(
+        m32.model.norm.weight, ref.model.norm.weight.float()
+    )
 
 
 def test_stale_index_key_unlisted_says_where_it_is(tmp_path):
     "A key the shards hold but the index does not list: the missing-key error says which shard holds it and that the index is stale."
     d = link_checkpoint(tmp_path)
-    idx = json.loads((d/'model.safetensors.index.json').read_text())
+    idx = json.loads((d / 'model.safetensors.index.json').read_text())
     shard = idx['weight_map'].pop('model.norm.weight')
-    (d/'model.safetensors.index.json').unlink(); (d/'model.safetensors.index.json').write_text(json.dumps(idx))
+    (d / 'model.safetensors.index.json').unlink()
+    (d / 'model.safetensors.index.json').write_text(json.dumps(idx))
     with pytest.raises(KeyError, match=rf"1 missing key.*model\.norm\.weight.*is in {shard}.*index is stale"):
         load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
 
 
 def test_stale_index_key_in_another_shard_says_where_it_is(tmp_path):
     d = link_checkpoint(tmp_path)
-    idx = json.loads((d/'model.safetensors.index.json').read_text())
+    idx = json.loads((d / 'model.safetensors.index.json').read_text())
     owner = idx['weight_map']['model.norm.weight']
     other = next(s for s in sorted(set(idx['weight_map'].values())) if s != owner)
     idx['weight_map']['model.norm.weight'] = other
-    (d/'model.safetensors.index.json').unlink(); (d/'model.safetensors.index.json').write_text(json.dumps(idx))
-    with pytest.raises(KeyError, match=rf"{other}: has no tensor 'model\.norm\.weight'.*it is in {owner}: the index is stale"):
+    (d / 'model.safetensors.index.json').unlink()
+    (d / 'model.safetensors.index.json').write_text(json.dumps(idx))
+    with pytest.raises(
+        KeyError, match=rf"{other}: has no tensor 'model\.norm\.weight'.*it is in {owner}: the index is stale"
+    ):
         load_weights_from_hf_shards(d, [ModuleAndPrefix(meta_smol())])
 
 
-@pytest.mark.parametrize('out,what', [(torch.empty(576), 'got torch.float32 \\[576\\]'), (torch.empty(2, 288, dtype=torch.bfloat16), 'got torch.bfloat16 \\[2, 288\\]'),
-                                      (torch.empty(1152, dtype=torch.bfloat16)[::2], 'not contiguous')])
+@pytest.mark.parametrize(
+    'out,what',
+    [
+        (torch.empty(576), 'got torch.float32 \\[576\\]'),
+        (torch.empty(2, 288, dtype=torch.bfloat16), 'got torch.bfloat16 \\[2, 288\\]'),
+        (torch.empty(1152, dtype=torch.bfloat16)[::2], 'not contiguous'),
+    ],
+)
 def test_file_source_get_checks_out(smol_ckpt, out, what):
     "`get(key, out=)` reads raw bytes into `out`: one of another dtype, shape or layout is refused, not filled with reinterpreted bytes."
     from mstar_utils.sources import checkpoint_source
+
     src = checkpoint_source(smol_ckpt)
     try:
-        with pytest.raises(ValueError, match=rf"'model\.norm\.weight' is torch\.bfloat16 \[576\]; out must be .*{what}"):
+        with pytest.raises(
+            ValueError, match=rf"'model\.norm\.weight' is torch\.bfloat16 \[576\]; out must be .*{what}"
+        ):
             src.get('model.norm.weight', out=out)
         good = torch.empty(576, dtype=torch.bfloat16)
         assert src.get('model.norm.weight', out=good) is good
         from safetensors import safe_open
-        with safe_open(str(src.where('model.norm.weight')), 'pt') as f: assert torch.equal(good, f.get_tensor('model.norm.weight'))
-    finally: src.close()
+
+        with safe_open(str(src.where('model.norm.weight')), 'pt') as f:
+            assert torch.equal(good, f.get_tensor('model.norm.weight'))
+    finally:
+        src.close()

@@ -8,6 +8,7 @@ Hypothesis property tests check the contract on every step over byte-level BPE (
 fallback (Mistral v1), Metaspace, WordPiece (MiniLM), CTC (wav2vec2's character vocabulary) and a SentencePiece model
 without tokenizer.json. `MSTAR_SLOW=1` runs more examples.
 """
+
 import functools
 import json
 import os
@@ -30,18 +31,32 @@ PROPERTY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=
 @functools.cache
 def tok(name):
     "The real tokenizers of the property tests, by family."
-    if name == 'qwen': return AutoTokenizer.from_pretrained(tokenizer_folder('qwen'))
-    if name == 'smollm2': return AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    if name == 'mistral': return AutoTokenizer.from_pretrained(tokenizer_folder('mistral-v1'))
-    if name == 'metaspace': return metaspace_tokenizer('first')
-    if name == 'wordpiece': return AutoTokenizer.from_pretrained(minilm_checkpoint())
-    if name == 'ctc': return ctc_tokenizer()
-    if name == 'spm': return sentencepiece_model_tokenizer()
+    if name == 'qwen':
+        return AutoTokenizer.from_pretrained(tokenizer_folder('qwen'))
+    if name == 'smollm2':
+        return AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    if name == 'mistral':
+        return AutoTokenizer.from_pretrained(tokenizer_folder('mistral-v1'))
+    if name == 'metaspace':
+        return metaspace_tokenizer('first')
+    if name == 'wordpiece':
+        return AutoTokenizer.from_pretrained(minilm_checkpoint())
+    if name == 'ctc':
+        return ctc_tokenizer()
+    if name == 'spm':
+        return sentencepiece_model_tokenizer()
     raise KeyError(name)
 
 
-MODES = {'qwen': 'byte_level', 'smollm2': 'byte_level', 'mistral': 'sentencepiece', 'metaspace': 'metaspace',
-         'wordpiece': 'wordpiece', 'ctc': 'decode', 'spm': 'decode'}
+MODES = {
+    'qwen': 'byte_level',
+    'smollm2': 'byte_level',
+    'mistral': 'sentencepiece',
+    'metaspace': 'metaspace',
+    'wordpiece': 'wordpiece',
+    'ctc': 'decode',
+    'spm': 'decode',
+}
 
 
 def eos(name) -> int:
@@ -69,7 +84,7 @@ def common(a: bytes, b: bytes) -> int:
 def reference(t, ids, stop=(), include=False, min_tokens=0, stop_ids=()):
     "(final reply, stop reason, number of ids used) by the documented cut, from decode of the whole reply."
     k = next((k for k, i in enumerate(ids) if i in stop_ids and k + 1 >= min_tokens), None)
-    used = ids if k is None else ids[:k + 1] if include else ids[:k]
+    used = ids if k is None else ids[: k + 1] if include else ids[:k]
     text = decode(t, used)
     # stop strings must end past the first min_tokens
     floor = common(decode(t, ids[:min_tokens]), text) if min_tokens else 0
@@ -77,10 +92,11 @@ def reference(t, ids, stop=(), include=False, min_tokens=0, stop_ids=()):
     for s in dict.fromkeys(stop):
         b = s.encode()
         j = text.find(b, max(0, floor - len(b) + 1))
-        if j >= 0 and (best is None or (j + len(b), j) < (best[0] + len(best[1]), best[0])): best = (j, b, s)
+        if j >= 0 and (best is None or (j + len(b), j) < (best[0] + len(best[1]), best[0])):
+            best = (j, b, s)
     if best is not None:
         j, b, s = best
-        return text[:j + len(b) if include else j], s, None
+        return text[: j + len(b) if include else j], s, None
     return text, (ids[k] if k is not None else None), None
 
 
@@ -113,9 +129,11 @@ def check_contract(t, reply, steps, stop, include, min_tokens, stop_ids):
 
 # ---------------------------------------------------------------- cases after vLLM's stop-string tests
 
+
 def test_families_take_their_paths():
     "Which path each tokenizer takes: per-token bytes for tokenizer.json families, decode windows for CTC and SPM-only."
-    for name, mode in MODES.items(): assert text_output(name).detokenizer.mode == mode, name
+    for name, mode in MODES.items():
+        assert text_output(name).detokenizer.mode == mode, name
 
 
 @pytest.mark.parametrize('name', ['qwen', 'mistral', 'wordpiece', 'ctc', 'spm'])
@@ -153,7 +171,7 @@ def test_stop_token_kept_or_not():
         r = text_output('mistral').reply(ignore_eos=True)
         assert run(r, [[i] for i in ids])[0] + r.finish() == decode(t, ids)
         r = text_output('mistral').reply()
-        assert run(r, [[i] for i in ids])[0] == decode(t, ids[:ids.index(t.eos_token_id)])
+        assert run(r, [[i] for i in ids])[0] == decode(t, ids[: ids.index(t.eos_token_id)])
         assert r.stop_reason == t.eos_token_id
 
 
@@ -203,33 +221,41 @@ def test_cjk_stop_split_inside_a_character():
 
 def test_bad_arguments():
     to = text_output('qwen')
-    for kw, msg in (({'stop': ['']}, 'non-empty'), ({'stop': [3]}, 'non-empty strings'),
-                    ({'min_tokens': -1}, 'min_tokens'),
-                    ({'stop_token_ids': ['x']}, 'stop_token_ids')):
-        with pytest.raises(ValueError, match=msg): to.reply(**kw)
+    for kw, msg in (
+        ({'stop': ['']}, 'non-empty'),
+        ({'stop': [3]}, 'non-empty strings'),
+        ({'min_tokens': -1}, 'min_tokens'),
+        ({'stop_token_ids': ['x']}, 'stop_token_ids'),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            to.reply(**kw)
     r = to.reply()
     r.finish()
-    with pytest.raises(ValueError, match='finish'): r.step([1])
-    with pytest.raises(ValueError, match='outside the vocabulary'): to.reply().step([10**9])
+    with pytest.raises(ValueError, match='finish'):
+        r.step([1])
+    with pytest.raises(ValueError, match='outside the vocabulary'):
+        to.reply().step([10**9])
 
 
 def test_warm_path_matches_the_general_path():
     "The memo's answers equal the general path's on the same reply, tensors and lists, one and k tokens per step."
     t = tok('qwen')
-    ids = t.encode('Thought: look it up.\nObservation: 42\n\nThought: look it up.\nObservation: 42',
-                   add_special_tokens=False)
+    ids = t.encode(
+        'Thought: look it up.\nObservation: 42\n\nThought: look it up.\nObservation: 42', add_special_tokens=False
+    )
     want = reference(t, ids + ids, ['Observation: 4', '\n\nT'], False)[0]
     to = text_output('qwen')
     for k in (1, 2, 3):
         for _ in range(2):  # the second pass runs warm
             r = to.reply(stop=['Observation: 4', '\n\nT'])
-            steps = [ids[j:j + k] for j in range(0, len(ids), k)]
-            assert run(r, steps)[0] == want[:len(run(to.reply(stop=['Observation: 4', '\n\nT']), steps)[0])]
+            steps = [ids[j : j + k] for j in range(0, len(ids), k)]
+            assert run(r, steps)[0] == want[: len(run(to.reply(stop=['Observation: 4', '\n\nT']), steps)[0])]
             r = to.reply(stop=['Observation: 4', '\n\nT'])
             assert b''.join(r.step(s) for s in steps) + r.finish() == reference(t, ids, ['Observation: 4', '\n\nT'])[0]
 
 
 # ---------------------------------------------------------------- CTC
+
 
 def ctc_frames(t, text, rng=None):
     "CTC frames for `text`: each character one to three frames, a pad between two equal characters, '|' for a space."
@@ -237,9 +263,11 @@ def ctc_frames(t, text, rng=None):
     prev = None
     for c in text:
         tokid = vocab[t.word_delimiter_token if c == ' ' else c]
-        if tokid == prev: out.append(t.pad_token_id)
+        if tokid == prev:
+            out.append(t.pad_token_id)
         out += [tokid] * rng.randint(1, 3)
-        if rng.random() < 0.2: out.append(t.pad_token_id)
+        if rng.random() < 0.2:
+            out.append(t.pad_token_id)
         prev = out[-1]
     return out
 
@@ -265,7 +293,9 @@ def test_sentencepiece_model_keeps_word_spaces():
 
 # ---------------------------------------------------------------- properties
 
-ALPHABET = st.sampled_from(list("abcdefg xyz.,!?\n") + list('你好世界東京') + ['é', 'ß', '👍', '🏽', '🎉', '\u0301', 'Ω'])
+ALPHABET = st.sampled_from(
+    list("abcdefg xyz.,!?\n") + list('你好世界東京') + ['é', 'ß', '👍', '🏽', '🎉', '\u0301', 'Ω']
+)
 TEXT = st.text(ALPHABET, min_size=1, max_size=40)
 
 
@@ -276,8 +306,9 @@ def stop_strings(draw, text):
     for _ in range(draw(st.integers(0, 4))):
         if text and draw(st.booleans()):
             a = draw(st.integers(0, len(text) - 1))
-            out.append(text[a:a + draw(st.integers(1, 6))])
-        else: out.append(draw(st.text(ALPHABET, min_size=1, max_size=5)) + draw(st.sampled_from(['', '∰', 'ZQ'])))
+            out.append(text[a : a + draw(st.integers(1, 6))])
+        else:
+            out.append(draw(st.text(ALPHABET, min_size=1, max_size=5)) + draw(st.sampled_from(['', '∰', 'ZQ'])))
     return out
 
 
@@ -301,7 +332,7 @@ def case(draw, name):
     sizes, steps, j = draw(st.lists(st.integers(1, 4), min_size=1, max_size=8)), [], 0
     while j < len(ids):
         k = sizes[len(steps) % len(sizes)]
-        steps.append(ids[j:j + k])
+        steps.append(ids[j : j + k])
         j += k
     return steps, stop, draw(st.booleans()), draw(st.integers(0, 4))
 
@@ -314,25 +345,32 @@ def test_contract_property(name):
         steps, stop, include, min_tokens = c
         r = text_output(name).reply(stop=stop, include_stop_str_in_output=include, min_tokens=min_tokens)
         check_contract(tok(name), r, steps, stop, include, min_tokens, text_output(name).stop_token_ids)
+
     prop()
 
 
 # ---------------------------------------------------------------- the published benchmark figures
 
+
 def test_published_reply_figures():
     "benchmarks/README.md quotes the Reply rows of benchmarks/detokenize_results.json (bench_detokenize --publish)."
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
-    res = json.loads((root/'benchmarks'/'detokenize_results.json').read_text(encoding='utf-8'))
-    text = (root/'benchmarks'/'README.md').read_text(encoding='utf-8')
-    sec = text[text.index('### Replies: `Reply.step`'):text.index('## Checkpoint loading')]
+    res = json.loads((root / 'benchmarks' / 'detokenize_results.json').read_text(encoding='utf-8'))
+    text = (root / 'benchmarks' / 'README.md').read_text(encoding='utf-8')
+    sec = text[text.index('### Replies: `Reply.step`') : text.index('## Checkpoint loading')]
     ns = {k: v['ns_per_token'] for k, v in res['results'].items()}
-    rows = {'tokenizers `DecodeStream.step`': ns['DecodeStream.step'],
-            '`TextOutput.step_bytes`, one-token tensor': ns['step_bytes'],
-            '`Reply.step`, no stop strings': ns['reply'], '`Reply.step`, 4 stop strings': ns['reply_stop4'],
-            '`Reply.step`, 4 stop strings, tokens 256-511': res['reply_stop4_at']['256'],
-            '`Reply.step`, 4 stop strings, tokens 32,768-33,023': res['reply_stop4_at']['32768']}
-    for label, v in rows.items(): assert f'| {label} | {v:.1f} |' in sec, label
+    rows = {
+        'tokenizers `DecodeStream.step`': ns['DecodeStream.step'],
+        '`TextOutput.step_bytes`, one-token tensor': ns['step_bytes'],
+        '`Reply.step`, no stop strings': ns['reply'],
+        '`Reply.step`, 4 stop strings': ns['reply_stop4'],
+        '`Reply.step`, 4 stop strings, tokens 256-511': res['reply_stop4_at']['256'],
+        '`Reply.step`, 4 stop strings, tokens 32,768-33,023': res['reply_stop4_at']['32768'],
+    }
+    for label, v in rows.items():
+        assert f'| {label} | {v:.1f} |' in sec, label
     assert f"{res['reply_vs_step_bytes']:.2f}x `step_bytes`" in sec and res['reply_vs_step_bytes'] <= 1.3
     stop4 = res['reply_stop4_vs_decode_stream']
     assert f'{stop4:.2f}x `DecodeStream.step`' in sec and stop4 <= 0.7

@@ -1,5 +1,6 @@
 """The package's rooms: no import cycle among mstar_utils modules (lazy imports inside functions included), and no module
 imports another module's private names."""
+
 import ast
 from pathlib import Path
 
@@ -14,10 +15,14 @@ def imports(path: Path) -> list[tuple[str, list[str]]]:
     for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
         if isinstance(node, ast.ImportFrom):
             mod = node.module or ''
-            if node.level == 1 and mod: out.append((mod.split('.')[0], [a.name for a in node.names]))
-            elif node.level == 1: out += [(a.name, []) for a in node.names]
-            elif mod.startswith('mstar_utils.'): out.append((mod.split('.')[1], [a.name for a in node.names]))
-            elif mod == 'mstar_utils': out += [(a.name, []) for a in node.names if (PKG/f'{a.name}.py').exists()]
+            if node.level == 1 and mod:
+                out.append((mod.split('.')[0], [a.name for a in node.names]))
+            elif node.level == 1:
+                out += [(a.name, []) for a in node.names]
+            elif mod.startswith('mstar_utils.'):
+                out.append((mod.split('.')[1], [a.name for a in node.names]))
+            elif mod == 'mstar_utils':
+                out += [(a.name, []) for a in node.names if (PKG / f'{a.name}.py').exists()]
         elif isinstance(node, ast.Import):
             out += [(a.name.split('.')[1], []) for a in node.names if a.name.startswith('mstar_utils.')]
     return out
@@ -30,31 +35,43 @@ def graph() -> dict[str, set[str]]:
 
 def test_no_import_cycle():
     g, state, cycles = graph(), {}, []
+
     def visit(m, path):
         state[m] = 'open'
         for d in sorted(g[m]):
-            if state.get(d) == 'open': cycles.append(path[path.index(d):] + [d] if d in path else path + [d])
-            elif d not in state: visit(d, path + [d])
+            if state.get(d) == 'open':
+                cycles.append(path[path.index(d) :] + [d] if d in path else path + [d])
+            elif d not in state:
+                visit(d, path + [d])
         state[m] = 'done'
+
     for m in sorted(g):
-        if m not in state: visit(m, [m])
+        if m not in state:
+            visit(m, [m])
     assert cycles == [], cycles
-    assert 'io' in g and g['io'] == set()   # the reader engine stands on its own, at the bottom
-    assert 'sources' in g and g['sources'] == {'io'}   # the safetensors room stands on the engine alone
+    assert 'io' in g and g['io'] == set()  # the reader engine stands on its own, at the bottom
+    assert 'sources' in g and g['sources'] == {'io'}  # the safetensors room stands on the engine alone
 
 
 def test_no_module_imports_another_modules_private_names():
-    bad = [f'{p.name}: {n} from {d}' for p in PKG.glob('*.py') if p.stem != '_modidx'
-           for d, names in imports(p) for n in names if n.startswith('_') and not n.startswith('__')]
+    bad = [
+        f'{p.name}: {n} from {d}'
+        for p in PKG.glob('*.py')
+        if p.stem != '_modidx'
+        for d, names in imports(p)
+        for n in names
+        if n.startswith('_') and not n.startswith('__')
+    ]
     assert bad == [], bad
 
 
 def test_the_cli_only_formats():
     "cli.py defines no loading, converting or planning of its own: its imports from the package are the rooms that do."
-    deps = {d for d, _ in imports(PKG/'cli.py')}
+    deps = {d for d, _ in imports(PKG / 'cli.py')}
     assert deps <= {'report', 'speech', 'kv_figures', 'checkpoints', 'explore', '__init__'}, deps
-    src = (PKG/'cli.py').read_text(encoding='utf-8')
-    for word in ('load_weights', 'read_header', 'init_empty_weights', 'WeightConverter', 'plan_kv_pools'): assert word not in src, word
+    src = (PKG / 'cli.py').read_text(encoding='utf-8')
+    for word in ('load_weights', 'read_header', 'init_empty_weights', 'WeightConverter', 'plan_kv_pools'):
+        assert word not in src, word
 
 
 def test_one_concept_rooms_stand_in_layers():

@@ -1,4 +1,5 @@
 "The package's style a linter does not check: lines of at most 120 characters, public docstrings of one line of at most 100."
+
 import ast
 import importlib
 import re
@@ -14,8 +15,12 @@ MODULES = sorted(p.stem for p in PKG.glob('*.py') if p.stem not in ('_modidx', '
 
 def test_no_package_line_over_120_characters():
     # nbdev writes each module's `__all__` itself, wrapping the names at 120 before its `__all__ = ` prefix
-    long = [f'{m}.py:{n}' for m in MODULES for n, line in enumerate((PKG/f'{m}.py').read_text('utf-8').splitlines(), 1)
-            if len(line) > 120 and not line.startswith('__all__ = [')]
+    long = [
+        f'{m}.py:{n}'
+        for m in MODULES
+        for n, line in enumerate((PKG / f'{m}.py').read_text('utf-8').splitlines(), 1)
+        if len(line) > 120 and not line.startswith('__all__ = [')
+    ]
     assert long == [], long
 
 
@@ -46,18 +51,23 @@ EXPORTED = re.compile(r'\A(?:\s*#\|[^\n]*\n)*?\s*#\|\s*export[is]?\b')
 
 def exported_cells(nb: Path) -> list:
     "(index, source or None) of every cell of notebook `nb`: None for a cell that is not an exported code cell."
-    return [(i, s if c['cell_type'] == 'code' and EXPORTED.match(s) else None) for i, c in enumerate(cells(nb))
-            for s in [src(c)]]
+    return [
+        (i, s if c['cell_type'] == 'code' and EXPORTED.match(s) else None)
+        for i, c in enumerate(cells(nb))
+        for s in [src(c)]
+    ]
 
 
 def test_an_exported_cell_holds_one_function_or_class():
     bad = []
     for nb in notebooks():
         for i, s in exported_cells(nb):
-            if s is None: continue
+            if s is None:
+                continue
             tree = ast.parse('\n'.join(line for line in s.splitlines() if not line.lstrip().startswith('#|')))
             defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-            if len(defs) > 1: bad.append(f'{nb.name} cell {i}: {defs}')
+            if len(defs) > 1:
+                bad.append(f'{nb.name} cell {i}: {defs}')
     assert bad == [], bad
 
 
@@ -67,7 +77,10 @@ def test_at_most_three_exported_cells_in_a_row():
     for nb in notebooks():
         run = []
         for i, s in [*exported_cells(nb), (None, None)]:
-            if s is not None: run.append(i); continue
-            if len(run) > 3: bad.append(f'{nb.name} cells {run[0]}-{run[-1]} ({len(run)} in a row)')
+            if s is not None:
+                run.append(i)
+                continue
+            if len(run) > 3:
+                bad.append(f'{nb.name} cells {run[0]}-{run[-1]} ({len(run)} in a row)')
             run = []
     assert bad == [], bad

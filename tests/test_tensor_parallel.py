@@ -1,4 +1,5 @@
 "Tensor-parallel loading: slices equal the whole tensors cut by the plan, only their bytes are read, and spawned 2- and 4-rank groups give the unsharded model's logits."
+
 import re
 from pathlib import Path
 
@@ -10,8 +11,17 @@ from mstar_utils.convert import QWEN3_MOE_CONVERSIONS, MIXTRAL_CONVERSIONS, conv
 from mstar_utils.loading import ModuleAndPrefix
 from mstar_utils.model import build_on_meta, load_model
 from mstar_utils.sources import DictSource, checkpoint_source
-from mstar_utils.tensor_parallel import (WHOLE, Sharding, ShardedSource, Slice, load_weights_sharded, read_slice, shard_module,
-                                         take, tp_plan)
+from mstar_utils.tensor_parallel import (
+    WHOLE,
+    Sharding,
+    ShardedSource,
+    Slice,
+    load_weights_sharded,
+    read_slice,
+    shard_module,
+    take,
+    tp_plan,
+)
 from mstar_utils.testing import run_ranks, save_tiny, tp_jobs
 
 
@@ -23,12 +33,21 @@ def rchar() -> int:
 def tiny(tmp_path_factory):
     "Tiny checkpoints: Qwen3-MoE and Mixtral (16 experts each, stored one by one), Qwen2 (q/k/v biases), Phi (biases on every Linear)."
     root = tmp_path_factory.mktemp('tp')
-    out = {name: save_tiny(name, root/name) for name in ('qwen3_moe', 'mixtral', 'qwen2')}
+    out = {name: save_tiny(name, root / name) for name in ('qwen3_moe', 'mixtral', 'qwen2')}
     torch.manual_seed(0)
-    phi = PhiForCausalLM(PhiConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   max_position_embeddings=64, pad_token_id=0))
-    phi.save_pretrained(root/'phi', max_shard_size='40KB')
-    out['phi'] = root/'phi'
+    phi = PhiForCausalLM(
+        PhiConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            pad_token_id=0,
+        )
+    )
+    phi.save_pretrained(root / 'phi', max_shard_size='40KB')
+    out['phi'] = root / 'phi'
     return out
 
 
@@ -38,15 +57,23 @@ def test_smollm2_slices_equal_cut_tensors_and_bytes_add_up(smol_ckpt, smol_confi
     keys = [k for k in src.keys() if k.startswith(('model.layers.0.', 'model.layers.29.', 'model.norm', 'model.embed'))]  # noqa: SIM118 (keys(), no __iter__)
     whole = {k: src.get(k) for k in keys}
     total = sum(t.numel() * t.element_size() for t in whole.values())
-    replicated = sum(t.numel() * t.element_size() for k, t in whole.items() if Sharding(plan, 0, world_size).slice_for(k, t.shape) == WHOLE)
+    replicated = sum(
+        t.numel() * t.element_size()
+        for k, t in whole.items()
+        if Sharding(plan, 0, world_size).slice_for(k, t.shape) == WHOLE
+    )
     read = []
     for rank in range(world_size):
         sharded, before = ShardedSource(checkpoint_source(smol_ckpt), Sharding(plan, rank, world_size)), rchar()
         for k in keys:
             part = sharded.get(k)
             assert tuple(part.shape) == sharded.shape(k) and torch.equal(part, take(whole[k], sharded.slice(k))), k
-        after = rchar(); sharded.close()
-        assert abs((after - before) - sharded.bytes_read) < 256 * 1024, (after - before, sharded.bytes_read)   # headers and /proc reads
+        after = rchar()
+        sharded.close()
+        assert abs((after - before) - sharded.bytes_read) < 256 * 1024, (
+            after - before,
+            sharded.bytes_read,
+        )  # headers and /proc reads
         read.append(sharded.bytes_read)
     assert sum(read) == total + (world_size - 1) * replicated
     src.close()
@@ -75,13 +102,19 @@ def test_fused_targets_slice_through_the_converter(tiny, name, conv, world_size,
             sl = sh.slice_for(k, whole_src.shape(k))
             part = read_slice(whole_src, k, sl, count=counted.append)
             assert torch.equal(part, take(whole_src.get(k), sl)), (k, sl)
-            assert sum(counted) == part.numel() * part.element_size(); counted.clear()   # the slice's bytes, nothing more
+            assert sum(counted) == part.numel() * part.element_size()
+            counted.clear()  # the slice's bytes, nothing more
     whole_src.close()
 
 
 def test_non_divisible_dimension_names_key_dim_and_world_size(smol_ckpt, smol_config):
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: dim 0 of shape \[1536, 576\] has size 1536, which does not divide by world_size 7"):
-        ShardedSource(checkpoint_source(smol_ckpt), Sharding(tp_plan(smol_config, 7), 0, 7)).shape('model.layers.0.mlp.gate_proj.weight')
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.mlp\.gate_proj\.weight: dim 0 of shape \[1536, 576\] has size 1536, which does not divide by world_size 7",
+    ):
+        ShardedSource(checkpoint_source(smol_ckpt), Sharding(tp_plan(smol_config, 7), 0, 7)).shape(
+            'model.layers.0.mlp.gate_proj.weight'
+        )
     with pytest.raises(ValueError, match='does not divide by 2 packed parts x world_size 4'):
         Sharding({'experts.gate_up_proj': 'packed_colwise'}, 0, 4).slice_for('m.experts.gate_up_proj', (16, 12, 32))
 
@@ -94,15 +127,19 @@ def test_tied_tensor_cut_two_ways_is_refused(smol_config):
 
 def test_module_not_cut_is_refused_before_reading(smol_ckpt, smol_config):
     with pytest.raises(ValueError, match='call shard_module'):
-        load_weights_sharded(smol_ckpt, [ModuleAndPrefix(build_on_meta(smol_config))], Sharding(tp_plan(smol_config, 2), 0, 2))
+        load_weights_sharded(
+            smol_ckpt, [ModuleAndPrefix(build_on_meta(smol_config))], Sharding(tp_plan(smol_config, 2), 0, 2)
+        )
 
 
 def test_rules_decide_before_the_plan_and_dict_sources_are_sliced():
     rule = lambda sh, key, shape: Slice(0, ((0, 1),)) if key == 'w.scale' else None
     sh = Sharding({'w': 'rowwise'}, 1, 2, rules=[rule])
-    sd = {'w.weight': torch.arange(12.).reshape(3, 4), 'w.scale': torch.arange(3.), 'w.bias': torch.ones(3)}
+    sd = {'w.weight': torch.arange(12.0).reshape(3, 4), 'w.scale': torch.arange(3.0), 'w.bias': torch.ones(3)}
     src = ShardedSource(DictSource(sd), sh)
-    assert torch.equal(src.get('w.weight'), sd['w.weight'][:, 2:]) and torch.equal(src.get('w.scale'), sd['w.scale'][:1])
+    assert torch.equal(src.get('w.weight'), sd['w.weight'][:, 2:]) and torch.equal(
+        src.get('w.scale'), sd['w.scale'][:1]
+    )
     assert src.get('w.bias') is sd['w.bias'] and src.borrowed('w.bias') and not src.borrowed('w.weight')
 
 
@@ -124,19 +161,28 @@ def _check_ranks(results, refs):
 
 def test_two_ranks_match_the_unsharded_models(tiny):
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
-    jobs = [(tiny['qwen3_moe'], ids, None, False), (tiny['qwen3_moe'], ids, None, True), (tiny['phi'], ids, None, False)]
+    jobs = [
+        (tiny['qwen3_moe'], ids, None, False),
+        (tiny['qwen3_moe'], ids, None, True),
+        (tiny['phi'], ids, None, False),
+    ]
     results = run_ranks(tp_jobs, 2, jobs)
     with torch.no_grad():
         refs = [load_model(folder, dtype=torch.float32)(ids).logits for folder, *_ in jobs]
     _check_ranks(results, refs)
     gu = 'model.layers.0.mlp.experts.gate_up_proj'
-    assert [r[0]['shapes'][gu] for r in results] == [[16, 16, 32]] * 2 and [r[1]['shapes'][gu] for r in results] == [[8, 32, 32]] * 2
-    assert results[0][2]['shapes']['model.layers.0.mlp.fc2.weight'] == [32, 32]   # Phi's rowwise fc2 (with bias) is split
+    assert [r[0]['shapes'][gu] for r in results] == [[16, 16, 32]] * 2 and [r[1]['shapes'][gu] for r in results] == [
+        [8, 32, 32]
+    ] * 2
+    assert results[0][2]['shapes']['model.layers.0.mlp.fc2.weight'] == [
+        32,
+        32,
+    ]  # Phi's rowwise fc2 (with bias) is split
 
 
 def test_ranks_read_renamed_and_transformers_fused_checkpoints(tmp_path):
     "GPT-NeoX (its head stored as embed_out) and OLMoE (experts stored one by one, fused by transformers' rules): two ranks load what load_model loads."
-    folders = [save_tiny(name, tmp_path/name) for name in ('gpt_neox', 'olmoe')]
+    folders = [save_tiny(name, tmp_path / name) for name in ('gpt_neox', 'olmoe')]
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
     jobs = [(f, ids, None, False) for f in folders]
     results = run_ranks(tp_jobs, 2, jobs)
@@ -155,7 +201,9 @@ def test_four_ranks_match_the_unsharded_models(tiny):
         refs = [load_model(folder, dtype=torch.float32)(ids).logits for folder, *_ in jobs]
     _check_ranks(results, refs)
     assert [r[0]['shapes']['model.embed_tokens.weight'] for r in results] == [[24, 32]] * 4
-    assert [r[0]['shapes']['model.layers.0.self_attn.k_proj.bias'] for r in results] == [[4]] * 4   # 2 kv heads over 4 ranks: gathered
+    assert [r[0]['shapes']['model.layers.0.self_attn.k_proj.bias'] for r in results] == [
+        [4]
+    ] * 4  # 2 kv heads over 4 ranks: gathered
 
 
 def test_sharded_load_unties_a_tie_stored_twice_with_different_values_and_takes_the_checkpoint_dtype(tmp_path):
@@ -165,17 +213,26 @@ def test_sharded_load_unties_a_tie_stored_twice_with_different_values_and_takes_
     from transformers import AutoModelForCausalLM
     from mstar_utils.model import load_model_sharded
     from mstar_utils.testing import save_tiny
-    folder = save_tiny('qwen2', tmp_path/'q', dtype=torch.bfloat16, max_shard_size='1GB')
-    cfg = json.loads((folder/'config.json').read_text()); cfg.pop('dtype', None); cfg.pop('torch_dtype', None)
-    (folder/'config.json').write_text(json.dumps(cfg))
+
+    folder = save_tiny('qwen2', tmp_path / 'q', dtype=torch.bfloat16, max_shard_size='1GB')
+    cfg = json.loads((folder / 'config.json').read_text())
+    cfg.pop('dtype', None)
+    cfg.pop('torch_dtype', None)
+    (folder / 'config.json').write_text(json.dumps(cfg))
     assert load_model_sharded(folder, 0, 1).dtype == torch.bfloat16
-    cfg['tie_word_embeddings'] = True; (folder/'config.json').write_text(json.dumps(cfg))
+    cfg['tie_word_embeddings'] = True
+    (folder / 'config.json').write_text(json.dumps(cfg))
     ref = AutoModelForCausalLM.from_pretrained(folder)
     for rank in range(2):
         m = load_model_sharded(folder, rank, 2)
         assert m.lm_head.weight is not m.model.embed_tokens.weight
-        assert torch.equal(m.lm_head.weight, take(ref.lm_head.weight, m.tp_sharding.slice_for('lm_head.weight', ref.lm_head.weight.shape)))
-    sd = load_file(folder/'model.safetensors'); sd['lm_head.weight'] = sd['model.embed_tokens.weight'].clone(); save_file(sd, folder/'model.safetensors')
+        assert torch.equal(
+            m.lm_head.weight,
+            take(ref.lm_head.weight, m.tp_sharding.slice_for('lm_head.weight', ref.lm_head.weight.shape)),
+        )
+    sd = load_file(folder / 'model.safetensors')
+    sd['lm_head.weight'] = sd['model.embed_tokens.weight'].clone()
+    save_file(sd, folder / 'model.safetensors')
     m = load_model_sharded(folder, 0, 1)
     assert m.lm_head.weight is m.model.embed_tokens.weight
 
@@ -183,17 +240,25 @@ def test_sharded_load_unties_a_tie_stored_twice_with_different_values_and_takes_
 def test_vocab_parallel_embedding_with_a_pad_token(tmp_path):
     "An embedding built with padding_idx (config pad_token_id, as gpt-oss-20b's 199999 of 201088) split by vocabulary: each rank keeps its own row of the pad id, or none, and the logits match."
     import json
-    folder = save_tiny('qwen2', tmp_path/'q')
-    cfg = json.loads((folder/'config.json').read_text()); cfg['pad_token_id'] = 90; (folder/'config.json').write_text(json.dumps(cfg))
-    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4)); ids[0, -2:] = 90
+
+    folder = save_tiny('qwen2', tmp_path / 'q')
+    cfg = json.loads((folder / 'config.json').read_text())
+    cfg['pad_token_id'] = 90
+    (folder / 'config.json').write_text(json.dumps(cfg))
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    ids[0, -2:] = 90
     config = AutoConfig.from_pretrained(folder)
     vocab_split = {**tp_plan(config, 2), 'embed_tokens': 'embedding_rowwise', 'lm_head': 'colwise_gather_output'}
     results = run_ranks(tp_jobs, 2, [(folder, ids, vocab_split, False)])
-    with torch.no_grad(): ref = load_model(folder, dtype=torch.float32)
+    with torch.no_grad():
+        ref = load_model(folder, dtype=torch.float32)
     assert ref.model.embed_tokens.padding_idx == 90
-    with torch.no_grad(): _check_ranks(results, [ref(ids).logits])
+    with torch.no_grad():
+        _check_ranks(results, [ref(ids).logits])
     sharding = Sharding(vocab_split, 1, 2)
-    m = build_on_meta(config, dtype=torch.float32); shard_module(m, sharding)
+    m = build_on_meta(config, dtype=torch.float32)
+    shard_module(m, sharding)
     assert (m.model.embed_tokens.padding_idx, m.model.embed_tokens.num_embeddings) == (90 - 48, 48)
-    m0 = build_on_meta(config, dtype=torch.float32); shard_module(m0, Sharding(vocab_split, 0, 2))
+    m0 = build_on_meta(config, dtype=torch.float32)
+    shard_module(m0, Sharding(vocab_split, 0, 2))
     assert m0.model.embed_tokens.padding_idx is None

@@ -340,7 +340,9 @@ def test_cell(matrix, cell):
         f'(checkpoint {total}, replicated {repl}, blocks at cuts {blocks})'
     )
     if ws == 1:  # every byte once, but pack-quantized `weight_shape`s twice: read to build the op, then loaded
-        again = sum(_BYTES[dt] * int(torch.Size(sh).numel()) for k, (sh, dt) in stored(ckpt).items() if k.endswith('_shape'))
+        again = sum(
+            _BYTES[dt] * int(torch.Size(sh).numel()) for k, (sh, dt) in stored(ckpt).items() if k.endswith('_shape')
+        )
         assert read == total + again, f'one device read {read} bytes of a {total}-byte checkpoint ({again} read twice)'
 
 
@@ -353,7 +355,9 @@ def test_kept_experts_renamed_then_fused(tmp_path):
     ids = {'input_ids': torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(1))}
     names, jobs, refs = ('mixtral', 'phimoe'), [], []
     for name in names:
-        folder = write_fp8_checkpoint(tiny_model(name), tmp_path / name, (16, 16), quantize=r'_proj|\.experts\.\d+\.w\d\.')
+        folder = write_fp8_checkpoint(
+            tiny_model(name), tmp_path / name, (16, 16), quantize=r'_proj|\.experts\.\d+\.w\d\.'
+        )
         refs.append(reference(name, folder, 'fp8', tmp_path))
         jobs.append((folder, ids, True, 'keep'))
     per_rank = run_ranks(tp_cells, 2, jobs, timeout=600)
@@ -367,7 +371,11 @@ def test_kept_experts_renamed_then_fused(tmp_path):
             err = (res['logits'] - want).abs().max().item()
             assert err <= 1e-4, f'{name} rank {r}: max |logits - reference| = {err:.2e}'
             assert res['planned_bytes'] == res['bytes_read'] > 0, name
-            held = {int(m.group(1)) for k in res['tensors'] if (m := re.search(r'layers\.0\.mlp\.experts\.(\d+)\.w1\.weight$', k))}
+            held = {
+                int(m.group(1))
+                for k in res['tensors']
+                if (m := re.search(r'layers\.0\.mlp\.experts\.(\d+)\.w1\.weight$', k))
+            }
             assert held == set(range(r * n // 2, (r + 1) * n // 2)), f'{name} rank {r} holds experts {sorted(held)}'
             for k, t in res['tensors'].items():
                 if '.experts.' in k and k.endswith(('.weight', '_scale_inv')):

@@ -3,6 +3,7 @@
 A cell is visible when the docs show its source: not `#| hide`, not `#| exporti` (exported, hidden). Cells marked
 `#| gpu` run only with CUDA and `#| slow` ones only with `--flags slow` in nbdev_test's sense (MSTAR_SLOW=1), as nbdev_test
 skips them. Each page runs in its own Python process, so nothing one page imports or sets leaks into another."""
+
 import json
 import os
 import re
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NBS = ROOT/'nbs'
+NBS = ROOT / 'nbs'
 HIDDEN = re.compile(r'^\s*#\|\s*(hide|exporti|eval:\s*false)\b', re.M)
 SKIP = re.compile(r'^\s*#\|\s*(gpu|slow)\b', re.M)
 
@@ -39,15 +40,24 @@ for i, c in enumerate(nb.cells):
 
 def pages():
     from nbdev.doclinks import nbglob
+
     return sorted(Path(p).name for p in nbglob(NBS))
 
 
 @pytest.mark.parametrize('nb', pages())
 def test_visible_cells_run_in_a_fresh_kernel(nb):
     import torch
+
     skip = ([] if torch.cuda.is_available() else ['gpu']) + ([] if os.environ.get('MSTAR_SLOW') else ['slow'])
     env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'TOKENIZERS_PARALLELISM': 'false', 'MPLBACKEND': 'Agg'}
-    r = subprocess.run([sys.executable, '-c', RUNNER, str(NBS/nb), *skip], cwd=NBS, capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [sys.executable, '-c', RUNNER, str(NBS / nb), *skip],
+        cwd=NBS,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -55,9 +65,13 @@ def test_a_page_opens_with_a_visible_import_cell():
     "The first visible code cell after the title and default_exp imports something a reader can copy."
     bad = []
     for nb in pages():
-        if nb == 'index.ipynb': continue
-        cells = [c for c in json.loads((NBS/nb).read_text(encoding='utf-8'))['cells'] if c['cell_type'] == 'code']
+        if nb == 'index.ipynb':
+            continue
+        cells = [c for c in json.loads((NBS / nb).read_text(encoding='utf-8'))['cells'] if c['cell_type'] == 'code']
         src = [''.join(c['source']) for c in cells]
-        visible = [s for s in src if not HIDDEN.search(s) and not s.lstrip().startswith(('#| default_exp', '#| export'))]
-        if not visible or not re.search(r'^\s*(from|import)\s', visible[0], re.M): bad.append(nb)
+        visible = [
+            s for s in src if not HIDDEN.search(s) and not s.lstrip().startswith(('#| default_exp', '#| export'))
+        ]
+        if not visible or not re.search(r'^\s*(from|import)\s', visible[0], re.M):
+            bad.append(nb)
     assert bad == [], bad
