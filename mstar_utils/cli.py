@@ -39,10 +39,13 @@ def _whisper_lines(w: dict | None) -> list[str]:
     "Report lines for a Whisper checkpoint's `whisper_report`: encoder, decoder, audio window, languages."
     if not w:
         return []
-    side = lambda d: (
-        f"{d['layers']} layers, {d['heads']} heads, d_model {d['d_model']}, ffn {d['ffn_dim']}, "
-        f"{d['max_positions']} positions"
-    )
+
+    def side(d):
+        return (
+            f"{d['layers']} layers, {d['heads']} heads, d_model {d['d_model']}, ffn {d['ffn_dim']}, "
+            f"{d['max_positions']} positions"
+        )
+
     a = w['audio']
     return [
         f"encoder       {side(w['encoder'])}, {w['encoder']['num_mel_bins']} mel bins",
@@ -76,7 +79,10 @@ def format_report(
     )
     L.append(f"stop tokens   {rep['stop_token_ids']}")
     g = rep['generation_config']
-    skip = lambda k: k.startswith('_') or k == 'transformers_version'
+
+    def skip(k):
+        return k.startswith('_') or k == 'transformers_version'
+
     L.append(
         'generation    '
         + (', '.join(f'{k}={_long(v)}' for k, v in g.items() if not skip(k)) if g else 'no generation_config.json')

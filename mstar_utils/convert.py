@@ -436,7 +436,7 @@ def _build(target, op, kids, what) -> _Node:
     dt = op.out_dtype([k.dtype for k in kids])
     if dt is None:
         a = next(_leaves(kids[0]))
-        b = next(l for k in kids for l in _leaves(k) if l.dtype != a.dtype)
+        b = next(leaf for k in kids for leaf in _leaves(k) if leaf.dtype != a.dtype)
         raise ValueError(f'{what}: target {target!r}: dtypes disagree: {a.key!r} is {a.dtype}, {b.key!r} is {b.dtype}')
     return _Node(op, kids, op.out_shape(shapes), dt)
 

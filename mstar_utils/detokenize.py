@@ -317,7 +317,10 @@ def _added_contents(tokenizer_json: dict) -> dict[int, str]:
     # a `normalized` token's content through the file's normalizer. `ValueError` naming the normalizer when HF
     # tokenizers cannot read it.
     added, normalizer = tokenizer_json.get('added_tokens') or [], tokenizer_json.get('normalizer')
-    normalized = lambda t: t.get('normalized', not t.get('special'))  # AddedToken's default: normalized unless special
+
+    def normalized(t):
+        return t.get('normalized', not t.get('special'))  # AddedToken's default: normalized unless special
+
     norm = None
     if normalizer is not None and any(map(normalized, added)):
         from tokenizers import Tokenizer

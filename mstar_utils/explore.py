@@ -1090,7 +1090,7 @@ class WeightStats:
     histograms: dict = field(default_factory=dict)  # {layer: (key, bin edges, counts)}: worst layers' heaviest tails
 
     def worst(self, n: int = 3) -> list:
-        return sorted(self.layers, key=lambda l: -l.kurtosis if math.isfinite(l.kurtosis) else math.inf)[:n]
+        return sorted(self.layers, key=lambda row: -row.kurtosis if math.isfinite(row.kurtosis) else math.inf)[:n]
 
     def by_key(self) -> dict:
         return {s.key: s for s in self.tensors}
@@ -1139,10 +1139,10 @@ def weight_stats(
         with _OneThread():
             _each(src, keys, one, failed)
             ws = WeightStats(out, layer_stats(out))
-            for l in ws.worst(worst):
-                s = ws.by_key()[l.kurtosis_key]
+            for row in ws.worst(worst):
+                s = ws.by_key()[row.kurtosis_key]
                 if math.isfinite(s.std) and s.std > 0:
-                    ws.histograms[l.layer] = (s.key, *_histogram(src.get(s.key), s.mean, s.std))
+                    ws.histograms[row.layer] = (s.key, *_histogram(src.get(s.key), s.mean, s.std))
     finally:
         src.close()
         pool.shutdown()
@@ -1229,7 +1229,7 @@ def _layer_diffs(diffs: list) -> list[LayerDiff]:
                 max(d.max_abs for d in ds),
             )
         )
-    return sorted(out, key=lambda l: (-l.rel_l2, -l.max_abs, l.layer))
+    return sorted(out, key=lambda row: (-row.rel_l2, -row.max_abs, row.layer))
 
 # %% ../nbs/12b_explore.ipynb #4b149476-2
 def _read_hashed(src, k: str, out: torch.Tensor) -> tuple:
@@ -1355,7 +1355,7 @@ def plot_worst(
     if not ws.histograms:
         return None
     fig, ax = plt.subplots(figsize=(11, 3.6), layout='constrained')
-    for layer, (key, edges, counts) in ws.histograms.items():
+    for key, edges, counts in ws.histograms.values():
         ax.stairs([max(c, 0.5) for c in counts], edges, label=f'{key} (kurtosis {ws.by_key()[key].kurtosis:.1f})')
     ax.set(
         yscale='log',
@@ -1484,7 +1484,8 @@ def _findings_part(fs: list) -> tuple:
     if not fs:
         return '', []
     return _html_table(['', 'where', 'what', 'fix'], _finding_rows(fs)), [
-        f'  {l.upper()}: {w}: {what}' + (f' (fix: {fix})' if fix else '') for l, w, what, fix in _finding_rows(fs)
+        f'  {level.upper()}: {w}: {what}' + (f' (fix: {fix})' if fix else '')
+        for level, w, what, fix in _finding_rows(fs)
     ]
 
 # %% ../nbs/12b_explore.ipynb #9566fd41
@@ -1558,8 +1559,8 @@ def _kv(self: Exploration) -> tuple:
     k = self.kv
     return (
         f"{k['kv_bytes_per_token']:,} bytes per token, {k['kv_fixed_bytes_per_request']:,} fixed per request",
-        ''.join(f'<div>{_E(l)}</div>' for l in self.kv_lines) + _img(self.plots.get('kv')),
-        ['  ' + l for l in self.kv_lines],
+        ''.join(f'<div>{_E(line)}</div>' for line in self.kv_lines) + _img(self.plots.get('kv')),
+        ['  ' + line for line in self.kv_lines],
     )
 
 # %% ../nbs/12b_explore.ipynb #bba0a152
@@ -1610,22 +1611,22 @@ def _stats(self: Exploration) -> tuple:
     if ws is None:
         return ('not computed (explore(folder, stats=True), or mstar-utils inspect --stats)', '', [])
     bad = sum(1 for s in ws.tensors if s.nan or s.inf or s.all_zero)
-    worst = ', '.join(l.layer for l in ws.worst())
+    worst = ', '.join(row.layer for row in ws.worst())
     lhead = ['layer', 'tensors', 'absmax', 'of', 'max weight kurtosis', 'of', 'NaN', 'Inf', 'zero', 'outlier rows']
     lrows = [
         (
-            l.layer,
-            l.tensors,
-            _num(l.absmax),
-            l.absmax_key[len(l.layer) + 1 :],
-            _num(l.kurtosis),
-            l.kurtosis_key[len(l.layer) + 1 :],
-            l.nan or '',
-            l.inf or '',
-            l.all_zero or '',
-            _num(l.outlier_channels),
+            row.layer,
+            row.tensors,
+            _num(row.absmax),
+            row.absmax_key[len(row.layer) + 1 :],
+            _num(row.kurtosis),
+            row.kurtosis_key[len(row.layer) + 1 :],
+            row.nan or '',
+            row.inf or '',
+            row.all_zero or '',
+            _num(row.outlier_channels),
         )
-        for l in ws.layers
+        for row in ws.layers
     ]
     top = sorted(ws.tensors, key=lambda s: -s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
     summary = (
@@ -1652,7 +1653,7 @@ def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
     rows = [(t.key, _num(t.identical), _num(t.max_abs), _num(t.rel_l2), _num(t.cosine)) for t in d.changed[:n]]
     lh, lr = (
         ['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'],
-        [(l.layer, l.tensors, l.changed, _num(l.rel_l2), _num(l.max_abs)) for l in d.layers[:n]],
+        [(row.layer, row.tensors, row.changed, _num(row.rel_l2), _num(row.max_abs)) for row in d.layers[:n]],
     )
     keys = [
         ('added', d.added),
@@ -1660,7 +1661,7 @@ def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
         ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped]),
     ]
     lines = [f'  {w}: {listed(v, 8)}' for w, v in keys if v]
-    body = ''.join(f'<div>{_E(l.strip())}</div>' for l in lines) + _html_table(head, rows) + _html_table(lh, lr)
+    body = ''.join(f'<div>{_E(line.strip())}</div>' for line in lines) + _html_table(head, rows) + _html_table(lh, lr)
     return summary, body, lines + _text_table(head, rows) + [''] + _text_table(lh, lr)
 
 # %% ../nbs/12b_explore.ipynb #b77122ac-1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from dataclasses import dataclass, replace
@@ -341,9 +342,6 @@ def gguf_names(
     return out
 
 # %% ../nbs/06b_gguf.ipynb #fmtg020
-import mmap as _mmap
-import struct
-
 # GGUF value types
 _SCALARS = {0: 'B', 1: 'b', 2: 'H', 3: 'h', 4: 'I', 5: 'i', 6: 'f', 7: '?', 10: 'Q', 11: 'q', 12: 'd'}
 
@@ -412,7 +410,7 @@ def read_gguf(path: str | Path) -> GGUFHeader:
     "The metadata and tensors of GGUF file `path` (versions 2 and 3); `ValueError` for a broken one."
     path = Path(path)
     with open(path, 'rb') as f:
-        buf = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY) if path.stat().st_size else b''
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if path.stat().st_size else b''
     w = _Walk(buf, str(path))
     if bytes(buf[:4]) != b'GGUF':
         raise ValueError(f'{path}: not a GGUF file (it starts with {bytes(buf[:4])!r}, not b"GGUF")')

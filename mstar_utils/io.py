@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['read_at', 'populate_pages', 'Span', 'Part', 'Segment', 'plan_chunks', 'Reads', 'read_direct', 'HostCopier',
@@ -132,57 +133,77 @@ class Segment(NamedTuple):
 _ALIGN = 16  # every itemsize divides it: a tensor split at a multiple of it splits between elements
 
 
+class _Packer:
+    "The state of a `plan_chunks` packing: closed chunks, the open chunk's closed segments, the open segment."
+
+    def __init__(self, cap: int):
+        self.cap, self.chunks, self.segs, self.fill = cap, [], [], 0  # fill: the bytes of the open chunk used
+        # the open segment, as `Segment`'s fields; none is open while `parts` is None
+        self.file, self.offset, self.start, self.run, self.parts = None, 0, 0, 0, None
+
+    def close_segment(self):
+        "Close the open segment, if there is one, into the open chunk."
+        if self.parts is not None:
+            self.segs.append(Segment(self.file, self.offset, self.start, self.run, self.parts))
+        self.parts = None
+
+    def close_chunk(self):
+        "Close the open segment and the open chunk."
+        self.close_segment()
+        self.chunks.append(self.segs)
+        self.segs, self.fill = [], 0
+
+    def follows(self, path, pos: int) -> bool:
+        "Whether byte `pos` of `path` continues the open segment."
+        return self.parts is not None and self.offset + self.run == pos and (self.file is path or self.file == path)
+
+    def take(self, i: int, at: int, n: int):
+        "Append bytes `at` to `at + n` of item `i` to the open segment."
+        self.parts.append(Part(i, at, n))
+        self.run += n
+        self.fill += n
+
+# %% ../nbs/01b_io.ipynb #4a9e1c0a
+@patch
+def add(self: _Packer, i: int, path, pos: int, n: int):
+    "Pack item `i`, `n` bytes at `pos` of `path`, across as many chunks as it needs."
+    if self.parts is not None and not (self.file is path or self.file == path):
+        self.close_chunk()  # a chunk holds one file: chunks complete file by file
+    if n and self.follows(path, pos) and self.fill + n <= self.cap:  # it follows the open segment, and fits
+        return self.take(i, 0, n)
+    at = 0
+    while at < n:
+        if not self.follows(path, pos + at):
+            begin = self.fill + (pos + at - self.fill) % _ALIGN
+            if begin + min(n - at, _ALIGN) > self.cap:  # the chunk is full
+                self.close_chunk()
+                continue
+            self.close_segment()
+            self.file, self.offset, self.start, self.run, self.parts = path, pos + at, begin, 0, []
+            self.fill = begin
+        take = min(n - at, self.cap - self.fill)
+        if take < n - at:
+            take -= take % _ALIGN
+        if take <= 0:  # the chunk is full
+            self.close_chunk()
+            continue
+        self.take(i, at, take)
+        at += take
+
+# %% ../nbs/01b_io.ipynb #4a9e1c0b
 def plan_chunks(
     spans: list,  # a `Span` (file, byte offset in the file, byte count) per item
     cap: int,  # bytes a chunk may hold, >= 64
 ) -> list[list[Segment]]:
     "`spans` packed in file then offset order into chunks of at most `cap` bytes, each of one file."
-    chunks, segs, fill = [], [], 0  # segs: the open chunk's closed segments; fill: the bytes of the chunk used
-    file, offset, start, run, parts = None, 0, 0, 0, None  # the open segment (none while `parts` is None)
+    pk = _Packer(cap)
     order = [(str(f), pos) for f, pos, _ in spans]  # file then offset
     for i in sorted(range(len(spans)), key=order.__getitem__):
-        path, pos, n = spans[i]
-        at = 0
-        # a chunk holds one file: chunks complete file by file
-        if parts is not None and file is not path and file != path:
-            segs.append(Segment(file, offset, start, run, parts))
-            chunks.append(segs)
-            segs, fill, parts = [], 0, None
-        if n and parts is not None and offset + run == pos and fill + n <= cap:  # it follows the open segment, and fits
-            parts.append(Part(i, 0, n))
-            run += n
-            fill += n
-            continue
-        while at < n:
-            if parts is None or offset + run != pos + at or (file is not path and file != path):
-                begin = fill + (pos + at - fill) % _ALIGN
-                if begin + min(n - at, _ALIGN) > cap:  # the chunk is full
-                    if parts is not None:
-                        segs.append(Segment(file, offset, start, run, parts))
-                    chunks.append(segs)
-                    segs, fill, parts = [], 0, None
-                    continue
-                if parts is not None:
-                    segs.append(Segment(file, offset, start, run, parts))
-                file, offset, start, run, parts = path, pos + at, begin, 0, []
-                fill = begin
-            take = min(n - at, cap - fill)
-            if take < n - at:
-                take -= take % _ALIGN
-            if take <= 0:  # the chunk is full
-                segs.append(Segment(file, offset, start, run, parts))
-                chunks.append(segs)
-                segs, fill, parts = [], 0, None
-                continue
-            parts.append(Part(i, at, take))
-            run += take
-            fill += take
-            at += take
-    if parts is not None:
-        segs.append(Segment(file, offset, start, run, parts))
-    if segs:
-        chunks.append(segs)
-    return chunks
+        pk.add(i, *spans[i])
+    pk.close_segment()
+    if pk.segs:
+        pk.chunks.append(pk.segs)
+    return pk.chunks
 
 # %% ../nbs/01b_io.ipynb #1f7b6d41
 @dataclass

@@ -714,17 +714,17 @@ class KVGeometry:
     @property
     def bytes_per_token(self) -> int:
         "Bytes each token adds: the layers whose cache grows with the sequence."
-        return sum(l.token_bytes for l in self.layers if l.tokens is None)
+        return sum(layer.token_bytes for layer in self.layers if layer.tokens is None)
 
     @property
     def fixed_bytes(self) -> int:
         "Bytes a request holds however long it gets: windows, states, cross-attention."
-        return sum(l.fixed_bytes for l in self.layers)
+        return sum(layer.fixed_bytes for layer in self.layers)
 
     @property
     def kinds(self) -> dict[str, int]:
         "How many layer caches of each kind."
-        return dict(Counter(l.kind for l in self.layers))
+        return dict(Counter(layer.kind for layer in self.layers))
 
 # %% ../nbs/09_kv.ipynb #9f0a1b2c
 def kv_geometry(
@@ -873,7 +873,7 @@ def vllm_concurrency(
     block_size, num_blocks = checked_count(block_size, 'block_size', 1), checked_count(num_blocks, 'num_blocks', 1)
     mml = checked_count(max_model_len or g.max_seq_len, 'max_model_len', 1)
     batched = checked_count(max_num_batched_tokens, 'max_num_batched_tokens', 1)
-    kinds = Counter(spec for l in g.layers for spec in _vllm_blocks(l, mml, block_size, batched))
+    kinds = Counter(spec for layer in g.layers for spec in _vllm_blocks(layer, mml, block_size, batched))
     if not kinds:
         raise ValueError(f'{g.model_type} config: no layer keeps a KV cache, so vLLM plans no pool')
     size = min(kinds.values())  # vLLM's uniform page size: groups of as many layers as the rarest kind has

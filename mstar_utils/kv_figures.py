@@ -228,7 +228,7 @@ def kv_report(
         max_seq_len=g.max_seq_len,
         pages_per_request=kv_pages(g.max_seq_len, page_size, 1) - 1,
         fixed_pages_per_request=fixed_pages,
-        states=dict(Counter(l.state for l in g.layers if l.state)),
+        states=dict(Counter(layer.state for layer in g.layers if layer.state)),
         plan=None,
         verdict=None,
     )

@@ -248,7 +248,7 @@ def _plan(source, entries: list, what: str):
 def _check_ties(source, entries: list, plan: list, what: str):
     "`ValueError` naming both keys when two checkpoint keys of one tied slot hold different values."
     prefixes = [norm_prefix(mp.prefix) for mp in entries]
-    for s, key in plan:
+    for s, _key in plan:
         if len(s.refs) < 2:
             continue
         keys = _keys_for(source, s, prefixes)

@@ -1016,7 +1016,7 @@ class _DecodedInto(WrappedSource):
         # the next weight's codes are read during this decode
         with ThreadPoolExecutor(1, thread_name_prefix='codes') as ex:
             ahead = ex.submit(stored, *direct[0][2])
-            for i, (k, d, _) in enumerate(direct):
+            for i, (_k, d, _) in enumerate(direct):
                 vals = ahead.result()
                 if i + 1 < len(direct):
                     ahead = ex.submit(stored, *direct[i + 1][2])
@@ -1619,8 +1619,8 @@ def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:
         return [_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what, (k,)) for k in states]
     return [
         _unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)
-        for m in sorted(k[: -len('.SCB')] for k in src.keys() if k.endswith('.SCB'))
-    ]  # noqa: SIM118
+        for m in sorted(k[: -len('.SCB')] for k in src.keys() if k.endswith('.SCB'))  # noqa: SIM118
+    ]
 
 
 _FORMATS['bitsandbytes'] = _bnb_tensors

@@ -66,7 +66,7 @@ def _count_tensors(
     # from the headers of the shards `wm` names (the index is the truth); unreadable shards are skipped.
     by_prefix, dtypes, n_params, buffers = Counter(), Counter(), 0, Counter()
     for shard in sorted(set(wm.values())):
-        header = _part(problems, shard.name, lambda: read_header(shard)[1], {})
+        header = _part(problems, shard.name, lambda shard=shard: read_header(shard)[1], {})
         for k, info in header.items():
             if wm.get(k) != shard:
                 continue

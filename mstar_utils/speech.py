@@ -59,15 +59,21 @@ def whisper_config_json(checkpoint_dir) -> dict:
 def whisper_report(checkpoint_dir) -> dict:
     "A Whisper folder's encoder and decoder sizes, audio window, special ids and generation settings."
     d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
-    read = lambda f: json.loads((d / f).read_text(encoding='utf-8')) if (d / f).exists() else {}
+
+    def read(f):
+        return json.loads((d / f).read_text(encoding='utf-8')) if (d / f).exists() else {}
+
     gen, pre = read('generation_config.json'), read('preprocessor_config.json')
-    half = lambda side, positions: dict(
-        layers=cfg[f'{side}_layers'],
-        heads=cfg[f'{side}_attention_heads'],
-        d_model=cfg['d_model'],
-        ffn_dim=cfg[f'{side}_ffn_dim'],
-        max_positions=cfg[positions],
-    )
+
+    def half(side, positions):
+        return dict(
+            layers=cfg[f'{side}_layers'],
+            heads=cfg[f'{side}_attention_heads'],
+            d_model=cfg['d_model'],
+            ffn_dim=cfg[f'{side}_ffn_dim'],
+            max_positions=cfg[positions],
+        )
+
     return dict(
         model_type='whisper',
         dtype=cfg.get('dtype'),
@@ -122,7 +128,10 @@ def audio_blocks(
         up, down = sampling_rate // math.gcd(rate, sampling_rate), rate // math.gcd(rate, sampling_rate)
         ctx = down * math.ceil((10 * max(up, down) / up + 2) / down)  # resample_poly's filter reach, in input samples
         step = down * max(1, round(seconds * rate / down))
-        read = lambda n: f.read(n, dtype='float32', always_2d=True).mean(axis=1)
+
+        def read(n):
+            return f.read(n, dtype='float32', always_2d=True).mean(axis=1)
+
         if up == down:
             while len(block := read(step)):
                 yield block
@@ -316,9 +325,9 @@ def _language_id(gc, language: str, name: str) -> int:
         raise ValueError(f'language={language!r}: {name} has no {token} token; it knows {known}')
     return gc.lang_to_id[token]
 
-# %% ../nbs/11_speech.ipynb #d21328bb
-def _prompt(gc, name: str, language, task, timestamps: bool) -> tuple[list[int], bool]:
-    "The decoder prompt `generate` builds for `language` and `task`; True when the language is to detect."
+# %% ../nbs/11_speech.ipynb #d21328b9
+def _checked_task(gc, name: str, language, task) -> tuple:
+    "`(language, task)` once checked: an English-only Whisper takes neither, and Whisper has two tasks."
     if not gc.is_multilingual:
         if task not in (None, 'transcribe'):
             raise ValueError(
@@ -333,6 +342,34 @@ def _prompt(gc, name: str, language, task, timestamps: bool) -> tuple[list[int],
         language = task = None
     if task not in (None, 'transcribe', 'translate'):
         raise ValueError(f"task={task!r}: Whisper's tasks are 'transcribe' and 'translate'")
+    return language, task
+
+# %% ../nbs/11_speech.ipynb #d21328ba
+def _language_and_task(gc, name: str, ids: list, language, task) -> bool:
+    "Put a multilingual Whisper's language (None: to detect) and task tokens in `ids`; True when it detects."
+    detect = False
+    if language is not None:
+        ids[1:2] = [_language_id(gc, language, name)]
+    elif len(ids) < 2 or ids[1] is None:
+        if not getattr(gc, 'lang_to_id', None):
+            raise ValueError(
+                f'{name}: no lang_to_id in generation_config.json and no language tokens in its '
+                'tokenizer, so the language cannot be detected; pass language='
+            )
+        ids[1:2], detect = [None], True
+    task_ids = getattr(gc, 'task_to_id', None) or {}
+    if task is not None:
+        if task not in task_ids:
+            raise ValueError(f'task={task!r}: {name} has no <|{task}|> token (task_to_id)')
+        ids.append(task_ids[task])
+    elif language is not None and 'transcribe' in task_ids and not set(ids) & set(task_ids.values()):
+        ids.append(task_ids['transcribe'])
+    return detect
+
+# %% ../nbs/11_speech.ipynb #d21328bb
+def _prompt(gc, name: str, language, task, timestamps: bool) -> tuple[list[int], bool]:
+    "The decoder prompt `generate` builds for `language` and `task`; True when the language is to detect."
+    language, task = _checked_task(gc, name, language, task)
     task, language = task or getattr(gc, 'task', None), language or getattr(gc, 'language', None)
     ids, detect = [gc.decoder_start_token_id], False
     forced = getattr(gc, 'forced_decoder_ids', None)
@@ -341,22 +378,7 @@ def _prompt(gc, name: str, language, task, timestamps: bool) -> tuple[list[int],
             raise ValueError(f"{name}: forced_decoder_ids {forced} do not follow Whisper's prompt")
         ids += [t for _, t in forced]
     if gc.is_multilingual:
-        if language is not None:
-            ids[1:2] = [_language_id(gc, language, name)]
-        elif len(ids) < 2 or ids[1] is None:
-            if not getattr(gc, 'lang_to_id', None):
-                raise ValueError(
-                    f'{name}: no lang_to_id in generation_config.json and no language tokens in its '
-                    'tokenizer, so the language cannot be detected; pass language='
-                )
-            ids[1:2], detect = [None], True
-        task_ids = getattr(gc, 'task_to_id', None) or {}
-        if task is not None:
-            if task not in task_ids:
-                raise ValueError(f'task={task!r}: {name} has no <|{task}|> token (task_to_id)')
-            ids.append(task_ids[task])
-        elif language is not None and 'transcribe' in task_ids and not set(ids) & set(task_ids.values()):
-            ids.append(task_ids['transcribe'])
+        detect = _language_and_task(gc, name, ids, language, task)
     if not timestamps and ids[-1] != gc.no_timestamps_token_id:
         ids.append(gc.no_timestamps_token_id)
     elif timestamps and ids[-1] == gc.no_timestamps_token_id:
@@ -551,7 +573,10 @@ def _features(audio_path, fe):
     if samples <= fe.n_samples:  # one window: the extractor pads the audio to 30 s, as generate's short form
         audio = read_audio(audio_path, fe.sampling_rate)
         whole = fe(audio, sampling_rate=fe.sampling_rate, return_tensors='pt').input_features
-        pad = lambda seek, n: torch.nn.functional.pad(whole[:, :, seek : seek + n], (0, size - n))
+
+        def pad(seek, n):
+            return torch.nn.functional.pad(whole[:, :, seek : seek + n], (0, size - n))
+
         return whole.shape[-1], pad, samples
     scan = _Frames(fe, audio_path, samples)  # first pass: the loudest value, which sets the floor
     top = max(scan.log_mel(f0, min(f0 + size, scan.frames)).max().item() for f0 in range(0, scan.frames, size))
@@ -701,13 +726,20 @@ def _events(
     if model is None:
         model = load_model(checkpoint_dir, device=device, dtype=dtype)
     ts = range(gc.no_timestamps_token_id + 1, max(model.config.vocab_size, len(tok)))
-    text = lambda keep: _cached(
-        checkpoint_dir,
-        ('text', keep, ts.stop),
-        lambda: TextOutput.from_checkpoint(
-            checkpoint_dir, tokenizer=tok, keep_special=keep, keep_timestamps=keep, extra_skip_ids=() if keep else ts
-        ),
-    )
+
+    def text(keep):
+        return _cached(
+            checkpoint_dir,
+            ('text', keep, ts.stop),
+            lambda: TextOutput.from_checkpoint(
+                checkpoint_dir,
+                tokenizer=tok,
+                keep_special=keep,
+                keep_timestamps=keep,
+                extra_skip_ids=() if keep else ts,
+            ),
+        )
+
     out, words = text(keep_special), text(False) if keep_special else None
     said = bytearray()
     with torch.inference_mode():

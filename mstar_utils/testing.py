@@ -4,12 +4,19 @@
 
 # %% ../nbs/98_testing.ipynb #fbb6d332
 from __future__ import annotations
+import contextlib
+import io
+import json
 import logging
 import re
+import shutil
+import tempfile
 from typing import NamedTuple
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 # %% auto #0
 __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler',
@@ -380,11 +387,6 @@ def cache_layer_bytes(cache) -> list[tuple[str, int]]:
 
     return [(type(layer).__name__, held(layer)) for layer in cache.layers]
 
-# %% ../nbs/98_testing.ipynb #13d77108
-import json
-import tempfile
-from pathlib import Path
-
 # %% ../nbs/98_testing.ipynb #5f9ae6b9
 def redecorated(
     tokenizer,  # a fast transformers tokenizer
@@ -475,16 +477,6 @@ def sentencepiece_model_tokenizer(
 
     folder = cached_folder('tokenizers', f'{name}-model', build)
     return BertGenerationTokenizer(vocab_file=str(folder / 'tokenizer.model'))
-
-# %% ../nbs/98_testing.ipynb #e51f00c5
-import contextlib
-import io
-import json
-import shutil
-from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
 
 # %% ../nbs/98_testing.ipynb #a9ad5d25
 def quantized_configs() -> dict:
@@ -1148,9 +1140,6 @@ def write_gguf_checkpoint(
     return dest
 
 # %% ../nbs/98_testing.ipynb #gabt001
-import torch.nn.functional as F
-
-
 def _int32(x: torch.Tensor) -> torch.Tensor:
     "int64 words in [0, 2³²) as the int32 with the same bits."
     return (x - (x >= 2**31).long() * 2**32).to(torch.int32)
