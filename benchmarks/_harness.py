@@ -2,7 +2,15 @@
 the RSS sampler, the page-cache functions and the record of the environment a run was measured in."""
 
 from __future__ import annotations
-import json, mmap, os, platform, subprocess, sys, threading, time, traceback
+import json
+import mmap
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import traceback
 from pathlib import Path
 
 import psutil
@@ -25,7 +33,9 @@ def byte_compile() -> str:
 
 def environment(gpu: bool, **run) -> dict:
     "The machine and library versions a run measured on, then `run`'s settings, then how mstar_utils was compiled."
-    import safetensors, torch, transformers
+    import safetensors
+    import torch
+    import transformers
     from mstar_utils.sources import default_threads
 
     return dict(
@@ -45,10 +55,11 @@ def environment(gpu: bool, **run) -> dict:
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------- runner
+# --------------------------------------------------------------------------------------------------------------- runner
 def result_of(p: subprocess.CompletedProcess, what) -> dict:
-    "The JSON of the last `RESULT ` line a child printed; `RuntimeError` naming `what` and its stderr when there is none."
-    line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith('RESULT ')), None)
+    """The JSON of the last `RESULT ` line a child printed; `RuntimeError` naming `what` and its stderr when there is
+    none."""
+    line = next((out_line for out_line in reversed(p.stdout.splitlines()) if out_line.startswith('RESULT ')), None)
     if p.returncode or line is None:
         raise RuntimeError(f'{what}: run failed\n{p.stderr[-3000:]}')
     return json.loads(line[7:])
@@ -69,7 +80,8 @@ def _child(fn, arg, conn):
 
 
 def run_forked(fn, arg, what) -> dict:
-    "`fn(arg)` in a forked child (the parent's imports shared); its result, or `RuntimeError` with the child's traceback."
+    """`fn(arg)` in a forked child (the parent's imports shared); its result, or `RuntimeError` with the child's
+    traceback."""
     import multiprocessing as mp
 
     ctx = mp.get_context('fork')
@@ -84,7 +96,7 @@ def run_forked(fn, arg, what) -> dict:
     return payload
 
 
-# ---------------------------------------------------------------------------------------------------------------- memory
+# --------------------------------------------------------------------------------------------------------------- memory
 def proc_status() -> dict:
     "VmRSS, VmHWM, RssAnon, RssFile of this process in bytes (/proc/self/status)."
     out = {}
@@ -129,7 +141,7 @@ class RssSampler:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
-# ------------------------------------------------------------------------------------------------------------ page cache
+# ----------------------------------------------------------------------------------------------------------- page cache
 def read_files(paths):
     "Read every file once so the page cache holds it; `paths`: files, or a checkpoint folder."
     if isinstance(paths, (str, Path)) and Path(paths).is_dir():
@@ -141,7 +153,8 @@ def read_files(paths):
 
 
 def drop_cache(paths, tries: int = 5) -> str | None:
-    "Drop these files' pages from the page cache (posix_fadvise DONTNEED, after fdatasync), retried while another process still maps some; the error text when some stay."
+    """Drop these files' pages from the page cache (posix_fadvise DONTNEED, after fdatasync), retried while another
+    process still maps some; the error text when some stay."""
     for _ in range(tries):
         err = _drop(paths)
         if err is None:
@@ -176,7 +189,8 @@ def _drop(paths) -> str | None:
 
 
 def cached_bytes(paths) -> int:
-    "Bytes of the files `paths` that sit in the page cache (mincore(2) over a fresh read-only mapping, which faults nothing in)."
+    """Bytes of the files `paths` that sit in the page cache (mincore(2) over a fresh read-only mapping, which faults
+    nothing in)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)

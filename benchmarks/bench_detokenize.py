@@ -11,9 +11,9 @@ of mixed text. The rows keep the key `step_bytes`.
 
 All methods run in the same process on the same ids, each pass a plain `for` loop over the ids (or the steps) calling
 one bound method or function, so loop overhead is the same for every row. The ids are timed in blocks of 256 whose
-inputs are made just before, untimed: the step rows get fresh tensors, as a server's sampler makes each step's tensor. Each round runs
-every method twice, in turn, and times the second pass (caches warm again after the method before); the best round
-of each is reported, so load from other processes weighs on all rows alike. Also checks that each
+inputs are made just before, untimed: the step rows get fresh tensors, as a server's sampler makes each step's tensor.
+Each round runs every method twice, in turn, and times the second pass (caches warm again after the method before); the
+best round of each is reported, so load from other processes weighs on all rows alike. Also checks that each
 method's joined output is byte-exact against `tokenizer.decode(ids)`. Exits 1 when token_bytes, step_bytes or
 DecodeStream is not byte-exact. Writes benchmarks/results/detokenize.json.
 
@@ -81,7 +81,8 @@ SEPARATORS = [' ', '\n', '\r\n', '  ', '\t', '']
 
 
 def mixed_ids(tok, n_tokens: int, seed: int = 0) -> list[int]:
-    "About `n_tokens` ids of mixed text (all fragment groups in turn, shuffled within), with a fixed seed; cut where a character ends."
+    """About `n_tokens` ids of mixed text (all fragment groups in turn, shuffled within), with a fixed seed; cut
+    where a character ends."""
     rng, groups, parts, ids = random.Random(seed), list(FRAGMENTS), [], []
     while len(ids) < n_tokens + 16:
         for _ in range(200):
@@ -98,7 +99,8 @@ BLOCK = 256  # tokens timed at a time, their inputs made just before, as a serve
 
 
 def timed_pass(prep, start, n: int) -> int:
-    "ns for one pass over n tokens: `start()` gives the method's runner for the pass, `prep(lo, hi)` its inputs for a block (untimed)."
+    """ns for one pass over n tokens: `start()` gives the method's runner for the pass, `prep(lo, hi)` its inputs for
+    a block (untimed)."""
     run, total = start(), 0
     for lo in range(0, n, BLOCK):
         x = prep(lo, min(lo + BLOCK, n))
@@ -109,7 +111,8 @@ def timed_pass(prep, start, n: int) -> int:
 
 
 def best_ns(methods: dict, n: int, repeats: int) -> dict:
-    "Best ns/token of each method (prep, start) over `repeats` rounds; a round runs every method twice and times the second pass."
+    """Best ns/token of each method (prep, start) over `repeats` rounds; a round runs every method twice and times
+    the second pass."""
     best = dict.fromkeys(methods, float('inf'))
     for _ in range(repeats):
         for key, (prep, start) in methods.items():
@@ -119,7 +122,8 @@ def best_ns(methods: dict, n: int, repeats: int) -> dict:
 
 
 def reply_at(to, ids: list[int], repeats: int) -> dict[int, float]:
-    "Best ns/token of a 4-stop Reply over the BLOCK tokens from each of AT, stepping untimed up to there; one reply per round."
+    """Best ns/token of a 4-stop Reply over the BLOCK tokens from each of AT, stepping untimed up to there; one reply
+    per round."""
     import torch
 
     steps = [torch.tensor([i]) for i in ids]
@@ -138,52 +142,67 @@ def reply_at(to, ids: list[int], repeats: int) -> dict[int, float]:
     return best
 
 
-@call_parse
-def main(
-    tokens: int = 10_000,  # how many tokens of mixed text
-    repeats: int = 7,  # passes per method; the best is reported
-    strict: store_true = False,  # exit 1 when a target is missed
-    long: int = 33_024,  # tokens of the long reply timed at AT
-    publish: store_true = False,  # also write benchmarks/detokenize_results.json, which benchmarks/README.md quotes
-):
-    import tokenizers
+# each method: (prep(lo, hi) -> the block's inputs, start() -> a runner for one pass)
+def each(f):
+    "A runner for one pass: `f(x)` for each input of a block."
+
+    def run(block):
+        for x in block:
+            f(x)
+
+    return run
+
+
+def decode_stream_runner(DecodeStream, backend):
+    "A runner for one pass of a fresh `DecodeStream` over the tokenizer `backend`."
+    step, ds = DecodeStream(skip_special_tokens=False).step, backend
+
+    def run(block):
+        for i in block:
+            step(ds, i)
+
+    return run
+
+
+def step_block(ids, k):
+    "prep of the step rows: what a model hands over, a fresh tensor of k ids per step (speculative / MTP for k > 1)."
     import torch
-    import transformers
-    from tokenizers.decoders import DecodeStream
-    from transformers import AutoTokenizer
-    from mstar_utils.checkpoints import smollm2_checkpoint
-    from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
 
-    tok = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    backend = tok.backend_tokenizer
-    ids = mixed_ids(tok, tokens)
-    reference = tok.decode(ids)
-    to = TextOutput(TextChunkDetokenizer(tok), frozenset({tok.eos_token_id}))
-    det = to.detokenizer
-    assert det.mode == 'byte_level', det.mode
-    token_bytes = det.token_bytes
-    for i in ids:
-        token_bytes(i)  # warm the memo: a server's memo is warm after its first requests
+    return lambda lo, hi: [torch.tensor(ids[j : min(j + k, hi)]) for j in range(lo, hi, k)]
 
-    # each method: (prep(lo, hi) -> the block's inputs, start() -> a runner for one pass)
+
+def step_bytes_runner(to):
+    "A runner for one pass of the function `to.step_fn()` returns."
+    step_bytes = to.step_fn()  # what a server's decode loop calls: step_bytes' short cut, its lookups done once
+
+    def run(block):
+        for t in block:
+            step_bytes(t, None)
+
+    return run
+
+
+def reply_runner(to, stop):
+    "start() of the reply rows: a runner for one pass of a new reply with the stop strings `stop`."
+
+    def start():
+        step = to.reply(stop=stop).step
+
+        def run(block):
+            for t in block:
+                step(t)
+
+        return run
+
+    return start
+
+
+def method_rows(tok, to, ids, DecodeStream) -> list:
+    "(key, label, (prep, start)) of every method timed."
+    backend, token_bytes = tok.backend_tokenizer, to.detokenizer.token_bytes
+
     def id_block(lo, hi):
         return ids[lo:hi]
-
-    def each(f):
-        def run(block):
-            for x in block:
-                f(x)
-
-        return run
-
-    def start_decode_stream():
-        step, ds = DecodeStream(skip_special_tokens=False).step, backend
-
-        def run(block):
-            for i in block:
-                step(ds, i)
-
-        return run
 
     def decode_one(i):
         return tok.decode([i])
@@ -191,41 +210,46 @@ def main(
     def backend_one(i):
         return backend.decode([i])
 
-    def step_block(k):  # what a model hands over: a fresh tensor of k ids per step (speculative / MTP steps for k > 1)
-        return lambda lo, hi: [torch.tensor(ids[j : min(j + k, hi)]) for j in range(lo, hi, k)]
+    one_step = step_block(ids, 1)
+    return [
+        ('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', (id_block, lambda: each(token_bytes))),
+        (
+            'DecodeStream.step',
+            'tokenizers DecodeStream.step',
+            (id_block, lambda: decode_stream_runner(DecodeStream, backend)),
+        ),
+        ('decode([id])', 'transformers tokenizer.decode([id])', (id_block, lambda: each(decode_one))),
+        ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', (id_block, lambda: each(backend_one))),
+        (
+            'step_bytes',
+            'TextOutput.step_fn()(tensor([id])) (whole step path)',
+            (one_step, lambda: step_bytes_runner(to)),
+        ),
+        *[
+            (
+                f'step_bytes_k{k}',
+                f'TextOutput.step_fn(), {k}-token steps (per token)',
+                (step_block(ids, k), lambda: step_bytes_runner(to)),
+            )
+            for k in KS
+        ],
+        ('reply', 'Reply.step(tensor([id])), no stop strings', (one_step, reply_runner(to, ()))),
+        ('reply_stop4', 'Reply.step(tensor([id])), 4 stop strings', (one_step, reply_runner(to, STOPS))),
+    ]
 
-    def start_step_bytes():
-        step_bytes = to.step_fn()  # what a server's decode loop calls: step_bytes' short cut, its lookups done once
 
-        def run(block):
-            for t in block:
-                step_bytes(t, None)
-
-        return run
-
-    def start_reply(stop):
-        def start():
-            step = to.reply(stop=stop).step
-
-            def run(block):
-                for t in block:
-                    step(t)
-
-            return run
-
-        return start
+def joined_outputs(tok, to, ids, DecodeStream) -> dict:
+    "Each method's outputs over `ids`, joined, for the byte-exactness check."
 
     def reply_bytes(stop, steps):
         r = to.reply(stop=stop)
         return b''.join(r.step(t) for t in steps) + r.finish()
 
-    steps = step_block(1)(0, len(ids))
-    k_steps = {k: step_block(k)(0, len(ids)) for k in KS}
-
-    # outputs, joined, for the byte-exactness check
-    want = reference.encode()
+    backend, token_bytes = tok.backend_tokenizer, to.detokenizer.token_bytes
+    steps = step_block(ids, 1)(0, len(ids))
+    k_steps = {k: step_block(ids, k)(0, len(ids)) for k in KS}
     ds = DecodeStream(skip_special_tokens=False)
-    joined = {
+    return {
         'token_bytes': b''.join(token_bytes(i) for i in ids),
         'DecodeStream.step': ''.join(c for c in (ds.step(backend, i) for i in ids) if c is not None).encode(),
         'decode([id])': ''.join(tok.decode([i]) for i in ids).encode(),
@@ -235,32 +259,10 @@ def main(
         'reply': reply_bytes((), steps),
         'reply_stop4': reply_bytes(STOPS, steps),
     }
-    rows = [
-        ('token_bytes', 'TextChunkDetokenizer.token_bytes (memo warm)', (id_block, lambda: each(token_bytes))),
-        ('DecodeStream.step', 'tokenizers DecodeStream.step', (id_block, start_decode_stream)),
-        ('decode([id])', 'transformers tokenizer.decode([id])', (id_block, lambda: each(decode_one))),
-        ('Tokenizer.decode([id])', 'tokenizers Tokenizer.decode([id])', (id_block, lambda: each(backend_one))),
-        ('step_bytes', 'TextOutput.step_fn()(tensor([id])) (whole step path)', (step_block(1), start_step_bytes)),
-        *[
-            (
-                f'step_bytes_k{k}',
-                f'TextOutput.step_fn(), {k}-token steps (per token)',
-                (step_block(k), start_step_bytes),
-            )
-            for k in KS
-        ],
-        ('reply', 'Reply.step(tensor([id])), no stop strings', (step_block(1), start_reply(()))),
-        ('reply_stop4', 'Reply.step(tensor([id])), 4 stop strings', (step_block(1), start_reply(STOPS))),
-    ]
-    ns = best_ns({key: method for key, _, method in rows}, len(ids), repeats)
 
-    print(
-        f'SmolLM2-135M-Instruct tokenizer (byte-level BPE, vocab {len(tok)}), {len(ids)} tokens of mixed text '
-        f'({len(reference)} characters), best of {repeats} passes'
-    )
-    print(
-        f'python {platform.python_version()}, tokenizers {tokenizers.__version__}, transformers {transformers.__version__}\n'
-    )
+
+def print_table(rows: list, ns: dict, joined: dict, want: bytes) -> dict:
+    "Print a line a method (ns/token, its ratio to token_bytes, whether byte-exact); the same figures, by key."
     print(f"{'method':<56}{'ns/token':>10}{'x token_bytes':>15}  byte-exact")
     results = {}
     for key, label, _ in rows:
@@ -270,6 +272,11 @@ def main(
         results[key] = dict(
             label=label, ns_per_token=ns[key], ratio_to_token_bytes=ns[key] / ns['token_bytes'], byte_exact=exact
         )
+    return results
+
+
+def targets(ns: dict, at: dict) -> list:
+    "(target, met, measured) of every target, from the methods' ns/token and the long reply's at AT."
     ds = ns['DecodeStream.step']
     speedup = ds / ns['token_bytes']
     checks = [
@@ -289,9 +296,6 @@ def main(
         )
         for k in KS
     ]
-    at = reply_at(to, mixed_ids(tok, max(long, AT[-1] + BLOCK)), repeats)
-    for k, v in at.items():
-        print(f'Reply.step, 4 stop strings, tokens {k}-{k + BLOCK - 1}: {v:.1f} ns/token')
     flat = at[AT[-1]] / at[AT[0]]
     checks += [
         (
@@ -310,6 +314,54 @@ def main(
             f'{flat:.2f}x',
         ),
     ]
+    return checks
+
+
+@call_parse
+def main(
+    tokens: int = 10_000,  # how many tokens of mixed text
+    repeats: int = 7,  # passes per method; the best is reported
+    strict: store_true = False,  # exit 1 when a target is missed
+    long: int = 33_024,  # tokens of the long reply timed at AT
+    publish: store_true = False,  # also write benchmarks/detokenize_results.json, which benchmarks/README.md quotes
+):
+    import tokenizers
+    import transformers
+    from tokenizers.decoders import DecodeStream
+    from transformers import AutoTokenizer
+    from mstar_utils.checkpoints import smollm2_checkpoint
+    from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
+
+    tok = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    ids = mixed_ids(tok, tokens)
+    reference = tok.decode(ids)
+    to = TextOutput(TextChunkDetokenizer(tok), frozenset({tok.eos_token_id}))
+    det = to.detokenizer
+    assert det.mode == 'byte_level', det.mode
+    token_bytes = det.token_bytes
+    for i in ids:
+        token_bytes(i)  # warm the memo: a server's memo is warm after its first requests
+
+    joined = joined_outputs(tok, to, ids, DecodeStream)
+    rows = method_rows(tok, to, ids, DecodeStream)
+    ns = best_ns({key: method for key, _, method in rows}, len(ids), repeats)
+
+    print(
+        f'SmolLM2-135M-Instruct tokenizer (byte-level BPE, vocab {len(tok)}), {len(ids)} tokens of mixed text '
+        f'({len(reference)} characters), best of {repeats} passes'
+    )
+    print(
+        f'python {platform.python_version()}, tokenizers {tokenizers.__version__}, '
+        f'transformers {transformers.__version__}\n'
+    )
+    results = print_table(rows, ns, joined, reference.encode())
+    ds = ns['DecodeStream.step']
+    speedup = ds / ns['token_bytes']
+    at = reply_at(to, mixed_ids(tok, max(long, AT[-1] + BLOCK)), repeats)
+    for k, v in at.items():
+        print(f'Reply.step, 4 stop strings, tokens {k}-{k + BLOCK - 1}: {v:.1f} ns/token')
+    flat = at[AT[-1]] / at[AT[0]]
+    checks = targets(ns, at)
     print()
     for what, ok, got in checks:
         print(f"target: {what}: {'met' if ok else 'NOT met'} ({got})")

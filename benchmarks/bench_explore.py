@@ -3,20 +3,21 @@
 
     python benchmarks/bench_explore.py            # the 2.2 GB synthetic Llama of bench_load.py (built once), warm
     python benchmarks/bench_explore.py --smol     # SmolLM2 instead (a minute)
-    python benchmarks/bench_explore.py --ranks    # section 4 (bytes per rank) on SmolLM2, against every rank's full load_plan
+    python benchmarks/bench_explore.py --ranks    # section 4 (bytes per rank) on SmolLM2, against every rank's full
+                                                  # load_plan
 
 Each measurement is a fresh process forked after the imports, with the checkpoint's files in the page cache (read once
 before). Measured: (a) the loader, `build_on_meta` + `load_weights_from_hf_shards` (GB/s over the checkpoint's bytes);
 (b) `weight_stats` (GB/s over the same bytes); (c) `diff_checkpoints` of the checkpoint against a copy with every tensor
 perturbed, so that every tensor is compared numerically (GB/s over the bytes of both checkpoints). Peak RSS above the
-process's baseline is sampled every millisecond (psutil) and set against the bound of the targets: the two largest tensors
-of the checkpoint plus 64 MiB. Prints the table and the targets, writes benchmarks/results/explore.json.
+process's baseline is sampled every millisecond (psutil) and set against the bound of the targets: the two largest
+tensors of the checkpoint plus 64 MiB. Prints the table and the targets, writes benchmarks/results/explore.json.
 
---ranks times explore's section 4 (`rank_table`: for TP 1, 2, 4 and 8, `load_plan(detail=False)` at every rank, each over a
-copy of one model built on meta), against the same totals with the model built afresh for each plan (`built=None`) and
-against every rank's full `load_plan` (the per-tensor breakdown too); and, for the copy, building a full-size DeepSeek-V3
-(61 layers, 256 experts) on meta against copying it. Medians of 3, in this process after a warm-up; writes
-benchmarks/results/explore_ranks.json.
+--ranks times explore's section 4 (`rank_table`: for TP 1, 2, 4 and 8, `load_plan(detail=False)` at every rank, each
+over a copy of one model built on meta), against the same totals with the model built afresh for each plan
+(`built=None`) and against every rank's full `load_plan` (the per-tensor breakdown too); and, for the copy, building a
+full-size DeepSeek-V3 (61 layers, 256 experts) on meta against copying it. Medians of 3, in this process after a
+warm-up; writes benchmarks/results/explore_ranks.json.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _files(ckpt: Path) -> list[Path]:
 
 
 def perturbed_copy(ckpt: Path) -> Path:
-    "A copy of `ckpt` with every tensor perturbed by 1% of its std (a stand-in for a fine-tune), built once under the bench cache."
+    """A copy of `ckpt` with every tensor perturbed by 1% of its std (a stand-in for a fine-tune), built once under
+    the bench cache."""
     out = cache_root() / (ckpt.name + TUNED)
     if (out / '.complete').exists():
         return out
@@ -135,7 +137,8 @@ def _median_s(fn, n: int = 3) -> float:
 
 
 def ranks_bench():
-    "Seconds of explore's section 4 on SmolLM2, against the plans without a shared meta model and the full plans; meta build against copy."
+    """Seconds of explore's section 4 on SmolLM2, against the plans without a shared meta model and the full plans;
+    meta build against copy."""
     import torch
     from transformers import DeepseekV3Config
     from mstar_utils.checkpoints import smollm2_checkpoint
@@ -144,7 +147,10 @@ def ranks_bench():
 
     ckpt = smollm2_checkpoint()
     config, model = _build(ckpt, [])
-    every = lambda **kw: [load_plan(ckpt, r, ws, **kw) for ws in (1, 2, 4, 8) for r in range(ws)]
+
+    def every(**kw):
+        return [load_plan(ckpt, r, ws, **kw) for ws in (1, 2, 4, 8) for r in range(ws)]
+
     rank_table(ckpt, config, model)  # warm: imports, headers in the page cache
     rows = {
         'section 4 (rank_table)': _median_s(lambda: rank_table(ckpt, config, model)),
@@ -199,7 +205,10 @@ def main():
     for _ in range(repeats):  # interleaved, so that a busy spell of the machine falls on every kind
         for kind in rows:
             rows[kind].append(run(kind, ckpt, tuned if kind == 'diff' else None))
-    med = lambda k, f: sorted(r[f] for r in rows[k])[len(rows[k]) // 2]
+
+    def med(k, f):
+        return sorted(r[f] for r in rows[k])[len(rows[k]) // 2]
+
     gbps = {
         'loader': nbytes / GB / med('loader', 'seconds'),
         'stats': nbytes / GB / med('stats', 'seconds'),
@@ -207,7 +216,8 @@ def main():
     }
     peak = {k: max(r['peak_above_baseline'] for r in rows[k]) for k in rows}
     print(
-        f'checkpoint {Path(ckpt).name}: {nbytes / GB:.2f} GB, largest tensors {sizes[0] / MiB:.0f} + {sizes[1] / MiB:.0f} MiB, '
+        f'checkpoint {Path(ckpt).name}: {nbytes / GB:.2f} GB, '
+        f'largest tensors {sizes[0] / MiB:.0f} + {sizes[1] / MiB:.0f} MiB, '
         f'memory bound {bound / MiB:.0f} MiB; {repeats} run(s) each, medians'
     )
     print(f"{'':8} {'seconds':>8} {'GB/s':>7} {'peak MiB':>9}")

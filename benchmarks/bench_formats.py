@@ -1,20 +1,24 @@
 #!/usr/bin/env python
 """Quantized-format load benchmark, ratios against the reference measured in the same run.
 
-    python benchmarks/bench_formats.py                 # SmolLM2's Q4_1 GGUF vs transformers; 0.25 GB Q4_K and NVFP4 vs bf16
-    python benchmarks/bench_formats.py --q4k-gb 1.0    # the issue's 1 GB files (needs ~8 GB of memory and a few minutes)
+    python benchmarks/bench_formats.py                 # SmolLM2's Q4_1 GGUF vs transformers; 0.25 GB Q4_K and NVFP4
+                                                       # vs bf16
+    python benchmarks/bench_formats.py --q4k-gb 1.0    # the issue's 1 GB files (needs ~8 GB of memory and a few
+                                                       # minutes)
 
 Rows:
-- GGUF SmolLM2: `load_model(file.gguf)` against `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`, both float32,
-  best of `--repeat` for ours, one run of transformers (it takes tens of seconds); target >= 5x.
-- Q4_K dequantizing load: `load_model(file.gguf, dtype=bfloat16)` on a synthetic Llama of random Q4_K codes, GB/s of the bf16
-  output bytes, against `load_model` of the same model saved as bf16 safetensors; target >= 0.5x.
-- NVFP4 dequantizing load: the same for a synthetic Llama of random NVFP4 codes in compressed-tensors' `nvfp4-pack-quantized`
-  layout (every `*_proj`; embeddings, norms and lm_head in bf16, a 4096-token vocabulary so that the codes dominate).
-- GPTQ act-order, AWQ and bitsandbytes NF4 dequantizing loads (`--int_gb`, default 0.1 GB): the same rows for a synthetic
-  Llama of random 4-bit codes in GPTQ's layout (groups of 128, a permuted `g_idx`) and AutoAWQ's GEMM layout, with the
-  quantization_config `mstar_utils.testing.write_int4_checkpoint` writes; NF4 is bitsandbytes' own CPU quantization saved by
-  transformers (`write_bnb_checkpoint`). No peer on the CPU: transformers dequantizes GPTQ/AWQ/bnb only in GPU kernels.
+- GGUF SmolLM2: `load_model(file.gguf)` against `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`, both
+  float32, best of `--repeat` for ours, one run of transformers (it takes tens of seconds); target >= 5x.
+- Q4_K dequantizing load: `load_model(file.gguf, dtype=bfloat16)` on a synthetic Llama of random Q4_K codes, GB/s of the
+  bf16 output bytes, against `load_model` of the same model saved as bf16 safetensors; target >= 0.5x.
+- NVFP4 dequantizing load: the same for a synthetic Llama of random NVFP4 codes in compressed-tensors'
+  `nvfp4-pack-quantized` layout (every `*_proj`; embeddings, norms and lm_head in bf16, a 4096-token vocabulary so that
+  the codes dominate).
+- GPTQ act-order, AWQ and bitsandbytes NF4 dequantizing loads (`--int_gb`, default 0.1 GB): the same rows for a
+  synthetic Llama of random 4-bit codes in GPTQ's layout (groups of 128, a permuted `g_idx`) and AutoAWQ's GEMM layout,
+  with the quantization_config `mstar_utils.testing.write_int4_checkpoint` writes; NF4 is bitsandbytes' own CPU
+  quantization saved by transformers (`write_bnb_checkpoint`). No peer on the CPU: transformers dequantizes GPTQ/AWQ/bnb
+  only in GPU kernels.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def nbytes(m) -> int:
 
 
 def write_nvfp4(dest: Path, cfg, seed: int = 0) -> Path:
-    "A Llama of random NVFP4 codes as compressed-tensors' `nvfp4-pack-quantized` stores it: uint8 codes, E4M3 group scales."
+    """A Llama of random NVFP4 codes as compressed-tensors' `nvfp4-pack-quantized` stores it: uint8 codes, E4M3 group
+    scales."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     from mstar_utils.model import build_on_meta
@@ -84,7 +89,8 @@ def write_nvfp4(dest: Path, cfg, seed: int = 0) -> Path:
 
 
 def dequantizing_row(name: str, load, tmp: Path, repeat: int) -> tuple:
-    "The row of a dequantizing load `load()` against `load_model` of its result saved as bf16 safetensors, in GB/s of output."
+    """The row of a dequantizing load `load()` against `load_model` of its result saved as bf16 safetensors, in GB/s
+    of output."""
     from mstar_utils.model import load_model
 
     m = load()
@@ -113,7 +119,10 @@ def write_int4(dest: Path, cfg, method: str, seed: int = 0) -> Path:
     from mstar_utils.model import build_on_meta
 
     cls, g, out = AutoModelForCausalLM._model_mapping[type(cfg)], torch.Generator().manual_seed(seed), {}
-    words = lambda *shape: torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=g)
+
+    def words(*shape):
+        return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=g)
+
     for k, t in build_on_meta(cfg, cls, torch.float16).state_dict().items():
         if t.ndim == 2 and '_proj' in k:
             m, (N, K) = k[: -len('.weight')], t.shape
@@ -152,7 +161,9 @@ def int_rows(cfg, int_gb: float, tmp: Path, repeat: int) -> list:
     for name, method in [('GPTQ act-order int4', 'gptq'), ('AWQ int4 (GEMM)', 'awq')]:
         d = write_int4(tmp / method, cfg, method)
         size = (d / 'model.safetensors').stat().st_size / 1e9
-        rows.append(dequantizing_row(f'{name} {size:.2f} GB', lambda: load_model(d, dtype=torch.bfloat16), tmp, repeat))
+        rows.append(
+            dequantizing_row(f'{name} {size:.2f} GB', lambda d=d: load_model(d, dtype=torch.bfloat16), tmp, repeat)
+        )
         shutil.rmtree(d)
     torch.manual_seed(0)
     d = write_bnb_checkpoint(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), tmp / 'nf4', 'nf4')

@@ -2,22 +2,35 @@
 """Load-time benchmark: fill HuggingFace causal LMs from their safetensors shards with mstar_utils, transformers and
 safetensors, and print each result as a ratio to the limits measured in the same run (the bare reads of the same bytes).
 
-    python benchmarks/bench_load.py              # full run: SmolLM2, a 2.2 GB synthetic Llama (warm and cold), 20,000-tensor files
+    python benchmarks/bench_load.py              # full run: SmolLM2, a 2.2 GB synthetic Llama (warm and cold),
+                                                 # 20,000-tensor files
     python benchmarks/bench_load.py --quick      # SmolLM2 and the 20,000-tensor file, one warm repeat (a minute or two)
-    python benchmarks/bench_load.py --publish    # also copy the results to benchmarks/load_results.json and nbs/images/bench_load.png
+    python benchmarks/bench_load.py --publish    # also copy the results to benchmarks/load_results.json and
+                                                 # nbs/images/bench_load.png
     python benchmarks/bench_load.py --gpu        # only the CUDA rows (tools/gpu-check runs this)
-    python benchmarks/bench_load.py --e2e_only   # only the end-to-end rows (process start -> first logits) and the peers
+    python benchmarks/bench_load.py --e2e_only   # only the end-to-end rows (process start -> first logits) and the
+                                                 # peers
 
 The end-to-end rows (`e2e-*`, `call-*`) start a new interpreter per run and time it from the parent's spawn to the first
 logits of a 4-token forward pass; they also run on the 64-expert MoE of bench_moe_load.py. The peers (Run:ai model
-streamer, fastsafetensors, safetensors load_file with and without a clone) need the `bench` extra (`pip install -e ".[bench]"`).
+streamer, fastsafetensors, safetensors load_file with and without a clone) need the `bench` extra
+(`pip install -e ".[bench]"`).
 
 Each run is a fresh process (forked from a parent that has only imported the libraries; CUDA runs and `--spawn` start a
 new interpreter). Prints the table and the targets, writes benchmarks/results/load.json and benchmarks/results/load.png.
 """
 
 from __future__ import annotations
-import gc, json, mmap, os, random, shutil, statistics, subprocess, sys, time
+import gc
+import json
+import mmap
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -59,7 +72,8 @@ SYNTH_CONFIG = dict(
 )
 SYNTH_SHARD = '400MB'
 SMOL_NAME = 'SmolLM2-135M-Instruct-copy'  # mstar_utils.checkpoints.smollm2_checkpoint(), copied
-# Many small tensors: 20,000 16x16 fp32 tensors in one file (a ModuleList of Linear layers), and a Llama with as many tensors.
+# Many small tensors: 20,000 16x16 fp32 tensors in one file (a ModuleList of Linear layers), and a Llama with as many
+# tensors.
 MANY_NAME, MANY_N = 'many-16x16-fp32', 20_000
 LLAMA20K_NAME = 'llama-20k-tensors-fp32'
 LLAMA20K_CONFIG = dict(
@@ -76,7 +90,7 @@ LLAMA20K_CONFIG = dict(
 MOE_NAME = 'qwen3-moe-64x8-bf16'  # bench_moe_load.py's checkpoint: only the end-to-end rows run on it
 
 
-# ----------------------------------------------------------------------------------------------------------- checkpoints
+# ---------------------------------------------------------------------------------------------------------- checkpoints
 def cache_root() -> Path:
     from mstar_utils.checkpoints import cache_dir
 
@@ -139,7 +153,8 @@ def _build(name: str):
 
 
 def checkpoint_tensors(ckpt: Path) -> list[dict]:
-    "Every tensor of the checkpoint: key, file, dtype string, shape, absolute byte offset in the file and byte count; file then offset order."
+    """Every tensor of the checkpoint: key, file, dtype string, shape, absolute byte offset in the file and byte
+    count; file then offset order."""
     index = ckpt / 'model.safetensors.index.json'
     files = (
         sorted(set(json.loads(index.read_text())['weight_map'].values())) if index.exists() else ['model.safetensors']
@@ -161,10 +176,13 @@ def checkpoint_tensors(ckpt: Path) -> list[dict]:
 # --------------------------------------------------------------------------------------------------------------- worker
 def _preimport():
     "The imports every method needs; done by the parent once when runs are forked, so no method pays for them."
-    import torch, transformers, safetensors.torch  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import safetensors.torch  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
-    import mstar_utils.loading, mstar_utils.model  # noqa: F401
+    import mstar_utils.loading  # noqa: F401
+    import mstar_utils.model  # noqa: F401
 
 
 def _meta_model(ckpt, dtype=None):
@@ -176,7 +194,8 @@ def _meta_model(ckpt, dtype=None):
 
 
 def _fingerprint(t) -> int:
-    "Sum of ~4k bytes sampled evenly across the tensor's memory: equal for equal bytes, and different when an offset is wrong."
+    """Sum of ~4k bytes sampled evenly across the tensor's memory: equal for equal bytes, and different when an
+    offset is wrong."""
     import torch
 
     b = t.detach().reshape(-1).view(torch.uint8)
@@ -208,7 +227,8 @@ def _no_meta(model, what):
 
 
 def _file_buffers(method, files) -> dict:
-    "Destination memory for the per-file limits: fresh, faulted in, or advised for huge pages; pinned for the H2D limit."
+    """Destination memory for the per-file limits: fresh, faulted in, or advised for huge pages; pinned for the H2D
+    limit."""
     import torch
 
     out = {}
@@ -238,7 +258,8 @@ def _read_file(f, buf):
 
 
 def _populate_threads(bufs: dict):
-    "Fault in every page of the buffers with madvise(MADV_POPULATE_WRITE), in page-aligned pieces spread over `default_threads()` threads (ctypes releases the GIL)."
+    """Fault in every page of the buffers with madvise(MADV_POPULATE_WRITE), in page-aligned pieces spread over
+    `default_threads()` threads (ctypes releases the GIL)."""
     import ctypes
     from concurrent.futures import ThreadPoolExecutor
     from mstar_utils.sources import default_threads
@@ -261,7 +282,8 @@ def _populate_threads(bufs: dict):
 
 
 def _read_odirect(files):
-    "Sequential 8 MiB O_DIRECT reads of each file into one reused page-aligned buffer: the disk's bandwidth without the page cache."
+    """Sequential 8 MiB O_DIRECT reads of each file into one reused page-aligned buffer: the disk's bandwidth without
+    the page cache."""
     buf = mmap.mmap(-1, 8 << 20)
     for f in files:
         fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
@@ -272,7 +294,7 @@ def _read_odirect(files):
             os.close(fd)
 
 
-# ---------------------------------------------------------------------------------------------------- construct and load
+# --------------------------------------------------------------------------------------------------- construct and load
 @dataclass
 class Made:
     "What a method builds before the clock: the model it fills, the module its load names, the per-file buffers."
@@ -833,7 +855,8 @@ def run_e2e(spec: dict) -> dict:
 
 
 def run_one(spec: dict, spawn: bool) -> dict:
-    "One run of `spec`'s method: end-to-end, or `worker(spec)` forked (imports shared) or in a new interpreter (`spawn`, always for CUDA)."
+    """One run of `spec`'s method: end-to-end, or `worker(spec)` forked (imports shared) or in a new interpreter
+    (`spawn`, always for CUDA)."""
     m = METHOD[spec['method']]
     if m.e2e:
         return m.load(spec)
@@ -882,17 +905,19 @@ def summarize(runs: list[dict], ckpts: dict) -> list[dict]:
 
 
 def verify(runs: list[dict]) -> list[str]:
-    "Methods whose bytes differ, for some key, from those a plain readinto of the file got (limit-fresh, or ours where no limit ran); end-to-end runs whose logits differ from from_pretrained's."
+    """Methods whose bytes differ, for some key, from those a plain readinto of the file got (limit-fresh, or ours
+    where no limit ran); end-to-end runs whose logits differ from from_pretrained's."""
     bad = []
     for r in runs:
         ref = next((x for x in runs if x['ckpt'] == r['ckpt'] and x['method'] == 'e2e-hf'), None)
         if r.get('logits') is None or ref is None:
             continue
         if r['dtype'] != ref['dtype'] or any(
-            abs(a - b) > 1e-3 * (1 + abs(b)) for a, b in zip(r['logits'], ref['logits'])
+            abs(a - b) > 1e-3 * (1 + abs(b)) for a, b in zip(r['logits'], ref['logits'], strict=False)
         ):
             bad.append(
-                f"{r['ckpt']}/{r['method']}: first logits {r['logits'][:3]} ({r['dtype']}) differ from from_pretrained's {ref['logits'][:3]}"
+                f"{r['ckpt']}/{r['method']}: first logits {r['logits'][:3]} ({r['dtype']}) differ from "
+                f"from_pretrained's {ref['logits'][:3]}"
             )
     for r in runs:
         if not r.get('fingerprint'):
@@ -922,7 +947,8 @@ THREADS = [1]  # the reader threads of the run (set by main from the environment
 
 @dataclass(frozen=True)
 class Target:
-    "One line of the targets: `a`'s `key` over `b`'s (`a`'s alone, divided by `scale`, when `b` is None), and its bound."
+    """One line of the targets: `a`'s `key` over `b`'s (`a`'s alone, divided by `scale`, when `b` is None), and its
+    bound."""
 
     name: str
     a: str
@@ -935,7 +961,8 @@ class Target:
 
 
 def _populate_bound(summary, ckpts, ck) -> list:
-    "Faults (measured on all threads) plus the copy (measured on one, assumed to scale with the threads), against the copy."
+    """Faults (measured on all threads) plus the copy (measured on one, assumed to scale with the threads), against
+    the copy."""
     pop, pre = _get(summary, ck, 'warm', 'limit-populate'), _get(summary, ck, 'warm', 'limit-prefaulted')
     if not (pop and pre):
         return []
@@ -1015,7 +1042,9 @@ def E2E_BOUND(big: float, moe: float = 0.5) -> dict:
     return {SMOL: big, SYNTH: big, MOE_NAME: moe}  # the end-to-end bounds
 
 
-TARGETS = [  # in the order they print, per checkpoint: Target rows, or functions (summary, ckpts, ck) -> [(cache, name, value, op, limit)]
+# in the order they print, per checkpoint: Target rows, or functions (summary, ckpts, ck) -> [(cache, name, value, op,
+# limit)]
+TARGETS = [
     Target(
         '1. warm: ours GB/s / readinto per file into pre-faulted memory', 'ours', 'limit-prefaulted', op='>=', limit=0.8
     ),
@@ -1129,14 +1158,25 @@ def targets(summary: list[dict], ckpts: dict) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    head = f"{'checkpoint':<24} {'cache':<5} {'method':<16} {'build s':>7} {'load s':>7} {'touch s':>7} {'ready s':>7} {'(min-max)':>13} {'GB/s':>6} {'us/tens':>7} {'peak MB':>8} {'x bytes':>7} {'anon MB':>8} {'file MB':>8} {'read MB':>8}"
+    head = (
+        f"{'checkpoint':<24} {'cache':<5} {'method':<16} {'build s':>7} {'load s':>7} {'touch s':>7} {'ready s':>7} "
+        f"{'(min-max)':>13} {'GB/s':>6} {'us/tens':>7} {'peak MB':>8} {'x bytes':>7} {'anon MB':>8} {'file MB':>8} "
+        f"{'read MB':>8}"
+    )
     lines = [head, '-' * len(head)]
-    f = lambda v, spec: format(v, spec) if v is not None else '-'
+
+    def f(v, spec):
+        return format(v, spec) if v is not None else '-'
+
     for s in summary:
         lines.append(
-            f"{s['ckpt']:<24} {s['cache']:<5} {s['method']:<16} {f(s['construct_s'], '7.3f'):>7} {s['load_s']:7.3f} {s['touch_s']:7.3f} {s['ready_s']:7.3f} "
-            f"{s['ready_min_s']:6.3f}-{s['ready_max_s']:<6.3f} {s['gbps']:6.2f} {s['us_per_tensor']:7.1f} {s['peak_rss'] / 1e6:8.0f} {s['rss_x_bytes']:7.2f} "
-            f"{f(s['anon_delta'] and s['anon_delta'] / 1e6, '8.0f'):>8} {f(s['file_delta'] and s['file_delta'] / 1e6, '8.0f'):>8} {f(s['rchar'] and s['rchar'] / 1e6, '8.0f'):>8}"
+            f"{s['ckpt']:<24} {s['cache']:<5} {s['method']:<16} {f(s['construct_s'], '7.3f'):>7} {s['load_s']:7.3f} "
+            f"{s['touch_s']:7.3f} {s['ready_s']:7.3f} "
+            f"{s['ready_min_s']:6.3f}-{s['ready_max_s']:<6.3f} {s['gbps']:6.2f} {s['us_per_tensor']:7.1f} "
+            f"{s['peak_rss'] / 1e6:8.0f} {s['rss_x_bytes']:7.2f} "
+            f"{f(s['anon_delta'] and s['anon_delta'] / 1e6, '8.0f'):>8} "
+            f"{f(s['file_delta'] and s['file_delta'] / 1e6, '8.0f'):>8} "
+            f"{f(s['rchar'] and s['rchar'] / 1e6, '8.0f'):>8}"
         )
     return '\n'.join(lines)
 
@@ -1151,7 +1191,7 @@ def plot(summary: list[dict], ckpts: dict, path: Path):
     many = [s for s in summary if s['ckpt'] in SMALL]
     rows = len(big) + (1 if many else 0)
     fig, axes = plt.subplots(rows, 2, figsize=(13, 3.8 * rows), squeeze=False)
-    for row, ck in zip(axes, big):
+    for row, ck in zip(axes, big, strict=False):  # with many-tensor files, axes has one more row, for them
         methods = [
             m.name
             for m in METHODS
@@ -1185,6 +1225,7 @@ def plot(summary: list[dict], ckpts: dict, path: Path):
         for ax, title in zip(
             row,
             ('GB/s on ready time (load + first touch), median', 'peak RSS above baseline / checkpoint bytes, median'),
+            strict=True,
         ):
             ax.set_xticks(range(len(methods)))
             ax.set_xticklabels(methods, rotation=25, ha='right', fontsize=8)
@@ -1257,7 +1298,8 @@ def _wanted(methods: str, has_gpu: bool) -> list:
 
 
 def _plan(name: str, cold: bool, rep: int, wanted: list) -> list:
-    "The methods of one round, in an order shuffled per round: on a VM that hands freed memory back to the host, a run's speed depends on what ran before it."
+    """The methods of one round, in an order shuffled per round: on a VM that hands freed memory back to the host, a
+    run's speed depends on what ran before it."""
     cache = 'cold' if cold else 'warm'
     ms = [m.name for m in METHODS if name in m.on and cache in m.caches and m.name in wanted]
     random.Random(rep).shuffle(ms)
@@ -1272,7 +1314,8 @@ def _rounds(ckpts: dict, wanted: list, repeats: int, cold_repeats: int, spawn: b
         r = run_one(dict(method=m, ckpt=ckpts[name]['path'], ckpt_name=name, cold=cold), spawn)
         runs.append(r)
         print(
-            f"  {name:<24} {'cold' if cold else 'warm'} {m:<16} load {r['load_s']:7.3f} s  touch {r['touch_s']:6.3f} s  peak +{r['peak_rss'] / 1e6:6.0f} MB",
+            f"  {name:<24} {'cold' if cold else 'warm'} {m:<16} load {r['load_s']:7.3f} s  "
+            f"touch {r['touch_s']:6.3f} s  peak +{r['peak_rss'] / 1e6:6.0f} MB",
             flush=True,
         )
 
@@ -1293,13 +1336,16 @@ def _rounds(ckpts: dict, wanted: list, repeats: int, cold_repeats: int, spawn: b
 def _report(env: dict, ckpts: dict, summary: list, tg: list, bad: list):
     "Print the run's setting, the table, the targets and whether every load held the checkpoint's bytes."
     print(
-        f"\n{env['cpus']} CPUs, {env['mem_gb']} GB; torch {env['torch']}, transformers {env['transformers']}, safetensors {env['safetensors']}; "
-        f"ours with {env['threads']} reader threads; runs are fresh {env['process']}ed processes; {env['repeats']} warm, {env['cold_repeats']} cold repeats, medians"
+        f"\n{env['cpus']} CPUs, {env['mem_gb']} GB; torch {env['torch']}, transformers {env['transformers']}, "
+        f"safetensors {env['safetensors']}; "
+        f"ours with {env['threads']} reader threads; runs are fresh {env['process']}ed processes; "
+        f"{env['repeats']} warm, {env['cold_repeats']} cold repeats, medians"
     )
     for name, c in ckpts.items():
         print(f"{name}: {c['bytes'] / 1e6:.0f} MB of tensors in {c['shards']} shards, {c['tensors']} tensors")
     print(
-        'ready = load call + first touch of every page; GB/s = tensor bytes / ready; us/tens = load s / tensors; peak = RSS above the '
+        'ready = load call + first touch of every page; GB/s = tensor bytes / ready; us/tens = load s / tensors; '
+        'peak = RSS above the '
         'pre-load baseline; anon/file = growth of RssAnon/RssFile; read MB = bytes through read(2) (rchar)\n'
     )
     print(table(summary))

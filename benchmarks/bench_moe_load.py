@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""MoE load benchmark: a Qwen3-MoE-shaped checkpoint with 64 experts per layer and 8 layers, stored per expert as transformers'
-`save_pretrained` writes it, loaded into the fused `gate_up_proj`/`down_proj` layout two ways in the same run:
+"""MoE load benchmark: a Qwen3-MoE-shaped checkpoint with 64 experts per layer and 8 layers, stored per expert as
+transformers' `save_pretrained` writes it, loaded into the fused `gate_up_proj`/`down_proj` layout two ways in the same
+run:
 
   (a) transformers `AutoModelForCausalLM.from_pretrained` (its own WeightConverter rules);
   (b) ours: `load_model`, which builds the model on meta from config.json and fills it through the Qwen3-MoE recipes;
@@ -10,12 +11,12 @@
     python benchmarks/bench_moe_load.py               # 3 runs per method
     python benchmarks/bench_moe_load.py --repeats 1
 
-The checkpoint is built once and cached under `mstar_utils.checkpoints.cache_dir()/'bench'`. Each run is a new interpreter;
-the clock and the RSS baseline start after the imports (the model's
-modeling module included). Peak RSS is the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs before the
-clock), so no sampling thread competes with the loaders for the interpreter lock. Both methods'
-state_dicts are fingerprinted (crc32 of every tensor's bytes) and must agree. Prints a table with ratios ours / transformers and
-writes benchmarks/results/moe_load.json.
+The checkpoint is built once and cached under `mstar_utils.checkpoints.cache_dir()/'bench'`. Each run is a new
+interpreter; the clock and the RSS baseline start after the imports (the model's
+modeling module included). Peak RSS is the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs before
+the clock), so no sampling thread competes with the loaders for the interpreter lock. Both methods'
+state_dicts are fingerprinted (crc32 of every tensor's bytes) and must agree. Prints a table with ratios ours /
+transformers and writes benchmarks/results/moe_load.json.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
+from _harness import proc_status  # VmRSS and VmHWM, as the dense benchmark reads them
 from fastcore.script import call_parse
 
 HERE = Path(__file__).resolve().parent
@@ -119,9 +121,6 @@ def _build():
     cached_folder('bench', NAME, write)
 
 
-from _harness import proc_status  # VmRSS and VmHWM, as the dense benchmark reads them
-
-
 def measure(method: str) -> dict:
     import gc
     import torch
@@ -166,7 +165,7 @@ def measure(method: str) -> dict:
 
 def run_one(method: str) -> dict:
     p = subprocess.run([sys.executable, __file__, '--worker', method], capture_output=True, text=True)
-    line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith('RESULT ')), None)
+    line = next((out_line for out_line in reversed(p.stdout.splitlines()) if out_line.startswith('RESULT ')), None)
     if p.returncode or line is None:
         raise RuntimeError(f'{method}: worker failed\n{p.stderr[-3000:]}')
     return json.loads(line[7:])
@@ -178,7 +177,8 @@ def main(
     worker: str = '',  # internal: run one measurement of this method
     build: bool = False,
 ):  # internal: build the checkpoint
-    "Load a 64-expert, 8-layer MoE checkpoint with transformers and with mstar_utils; print time and peak RSS with ratios."
+    """Load a 64-expert, 8-layer MoE checkpoint with transformers and with mstar_utils; print time and peak RSS with
+    ratios."""
     if worker:
         print('RESULT ' + json.dumps(measure(worker)))
         return
@@ -230,16 +230,19 @@ def main(
     for m, label in METHODS.items():
         s = summ[m]
         print(
-            f"{label:<62} {s['load_s']:15.3f} {s['load_min_s']:6.3f}-{s['load_max_s']:<6.3f} {s['peak_mb']:11.0f} {s['peak_mb'] / s['model_mb']:7.2f}"
+            f"{label:<62} {s['load_s']:15.3f} {s['load_min_s']:6.3f}-{s['load_max_s']:<6.3f} {s['peak_mb']:11.0f} "
+            f"{s['peak_mb'] / s['model_mb']:7.2f}"
         )
     t, r = summ['ours']['load_s'] / summ['hf']['load_s'], summ['ours']['peak_mb'] / summ['hf']['peak_mb']
     gbs = {m: summ[m]['model_mb'] / 1e3 / summ[m]['load_s'] for m in ('ours', 'dense')}
     conv_vs_dense = gbs['ours'] / gbs['dense']
     print(
-        f"converted load {gbs['ours']:.2f} GB/s, dense load of the same bytes {gbs['dense']:.2f} GB/s: {conv_vs_dense:.2f}x"
+        f"converted load {gbs['ours']:.2f} GB/s, dense load of the same bytes {gbs['dense']:.2f} GB/s: "
+        f"{conv_vs_dense:.2f}x"
     )
     print(
-        f"\nours / transformers: time {t:.2f}x, peak RSS {r:.2f}x   (model {summ['hf']['model_mb']:.0f} MB, state_dicts identical: "
+        f"\nours / transformers: time {t:.2f}x, peak RSS {r:.2f}x   (model {summ['hf']['model_mb']:.0f} MB, "
+        "state_dicts identical: "
         f"{runs[0]['n_tensors']} tensors, one fingerprint)"
     )
     RESULTS.mkdir(exist_ok=True)

@@ -8,11 +8,11 @@
 On every rank: build the model on meta in the checkpoint's dtype, cut it to this rank's slices with the config's tp_plan
 (`mstar_utils.tensor_parallel.tp_plan`: attention and MLP projections colwise/rowwise), load the slices with
 `load_weights_sharded` while measuring the bytes read (/proc/self/io rchar, and the loader's own count) and the peak RSS
-above the pre-load RSS (a 1 ms psutil sampler and VmHWM, as bench_load.py), with the page cache warm; then cast to float32, run a forward pass with
-the all-reduce after each rowwise layer, and compare the logits with the unsharded float32 model (`load_model`, on rank 0).
-Anchor: rank 0 then times `load_weights_from_hf_shards` of the whole model in bf16.
-gloo on CPUs, NCCL when CUDA is available. Rank 0 prints a table and the targets; the last line is one JSON object.
-Results also go to benchmarks/results/tp_load_<checkpoint>_<world_size>.json.
+above the pre-load RSS (a 1 ms psutil sampler and VmHWM, as bench_load.py), with the page cache warm; then cast to
+float32, run a forward pass with the all-reduce after each rowwise layer, and compare the logits with the unsharded
+float32 model (`load_model`, on rank 0). Anchor: rank 0 then times `load_weights_from_hf_shards` of the whole model in
+bf16. gloo on CPUs, NCCL when CUDA is available. Rank 0 prints a table and the targets; the last line is one JSON
+object. Results also go to benchmarks/results/tp_load_<checkpoint>_<world_size>.json.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def load_slices(ckpt: Path, config, sharding) -> tuple:
 
 
 def whole_load_seconds(ckpt: Path, config) -> float:
-    "The anchor: seconds for `load_weights_from_hf_shards` to fill the whole model, in the same process and page-cache state."
+    """The anchor: seconds for `load_weights_from_hf_shards` to fill the whole model, in the same process and
+    page-cache state."""
     from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards
     from mstar_utils.model import build_on_meta
 
@@ -99,14 +100,17 @@ def checkpoint_split(ckpt: Path, sharding) -> tuple[int, int]:
 def report(name: str, ws: int, stats: list, ckpt_bytes: int, replicated: int, diff: float, backend: str) -> dict:
     "Print the per-rank table and the targets; the result dict."
     print(
-        f'\n{name}: {ckpt_bytes / 1e6:.1f} MB of tensors, {replicated / 1e6:.1f} MB of them read whole by every rank; world_size {ws} ({backend})'
+        f'\n{name}: {ckpt_bytes / 1e6:.1f} MB of tensors, {replicated / 1e6:.1f} MB of them read whole by every rank; '
+        f'world_size {ws} ({backend})'
     )
     print(
-        f"{'rank':>4} {'rchar MB':>9} {'loader MB':>9} {'peak RSS MB':>11} {'peak/read':>9} {'load s':>7} {'forward s':>9}"
+        f"{'rank':>4} {'rchar MB':>9} {'loader MB':>9} {'peak RSS MB':>11} {'peak/read':>9} {'load s':>7} "
+        f"{'forward s':>9}"
     )
     for s in stats:
         print(
-            f"{s['rank']:>4} {s['rchar'] / 1e6:9.1f} {s['loader_bytes'] / 1e6:9.1f} {s['peak_rss'] / 1e6:11.1f} {s['peak_rss'] / s['rchar']:9.3f} "
+            f"{s['rank']:>4} {s['rchar'] / 1e6:9.1f} {s['loader_bytes'] / 1e6:9.1f} {s['peak_rss'] / 1e6:11.1f} "
+            f"{s['peak_rss'] / s['rchar']:9.3f} "
             f"{s['load_s']:7.2f} {s['forward_s']:9.2f}"
         )
     limit = ckpt_bytes + (ws - 1) * replicated
@@ -127,7 +131,8 @@ def report(name: str, ws: int, stats: list, ckpt_bytes: int, replicated: int, di
         print(f"  {'MET ' if ok else 'MISS'} {k}: {v:.3g}")
     slowest, whole = max(s['load_s'] for s in stats), stats[0]['whole_load_s']
     print(
-        f'slowest rank load {slowest:.2f} s; the whole model by load_weights_from_hf_shards on rank 0 afterwards {whole:.2f} s '
+        f'slowest rank load {slowest:.2f} s; the whole model by load_weights_from_hf_shards on rank 0 afterwards '
+        f'{whole:.2f} s '
         f'(ratio {slowest / whole:.2f}; ranks share the cores, so this is an anchor, not a target)'
     )
     return dict(

@@ -1,24 +1,27 @@
 #!/usr/bin/env python
-"""Where the end-to-end time goes: process start to first logits, split into phases, for `load_model` and `from_pretrained`.
+"""Where the end-to-end time goes: process start to first logits, split into phases, for `load_model` and
+`from_pretrained`.
 
-    python benchmarks/profile_e2e.py                          # SmolLM2, the 2.2 GB Llama and the 64-expert MoE, warm, 3 runs
+    python benchmarks/profile_e2e.py                          # SmolLM2, the 2.2 GB Llama and the 64-expert MoE, warm,
+                                                              # 3 runs
     python benchmarks/profile_e2e.py --ckpts moe --repeats 5
     python benchmarks/profile_e2e.py --cold                   # drop the checkpoint's pages before each run
 
-Each run is a new interpreter. The parent notes the wall clock just before it starts the child; the child stamps the wall
-clock and its own CPU time (all threads) at each phase boundary. Hooks only wrap functions (a clock read before and after),
-so the work measured is the work the benchmark's end-to-end rows time (`bench_load.py`'s `e2e-ours` and `e2e-hf`):
+Each run is a new interpreter. The parent notes the wall clock just before it starts the child; the child stamps the
+wall clock and its own CPU time (all threads) at each phase boundary. Hooks only wrap functions (a clock read before and
+after), so the work measured is the work the benchmark's end-to-end rows time (`bench_load.py`'s `e2e-ours` and
+`e2e-hf`):
 
-- ours: interpreter start, `import torch`, `from mstar_utils import load_model`, then inside `load_model` the reads starting
-  from config.json and the headers, the transformers import and its config, transformers' fusing rules asked, the model
-  class imported and built on meta (`build_on_meta`), the weights placed and checked
+- ours: interpreter start, `import torch`, `from mstar_utils import load_model`, then inside `load_model` the reads
+  starting from config.json and the headers, the transformers import and its config, transformers' fusing rules asked,
+  the model class imported and built on meta (`build_on_meta`), the weights placed and checked
   (`_read_weights`, which waits for the shards still being read), the rest of `load_model`, and a 4-token forward;
 - transformers: interpreter start, `import torch`, `from transformers import AutoModelForCausalLM`, then inside
   `from_pretrained` the config, modeling import and construction (up to `_load_pretrained_model`), the weights
   (`_load_pretrained_model`), the rest of `from_pretrained`, and the forward, which faults the mapped pages in.
 
-Medians over runs, per phase: wall seconds and CPU seconds (above 1.0 per wall second means more than one core was busy).
-Writes benchmarks/results/profile_e2e.json.
+Medians over runs, per phase: wall seconds and CPU seconds (above 1.0 per wall second means more than one core was
+busy). Writes benchmarks/results/profile_e2e.json.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"The KV sweep: every causal-LM config class transformers declares, its cache filled by transformers, against our figures."
+"""The KV sweep: every causal-LM config class transformers declares, its cache filled by transformers, against our
+figures."""
 
 import warnings
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ class SweepResult:
 
 
 def cache_bytes(obj, seen=None, depth=0) -> int:
-    "Bytes of every tensor a transformers cache holds: its layers' keys, values, states, indexer keys, MiniMax's linear_cache."
+    """Bytes of every tensor a transformers cache holds: its layers' keys, values, states, indexer keys, MiniMax's
+    linear_cache."""
     seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):  # integer tensors are bookkeeping (window sizes, lengths), not cached values
         if id(obj) in seen or not obj.is_floating_point():
@@ -61,7 +63,8 @@ def _windows(text) -> int:
 
 
 def _filled(model, config, tokens: int):
-    "transformers' cache after one forward of `tokens` tokens through `model` (on meta: shapes and dtypes, no arithmetic)."
+    """transformers' cache after one forward of `tokens` tokens through `model` (on meta: shapes and dtypes, no
+    arithmetic)."""
     ids = torch.zeros(1, tokens, dtype=torch.long, device='meta')
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
@@ -73,7 +76,8 @@ def _filled(model, config, tokens: int):
 
 
 def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = False):
-    "`model_type`'s config class with its defaults (and FIXUPS), in `dtype`, long enough for `tokens`, as a decoder if asked."
+    """`model_type`'s config class with its defaults (and FIXUPS), in `dtype`, long enough for `tokens`, as a decoder
+    if asked."""
     from transformers import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[model_type](**FIXUPS.get(model_type, {}))
@@ -124,7 +128,7 @@ def sweep_one(model_type: str, dtype=torch.bfloat16) -> SweepResult:
         return SweepResult(model_type, 'skipped', 'its cache holds no tensors')
     grows, rem = divmod(b2 - b1, t2 - t1)
     stays = b1 - t1 * grows
-    cross = sum(l.fixed_bytes for l in g.layers if l.kind == 'cross_attention')
+    cross = sum(layer.fixed_bytes for layer in g.layers if layer.kind == 'cross_attention')
     note = 'cross-attention left out: a causal-LM forward encodes no image or audio' if cross else ''
     ok = rem == 0 and grows == g.bytes_per_token and stays == g.fixed_bytes - cross
     return SweepResult(

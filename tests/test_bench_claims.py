@@ -1,4 +1,5 @@
-"The README states the loader's speed as the published benchmark measured it: every figure there is recomputed from benchmarks/load_results.json."
+"""The README states the loader's speed as the published benchmark measured it: every figure there is recomputed from
+benchmarks/load_results.json."""
 
 import json
 from pathlib import Path
@@ -6,7 +7,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RES = json.loads((ROOT / 'benchmarks' / 'load_results.json').read_text(encoding='utf-8'))
 LINE = next(
-    l for l in (ROOT / 'README.md').read_text(encoding='utf-8').splitlines() if l.startswith('- **Loading speed**')
+    line
+    for line in (ROOT / 'README.md').read_text(encoding='utf-8').splitlines()
+    if line.startswith('- **Loading speed**')
 )
 BIG, MOE = ('SmolLM2-135M', 'Llama-synth-1.1B'), 'qwen3-moe-64x8-bf16'
 

@@ -21,7 +21,7 @@ def test_method_is_whole(m):
 
 def test_method_names_are_unique():
     names = [m.name for m in bl.METHODS]
-    assert len(names) == len(set(names)) and bl.ALL_METHODS == names
+    assert len(names) == len(set(names)) and names == bl.ALL_METHODS
 
 
 @pytest.mark.parametrize('t', [t for t in bl.TARGETS if isinstance(t, bl.Target)], ids=lambda t: t.name.strip())

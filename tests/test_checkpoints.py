@@ -66,7 +66,8 @@ def test_minilm_is_single_file():
 def test_checksum_mismatch_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv('MSTAR_UTILS_CACHE', str(tmp_path))
     good = ck.PACKAGES['dashscope']
-    # a file in downloads/ with the wrong bytes is not trusted, and a pin whose hash the registry's file does not match fails loudly
+    # a file in downloads/ with the wrong bytes is not trusted, and a pin whose hash the registry's file does not match
+    # fails loudly
     (tmp_path / 'downloads').mkdir()
     (tmp_path / 'downloads' / good.filename).write_bytes(b'not a wheel')
     monkeypatch.setitem(ck.PACKAGES, 'dashscope', ck.RegistryFile(good.name, good.version, good.filename, '0' * 64))
@@ -120,7 +121,8 @@ def test_whisper_folder_is_single_fp16_file():
     assert dtypes == {'F16'}
     cfg, tok, gen = AutoConfig.from_pretrained(p), AutoTokenizer.from_pretrained(p), GenerationConfig.from_pretrained(p)
     assert len(tok) == cfg.vocab_size and AutoFeatureExtractor.from_pretrained(p).feature_size == cfg.num_mel_bins
-    # transformers' Whisper tokenizer counts timestamps from the token after its last special token, generate from no_timestamps + 1
+    # transformers' Whisper tokenizer counts timestamps from the token after its last special token, generate from
+    # no_timestamps + 1
     assert tok.convert_ids_to_tokens([gen.no_timestamps_token_id + 1, cfg.vocab_size - 1]) == ['<|0.00|>', '<|30.00|>']
     assert tok.all_special_ids[-1] + 1 == gen.no_timestamps_token_id + 1
     assert (gen.decoder_start_token_id, gen.eos_token_id) == tuple(
@@ -151,7 +153,8 @@ def test_jfk_audio_is_16k_mono():
 
 
 def test_sdist_with_scm_version_is_fetched_by_its_pin(tmp_path, monkeypatch):
-    "pywhispercpp's sdist reports version 0.0.0 outside git: the pin still fetches it (setuptools-scm told the version), and a bad hash names the pin."
+    """pywhispercpp's sdist reports version 0.0.0 outside git: the pin still fetches it (setuptools-scm told the
+    version), and a bad hash names the pin."""
     monkeypatch.setenv('MSTAR_UTILS_CACHE', str(tmp_path))
     good = ck.PACKAGES['pywhispercpp']
     assert ck.fetch_package('pywhispercpp').name == good.filename

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from mstar_utils import smollm2_checkpoint
+from mstar_utils import minilm_checkpoint, smollm2_checkpoint
+from mstar_utils.checkpoints import jfk_audio, whisper_checkpoint
 
 ENV = {**os.environ, 'HF_HUB_OFFLINE': '1'}
 
@@ -67,8 +68,6 @@ def test_progress_lines_start_lines_of_their_own():
 
 
 # ---- a CLI that never prints a traceback
-
-from mstar_utils import minilm_checkpoint
 
 
 def one_line_refusal(r, *needles):
@@ -171,8 +170,6 @@ def test_moe_checkpoint_inspects(tmp_path):
 
 
 # ---- speech
-
-from mstar_utils.checkpoints import whisper_checkpoint, jfk_audio
 
 
 def test_inspect_whisper_summarizes_and_transcribes():

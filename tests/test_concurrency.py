@@ -1,8 +1,8 @@
 """Threads: loaders running at the same time on one checkpoint, and one detokenizer shared by 8 streams.
 
 Every thread waits on a barrier before its first call, so the calls overlap (the loaders' reads and torch's copies
-release the GIL; the detokenizer memo starts empty, so threads race to fill it). Modules are built on meta with `meta_module`,
-which holds a process lock around accelerate's process-wide patch of `nn.Module.register_parameter`."""
+release the GIL; the detokenizer memo starts empty, so threads race to fill it). Modules are built on meta with
+`meta_module`, which holds a process lock around accelerate's process-wide patch of `nn.Module.register_parameter`."""
 
 import os
 
@@ -67,18 +67,20 @@ def serial():
 
 
 def test_decoder_layers_and_embeddings_at_once(serial):
-    "Two threads load different modules (three shards' decoder layers; the embedding in shard 1) from one checkpoint at once."
+    """Two threads load different modules (three shards' decoder layers; the embedding in shard 1) from one
+    checkpoint at once."""
     for _ in range(2):
         ls, emb = layers(), embeddings()
         got_layers, got_embed = run_together(
-            [lambda: load(ls, 'model.layers.'), lambda: load(emb, 'model.embed_tokens.')]
+            [lambda ls=ls: load(ls, 'model.layers.'), lambda emb=emb: load(emb, 'model.embed_tokens.')]
         )
         assert_state_dict_equal(got_layers, serial['layers'])
         assert_state_dict_equal(got_embed, serial['embed'])
 
 
 class _Slice(nn.Module):
-    "Decoder layers lo..hi-1 under their own numbers, so that the prefix 'model.layers.' fills them and their names match the full stack's."
+    """Decoder layers lo..hi-1 under their own numbers, so that the prefix 'model.layers.' fills them and their names
+    match the full stack's."""
 
     def __init__(self, lo, hi):
         super().__init__()

@@ -1,4 +1,5 @@
-"WeightConverter recipes: parity with transformers' from_pretrained per MoE family, expert order, every error case, the semantics against transformers' own ops, and how a group is read."
+"""WeightConverter recipes: parity with transformers' from_pretrained per MoE family, expert order, every error case,
+the semantics against transformers' own ops, and how a group is read."""
 
 import os
 import random
@@ -60,7 +61,7 @@ def folders(tmp_path_factory):
     "Each family saved by transformers' save_pretrained (bf16, several shards)."
     root = tmp_path_factory.mktemp('moe')
     out = {}
-    for name, (cfg, *_) in FAMILIES.items():
+    for name in FAMILIES:
         out[name] = save_tiny(name, root / name, dtype=torch.bfloat16)
     return out
 
@@ -98,13 +99,13 @@ def copy_checkpoint(folder, dest, edit):
 def test_save_pretrained_writes_per_expert_layout(folders, name):
     _, _, key, (g, u, d) = FAMILIES[name]
     wm = read_weight_map(folders[name])
-    for l in (1, 2):
+    for layer in (1, 2):
         for e in range(E):
             for w in (g, u, d):
-                assert key.format(l=l, e=e, w=w) in wm
+                assert key.format(l=layer, e=e, w=w) in wm
     assert not any('gate_up_proj' in k for k in wm)
     # some layer's experts are spread over two shards: a group is read across files
-    assert any(len({wm[key.format(l=l, e=e, w=w)] for e in range(E) for w in (g, u)}) > 1 for l in (1, 2)), (
+    assert any(len({wm[key.format(l=layer, e=e, w=w)] for e in range(E) for w in (g, u)}) > 1 for layer in (1, 2)), (
         'a group should span shards'
     )
 
@@ -125,7 +126,8 @@ def test_parity_meta_model(folders, refs, name):
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
 def test_parity_materialized_model(folders, refs, dtype):
-    "A materialized module is filled in place: in the checkpoint dtype straight into its memory (get(out=...)), otherwise by a cast copy."
+    """A materialized module is filled in place: in the checkpoint dtype straight into its memory (get(out=...)),
+    otherwise by a cast copy."""
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folders['qwen2_moe']), dtype=dtype)
     ptr = model.model.layers[1].mlp.experts.gate_up_proj.data_ptr()
@@ -177,8 +179,8 @@ def test_group_keys_ignores_key_order():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 24), st.integers(1, 3), st.lists(st.integers(1, 4), min_size=1, max_size=3), st.data())
 def test_ops_match_transformers(n, n_patterns, shape, data):
-    """MergeModulelist(dim) then Concatenate(dim) give what transformers' ops of the same names give on the per-pattern lists in integer index order;
-    where transformers' ops fail on shapes, ours raise ValueError naming the target."""
+    """MergeModulelist(dim) then Concatenate(dim) give what transformers' ops of the same names give on the per-pattern
+    lists in integer index order; where transformers' ops fail on shapes, ours raise ValueError naming the target."""
     r = len(shape)
     m = data.draw(st.integers(-(r + 1), r), label='merge_dim')
     c = data.draw(st.integers(-(r + 1), r), label='cat_dim')
@@ -303,7 +305,8 @@ def test_group_read_straight_into_result():
 
 
 def test_group_read_through_one_scratch_buffer():
-    "Concatenate on the last axis makes each slice strided: each source is read into a buffer of its own shape, then copied in."
+    """Concatenate on the last axis makes each slice strided: each source is read into a buffer of its own shape,
+    then copied in."""
     sd = experts_sd()
     spy = Spy(sd)
     conv = [
@@ -407,7 +410,10 @@ def test_gap_in_indices_names_target(folders, tmp_path):
     folder = copy_checkpoint(folders['mixtral'], tmp_path / 'gap', lambda sd: sd.pop(drop))
     with pytest.raises(
         ValueError,
-        match=r"target 'model.layers.1.mlp.experts.gate_up_proj': source pattern 'block_sparse_moe.experts.\*.w3.weight' has indices up to 15 but lacks \[9\]",
+        match=(
+            r"target 'model.layers.1.mlp.experts.gate_up_proj': "
+            r"source pattern 'block_sparse_moe.experts.\*.w3.weight' has indices up to 15 but lacks \[9\]"
+        ),
     ):
         load_weights_from_hf_shards(folder, [ModuleAndPrefix(meta_model(folder))], conv=MIXTRAL_CONVERSIONS)
 
@@ -422,7 +428,10 @@ def test_missing_last_expert_is_a_shape_mismatch(folders, tmp_path):
     folder = copy_checkpoint(folders['qwen2_moe'], tmp_path / 'short', edit)
     with pytest.raises(
         ValueError,
-        match=r"shape mismatch for 'model.layers.2.mlp.experts.gate_up_proj'.*checkpoint has \[15, 32, 32\].*expects \[16, 32, 32\]",
+        match=(
+            r"shape mismatch for 'model.layers.2.mlp.experts.gate_up_proj'.*"
+            r"checkpoint has \[15, 32, 32\].*expects \[16, 32, 32\]"
+        ),
     ):
         load_weights_from_hf_shards(folder, [ModuleAndPrefix(meta_model(folder))], conv=QWEN2_MOE_CONVERSIONS)
 
@@ -432,7 +441,10 @@ def test_repeated_index_names_both_keys():
     sd['l.mlp.experts.02.gate_proj.weight'] = sd['l.mlp.experts.2.gate_proj.weight']
     with pytest.raises(
         ValueError,
-        match=r"target 'l.mlp.experts.gate_up_proj': index 2 given twice, by 'l.mlp.experts.0?2.gate_proj.weight' and 'l.mlp.experts.0?2.gate_proj.weight'",
+        match=(
+            r"target 'l.mlp.experts.gate_up_proj': index 2 given twice, by 'l.mlp.experts.0?2.gate_proj.weight' and "
+            r"'l.mlp.experts.0?2.gate_proj.weight'"
+        ),
     ):
         convert_state_dict(sd, QWEN2_MOE_CONVERSIONS)
 
@@ -455,7 +467,10 @@ def test_shapes_disagree_names_keys(folders, tmp_path):
     )
     with pytest.raises(
         ValueError,
-        match=rf"target 'model.layers.2.mlp.experts.down_proj': shapes disagree under MergeModulelist.*'{key}' has \[32, 17\]",
+        match=(
+            r"target 'model.layers.2.mlp.experts.down_proj': "
+            rf"shapes disagree under MergeModulelist.*'{key}' has \[32, 17\]"
+        ),
     ):
         load_weights_from_hf_shards(folder, [ModuleAndPrefix(meta_model(folder))], conv=DEEPSEEK_V2_CONVERSIONS)
 
@@ -466,7 +481,10 @@ def test_concat_shapes_disagree():
         sd[f'l.mlp.experts.{e}.up_proj.weight'] = torch.zeros(3, 6)
     with pytest.raises(
         ValueError,
-        match=r"target 'l.mlp.experts.gate_up_proj': shapes disagree under Concatenate \(needs shapes equal except on dim 1\)",
+        match=(
+            r"target 'l.mlp.experts.gate_up_proj': "
+            r"shapes disagree under Concatenate \(needs shapes equal except on dim 1\)"
+        ),
     ):
         convert_state_dict(sd, QWEN2_MOE_CONVERSIONS)
 
@@ -476,7 +494,10 @@ def test_dtypes_disagree():
     sd['l.mlp.experts.3.up_proj.weight'] = sd['l.mlp.experts.3.up_proj.weight'].half()
     with pytest.raises(
         ValueError,
-        match=r"target 'l.mlp.experts.gate_up_proj': dtypes disagree: .* is torch.float32, 'l.mlp.experts.3.up_proj.weight' is torch.float16",
+        match=(
+            r"target 'l.mlp.experts.gate_up_proj': dtypes disagree: .* is torch.float32, "
+            r"'l.mlp.experts.3.up_proj.weight' is torch.float16"
+        ),
     ):
         convert_state_dict(sd, QWEN2_MOE_CONVERSIONS)
 
@@ -524,7 +545,9 @@ def test_unknown_key_after_conversion():
         src.get('l.mlp.experts.0.up_proj.weight')
     with pytest.raises(
         ValueError,
-        match=r"out for 'l.mlp.experts.gate_up_proj' must be a contiguous CPU torch.float32 tensor of shape \[2, 6, 5\]",
+        match=(
+            r"out for 'l.mlp.experts.gate_up_proj' must be a contiguous CPU torch.float32 tensor of shape \[2, 6, 5\]"
+        ),
     ):
         src.get('l.mlp.experts.gate_up_proj', out=torch.empty(2, 6, 4))
 
@@ -555,9 +578,9 @@ print(json.dumps(dict(peak=status('VmHWM') - base, model=sum(t.nbytes for t in m
     not os.path.exists('/proc/self/clear_refs'), reason='needs Linux /proc/self/clear_refs to reset the peak RSS'
 )
 def test_peak_memory_is_the_model(tmp_path):
-    """Loading into a meta model adds the model's bytes and next to nothing: no group is held twice (as a list of experts and
-    their stack) and no two groups at once. The bound leaves a quarter of the largest group for allocator slack, less than the
-    whole group that reading the experts into a list and then stacking them would add."""
+    """Loading into a meta model adds the model's bytes and next to nothing: no group is held twice (as a list of
+    experts and their stack) and no two groups at once. The bound leaves a quarter of the largest group for allocator
+    slack, less than the whole group that reading the experts into a list and then stacking them would add."""
     import subprocess
     import sys
     import json as _json

@@ -1,11 +1,13 @@
-"""Streaming detokenizers on real tokenizers: a corpus, hypothesis text and random ids, split streams, stop tokens, bad ids, threads.
+"""Streaming detokenizers on real tokenizers: a corpus, hypothesis text and random ids, split streams, stop tokens, bad
+ids, threads.
 
 Every expected value comes from the tokenizer itself (`decode`, `encode`, `convert_tokens_to_ids`) or from the
 rules the notebook states; nothing is a hand-typed byte string except where the issue fixes the text.
 
 The corpus (`CORPUS`, >= 300 strings) is built deterministically:
 1. `HAND`: hand-written strings, grouped by what they exercise (English, code with indentation and runs of spaces,
-   CJK, Arabic, Hindi, emoji with ZWJ sequences and skin tones, combining marks, CRLF, control characters, cleanup traps);
+   CJK, Arabic, Hindi, emoji with ZWJ sequences and skin tones, combining marks, CRLF, control characters, cleanup
+   traps);
 2. every hand-written string again with a leading space and with a trailing newline (a word-initial space is a
    different token in both families, and a final newline often merges with the text before it);
 3. 200 combinations drawn with `random.Random(20250311)`: two to four hand-written strings from different groups,
@@ -299,7 +301,8 @@ def test_hypothesis_text(name, text, seed):
         want = tok.decode(ids, skip_special_tokens=True)
         assert name not in SENTENCEPIECE and '\ufffd' in want and got.decode('utf-8', 'replace') == want
         return
-    # the byte-level detokenizer drops special tokens (hypothesis also tries strings like '<|im_end|>'); TextChunk keeps them
+    # the byte-level detokenizer drops special tokens (hypothesis also tries strings like '<|im_end|>'); TextChunk keeps
+    # them
     if name in SENTENCEPIECE:
         assert strip1(ours) == tok.decode(ids)
     else:
@@ -480,7 +483,8 @@ def test_no_cleanup_rewrite(toks):
     assert not ByteLevelDetokenizer.is_byte_level(forced)
     with pytest.raises(ValueError, match='clean_up_tokenization_spaces'):
         ByteLevelDetokenizer(forced)
-    # the chunks still stream the decoder's bytes: the rewrite works on whole texts, and the reason says it is not applied
+    # the chunks still stream the decoder's bytes: the rewrite works on whole texts, and the reason says it is not
+    # applied
     chunk = TextChunkDetokenizer(forced)
     assert chunk.mode == 'byte_level' and 'clean_up_tokenization_spaces' in chunk.reason
     assert chunk.to_bytes(ids).decode() == text == forced.decode(ids, clean_up_tokenization_spaces=False)
@@ -489,7 +493,8 @@ def test_no_cleanup_rewrite(toks):
 
 
 def _gpt2_slow(tmp_path, **kw):
-    "A slow (Python) byte-level tokenizer over GPT-2's real vocabulary: ClvpTokenizer reads GPT-2's vocab.json/merges.txt format."
+    """A slow (Python) byte-level tokenizer over GPT-2's real vocabulary: ClvpTokenizer reads GPT-2's
+    vocab.json/merges.txt format."""
     from transformers import ClvpTokenizer
 
     model = json.loads((tokenizer_folder('gpt2') / 'tokenizer.json').read_text())['model']
@@ -512,7 +517,8 @@ def test_slow_byte_level_tokenizer(toks, tmp_path):
 
 
 def _unigram_tokenizer():
-    "A small SentencePiece-style Unigram tokenizer with byte fallback, built with HF tokenizers (no real Unigram vocabulary ships in a package we pin)."
+    """A small SentencePiece-style Unigram tokenizer with byte fallback, built with HF tokenizers (no real Unigram
+    vocabulary ships in a package we pin)."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     words = ['▁', '▁the', '▁quick', '▁brown', '▁fox', '▁hello', '▁world', 'ing', 's', '▁a', '▁b', '北', '東', '▁你好']
@@ -659,7 +665,8 @@ def test_step_and_output_bytes_agree(toks, name):
 
 
 def _checkpoint(folder, generation_config, tokenizer_source=None):
-    "A checkpoint folder with this generation_config.json (a dict, or raw text; None for none) and, if given, `tokenizer_source`'s tokenizer files."
+    """A checkpoint folder with this generation_config.json (a dict, or raw text; None for none) and, if given,
+    `tokenizer_source`'s tokenizer files."""
     folder.mkdir()
     if tokenizer_source is not None:
         for f in ('tokenizer.json', 'tokenizer_config.json'):
@@ -769,7 +776,8 @@ FAMILIES = {  # name: (build, mode, edge)
         'joined',
         'lead',
     ),
-    # no decoder over a byte_fallback vocabulary, and over one with an end-of-word suffix: decode joins the raw pieces with spaces
+    # no decoder over a byte_fallback vocabulary, and over one with an end-of-word suffix: decode joins the raw pieces
+    # with spaces
     'no-decoder-byte-fallback': (lambda: redecorated(load('mistral-v1'), decoder=None), 'joined', 'lead'),
     'no-decoder-suffix': (
         lambda: redecorated(AutoTokenizer.from_pretrained(clip_tokenizer_folder()), decoder=None),
@@ -837,7 +845,8 @@ def family(name):
 
 
 class _Backend:
-    "A copy of a tokenizers.Tokenizer with another decoder, decoding as transformers does (special tokens kept by default)."
+    """A copy of a tokenizers.Tokenizer with another decoder, decoding as transformers does (special tokens kept by
+    default)."""
 
     def __init__(self, backend, decoder):
         from tokenizers import Tokenizer
@@ -924,7 +933,8 @@ def test_metaspace_per_step_decode_loses_the_spaces():
 
 
 def test_vocabulary_wins_over_decoder():
-    "byte_fallback in the model but no ByteFallback step: decode shows <0xNN>, the stream the character; without the model's flag, the decoder wins."
+    """byte_fallback in the model but no ByteFallback step: decode shows <0xNN>, the stream the character; without
+    the model's flag, the decoder wins."""
     tok, ref, det = family('metaspace-first')
     ids = tok.encode('爿', add_special_tokens=False)
     assert '<0xE7>' in tok.decode(ids) and det.to_bytes(ids).decode().strip() == '爿' == ref.decode(ids).strip()
@@ -979,7 +989,8 @@ def test_keep_special_false_matches_skip_special_tokens(name):
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_decoder_family_random_ids(name, data):
-    "Any ids between two ordinary words: the stream is decode's text, up to the edge rule, wherever decode's text is valid UTF-8."
+    """Any ids between two ordinary words: the stream is decode's text, up to the edge rule, wherever decode's text
+    is valid UTF-8."""
     tok, ref, det = family(name)
     ids = data.draw(st.lists(st.integers(0, len(tok) - 1), max_size=25))
     a, b = tok.encode('hello', add_special_tokens=False)[:1], tok.encode('world', add_special_tokens=False)[-1:]
@@ -990,7 +1001,8 @@ def test_decoder_family_random_ids(name, data):
         ours = got.decode()
     except UnicodeDecodeError:
         assert '\ufffd' in ref.decode(whole)
-        # ByteLevel decodes its joined bytes with from_utf8_lossy, which substitutes maximal subparts as Python's 'replace' does
+        # ByteLevel decodes its joined bytes with from_utf8_lossy, which substitutes maximal subparts as Python's
+        # 'replace' does
         if det.mode == 'byte_level':
             assert edge_trim(got.decode('utf-8', 'replace'), FAMILIES[name][2]) == ref.decode(whole)
         return
@@ -1018,6 +1030,69 @@ def test_handed_multi_token_step(toks):
     assert b''.join(s.step(torch.tensor([i])) for i in step) == smol.decode(step).encode() and not s.ended
 
 
+def _one_token_steps_agree(to, fn, general, ids):
+    "Every id as a one-token step, in each shape and integer dtype, with each kind of kwargs, cold then warm."
+    for _ in range(2):  # cold, then warm
+        for i in ids:
+            for kw in (None, {}, {'ignore_eos': True}):
+                for t in (
+                    torch.tensor([i]),
+                    torch.tensor(i),
+                    torch.tensor([[i]]),
+                    torch.tensor([i], dtype=torch.int32),
+                ):
+                    assert to.step_bytes(t, kw) == general(t, kw), (i, kw, t)
+                    assert fn(t, kw) == general(t, kw), ('step_fn', i, kw, t)
+
+
+def _multi_token_steps_agree(to, fn, general, ids, rng):
+    "Steps of 2 and 3 random ids (a stop id anywhere), 1-d and 2-d, cold then warm."
+    for _ in range(2):
+        for k in (2, 3):
+            for _ in range(200):
+                step = [rng.choice(ids) for _ in range(k)]
+                for t in (torch.tensor(step), torch.tensor([step]), torch.tensor(step, dtype=torch.int32)):
+                    for kw in (None, {'ignore_eos': True}):
+                        assert to.step_bytes(t, kw) == general(t, kw), (step, kw)
+                        assert fn(t, kw) == general(t, kw), ('step_fn', step, kw)
+
+
+def _bad_steps_raise(f, tok, ids):
+    "`f` refuses floats, bools and ids out of range, in steps of several tokens and of one; the empty step gives b''."
+    for bad in (
+        torch.tensor([1.0, 2.0]),
+        torch.tensor([True, False]),
+        torch.tensor([ids[1], len(tok)]),
+    ):  # ids[1]: no stop id
+        with pytest.raises(ValueError):
+            f(bad)
+    for bad in (
+        torch.tensor([1.0]),
+        torch.tensor([True]),
+        torch.tensor([len(tok)]),
+        torch.tensor([-1]),
+        torch.tensor([-1, 5, 6]),
+    ):
+        with pytest.raises(ValueError):
+            f(bad)
+    assert f(torch.tensor([], dtype=torch.long)) == b''
+
+
+def _other_stop_sets_agree(to, other, tok, ids):
+    "More stop ids, none, and a stop set that is no set: the short cut's stop checks, against the general path."
+    for stops in (frozenset({tok.eos_token_id, ids[1], ids[-1]}), frozenset(), [tok.eos_token_id]):
+        s_to = TextOutput(to.detokenizer, stops)
+        s_fn = s_to.step_fn()
+        for step in [[i] for i in ids[:50]] + [ids[j : j + k] for k in (2, 3, 5) for j in range(0, len(ids), 7)]:
+            for kw in (None, {'ignore_eos': True}):
+                want = b''.join(map(other.token_bytes, drop_stop_tokens(step, stops, kw)))
+                assert s_fn(torch.tensor(step), kw) == s_to.step_bytes(torch.tensor(step), kw) == want, (
+                    stops,
+                    step,
+                    kw,
+                )
+
+
 @pytest.mark.parametrize('name', ['smollm2', 'qwen', 'mistral-v3'])
 def test_hot_step_path_agrees_with_general_path(toks, name):
     "The memo's short cut in step_bytes gives the general path's bytes, cold and warm, stop ids included."
@@ -1030,58 +1105,14 @@ def test_hot_step_path_agrees_with_general_path(toks, name):
         return b''.join(map(other.token_bytes, drop_stop_tokens(t, to.stop_token_ids, kw)))
 
     ids = sorted({i for t in CORPUS[::3] for i in tok.encode(t, add_special_tokens=False)} | {tok.eos_token_id})
-    for _ in range(2):  # cold, then warm
-        for i in ids:
-            for kw in (None, {}, {'ignore_eos': True}):
-                for t in (
-                    torch.tensor([i]),
-                    torch.tensor(i),
-                    torch.tensor([[i]]),
-                    torch.tensor([i], dtype=torch.int32),
-                ):
-                    assert to.step_bytes(t, kw) == general(t, kw), (i, kw, t)
-                    assert fn(t, kw) == general(t, kw), ('step_fn', i, kw, t)
+    _one_token_steps_agree(to, fn, general, ids)
     assert to.step_bytes(torch.tensor([tok.eos_token_id])) == b''
     # multi-token steps (speculative, MTP): 2 and 3 tokens, a stop id anywhere, cold then warm, 1-d and 2-d
-    rng = random.Random(name)
-    for _ in range(2):
-        for k in (2, 3):
-            for _ in range(200):
-                step = [rng.choice(ids) for _ in range(k)]
-                for t in (torch.tensor(step), torch.tensor([step]), torch.tensor(step, dtype=torch.int32)):
-                    for kw in (None, {'ignore_eos': True}):
-                        assert to.step_bytes(t, kw) == general(t, kw), (step, kw)
-                        assert fn(t, kw) == general(t, kw), ('step_fn', step, kw)
+    _multi_token_steps_agree(to, fn, general, ids, random.Random(name))
     for f in (to.step_bytes, fn):
-        for bad in (
-            torch.tensor([1.0, 2.0]),
-            torch.tensor([True, False]),
-            torch.tensor([ids[1], len(tok)]),
-        ):  # ids[1]: no stop id
-            with pytest.raises(ValueError):
-                f(bad)
-        for bad in (
-            torch.tensor([1.0]),
-            torch.tensor([True]),
-            torch.tensor([len(tok)]),
-            torch.tensor([-1]),
-            torch.tensor([-1, 5, 6]),
-        ):
-            with pytest.raises(ValueError):
-                f(bad)
-        assert f(torch.tensor([], dtype=torch.long)) == b''
+        _bad_steps_raise(f, tok, ids)
     # more stop ids, none, and a stop set that is no set: the short cut's stop checks, against the general path
-    for stops in (frozenset({tok.eos_token_id, ids[1], ids[-1]}), frozenset(), [tok.eos_token_id]):
-        s_to = TextOutput(to.detokenizer, stops)
-        s_fn = s_to.step_fn()
-        for step in [[i] for i in ids[:50]] + [ids[j : j + k] for k in (2, 3, 5) for j in range(0, len(ids), 7)]:
-            for kw in (None, {'ignore_eos': True}):
-                want = b''.join(map(other.token_bytes, drop_stop_tokens(step, stops, kw)))
-                assert s_fn(torch.tensor(step), kw) == s_to.step_bytes(torch.tensor(step), kw) == want, (
-                    stops,
-                    step,
-                    kw,
-                )
+    _other_stop_sets_agree(to, other, tok, ids)
     # copies give the same bytes: _replace, pickle
     for copy in (to._replace(stop_token_ids=frozenset()), pickle.loads(pickle.dumps(to))):
         j = next(i for i in ids if i != tok.eos_token_id)
@@ -1111,15 +1142,18 @@ def test_from_checkpoint_keep_special(toks, tmp_path):
 
 # ---------------------------------------------------------------- ByteLevel inside a decoder Sequence
 def test_sequence_with_byte_level_streams_or_says_why():
-    "Every chain with a ByteLevel step builds and gives decode's text: byte-level modes per token, the others through per-token decode."
+    """Every chain with a ByteLevel step builds and gives decode's text: byte-level modes per token, the others
+    through per-token decode."""
     gpt2 = load('gpt2')
-    # one ByteLevel step in a Sequence is the plain byte-level decoder: is_byte_level holds and ByteLevelDetokenizer takes it
+    # one ByteLevel step in a Sequence is the plain byte-level decoder: is_byte_level holds and ByteLevelDetokenizer
+    # takes it
     seq = family('sequence-byte-level')[0]
     assert ByteLevelDetokenizer.is_byte_level(seq)
     ids = seq.encode('Hello 你好 world<|endoftext|>', add_special_tokens=False)
     assert ByteLevelDetokenizer(seq, keep_special=True).to_bytes(ids).decode() == seq.decode(ids)
     assert TextOutput(TextChunkDetokenizer(seq)).step_bytes(ids[:1]) == gpt2.decode(ids[:1]).encode()
-    # a multi-byte Replace after ByteLevel can straddle two tokens, counted in bytes: per-token decode, and the reason says so
+    # a multi-byte Replace after ByteLevel can straddle two tokens, counted in bytes: per-token decode, and the reason
+    # says so
     chains = {
         '▁ after ByteLevel': [decoders.ByteLevel(), decoders.Replace('▁', ' ')],
         'é after ByteLevel': [decoders.ByteLevel(), decoders.Replace('é', 'e')],
@@ -1143,7 +1177,8 @@ def test_sequence_with_byte_level_streams_or_says_why():
 
 
 def test_multi_byte_match_after_byte_fallback_falls_back():
-    "ByteFallback turns a run of byte pieces into one token in decode: a later multi-byte match or a per-token Strip is refused."
+    """ByteFallback turns a run of byte pieces into one token in decode: a later multi-byte match or a per-token
+    Strip is refused."""
     m = load('mistral-v1')
     for chain, why in [
         (
@@ -1163,13 +1198,15 @@ def test_multi_byte_match_after_byte_fallback_falls_back():
         tok = redecorated(m, decoder=decoders.Sequence(chain))
         det = TextChunkDetokenizer(tok)
         assert det.mode == 'decode' and why in det.reason, det.reason
-        # ▁ spelled in byte pieces: decode joins them and replaces the character; per-token decode is the honest fallback
+        # ▁ spelled in byte pieces: decode joins them and replaces the character; per-token decode is the honest
+        # fallback
         ids = m.convert_tokens_to_ids(['▁Hello', '<0xE2>', '<0x96>', '<0x81>', 'world'])
         assert det.to_bytes(ids) == tok.decode(ids).encode()
 
 
 def test_added_tokens_under_byte_level_chains():
-    "An added token is its content under any chain with ByteLevel: the steps after the join still apply to it, the byte map does not."
+    """An added token is its content under any chain with ByteLevel: the steps after the join still apply to it, the
+    byte map does not."""
     q = AutoTokenizer.from_pretrained(tokenizer_folder('qwen'))
     q.add_tokens(['<tool_call>\n', 'a\nb'])
     tok = redecorated(q, decoder=decoders.Sequence([decoders.ByteLevel(), decoders.Replace('\n', ' ')]))
@@ -1187,7 +1224,8 @@ def test_added_tokens_under_byte_level_chains():
 
 # ---------------------------------------------------------------- added tokens with normalized=True
 def _llama2_style(name):
-    "`name`'s SentencePiece vocabulary with Llama 2's normalizer (Prepend('▁'), Replace(' ', '▁')), and tokens added as fine-tunes add them."
+    """`name`'s SentencePiece vocabulary with Llama 2's normalizer (Prepend('▁'), Replace(' ', '▁')), and tokens
+    added as fine-tunes add them."""
     from tokenizers import AddedToken, normalizers
 
     tok = redecorated(
@@ -1201,7 +1239,8 @@ def _llama2_style(name):
 
 
 def _mistral_added():
-    "Mistral v1's own tokenizer.json (normalizer Replace(' ', '▁') and a leading ▁ doubled) with tokens added by add_tokens."
+    """Mistral v1's own tokenizer.json (normalizer Replace(' ', '▁') and a leading ▁ doubled) with tokens added by
+    add_tokens."""
     tok = AutoTokenizer.from_pretrained(tokenizer_folder('mistral-v1'))
     tok.add_tokens(['▁x▁', ' sp', 'Deniz', '<0x41>', '<0xE7>', '<tool>'])
     return tok
@@ -1216,7 +1255,10 @@ NORMALIZED = {
 
 def _with_added(tok, text, rng):
     "`text`'s ids with added tokens dropped in at random places, none inside a character's run of byte pieces."
-    byte = lambda i: re.fullmatch(r'<0x[0-9A-F]{2}>', tok.convert_ids_to_tokens(i) or '') is not None
+
+    def byte(i):
+        return re.fullmatch(r'<0x[0-9A-F]{2}>', tok.convert_ids_to_tokens(i) or '') is not None
+
     ids, added = (
         tok.encode(text, add_special_tokens=False),
         [i for i in sorted(tok.added_tokens_decoder) if not byte(i)],
@@ -1229,7 +1271,8 @@ def _with_added(tok, text, rng):
 
 @pytest.mark.parametrize('name', list(NORMALIZED))
 def test_normalized_added_tokens_corpus(name):
-    "decode reads a normalized added token's normalized content (id_to_token); both SentencePiece paths stream it, up to the one leading space."
+    """decode reads a normalized added token's normalized content (id_to_token); both SentencePiece paths stream it,
+    up to the one leading space."""
     tok = NORMALIZED[name]()
     backend = tok.backend_tokenizer
     assert any(
@@ -1250,8 +1293,9 @@ def test_normalized_added_tokens_corpus(name):
 
 
 def test_normalized_special_token():
-    """A special token added with normalized=True decodes from its normalized content too, when kept. (tokenizers' skip_special_tokens
-    looks it up by that content and misses it; keep_special=False drops it by its flag, as the notebook says.)"""
+    """A special token added with normalized=True decodes from its normalized content too, when kept. (tokenizers'
+    skip_special_tokens looks it up by that content and misses it; keep_special=False drops it by its flag, as the
+    notebook says.)"""
     from tokenizers import AddedToken
 
     tok = _llama2_style('mistral-v1')
@@ -1305,7 +1349,8 @@ def test_normalized_added_tokens_byte_level():
 
 
 def test_sentencepiece_normalizer_errors():
-    "A normalizer HF tokenizers cannot read is named, when an added token needs it; a file without normalized added tokens doesn't need it."
+    """A normalizer HF tokenizers cannot read is named, when an added token needs it; a file without normalized added
+    tokens doesn't need it."""
     tj = json.loads(_mistral_added().backend_tokenizer.to_str())
     tj['normalizer'] = {'type': 'NoSuchNormalizer'}
     with pytest.raises(ValueError, match="tokenizer.json 'normalizer' is not one HF tokenizers reads"):
@@ -1324,7 +1369,8 @@ def _whisper():
 
 
 def test_whisper_timestamps_follow_decode():
-    "decode deletes timestamps with or without specials; so do both detokenizers by default, and keep_timestamps gives decode_with_timestamps."
+    """decode deletes timestamps with or without specials; so do both detokenizers by default, and keep_timestamps
+    gives decode_with_timestamps."""
     from transformers import WhisperTokenizer
 
     tok = _whisper()
@@ -1364,13 +1410,15 @@ def test_whisper_timestamps_follow_decode():
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_whisper_random_ids(data):
-    "Any ids, timestamps and specials among them: the joined bytes are decode's text (U+FFFD where a character is cut short)."
+    """Any ids, timestamps and specials among them: the joined bytes are decode's text (U+FFFD where a character is
+    cut short)."""
     tok = _whisper()
     ts, specials = tok.timestamp_ids(), sorted(i for i in tok.added_tokens_decoder if i < tok.timestamp_ids()[0])
     ids = data.draw(
         st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(ts), st.sampled_from(specials)), max_size=30)
     )
-    # decode(skip_special_tokens=True) drops a previous-text prompt that opens the ids: not a reply's shape (see the notebook)
+    # decode(skip_special_tokens=True) drops a previous-text prompt that opens the ids: not a reply's shape (see the
+    # notebook)
     assume_not_prompt = not ids or ids[0] != tok.convert_tokens_to_ids('<|startofprev|>')
     for det, skip in ((_byte_level(tok), True), (_byte_level(tok, True), False), (_chunk(tok), False)):
         want = tok.decode(ids, skip_special_tokens=skip)
@@ -1380,7 +1428,8 @@ def test_whisper_random_ids(data):
 
 
 def test_whisper_from_checkpoint_and_other_tokenizers(tmp_path):
-    "from_checkpoint drops timestamps unless asked; a tokenizer without Whisper's decode keeps a '<|1.00|>' token, as its decode does."
+    """from_checkpoint drops timestamps unless asked; a tokenizer without Whisper's decode keeps a '<|1.00|>' token,
+    as its decode does."""
     from mstar_utils.checkpoints import whisper_checkpoint
 
     tok = _whisper()
@@ -1400,7 +1449,8 @@ def test_whisper_from_checkpoint_and_other_tokenizers(tmp_path):
 
 # ---------------------------------------------------------------- no decoder, and the reason's words
 def _no_decoder_byte_fallback():
-    "What `Tokenizer(models.BPE(byte_fallback=True))` saves without a decoder: Mistral's pieces, here a few of them, in-process."
+    """What `Tokenizer(models.BPE(byte_fallback=True))` saves without a decoder: Mistral's pieces, here a few of
+    them, in-process."""
     from tokenizers import Tokenizer, models, pre_tokenizers as pt
 
     m = load('mistral-v3')
@@ -1411,7 +1461,8 @@ def _no_decoder_byte_fallback():
 
 
 def test_no_decoder_with_byte_fallback_follows_decode():
-    "decode joins the raw pieces with spaces: the chunks do too, always valid UTF-8, and the mode and reason say there is no decoder."
+    """decode joins the raw pieces with spaces: the chunks do too, always valid UTF-8, and the mode and reason say
+    there is no decoder."""
     tok, _ = _no_decoder_byte_fallback()
     det = TextChunkDetokenizer(tok)
     assert tok.backend_tokenizer.decoder is None
@@ -1442,7 +1493,8 @@ def test_reason_names_the_decoders_own_steps():
 
 # ---------------------------------------------------------------- the vocabulary bound: largest id + 1, holes allowed
 def _holey(decoder):
-    "A WordLevel vocabulary with ids 0-9 and 20-29 (a hole of ten), built in-process, as trimmed vocabularies number theirs."
+    """A WordLevel vocabulary with ids 0-9 and 20-29 (a hole of ten), built in-process, as trimmed vocabularies
+    number theirs."""
     from tokenizers import Tokenizer, models
 
     vocab = {c: i for i, c in enumerate('abcdefghij')} | {c: 20 + i for i, c in enumerate('klmnopqrst')}
@@ -1507,7 +1559,8 @@ _holey_fuse, _sparse_bl = functools.cache(lambda: _holey(decoders.Fuse())), func
 
 
 def test_padded_embedding_ids_raise_clearly(toks):
-    "Ids between the tokenizer's last id and a padded embedding: decode gives '' for them, the detokenizers refuse them with what to fix."
+    """Ids between the tokenizer's last id and a padded embedding: decode gives '' for them, the detokenizers refuse
+    them with what to fix."""
     qwen = toks['qwen']
     assert qwen.decode([len(qwen)]) == ''
     for det in (TextChunkDetokenizer(qwen), ByteLevelDetokenizer(qwen)):
@@ -1526,14 +1579,17 @@ def test_slow_tokenizer_bound(tmp_path):
     assert ByteLevelDetokenizer(slow).vocab_size == max(slow.get_vocab().values()) + 1 == len(slow)
 
 
-# ---------------------------------------------------------------- SentencePieceDetokenizer: byte-level files refused, added byte pieces
+# ------------------------------------------------ SentencePieceDetokenizer: byte-level files refused, added byte pieces
 @pytest.mark.parametrize('name', ['gpt2', 'qwen', 'whisper-multilingual', 'smollm2', 'clip', 'sequence-byte-level'])
 def test_sentencepiece_refuses_byte_level_json(name):
     tok = family(name)[0] if name in FAMILIES and name not in BYTE_LEVEL else load(name)
     tj = json.loads(tok.backend_tokenizer.to_str())
     with pytest.raises(
         ValueError,
-        match=r'byte-level BPE \(its (pre_tokenizer|decoder) has a ByteLevel step\).*use ByteLevelDetokenizer or TextChunkDetokenizer',
+        match=(
+            r'byte-level BPE \(its (pre_tokenizer|decoder) has a ByteLevel step\).*use ByteLevelDetokenizer or '
+            r'TextChunkDetokenizer'
+        ),
     ):
         SentencePieceDetokenizer(tj)
     tj['pre_tokenizer'] = None  # the decoder alone says so too
@@ -1554,7 +1610,8 @@ def test_sentencepiece_added_byte_pieces():
 
 
 def test_declared_skip_ids_past_the_vocabulary_give_no_text():
-    "Ids the caller declares textless (extra_skip_ids) may lie past the tokenizer's ids: Whisper's timestamps, which older tokenizer files lack. Other ids past it still raise."
+    """Ids the caller declares textless (extra_skip_ids) may lie past the tokenizer's ids: Whisper's timestamps,
+    which older tokenizer files lack. Other ids past it still raise."""
     from transformers import AutoTokenizer
     from mstar_utils.checkpoints import tokenizer_folder
     from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput

@@ -156,8 +156,10 @@ def site():
 
 
 PAGE_JS = """() => {
-  const api = [...document.querySelectorAll('.cell-output-markdown')].filter(d => d.querySelector('h2,h3,h4') && d.querySelector('pre'));
-  const imgs = [...document.images].map(i => ({src: i.src.slice(0, 60), ok: i.complete && i.naturalWidth > 0 && i.naturalHeight > 0,
+  const api = [...document.querySelectorAll('.cell-output-markdown')]
+    .filter(d => d.querySelector('h2,h3,h4') && d.querySelector('pre'));
+  const imgs = [...document.images].map(i => ({src: i.src.slice(0, 60),
+      ok: i.complete && i.naturalWidth > 0 && i.naturalHeight > 0,
       w: i.naturalWidth, h: i.naturalHeight, output: !!i.closest('.cell-output')}));
   return {
     title: document.title,
@@ -234,7 +236,8 @@ def crawl(site):
 
 
 def _explore_check(page) -> dict:
-    "Screenshot explore's first output at its module tree; click the tree's root row and say whether it closed, and opened again."
+    """Screenshot explore's first output at its module tree; click the tree's root row and say whether it closed, and
+    opened again."""
     root = page.locator('.mstar-explore details details').first  # inside section 1, the tree's first level (open)
     out = {'outputs': page.locator('.mstar-explore').count(), 'rows': page.locator('.mstar-explore details').count()}
     if not root.count():
@@ -252,7 +255,8 @@ def _explore_check(page) -> dict:
 
 
 def test_explore_page_tree_collapses(crawl):
-    "explore's HTML renders on its page (SmolLM2, Whisper, the fp8 MoE), and a click on a tree row closes it and opens it again."
+    """explore's HTML renders on its page (SmolLM2, Whisper, the fp8 MoE), and a click on a tree row closes it and
+    opens it again."""
     _, pages = crawl
     ex = pages[page_of(NBS / EXPLORE_NB)].get('explore') or {}
     assert ex.get('outputs', 0) >= 3 and ex.get('rows', 0) > 20, ex

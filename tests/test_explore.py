@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from importlib import import_module
 from mstar_utils import explore, checkpoint_report
+from mstar_utils.cli import main
 
 _explore = import_module('mstar_utils.explore')  # the module, whose function `explore` the top level exports
 diff_checkpoints, weight_stats = _explore.diff_checkpoints, _explore.weight_stats
-from mstar_utils.cli import main
 
 PERTURBED = {
     'model.layers.2.mlp.up_proj.weight': 2e-2,
@@ -99,7 +99,8 @@ def test_cli_inspect_stats_json(smol_ckpt):
 
 
 def test_unparseable_files_become_findings(smol_ckpt, tmp_path):
-    "A broken tokenizer.json, generation_config.json and shard header each become a finding naming the file; the rest still renders."
+    """A broken tokenizer.json, generation_config.json and shard header each become a finding naming the file; the
+    rest still renders."""
     bad = Path(shutil.copytree(smol_ckpt, tmp_path / 'bad'))
     tok = json.loads((bad / 'tokenizer.json').read_text())
     tok['model']['type'] = 'BPE2'
@@ -140,19 +141,21 @@ def test_weight_stats_hold_at_most_two_tensors(smol_ckpt, monkeypatch):
     assert 1 <= peak[0] <= 2, peak[0]
 
 
-# 4. Bytes per rank: every figure is load_plan's, the dry run of load_model at that rank; the expected bytes below come from
-# load_plan's own (detailed) plans and from the checkpoints' headers.
+# 4. Bytes per rank: every figure is load_plan's, the dry run of load_model at that rank; the expected bytes below come
+# from load_plan's own (detailed) plans and from the checkpoints' headers.
 
 
 def _ranks(ckpt) -> list:
-    "explore's section 4 of `ckpt`, as it builds it: the model built on meta once, every rank planned over copies of it."
+    """explore's section 4 of `ckpt`, as it builds it: the model built on meta once, every rank planned over copies
+    of it."""
     config, model = _explore._build(Path(ckpt), [])
     rows, _ = _explore.rank_table(Path(ckpt), config, model)
     return rows
 
 
 def _header_bytes(ckpt) -> dict:
-    "{key: (shape, dtype, nbytes)} from the safetensors headers of `ckpt`, parsed as the format specifies (u64 length, JSON)."
+    """{key: (shape, dtype, nbytes)} from the safetensors headers of `ckpt`, parsed as the format specifies (u64
+    length, JSON)."""
     out = {}
     for f in sorted(Path(ckpt).glob('*.safetensors')):
         with open(f, 'rb') as fh:
@@ -173,7 +176,8 @@ def test_rank_bytes_are_load_plan_totals_on_smollm2(smol_ckpt):
         (4, False, ''),
         (8, False, ''),
     ]
-    for r in rows:  # the full plan at 1 and 2 ranks; at 4 and 8 its totals alone (03_load_model checks they agree), each built afresh
+    # the full plan at 1 and 2 ranks; at 4 and 8 its totals alone (03_load_model checks they agree), each built afresh
+    for r in rows:
         plans = [load_plan(smol_ckpt, k, r.world_size, detail=r.world_size <= 2) for k in range(r.world_size)]
         assert r.read_bytes == [p.total_bytes for p in plans] and r.held_bytes == [p.held_bytes for p in plans], (
             r.world_size
@@ -210,7 +214,7 @@ def test_six_experts_on_four_ranks_split_2_2_1_1(moe6):
     # bytes of one expert, from the headers: per-expert keys, or a fused [6, ...] tensor per projection
     experts = {k: v for k, v in _header_bytes(moe6).items() if '.mlp.experts.' in k}
     per_expert = {}
-    for k, (shape, _, n) in experts.items():
+    for k, (_shape, _, n) in experts.items():
         idx = k.split('.mlp.experts.')[1].split('.')[0]
         for e in [int(idx)] if idx.isdigit() else range(6):
             per_expert[e] = per_expert.get(e, 0) + (n if idx.isdigit() else n // 6)
@@ -253,7 +257,8 @@ def test_fp8_blocks_straddling_a_cut_are_read_by_both_ranks(fp8_llama):
     assert tp2.read_bytes == [p.total_bytes for p in plans]
 
     def want(p) -> int:
-        "Bytes rank `p` reads, from the headers: whole keys, its share of a cut bf16 key, the whole blocks its rows of an fp8 key touch."
+        """Bytes rank `p` reads, from the headers: whole keys, its share of a cut bf16 key, the whole blocks its rows
+        of an fp8 key touch."""
         n = 0
         for t in p.tensors:
             for k in t.keys:

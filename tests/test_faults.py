@@ -193,7 +193,8 @@ FILE_FAULTS = {
         lambda d: d[: 8 + int.from_bytes(d[:8], 'little') // 2],
         ValueError,
         lambda f, d: (
-            rf"{f}: header length is {int.from_bytes(d[:8], 'little')} bytes, but only \d+ bytes follow it: header cut short"
+            rf"{f}: header length is {int.from_bytes(d[:8], 'little')} bytes, but only \d+ bytes follow it: "
+            r"header cut short"
         ),
     ),
     'data_cut': (
@@ -345,7 +346,8 @@ FOLDER_FAULTS = {
     'key_in_two_shards': Fault(
         _dup_key,
         ValueError,
-        rf"key 'model\.norm\.weight' is listed twice in weight_map, in shard '{re.escape(SHARD1)}' and in shard '{re.escape(SHARD2)}'",
+        rf"key 'model\.norm\.weight' is listed twice in weight_map, in shard '{re.escape(SHARD1)}' and in shard "
+        rf"'{re.escape(SHARD2)}'",
     ),
     'key_not_in_its_shard': Fault(
         _assign_to_wrong_shard, KeyError, rf"{re.escape(SHARD1)}: has no tensor 'model\.norm\.weight'"
@@ -353,7 +355,8 @@ FOLDER_FAULTS = {
     'shape_differs': Fault(
         _reshape_up_proj,
         ValueError,
-        r"shape mismatch for 'model\.layers\.1\.mlp\.up_proj\.weight' in .*: checkpoint has \[576, 1536\], module SmolMini expects \[1536, 576\]",
+        r"shape mismatch for 'model\.layers\.1\.mlp\.up_proj\.weight' in .*: checkpoint has \[576, 1536\], "
+        r"module SmolMini expects \[1536, 576\]",
     ),
     'prefix_too_long': Fault(
         lambda d: None,
@@ -369,7 +372,8 @@ FOLDER_FAULTS = {
     'no_prefix': Fault(
         lambda d: None,
         KeyError,
-        r"no key is one of its names as they are \(prefix ''\) for module SmolMini; the module's names occur under \['model\.'\]",
+        r"no key is one of its names as they are \(prefix ''\) for module SmolMini; "
+        r"the module's names occur under \['model\.'\]",
         '',
     ),
 }
@@ -393,7 +397,8 @@ def test_damaged_checkpoint_folder(fault, kind, smol_src, tmp_path):
 @pytest.mark.parametrize('kind', ['meta', 'materialized'])
 @pytest.mark.parametrize('ckpt', list(CKPTS))
 def test_undamaged_control(ckpt, kind, request):
-    "The same small checkpoints load, and give safetensors' own tensors: the faults above are the only reason for the errors."
+    """The same small checkpoints load, and give safetensors' own tensors: the faults above are the only reason for
+    the errors."""
     src, make, dtype, prefix = CKPTS[ckpt]
     d = request.getfixturevalue(src)
     m = _build(make, kind, dtype)
@@ -404,7 +409,8 @@ def test_undamaged_control(ckpt, kind, request):
 
 
 def test_index_is_truth_when_a_tensor_sits_in_two_shards(smol_src, tmp_path):
-    "A merged shard that also holds a (different) copy of a tensor is never read for it: the index names one shard per key."
+    """A merged shard that also holds a (different) copy of a tensor is never read for it: the index names one shard
+    per key."""
     d = _copy(smol_src, tmp_path / 'ckpt')
     sd = load_file(str(d / SHARD1))
     sd['model.norm.weight'] = torch.full((576,), 7.0, dtype=torch.bfloat16)
@@ -454,7 +460,8 @@ def test_state_dict_with_complex_tensor_for_real_parameter_is_refused():
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_state_dict_into_materialized_module_is_copied(dtype):
-    "Same dtype takes the `get(out=...)` path; a source must honour `out` (it used to be ignored there, loading nothing)."
+    """Same dtype takes the `get(out=...)` path; a source must honour `out` (it used to be ignored there, loading
+    nothing)."""
     m = nn.Linear(3, 2).to(dtype)
     sd = {'weight': torch.arange(6.0).reshape(2, 3), 'bias': torch.tensor([7.0, 8.0])}
     w = m.weight
@@ -467,7 +474,8 @@ def test_state_dict_into_materialized_module_is_copied(dtype):
 
 
 def _truncate_on_first_read(monkeypatch, path: Path):
-    "The file `path` loses its second half, in place, just before the load first reads from it: a download overwriting it mid-load."
+    """The file `path` loses its second half, in place, just before the load first reads from it: a download
+    overwriting it mid-load."""
     real, done = mio.read_at, []
 
     def preadv(fd, views, pos, disk=None):
@@ -509,7 +517,8 @@ def test_materialized_module_unchanged_when_a_new_tensor_read_fails(smol_src, tm
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason='exception notes need Python 3.11')
 def test_materialized_module_cut_during_overwrite_says_so(smol_src, tmp_path, monkeypatch):
-    "The one case that cannot be undone without a second copy of the weights: the error says how many tensors were overwritten."
+    """The one case that cannot be undone without a second copy of the weights: the error says how many tensors were
+    overwritten."""
     d = _copy(smol_src, tmp_path / 'ckpt')
     _rewrite(d / SHARD2, (d / SHARD2).read_bytes())
     _truncate_on_first_read(monkeypatch, d / SHARD2)

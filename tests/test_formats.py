@@ -1,4 +1,5 @@
-"More quantized formats: compressed-tensors dense, NVFP4 (compressed-tensors and ModelOpt), MXFP8, safetensors' F4 dtype, against compressed-tensors' own code."
+"""More quantized formats: compressed-tensors dense, NVFP4 (compressed-tensors and ModelOpt), MXFP8, safetensors' F4
+dtype, against compressed-tensors' own code."""
 
 import json
 import os
@@ -64,7 +65,8 @@ def ckpts(tmp_path_factory):
 
 
 def as_modelopt(folder, dest, f4=False):
-    "compressed-tensors' NVFP4 checkpoint in ModelOpt's layout (what compressed-tensors' ModelOpt converter reverses); `f4`: codes as F4."
+    """compressed-tensors' NVFP4 checkpoint in ModelOpt's layout (what compressed-tensors' ModelOpt converter
+    reverses); `f4`: codes as F4."""
     sd, out = load_file(str(folder / 'model.safetensors')), {}
     for k, v in sd.items():
         if k.endswith('.weight_packed'):

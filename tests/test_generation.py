@@ -164,7 +164,8 @@ def test_prefix_that_selects_nothing_names_the_prefixes(tmp_path, caplog):
         and "'subtalker_', 'talker_'" in warns[0]
         and str(d / 'generation_config.json') in warns[0]
     )
-    # no warning where the prefix selects a key, even an invalid one (that one warns on its own), or where the file has no prefixes
+    # no warning where the prefix selects a key, even an invalid one (that one warns on its own), or where the file has
+    # no prefixes
     assert load(caplog, d, prefix='talker_') == ({'temperature': 0.6}, [])
     assert load(caplog, write(tmp_path, {'temperature': 0.9}), prefix='talker') == ({}, [])
     out, warns = load(caplog, write(tmp_path, {'talker_temperature': 'hot'}), prefix='talker')
@@ -282,7 +283,8 @@ FLOAT_KNOBS = ('temperature', 'top_p', 'min_p', 'repetition_penalty')
 @pytest.mark.parametrize('key', FLOAT_KNOBS)
 @pytest.mark.parametrize('digits', [310, 400, 4000])
 def test_int_too_large_for_a_float_warns_and_is_skipped(tmp_path, caplog, key, digits):
-    "JSON integers have no bound: one past the largest float (sys.float_info.max) is dropped like any other wrong value."
+    """JSON integers have no bound: one past the largest float (sys.float_info.max) is dropped like any other wrong
+    value."""
     import sys
 
     huge = '1' + '0' * digits
@@ -304,7 +306,8 @@ def test_the_largest_int_a_float_holds_is_a_number(tmp_path, caplog, key):
 
 
 def test_integer_knobs_have_no_upper_bound(tmp_path, caplog):
-    "transformers' GenerationConfig.validate sets none either (max_new_tokens must only be > 0); vLLM's limits depend on the model."
+    """transformers' GenerationConfig.validate sets none either (max_new_tokens must only be > 0); vLLM's limits
+    depend on the model."""
     from transformers import GenerationConfig
 
     big = 10**30
@@ -360,7 +363,8 @@ def test_transformers_keys_are_no_stage(tmp_path, caplog):
 
 
 def _without_generation_config(src: Path, dest: Path, **config) -> Path:
-    "A copy of checkpoint `src`'s config and tokenizer files, without generation_config.json; `config` overrides config.json keys."
+    """A copy of checkpoint `src`'s config and tokenizer files, without generation_config.json; `config` overrides
+    config.json keys."""
     import shutil
 
     dest.mkdir()
@@ -403,7 +407,8 @@ def test_no_generation_config_falls_back_to_config_json_as_transformers(tmp_path
 
 
 def test_config_json_text_config_eos_as_transformers(tmp_path):
-    "A composite model's config.json: the top level's eos_token_id, else its text config's (from_model_config on the dict and on the config object)."
+    """A composite model's config.json: the top level's eos_token_id, else its text config's (from_model_config on
+    the dict and on the config object)."""
     from transformers import GenerationConfig, LlamaConfig, LlavaConfig
     from mstar_utils.detokenize import generation_eos_ids
 

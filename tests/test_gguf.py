@@ -1,4 +1,5 @@
-"GGUF: the block decoders against gguf-py, tiny files written by gguf-py against transformers' from_pretrained(gguf_file=...), SmolLM2's real Q4_1 file, refusals."
+"""GGUF: the block decoders against gguf-py, tiny files written by gguf-py against transformers'
+from_pretrained(gguf_file=...), SmolLM2's real Q4_1 file, refusals."""
 
 import os
 import shutil
@@ -204,7 +205,8 @@ def test_refusals_name_the_file(tiny, tmp_path):
 
 
 def test_keep_holds_the_blocks_and_equals_the_dequantized_load(tmp_path, monkeypatch):
-    "keep_gguf's QuantizedLinear layers hold the file's Q8_0 and Q4_K bytes and give the logits of the dequantizing load."
+    """keep_gguf's QuantizedLinear layers hold the file's Q8_0 and Q4_K bytes and give the logits of the dequantizing
+    load."""
     import mstar_utils.gguf as G
     from mstar_utils.quantized import QuantizedLinear
 

@@ -1,5 +1,5 @@
-"""GPTQ, AWQ and bitsandbytes checkpoints: decoders against the packed integers and bitsandbytes' own functional API, loads
-against from_pretrained of the dequantized checkpoint, tensor-parallel ranks against the full load's slices."""
+"""GPTQ, AWQ and bitsandbytes checkpoints: decoders against the packed integers and bitsandbytes' own functional API,
+loads against from_pretrained of the dequantized checkpoint, tensor-parallel ranks against the full load's slices."""
 
 import io
 import json
@@ -148,7 +148,8 @@ def test_awq_decodes_the_packed_integers(N, K, group_size):
 
 
 def test_word_orders_are_the_documented_ones():
-    "Codes 0..7 of one word: GPTQ's in nibble order down the inputs, AutoAWQ's across the outputs in order 0 2 4 6 1 3 5 7."
+    """Codes 0..7 of one word: GPTQ's in nibble order down the inputs, AutoAWQ's across the outputs in order 0 2 4 6
+    1 3 5 7."""
     codes = torch.arange(8)
     assert _pack(codes[:, None], 4, 0).item() == 0x76543210
     assert _pack(codes[None], 4, 1, AWQ_ORDER).item() == 0x75316420
@@ -268,7 +269,8 @@ def test_row_parallel_act_order_and_bnb_4bit_are_refused_by_key(ckpts):
 @pytest.mark.parametrize('fmt', ['gptq', 'gptq_no_g_idx', 'awq'])
 @pytest.mark.parametrize('dim', [0, 1])
 def test_cuts_read_whole_words_and_groups(fmt, dim):
-    "Cuts of every start and stop on a shape that divides neither the words nor the groups equal the full decode's slice."
+    """Cuts of every start and stop on a shape that divides neither the words nor the groups equal the full decode's
+    slice."""
     torch.manual_seed(dim)
     N, K = 20, 100
     t, ref = awq_quantize(torch.randn(N, K), 32) if fmt == 'awq' else gptq_quantize(torch.randn(N, K), 4, 32)
@@ -332,7 +334,8 @@ def test_explore_names_the_format(name, line, ckpts):
 
 @pytest.mark.parametrize('name', ['nf4_nested', 'fp4', 'int8'])
 def test_explore_lists_only_the_tp_sizes_load_accepts(name, ckpts):
-    "explore's bytes-per-rank summary names a size only where load_plan and load_model take it; the others are refused by both."
+    """explore's bytes-per-rank summary names a size only where load_plan and load_model take it; the others are
+    refused by both."""
     from transformers import AutoConfig
     from mstar_utils.explore import _ranks, explore, rank_table
 

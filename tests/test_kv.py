@@ -1,4 +1,5 @@
-"KV pages, the KV plan and the admission check, and KV geometry for every layer kind, against config classes and transformers' own caches."
+"""KV pages, the KV plan and the admission check, and KV geometry for every layer kind, against config classes and
+transformers' own caches."""
 
 import json
 import logging
@@ -359,7 +360,8 @@ def expected_figures(cfg, nbytes=2, convention='vllm'):
     fixed = n_slide and n_slide * min(window, t.max_position_embeddings) * per_token(t, nbytes)
     if n_lin:
         conv = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
-        # vLLM: conv_kernel - 1 positions, the state in the model dtype; transformers: conv_kernel positions, the state in float32
+        # vLLM: conv_kernel - 1 positions, the state in the model dtype; transformers: conv_kernel positions, the state
+        # in float32
         positions, ssm = (
             (t.linear_conv_kernel_dim - 1, nbytes) if convention == 'vllm' else (t.linear_conv_kernel_dim, 4)
         )
@@ -431,17 +433,19 @@ def test_layers_hold_what_transformers_caches(arch):
                 assert held == tokens * layer.token_bytes  # full attention, MLA
             else:  # transformers keeps window - 1, as its convention counts
                 assert held == min(tokens, layer.tokens) * layer.token_bytes, (layer, cls, held)
-    assert g.bytes_per_token * 9 + sum(l.state_bytes for l in g.layers) == sum(
+    assert g.bytes_per_token * 9 + sum(layer.state_bytes for layer in g.layers) == sum(
         held
-        for l, (_, held) in zip(g.layers, cache_layer_bytes(transformers_kv_cache(cfg, 9)), strict=True)
-        if l.tokens is None
+        for layer, (_, held) in zip(g.layers, cache_layer_bytes(transformers_kv_cache(cfg, 9)), strict=True)
+        if layer.tokens is None
     )
 
 
 def test_windows_are_the_configs():
     for arch in ('Gemma-3', 'gpt-oss'):
         t = released_kv_config(arch).get_text_config()
-        windows = {l.tokens for l in kv_geometry(released_kv_config(arch)).layers if l.kind == 'sliding_attention'}
+        windows = {
+            layer.tokens for layer in kv_geometry(released_kv_config(arch)).layers if layer.kind == 'sliding_attention'
+        }
         assert windows == {t.sliding_window}
     short = transformers.MistralConfig(
         sliding_window=4096, max_position_embeddings=1000, num_hidden_layers=2, dtype='bfloat16'
@@ -494,8 +498,10 @@ def test_heterogeneous_head_dim_matches_transformers():
     )
     g = kv_geometry(cfg)
     theirs = cache_layer_bytes(transformers_kv_cache(cfg, 9))
-    assert [l.token_bytes * (9 if l.tokens is None else l.tokens - 1) for l in g.layers] == [b for _, b in theirs]
-    assert len({l.token_bytes for l in g.layers}) == 2
+    assert [layer.token_bytes * (9 if layer.tokens is None else layer.tokens - 1) for layer in g.layers] == [
+        b for _, b in theirs
+    ]
+    assert len({layer.token_bytes for layer in g.layers}) == 2
 
 
 def test_smollm2_bytes_per_token_match_transformers():
@@ -684,11 +690,12 @@ def test_falcon_kv_heads_match_transformers(kwargs):
         hidden_size=64, num_attention_heads=8, num_hidden_layers=2, vocab_size=100, dtype='bfloat16', **kwargs
     )
     theirs = [b for _, b in cache_layer_bytes(transformers_kv_cache(cfg, tokens=9))]
-    assert [l.token_bytes * 9 for l in kv_geometry(cfg).layers] == theirs
+    assert [layer.token_bytes * 9 for layer in kv_geometry(cfg).layers] == theirs
 
 
 def test_falcon_grouped_layout_counts_its_kv_projection():
-    "Falcon-40B's layout projects num_kv_heads K and V heads; transformers' cache broadcasts them to every query head, a paged cache (vLLM) keeps them grouped."
+    """Falcon-40B's layout projects num_kv_heads K and V heads; transformers' cache broadcasts them to every query
+    head, a paged cache (vLLM) keeps them grouped."""
     cfg = transformers.FalconConfig(
         hidden_size=64,
         num_attention_heads=8,
@@ -737,7 +744,8 @@ def tiny_mllama():
 
 
 def test_mllama_cross_attention_holds_one_image():
-    "Mllama's cross-attention layers hold the image's tiles x (patches + 1) positions, its other layers the text: as transformers' cache."
+    """Mllama's cross-attention layers hold the image's tiles x (patches + 1) positions, its other layers the text:
+    as transformers' cache."""
     cfg = tiny_mllama()
     torch.manual_seed(0)
     model = transformers.MllamaForConditionalGeneration(cfg).to(torch.bfloat16).eval()
@@ -752,15 +760,21 @@ def test_mllama_cross_attention_holds_one_image():
         )
     theirs = [b for _, b in cache_layer_bytes(out.past_key_values)]
     g = kv_geometry(cfg)
-    assert [l.kind for l in g.layers] == ['full_attention', 'cross_attention', 'full_attention', 'cross_attention']
-    assert [l.fixed_bytes if l.tokens else 9 * l.token_bytes for l in g.layers] == theirs
+    assert [layer.kind for layer in g.layers] == [
+        'full_attention',
+        'cross_attention',
+        'full_attention',
+        'cross_attention',
+    ]
+    assert [layer.fixed_bytes if layer.tokens else 9 * layer.token_bytes for layer in g.layers] == theirs
     assert g.fixed_bytes == theirs[1] + theirs[3] and g.bytes_per_token * 9 == theirs[0] + theirs[2]
     with pytest.raises(ValueError, match='cross_attention_layers but no vision_config'):
         kv_geometry(transformers.MllamaTextConfig(dtype='bfloat16'))
 
 
 def test_top_level_dtype_wins_over_text_config(tmp_path):
-    "from_pretrained(dtype='auto') and vLLM take the top-level dtype: a text_config's own dtype only fills in for a missing one."
+    """from_pretrained(dtype='auto') and vLLM take the top-level dtype: a text_config's own dtype only fills in for a
+    missing one."""
     cfg = tiny_kv_config('Gemma-3')
     torch.manual_seed(0)
     transformers.Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
@@ -773,7 +787,8 @@ def test_top_level_dtype_wins_over_text_config(tmp_path):
 
 
 def test_fp8_kv_cache_leaves_linear_states_in_the_model_dtype():
-    "A KV cache dtype changes attention layers only: Gated DeltaNet's conv window stays in the model's dtype (as in vLLM), its recurrent state float32."
+    """A KV cache dtype changes attention layers only: Gated DeltaNet's conv window stays in the model's dtype (as in
+    vLLM), its recurrent state float32."""
     cfg = tiny_kv_config('Qwen3-Next')
     bf16, fp8 = kv_geometry(cfg), kv_geometry(cfg, 'float8_e4m3fn')
     for a, b in zip(bf16.layers, fp8.layers, strict=True):

@@ -96,12 +96,12 @@ def test_tiny_hybrids_hold_what_transformers_caches(arch):
     g = kv_geometry(cfg, convention='transformers')
     for tokens in (3, 8):
         theirs = cache_layer_bytes(transformers_kv_cache(cfg, tokens))
-        mine = [l for l in g.layers]
+        mine = [layer for layer in g.layers]
         assert len(theirs) >= len(mine)
         held = sum(b for _, b in theirs)
         if arch == 'DeepSeek-V3.2':  # cache_layer_bytes reads keys and values; the indexer keys come on top
             cache = transformers_kv_cache(cfg, tokens)
-            held += sum(l.indexer_keys.numel() * l.indexer_keys.element_size() for l in cache.layers)
+            held += sum(layer.indexer_keys.numel() * layer.indexer_keys.element_size() for layer in cache.layers)
         assert held == tokens * g.bytes_per_token + g.fixed_bytes, (arch, tokens)
 
 
@@ -148,10 +148,10 @@ def test_released_mamba2(name, kw, keys):
     heads, head_dim, groups, state, kernel = (getattr(c, k) for k in keys)
     conv = heads * head_dim + 2 * groups * state
     ssm_bytes = 4 if getattr(c, 'mamba_ssm_cache_dtype', None) == 'float32' else 2  # vLLM reads it (Nemotron-H)
-    layers = [l for l in kv_geometry(c).layers if l.state]
-    assert layers and {l.state for l in layers} == {'mamba2'}
-    assert {l.state_bytes for l in layers} == {conv * (kernel - 1) * 2 + heads * head_dim * state * ssm_bytes}
-    theirs = {l.state_bytes for l in kv_geometry(c, convention='transformers').layers if l.state}
+    layers = [layer for layer in kv_geometry(c).layers if layer.state]
+    assert layers and {layer.state for layer in layers} == {'mamba2'}
+    assert {layer.state_bytes for layer in layers} == {conv * (kernel - 1) * 2 + heads * head_dim * state * ssm_bytes}
+    theirs = {layer.state_bytes for layer in kv_geometry(c, convention='transformers').layers if layer.state}
     assert theirs == {conv * kernel * 2 + heads * head_dim * state * 4}
 
 
@@ -178,14 +178,16 @@ def test_released_lfm2_short_conv():
 def test_released_deepseek_v32_indexer():
     c = released('DeepseekV32Config')
     latent = (c.kv_lora_rank + c.qk_rope_head_dim) * 2
-    # vLLM: the indexer key in fp8 plus a float32 scale per 128 values (DeepseekV32IndexerCache, head_dim + head_dim // 128 * 4)
+    # vLLM: the indexer key in fp8 plus a float32 scale per 128 values (DeepseekV32IndexerCache, head_dim + head_dim //
+    # 128 * 4)
     assert (
         kv_bytes_per_token(c)
         == c.num_hidden_layers * (latent + c.index_head_dim + c.index_head_dim // 128 * 4)
         == 61 * 1284
     )
     assert kv_bytes_per_token(c, convention='transformers') == c.num_hidden_layers * (latent + c.index_head_dim * 2)
-    # leaving the indexer out undercounts by 11 % in vLLM's layout (sgl-project/sglang PR 11309: 54.52 GB planned, 65.49 GB taken)
+    # leaving the indexer out undercounts by 11 % in vLLM's layout (sgl-project/sglang PR 11309: 54.52 GB planned, 65.49
+    # GB taken)
     assert kv_bytes_per_token(released('DeepseekV3Config')) == c.num_hidden_layers * latent
 
 
@@ -322,8 +324,8 @@ class Allocator:
     def run(self, layers, tokens, page_size) -> bool:
         "Admit one request and write its states layer by layer, then `tokens` tokens; False when a page is missing."
         room = 0  # bytes left in the request's current state page
-        for l in layers:
-            need = l.fixed_bytes
+        for layer in layers:
+            need = layer.fixed_bytes
             while need > room:
                 need -= room
                 if not self.take():
@@ -384,7 +386,8 @@ QWEN15_7B = dict(
 
 def test_vllm_figures_of_its_own_test():
     # vLLM tests/v1/core/test_kv_cache_utils.py::test_get_max_concurrency_for_kv_cache_config: Qwen/Qwen1.5-7B, fp16,
-    # max_model_len=16384, max_num_batched_tokens=1024, FullAttentionSpec/SlidingWindowSpec(block_size=16, 32 KV heads of 128)
+    # max_model_len=16384, max_num_batched_tokens=1024, FullAttentionSpec/SlidingWindowSpec(block_size=16, 32 KV heads
+    # of 128)
     full = transformers.Qwen2Config(**QWEN15_7B, num_hidden_layers=32)
     window = transformers.MistralConfig(**QWEN15_7B, num_hidden_layers=32, sliding_window=1024)
     both = transformers.Qwen2Config(
@@ -460,7 +463,7 @@ def test_curve_limits_and_the_cap():
     import matplotlib.pyplot as plt
 
     fig = plot_kv_curve(curve)
-    labels = [l.get_label() for l in fig.axes[0].get_lines()]
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
     assert any(s.startswith('per-token pool') for s in labels) and any(s.startswith('fixed state') for s in labels)
     assert any(s.startswith('page rounding') for s in labels) and any(
         f'max_concurrent_requests 32 fits up to {reach:,}' in s for s in labels

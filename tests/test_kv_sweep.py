@@ -1,6 +1,6 @@
 """The KV sweep: transformers' own caches, filled on the meta device at the released shapes, against our figures
-(convention='transformers'). The fast suite runs a cut of the hybrids and of each layer kind; MSTAR_UTILS_SLOW=1 runs every
-causal-LM config class transformers declares and prints the counts."""
+(convention='transformers'). The fast suite runs a cut of the hybrids and of each layer kind; MSTAR_UTILS_SLOW=1 runs
+every causal-LM config class transformers declares and prints the counts."""
 
 import collections
 import os
@@ -13,7 +13,8 @@ from kv_sweep import causal_lm_types, sweep_one
 
 transformers.utils.logging.set_verbosity_error()
 
-# the named hybrids, then one class per other kind of layer: sliding, chunked, MLA, indexed, GDN, KDA, lightning, pure SSMs
+# the named hybrids, then one class per other kind of layer: sliding, chunked, MLA, indexed, GDN, KDA, lightning, pure
+# SSMs
 CUT = [
     'jamba',
     'bamba',

@@ -66,7 +66,8 @@ def test_posix_forms_without_a_language(code):
 
 
 def test_every_locale_name_python_knows():
-    "The normalized names of Python's locale alias table (X11's locale.alias and glibc's names): each is language[_territory][.codeset][@modifier], or C."
+    """The normalized names of Python's locale alias table (X11's locale.alias and glibc's names): each is
+    language[_territory][.codeset][@modifier], or C."""
     import locale
     import re
 

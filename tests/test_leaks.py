@@ -1,10 +1,11 @@
-"""Loading SmolLM2 many times in one process keeps resident memory and file handles flat, after successful and failed loads.
+"""Loading SmolLM2 many times in one process keeps resident memory and file handles flat, after successful and failed
+loads.
 
 RSS is read with psutil after the model is dropped and glibc's `malloc_trim(0)` has handed freed heap pages back:
 without it, glibc keeps freed memory around for reuse and RSS swings by most of a checkpoint between loads, which
 says nothing about leaks. The bound after 2 warm-up loads: growth under 5% of the checkpoint's bytes (~13 MB for
-SmolLM2's 257 MB; measured: under 1 MB). While a model is alive, RSS above the baseline stays under 1.1x the checkpoint's
-bytes: the reads add the tensors and nothing else.
+SmolLM2's 257 MB; measured: under 1 MB). While a model is alive, RSS above the baseline stays under 1.1x the
+checkpoint's bytes: the reads add the tensors and nothing else.
 """
 
 import os

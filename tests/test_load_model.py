@@ -90,7 +90,8 @@ def test_minilm_equals_from_pretrained_and_is_in_eval_mode():
 
 
 def test_renamed_keys_load_as_from_pretrained_loads_them(tmp_path):
-    "Checkpoint names that transformers renames: GPT-NeoX's embed_out (as save_pretrained writes it), and all-MiniLM-L6-v2 rewritten with BERT's old LayerNorm.gamma/beta names."
+    """Checkpoint names that transformers renames: GPT-NeoX's embed_out (as save_pretrained writes it), and
+    all-MiniLM-L6-v2 rewritten with BERT's old LayerNorm.gamma/beta names."""
     import shutil
     from safetensors.torch import load_file, save_file
     from mstar_utils.sources import read_weight_map
@@ -115,7 +116,8 @@ def test_renamed_keys_load_as_from_pretrained_loads_them(tmp_path):
 
 
 def test_vision_language_checkpoint_in_the_legacy_layout(tmp_path):
-    "A tiny Llava as save_pretrained writes it (language_model.model.*, language_model.lm_head): loaded into today's layout (model.language_model.*, lm_head) equal to from_pretrained, vision tower and projector included."
+    """A tiny Llava as save_pretrained writes it (language_model.model.*, language_model.lm_head): loaded into
+    today's layout (model.language_model.*, lm_head) equal to from_pretrained, vision tower and projector included."""
     import transformers as tf
     from mstar_utils.sources import read_weight_map
 
@@ -151,7 +153,8 @@ def test_vision_language_checkpoint_in_the_legacy_layout(tmp_path):
 
 
 def test_fusing_rules_come_from_transformers_for_types_we_have_no_recipe_for(tmp_path):
-    "OLMoE and PhiMoE are not in CONVERSIONS_BY_MODEL_TYPE: their experts, one key each in the checkpoint, are fused by rules taken from transformers (PhiMoE's after its renames)."
+    """OLMoE and PhiMoE are not in CONVERSIONS_BY_MODEL_TYPE: their experts, one key each in the checkpoint, are
+    fused by rules taken from transformers (PhiMoE's after its renames)."""
     from mstar_utils.model import CONVERSIONS_BY_MODEL_TYPE
     from mstar_utils.sources import read_weight_map
 
@@ -259,7 +262,8 @@ def rewrite(folder, change):
 )
 @pytest.mark.parametrize('equal', [True, False])
 def test_a_tie_stored_twice_loads_as_from_pretrained(tmp_path, name, tied_key, source_key, equal):
-    "A tied name the checkpoint stores besides its source: tied again when equal, loaded apart (with a warning) when not, as from_pretrained does."
+    """A tied name the checkpoint stores besides its source: tied again when equal, loaded apart (with a warning)
+    when not, as from_pretrained does."""
     import json
 
     folder = save_tiny(name, tmp_path / name)
@@ -280,7 +284,10 @@ def test_a_tie_stored_twice_loads_as_from_pretrained(tmp_path, name, tied_key, s
     finally:
         logging.getLogger('mstar_utils.model').removeHandler(h)
     assert_same(ours, ref, inputs(name, ref))
-    same = lambda m: m.get_parameter(tied_key) is m.get_parameter(source_key)
+
+    def same(m):
+        return m.get_parameter(tied_key) is m.get_parameter(source_key)
+
     assert same(ours) == same(ref) == equal
     assert sorted(ours.all_tied_weights_keys) == sorted(ref.all_tied_weights_keys)
     assert any('different values' in r.getMessage() for r in h.records) == (not equal)
@@ -339,7 +346,8 @@ def test_missing_built_buffers_are_kept_and_reported_but_missing_parameters_are_
     ],
 )
 def test_non_persistent_buffers_are_initialized_as_from_pretrained_does(tmp_path, arch, kwargs):
-    "GPT-J's and CodeGen's sin/cos tables are built while bf16 is the default dtype; from_pretrained computes them again after loading, and so does load_model."
+    """GPT-J's and CodeGen's sin/cos tables are built while bf16 is the default dtype; from_pretrained computes them
+    again after loading, and so does load_model."""
     import transformers
 
     cfg = getattr(transformers, arch)(vocab_size=96, bos_token_id=0, eos_token_id=0, **kwargs)
@@ -352,7 +360,8 @@ def test_non_persistent_buffers_are_initialized_as_from_pretrained_does(tmp_path
 
 
 def test_transformers_rules_listed_once_and_the_rest_named():
-    "A rule transformers lists for a model type and again for its text model is taken once; rules our converter cannot express are named in load errors."
+    """A rule transformers lists for a model type and again for its text model is taken once; rules our converter
+    cannot express are named in load errors."""
     from transformers import CONFIG_MAPPING
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from mstar_utils.model import transformers_conversions, transformers_conversions_skipped, _with_skipped_rules

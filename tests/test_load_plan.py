@@ -1,5 +1,5 @@
-"""One load pipeline: `load_plan` reads what `load_model` reads at every rank, `load_model_sharded` is `load_model` with a rank, and
-every wrapper stack `load_model` builds reads in batches."""
+"""One load pipeline: `load_plan` reads what `load_model` reads at every rank, `load_model_sharded` is `load_model` with
+a rank, and every wrapper stack `load_model` builds reads in batches."""
 
 import json
 from pathlib import Path
@@ -25,7 +25,8 @@ from mstar_utils.testing import (
 
 @pytest.fixture(scope='module')
 def tiny(tmp_path_factory):
-    "bf16 checkpoints: Qwen2 (plain), GPT-NeoX (renamed head), Mixtral and Qwen3-MoE (our recipes), OLMoE (transformers' rules)."
+    """bf16 checkpoints: Qwen2 (plain), GPT-NeoX (renamed head), Mixtral and Qwen3-MoE (our recipes), OLMoE
+    (transformers' rules)."""
     root = tmp_path_factory.mktemp('plan')
     return {
         n: save_tiny(n, root / n, dtype=torch.bfloat16) for n in ('qwen2', 'gpt_neox', 'mixtral', 'qwen3_moe', 'olmoe')
@@ -141,7 +142,8 @@ def test_load_model_sharded_is_load_model_at_a_rank(tiny):
 
 
 def test_every_rank_keeps_a_head_stored_beside_a_tie_and_reports_unused_keys(tiny, tmp_path):
-    "A fine-tune that stores its own head under tie_word_embeddings loads at every rank as on one device; strict holds at every rank."
+    """A fine-tune that stores its own head under tie_word_embeddings loads at every rank as on one device; strict
+    holds at every rank."""
     folder = tmp_path / 'tied'
     folder.mkdir()
     for f in tiny['qwen2'].iterdir():
@@ -167,7 +169,8 @@ def test_every_rank_keeps_a_head_stored_beside_a_tie_and_reports_unused_keys(tin
 
 
 def test_quantized_keep_under_tensor_parallelism_plans_its_reads(fp8_moe):
-    "Codes and scales kept at each rank: the plan's bytes are the bytes the kept load reads; other ranks' experts are not unused keys."
+    """Codes and scales kept at each rank: the plan's bytes are the bytes the kept load reads; other ranks' experts
+    are not unused keys."""
     for rank in range(2):
         m = load_model(fp8_moe, rank=rank, world_size=2, expert_parallel=True, quantized='keep', strict=True)
         assert load_plan(fp8_moe, rank, 2, expert_parallel=True, quantized='keep').total_bytes == m.tp_bytes_read > 0
@@ -187,7 +190,8 @@ def test_quantized_keep_under_tensor_parallelism_plans_its_reads(fp8_moe):
     ],
 )
 def test_every_wrapper_stack_reads_in_batches(tiny, fp8_moe, monkeypatch, name, world_size, quant):
-    "No stack load_model builds falls back to one `get` a tensor: the checkpoint is read by FileSource.read_many (and slices)."
+    """No stack load_model builds falls back to one `get` a tensor: the checkpoint is read by FileSource.read_many
+    (and slices)."""
     calls = {'get': 0, 'read_many': 0, 'fallback': 0, 'converted': 0, 'sharded': 0}
 
     def counting(cls, meth, key, reads=lambda self, *a: True):

@@ -1,6 +1,6 @@
-"""The loader's contract at the edges: parameter objects survive, caller tensors are never aliased, ties are one slot for
-the whole load, unused keys are reported and quantized keys refused, the folders people have, errors that say the fix,
-UTF-8 whatever the locale. Each handed case is a test, and each kind has a test over many shapes (hypothesis)."""
+"""The loader's contract at the edges: parameter objects survive, caller tensors are never aliased, ties are one slot
+for the whole load, unused keys are reported and quantized keys refused, the folders people have, errors that say the
+fix, UTF-8 whatever the locale. Each handed case is a test, and each kind has a test over many shapes (hypothesis)."""
 
 import ast
 import json
@@ -33,7 +33,8 @@ from mstar_utils.model import build_on_meta, load_model
 
 
 class TaggedParameter(nn.Parameter):
-    "A parameter subclass with attributes, as vLLM's layers hang `weight_loader`, `output_dim` and quantization metadata."
+    """A parameter subclass with attributes, as vLLM's layers hang `weight_loader`, `output_dim` and quantization
+    metadata."""
 
 
 class VllmStyleParameter(nn.Parameter):
@@ -66,7 +67,8 @@ def one_file(tmp_path, sd, name='w.safetensors'):
 
 
 def test_handed_case_parameter_subclass_keeps_class_and_attributes(tmp_path):
-    "A meta Linear whose weight is a Parameter subclass carrying weight_loader and output_dim=0, by load_weights_from_file."
+    """A meta Linear whose weight is a Parameter subclass carrying weight_loader and output_dim=0, by
+    load_weights_from_file."""
     lin = tagged_linear()
     before = lin.weight
     f = one_file(tmp_path, {'weight': torch.randn(2, 3)})
@@ -373,7 +375,10 @@ def test_meta_non_persistent_buffer_says_how_to_build():
         m.register_buffer('inv_freq', torch.ones(2), persistent=False)
     with pytest.raises(
         RuntimeError,
-        match=r'build with buffers real \(accelerate.init_empty_weights\(include_buffers=False\)\) or use mstar_utils.load_model',
+        match=(
+            r'build with buffers real \(accelerate.init_empty_weights\(include_buffers=False\)\) or use '
+            r'mstar_utils.load_model'
+        ),
     ):
         check_loaded(m, set(), 'rotary')
 
@@ -384,7 +389,10 @@ def test_base_model_checkpoint_into_causal_lm_names_the_submodule(smol_ckpt, tmp
     model = build_on_meta(ref.config)
     with pytest.raises(
         KeyError,
-        match=r"keys are its names without 'model.' \(saved from the base model\): load ModuleAndPrefix\(module.model, ''\)",
+        match=(
+            r"keys are its names without 'model.' \(saved from the base model\): "
+            r"load ModuleAndPrefix\(module.model, ''\)"
+        ),
     ):
         load_weights_from_hf_shards(tmp_path, [ModuleAndPrefix(model)])
     [names] = load_weights_from_hf_shards(tmp_path, [ModuleAndPrefix(model.model)])

@@ -286,7 +286,8 @@ def test_mmap_mode_equal_tied_and_copy_on_write(tmp_path, ref):
 
 
 def test_stale_index_key_unlisted_says_where_it_is(tmp_path):
-    "A key the shards hold but the index does not list: the missing-key error says which shard holds it and that the index is stale."
+    """A key the shards hold but the index does not list: the missing-key error says which shard holds it and that
+    the index is stale."""
     d = link_checkpoint(tmp_path)
     idx = json.loads((d / 'model.safetensors.index.json').read_text())
     shard = idx['weight_map'].pop('model.norm.weight')
@@ -319,7 +320,8 @@ def test_stale_index_key_in_another_shard_says_where_it_is(tmp_path):
     ],
 )
 def test_file_source_get_checks_out(smol_ckpt, out, what):
-    "`get(key, out=)` reads raw bytes into `out`: one of another dtype, shape or layout is refused, not filled with reinterpreted bytes."
+    """`get(key, out=)` reads raw bytes into `out`: one of another dtype, shape or layout is refused, not filled with
+    reinterpreted bytes."""
     from mstar_utils.sources import checkpoint_source
 
     src = checkpoint_source(smol_ckpt)

@@ -1,4 +1,5 @@
-"MLA finalization: the absorbed decode path against transformers' DeepseekV2Attention, the w_kc/w_vc split, and each finalization error."
+"""MLA finalization: the absorbed decode path against transformers' DeepseekV2Attention, the w_kc/w_vc split, and
+each finalization error."""
 
 import math
 import os
@@ -18,13 +19,12 @@ from mstar_utils.loading import (
     load_weights_from_hf_shards,
     check_loaded,
     process_weights_after_loading,
+    load_weights,
 )
+from mstar_utils.testing import MLA_CONFIG as CFG, save_mla_checkpoint as save
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
-
-from mstar_utils.testing import MLA_CONFIG as CFG, save_mla_checkpoint as save
-from mstar_utils.loading import load_weights
 
 N, P, R, V, L = (
     CFG['num_attention_heads'],
@@ -123,7 +123,8 @@ def test_split_is_exact(ckpt):
 
 
 def test_bf16_within_stated_tolerance(ckpt):
-    "The tolerance the notebook's GPU cell states, checked here in bf16 on the CPU: at most twice transformers' bf16 error against fp32, or 1% of the output."
+    """The tolerance the notebook's GPU cell states, checked here in bf16 on the CPU: at most twice transformers'
+    bf16 error against fp32, or 1% of the output."""
     folder, ref = ckpt
     ref16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation='eager').eval()
     mla = loaded_layer(folder, ref.config, dtype=torch.bfloat16)
@@ -178,7 +179,8 @@ def test_yarn_softmax_scale():
 
 
 def test_second_call_rebuilds_from_current_weights(ckpt):
-    "Finalizing again after an in-place weight update equals a fresh layer loaded with the new weights (the RL weight-sync case)."
+    """Finalizing again after an in-place weight update equals a fresh layer loaded with the new weights (the RL
+    weight-sync case)."""
     folder, ref = ckpt
     mla = loaded_layer(folder, ref.config)
     mla.process_weights_after_loading('cpu')
@@ -211,7 +213,10 @@ def test_wrong_kv_b_proj_shape(ckpt, shape):
     mla.kv_b_proj.weight = nn.Parameter(torch.zeros(shape))
     with pytest.raises(
         ValueError,
-        match=rf'MLAAttention\(layer_idx=3\): kv_b_proj.weight has shape \[{shape[0]}, {shape[1]}\], expected \[N\*\(P\+V\), L\] = \[{N * (P + V)}, {L}\]',
+        match=(
+            rf'MLAAttention\(layer_idx=3\): kv_b_proj.weight has shape \[{shape[0]}, {shape[1]}\], '
+            rf'expected \[N\*\(P\+V\), L\] = \[{N * (P + V)}, {L}\]'
+        ),
     ):
         mla.process_weights_after_loading('cpu')
     assert mla.w_kc is None

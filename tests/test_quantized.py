@@ -1,4 +1,5 @@
-"Quantized checkpoints: each format's dequantization against transformers' and compressed-tensors' own code, both loading modes against the dequantized reference model, refusals, MLA and tensor-parallel block slices."
+"""Quantized checkpoints: each format's dequantization against transformers' and compressed-tensors' own code, both
+loading modes against the dequantized reference model, refusals, MLA and tensor-parallel block slices."""
 
 import json
 import os
@@ -120,7 +121,9 @@ def scheme(**w):
     return QuantizationScheme(targets=['Linear'], weights=QuantizationArgs(**w))
 
 
-CT_CASES = [  # num_bits, strategy, group/block, symmetric, R, C: rows and columns that are not multiples of anything where the format allows
+# num_bits, strategy, group/block, symmetric, R, C: rows and columns that are not multiples of anything where the format
+# allows
+CT_CASES = [
     (4, 'group', 32, False, 13, 64),
     (4, 'group', 128, True, 3, 256),
     (4, 'channel', None, True, 5, 100),
@@ -227,12 +230,18 @@ def test_refusals_name_key_dtype_and_missing_scale(ckpts):
     k = 'model.layers.0.self_attn.q_proj'
     with pytest.raises(
         ValueError,
-        match=rf"'{k}.weight_packed' \(torch.int32\) is quantized \(PackQuantizedDequantize\) but its '{k}.weight_zero_point' is missing",
+        match=(
+            rf"'{k}.weight_packed' \(torch.int32\) is quantized \(PackQuantizedDequantize\) but its "
+            rf"'{k}.weight_zero_point' is missing"
+        ),
     ):
         quantized_tensors(without(ckpts['ct_pack'], k + '.weight_zero_point'), config_of(ckpts['ct_pack']))
     with pytest.raises(
         ValueError,
-        match=rf"'{k}.weight' \(torch.float8_e4m3fn\) is quantized \(FloatQuantizedDequantize\) but its '{k}.weight_scale' is missing",
+        match=(
+            rf"'{k}.weight' \(torch.float8_e4m3fn\) is quantized \(FloatQuantizedDequantize\) but its "
+            rf"'{k}.weight_scale' is missing"
+        ),
     ):
         quantized_tensors(without(ckpts['ct_float'], k + '.weight_scale'), config_of(ckpts['ct_float']))
     with pytest.raises(
@@ -257,7 +266,8 @@ def test_unquantized_keys_of_a_quantized_dtype_are_refused(ckpts):
 
 
 def test_fragments_stay_few_at_deepseek_v3_scale():
-    "DeepSeek-V3's layout, 61 layers of 256 experts: one rule per projection name, grouping exactly each weight with its scale."
+    """DeepSeek-V3's layout, 61 layers of 256 experts: one rule per projection name, grouping exactly each weight
+    with its scale."""
     op, keys, units = FP8BlockDequantize(), ['model.embed_tokens.weight', 'lm_head.weight'], []
 
     class U:
@@ -357,7 +367,8 @@ def test_ct_scheme_picks_the_group_compressed_tensors_picks(grouping):
 
 @pytest.mark.parametrize('head_first', [True, False])
 def test_lm_head_group_beside_linear_loads(tmp_path, head_first):
-    "A checkpoint whose lm_head is quantized per tensor by its own group and the other layers per channel by 'Linear', the groups in either order."
+    """A checkpoint whose lm_head is quantized per tensor by its own group and the other layers per channel by
+    'Linear', the groups in either order."""
     groups = {
         'head': {'targets': ['lm_head'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'tensor'}},
         'rest': {'targets': ['Linear'], 'weights': {'num_bits': 8, 'type': 'float', 'strategy': 'channel'}},
@@ -381,8 +392,10 @@ def test_lm_head_group_beside_linear_loads(tmp_path, head_first):
         )
     ops = {u.target: u.op.block for u in quantized_tensors(checkpoint_source(d), config_of(d))}
     assert ops['lm_head.weight'] == (None, None) and ops['model.layers.0.self_attn.q_proj.weight'] == (1, None)
-    # the reference: transformers' compressed-tensors integration, which matches groups on the model's modules, dequantizing
-    # (compressed-tensors' own checkpoint dequantizer, which sees names only, takes 'Linear' to mean every tensor, embeddings too)
+    # the reference: transformers' compressed-tensors integration, which matches groups on the model's modules,
+    # dequantizing
+    # (compressed-tensors' own checkpoint dequantizer, which sees names only, takes 'Linear' to mean every tensor,
+    # embeddings too)
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     with pytest.warns(
@@ -455,7 +468,9 @@ def test_fp8_scale_refusals_name_the_scale_keys():
 
 
 def _per_tensor_fp8(src: Path, dest: Path) -> tuple:
-    "(checkpoint, reference): `src`'s fp8 checkpoint re-quantized per tensor in the AutoFP8/vLLM layout (weight_scale, input_scale, no weight_block_size), and the model transformers' _dequantize_fp8_weight makes of it."
+    """(checkpoint, reference): `src`'s fp8 checkpoint re-quantized per tensor in the AutoFP8/vLLM layout
+    (weight_scale, input_scale, no weight_block_size), and the model transformers' _dequantize_fp8_weight makes of
+    it."""
     import shutil
 
     sd = load_file(str(src / 'model.safetensors'))
@@ -489,7 +504,8 @@ def _per_tensor_fp8(src: Path, dest: Path) -> tuple:
 
 
 def test_per_tensor_weight_scale_checkpoint_loads(ckpts, tmp_path, caplog):
-    "input_scale (static activations) is no parameter's: load_model reports it unused, loads with strict=False and refuses with strict=True."
+    """input_scale (static activations) is no parameter's: load_model reports it unused, loads with strict=False and
+    refuses with strict=True."""
     import logging
 
     d, ref_dir = _per_tensor_fp8(ckpts['fp8'], tmp_path)
@@ -623,7 +639,9 @@ def test_block_slice():
 
 
 def test_compressed_tensors_targets_name_the_models_modules_not_the_checkpoints(tmp_path):
-    "PhiMoE stores its router as block_sparse_moe.router, which transformers renames to mlp.router: the config group targeting `re:.*mlp\\..*` quantized it (compressed-tensors matched the model's name), and load_model matches the target against that name too."
+    """PhiMoE stores its router as block_sparse_moe.router, which transformers renames to mlp.router: the config
+    group targeting `re:.*mlp\\..*` quantized it (compressed-tensors matched the model's name), and load_model
+    matches the target against that name too."""
     from mstar_utils.model import load_model
     from mstar_utils.testing import tiny_model, CT_PACK_GROUPS
 
@@ -633,7 +651,8 @@ def test_compressed_tensors_targets_name_the_models_modules_not_the_checkpoints(
     router = 'model.layers.0.block_sparse_moe.router.'
     assert router + 'weight_packed' in sd
     ours = load_model(d)
-    # the reference for the router: compressed-tensors' own decompression of what it stored, under the group that quantized it
+    # the reference for the router: compressed-tensors' own decompression of what it stored, under the group that
+    # quantized it
     sc = scheme(**CT_PACK_GROUPS['mlp']['weights'])
     want = PackedQuantizationCompressor.decompress(
         {k[len(router) :]: v for k, v in sd.items() if k.startswith(router)}, sc

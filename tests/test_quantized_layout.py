@@ -1,7 +1,7 @@
 """The bits per weight a layout picture states equal what `explore` reports for the same layer, on every format.
 
-`layout_bits` counts dtype × shape of the tensors `stored_layout` reads from the headers; `explore`'s formats table counts
-the header's byte ranges of the tensors the format's op reads, over the weights the op decodes to."""
+`layout_bits` counts dtype × shape of the tensors `stored_layout` reads from the headers; `explore`'s formats table
+counts the header's byte ranges of the tensors the format's op reads, over the weights the op decodes to."""
 
 import json
 import math

@@ -1,5 +1,6 @@
-"""load_model's reads that start before the build (start_reads, ReadAhead), `mmap=True`, and a build on meta that initializes
-nothing and needs no accelerate: every load equals transformers' from_pretrained, tensor for tensor and in its logits."""
+"""load_model's reads that start before the build (start_reads, ReadAhead), `mmap=True`, and a build on meta that
+initializes nothing and needs no accelerate: every load equals transformers' from_pretrained, tensor for tensor and in
+its logits."""
 
 import sys
 

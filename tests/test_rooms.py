@@ -1,5 +1,5 @@
-"""The package's rooms: no import cycle among mstar_utils modules (lazy imports inside functions included), and no module
-imports another module's private names."""
+"""The package's rooms: no import cycle among mstar_utils modules (lazy imports inside functions included), and no
+module imports another module's private names."""
 
 import ast
 from pathlib import Path
@@ -76,7 +76,8 @@ def test_the_cli_only_formats():
 
 def test_one_concept_rooms_stand_in_layers():
     """The rooms split out of a larger one sit below or beside it, never above: the CTranslate2 converter and the
-    language codes stand on their own, the checkpoint cache builds on the converter, the KV figures on the KV planner."""
+    language codes stand on their own, the checkpoint cache builds on the converter, the KV figures on the KV
+    planner."""
     g = graph()
     assert g['ct2_whisper'] == set() and g['languages'] == set(), (g['ct2_whisper'], g['languages'])
     assert g['checkpoints'] == {'ct2_whisper'}, g['checkpoints']

@@ -24,7 +24,8 @@ def jfk():
 
 
 def _ct2_folder(name, dest):
-    "The CTranslate2 model folder as the packages ship it: model.bin (joined), config.json, vocabulary.txt, tokenizer.json."
+    """The CTranslate2 model folder as the packages ship it: model.bin (joined), config.json, vocabulary.txt,
+    tokenizer.json."""
     src = ck.WHISPER_MODELS[name]
     ck._whisper_model_bin(src, dest / 'model.bin')
     for f in ('config.json', 'vocabulary.txt', 'tokenizer.json'):
@@ -55,7 +56,8 @@ def _ct2_generate(ct2, features, prompt: list[str]):
 
 @pytest.mark.parametrize('name', MODELS)
 def test_greedy_ids_equal_ctranslate2(name, jfk, ct2_models):
-    "Our folder through transformers' generate, with nothing but its generation_config, decodes the ids ctranslate2 decodes from the original model.bin."
+    """Our folder through transformers' generate, with nothing but its generation_config, decodes the ids ctranslate2
+    decodes from the original model.bin."""
     ckpt = ck.whisper_checkpoint(name)
     ct2, features = ct2_models(name), log_mel(ckpt, jfk)
     model = load_model(ckpt, dtype=torch.float32)
@@ -76,7 +78,8 @@ def test_greedy_ids_equal_ctranslate2(name, jfk, ct2_models):
 
 @pytest.mark.parametrize('name', MODELS)
 def test_timestamp_ids_equal_ctranslate2(name, jfk, ct2_models):
-    "With return_timestamps the generation config's timestamp rules (first timestamp, max_initial_timestamp_index) give ctranslate2's ids."
+    """With return_timestamps the generation config's timestamp rules (first timestamp, max_initial_timestamp_index)
+    give ctranslate2's ids."""
     ckpt = ck.whisper_checkpoint(name)
     ct2, features = ct2_models(name), log_mel(ckpt, jfk)
     model = load_model(ckpt, dtype=torch.float32)
@@ -91,7 +94,8 @@ def test_timestamp_ids_equal_ctranslate2(name, jfk, ct2_models):
 
 
 def test_generation_config_matches_ctranslate2_defaults():
-    "max_length and max_initial_timestamp_index are the values ctranslate2's Whisper.generate uses by default (its documented signature)."
+    """max_length and max_initial_timestamp_index are the values ctranslate2's Whisper.generate uses by default (its
+    documented signature)."""
     ctranslate2 = pytest.importorskip('ctranslate2')
     doc = ctranslate2.models.Whisper.generate.__doc__
     ct2 = {k: int(re.search(rf'{k}: int = (\d+)', doc)[1]) for k in ('max_length', 'max_initial_timestamp_index')}
@@ -139,7 +143,8 @@ def tiny_model():
 
 
 def test_stream_is_byte_exact(jfk, tiny_model):
-    "Each generated token gives one chunk; joined they are the tokenizer's decode, timestamps and specials dropped unless asked for."
+    """Each generated token gives one chunk; joined they are the tokenizer's decode, timestamps and specials dropped
+    unless asked for."""
     from transformers import AutoTokenizer
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.speech import transcribe_stream, timestamp_ids
@@ -227,7 +232,8 @@ def test_base_streams_a_non_english_reply(jfk):
     ],
 )
 def test_base_streams_tokenizer_ids(text):
-    "A reply's ids from the tokenizer, with Whisper's prompt, timestamps and end: the text's bytes exactly, specials and timestamps dropped."
+    """A reply's ids from the tokenizer, with Whisper's prompt, timestamps and end: the text's bytes exactly,
+    specials and timestamps dropped."""
     from transformers import AutoTokenizer
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.speech import timestamp_ids
@@ -250,7 +256,8 @@ def test_base_streams_tokenizer_ids(text):
 
 
 def test_closing_the_stream_stops_generate(jfk, tiny_model):
-    "A reader that stops early: generate stops at its next step, the thread ends, and stop criteria of the caller still apply."
+    """A reader that stops early: generate stops at its next step, the thread ends, and stop criteria of the caller
+    still apply."""
     import threading
     from transformers.generation.stopping_criteria import MaxLengthCriteria
 

@@ -1,6 +1,6 @@
 """Long-form Whisper transcription against transformers' long-form generate on the same checkpoint and file: token ids,
-segment times and words; fine-tunes without the timestamp config; language and task. tiny.en on the JFK clip runs always;
-whisper-base and the Piper voice clip run with MSTAR_UTILS_SLOW=1."""
+segment times and words; fine-tunes without the timestamp config; language and task. tiny.en on the JFK clip runs
+always; whisper-base and the Piper voice clip run with MSTAR_UTILS_SLOW=1."""
 
 import json
 import os
@@ -90,7 +90,7 @@ def test_clips_are_what_they_claim(clip):
 @pytest.mark.parametrize('clip', CLIPS)
 def test_long_form_equals_transformers(name, clip):
     "Token ids, segment times and segment words equal transformers' long-form generate (greedy, no conditioning)."
-    ckpt, path = ck.whisper_checkpoint(name), ck.long_speech_clip(clip)
+    path = ck.long_speech_clip(clip)
     got = _ours(name, clip)
     ids, times, words = _reference(name, path)
     eos = _model(name).generation_config.eos_token_id
@@ -161,8 +161,8 @@ def _edge_audio(case):
     ],
 )
 def test_edge_audio_equals_transformers(tmp_path, case):
-    """Under 1 s, all silence, exactly two windows (60.0 s), cut inside the segment spoken from 39.0 s to 47.6 s: ids and
-    segment times equal generate's. A window or less goes to generate's short form (the features padded to 30 s)."""
+    """Under 1 s, all silence, exactly two windows (60.0 s), cut inside the segment spoken from 39.0 s to 47.6 s: ids
+    and segment times equal generate's. A window or less goes to generate's short form (the features padded to 30 s)."""
     from transformers import WhisperFeatureExtractor
 
     audio, model = _edge_audio(case), _model('tiny.en')
@@ -220,7 +220,8 @@ STRIPPED = {
 
 @pytest.mark.parametrize('drop', [None, STRIPPED], ids=['no-generation-config', 'stripped'])
 def test_fine_tune_transcribes_jfk_as_transformers(tmp_path, drop):
-    "tiny.en saved without generation_config.json, or with one stripped of the timestamp keys: JFK as transformers transcribes it."
+    """tiny.en saved without generation_config.json, or with one stripped of the timestamp keys: JFK as transformers
+    transcribes it."""
     from mstar_utils.speech import log_mel
 
     ft, model = _fine_tune(tmp_path, 'tiny.en', drop), _model('tiny.en')
@@ -379,7 +380,11 @@ def test_cached_rebuilds_when_a_file_changes(tmp_path):
 
     (tmp_path / 'config.json').write_text('{}')
     built = []
-    build = lambda: built.append(len(built)) or len(built)
+
+    def build():
+        built.append(len(built))
+        return len(built)
+
     assert [_cached(tmp_path, 'k', build), _cached(tmp_path, 'k', build), _cached(tmp_path, 'j', build)] == [1, 1, 2]
     (tmp_path / 'config.json').write_text('{"a": 1}')  # a new size
     assert _cached(tmp_path, 'k', build) == 3

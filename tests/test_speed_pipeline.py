@@ -1,4 +1,5 @@
-"""The fast read path: chunk packing, the reader threads, the staging ring and its copier, checked for correctness on the CPU.
+"""The fast read path: chunk packing, the reader threads, the staging ring and its copier, checked for correctness on
+the CPU.
 
 `read_many` hands a load's tensors to the reader engine (mstar_utils.io), which packs them into chunks of contiguous
 file runs (`plan_chunks`), reads them on threads, and sends
@@ -128,7 +129,8 @@ def test_direct_reads_run_on_the_reader_threads(smol_ckpt, monkeypatch):
 
 
 def test_large_parts_are_populated_before_their_read_and_small_ones_are_not(smol_ckpt, ref, monkeypatch):
-    "Every part of 256 KiB or more is populated in the reader thread, for exactly its destination bytes, before the preadv that fills it."
+    """Every part of 256 KiB or more is populated in the reader thread, for exactly its destination bytes, before the
+    preadv that fills it."""
     real_pop, real_read, log = mio.populate_pages, mio.read_at, []
 
     def pop(addr, n):
@@ -206,7 +208,8 @@ def test_populate_faults_in_fresh_pages_without_writing():
 
 
 def test_batches_advise_sequential_reads_and_restore_normal(smol_ckpt, tmp_path, monkeypatch):
-    "read_many advises POSIX_FADV_SEQUENTIAL on each file it reads, before any read, and POSIX_FADV_NORMAL after, even when a read fails."
+    """read_many advises POSIX_FADV_SEQUENTIAL on each file it reads, before any read, and POSIX_FADV_NORMAL after,
+    even when a read fails."""
     if not hasattr(os, 'posix_fadvise'):
         pytest.skip('no posix_fadvise on this platform')
     calls, real = [], os.posix_fadvise
@@ -240,7 +243,8 @@ def test_batches_advise_sequential_reads_and_restore_normal(smol_ckpt, tmp_path,
 
 
 def test_one_read_per_contiguous_run(tmp_path):
-    "2,000 small tensors back to back in one file: a handful of preadv calls (IOV_MAX buffers each), not one per tensor."
+    """2,000 small tensors back to back in one file: a handful of preadv calls (IOV_MAX buffers each), not one per
+    tensor."""
     tensors = {f'{i}.weight': torch.full((4, 4), float(i)) for i in range(2000)}
     save_file(tensors, str(tmp_path / 'many.safetensors'))
     calls = []
@@ -267,7 +271,8 @@ def test_one_read_per_contiguous_run(tmp_path):
 
 @pytest.mark.skipif(not getattr(os, 'RWF_NOWAIT', 0), reason='needs RWF_NOWAIT (Linux >= 4.14)')
 def test_cold_reads_overlap_across_threads_and_warm_reads_never_wait(tmp_path, monkeypatch):
-    "Cold file: the reader threads' disk reads are in flight together (none waits for another's chunk); warm file: every read is served by the page cache, none waits for the disk."
+    """Cold file: the reader threads' disk reads are in flight together (none waits for another's chunk); warm file:
+    every read is served by the page cache, none waits for the disk."""
     tensors = {f't{i}': torch.randn(256, 1024) for i in range(24)}  # 24 MiB: three chunks or more
     path = tmp_path / 'cold.safetensors'
     save_file(tensors, str(path))
@@ -347,16 +352,17 @@ class RecordingCopier(HostCopier):
         self.finished += 1
 
 
-SOME = lambda k: k.startswith(
-    ('model.embed_tokens.', 'model.layers.0.', 'model.layers.29.', 'model.norm.')
-)  # both ends of the file set
+def some_key(k):
+    "A key at either end of the file set."
+    return k.startswith(('model.embed_tokens.', 'model.layers.0.', 'model.layers.29.', 'model.norm.'))
 
 
 @pytest.mark.parametrize('dtype,threads', [(torch.float32, 1), (torch.bfloat16, 3), (torch.float16, 3)])
 def test_staged_reads_cast_like_torch_and_bound_the_ring(smol_ckpt, ref, dtype, threads):
-    "Tensors through 64 KiB chunks (SmolLM2's 56 MB embedding in ~900 pieces), cast as `Tensor.to` casts; at most threads + 1 buffers."
+    """Tensors through 64 KiB chunks (SmolLM2's 56 MB embedding in ~900 pieces), cast as `Tensor.to` casts; at most
+    threads + 1 buffers."""
     src = checkpoint_source(smol_ckpt, threads=threads)
-    keys = sorted(k for k in src.keys() if SOME(k))  # noqa: SIM118 (keys(), no __iter__)
+    keys = sorted(k for k in src.keys() if some_key(k))  # noqa: SIM118 (keys(), no __iter__)
     dests = [torch.empty(src.shape(k), dtype=dtype) for k in keys]
     cop, chunk = RecordingCopier(), 64 << 10
     mio.read_staged(
@@ -374,7 +380,7 @@ def test_staged_reads_cast_like_torch_and_bound_the_ring(smol_ckpt, ref, dtype, 
 def test_a_buffer_is_refilled_only_after_its_copies(smol_ckpt, ref):
     "Chunk j reuses buffer j % R and its reader first waits on the token marked after chunk j - R's copies."
     src = checkpoint_source(smol_ckpt, threads=2)
-    keys = sorted(k for k in src.keys() if SOME(k))  # noqa: SIM118 (keys(), no __iter__)
+    keys = sorted(k for k in src.keys() if some_key(k))  # noqa: SIM118 (keys(), no __iter__)
     cop = RecordingCopier()
     order = []
     real = mio._copy_chunk
@@ -409,7 +415,8 @@ def test_a_buffer_is_refilled_only_after_its_copies(smol_ckpt, ref):
 
 
 def test_misaligned_tensor_is_cast_through_an_aligned_copy(tmp_path):
-    "A hand-written file whose fp32 tensor starts at an odd byte (safetensors' writer never does this) still reads exactly."
+    """A hand-written file whose fp32 tensor starts at an odd byte (safetensors' writer never does this) still reads
+    exactly."""
     a, b = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16), torch.arange(5, dtype=torch.float32) / 3
     header = {
         'a': {'dtype': 'BF16', 'shape': [3], 'data_offsets': [0, 6]},
@@ -440,7 +447,8 @@ def _meta_smol(dtype=torch.bfloat16):
 
 
 def test_device_load_through_the_stand_in_copier(smol_ckpt, ref, monkeypatch):
-    "A load whose new tensors need staging (a float32 model from a bf16 checkpoint) runs the ring: exact values, bounded staging, Parameters kept."
+    """A load whose new tensors need staging (a float32 model from a bf16 checkpoint) runs the ring: exact values,
+    bounded staging, Parameters kept."""
     made = []
 
     def copier_for(device):
@@ -463,7 +471,8 @@ def test_device_load_through_the_stand_in_copier(smol_ckpt, ref, monkeypatch):
 
 
 def test_reader_error_stops_the_load_and_its_threads(smol_ckpt, monkeypatch):
-    "A read failing in a reader thread raises on the caller, leaves the module on meta, no thread behind, and the GC as it was."
+    """A read failing in a reader thread raises on the caller, leaves the module on meta, no thread behind, and the
+    GC as it was."""
     real, calls = mio.read_at, [0]
 
     def preadv(fd, views, pos, disk=None):

@@ -1,4 +1,5 @@
-"The package's style a linter does not check: lines of at most 120 characters, public docstrings of one line of at most 100."
+"""The package's style a linter does not check: lines of at most 120 characters, public docstrings of one line of at
+most 100."""
 
 import ast
 import importlib

@@ -1,4 +1,5 @@
-"Tensor-parallel loading: slices equal the whole tensors cut by the plan, only their bytes are read, and spawned 2- and 4-rank groups give the unsharded model's logits."
+"""Tensor-parallel loading: slices equal the whole tensors cut by the plan, only their bytes are read, and spawned 2-
+and 4-rank groups give the unsharded model's logits."""
 
 import re
 from pathlib import Path
@@ -31,7 +32,8 @@ def rchar() -> int:
 
 @pytest.fixture(scope='module')
 def tiny(tmp_path_factory):
-    "Tiny checkpoints: Qwen3-MoE and Mixtral (16 experts each, stored one by one), Qwen2 (q/k/v biases), Phi (biases on every Linear)."
+    """Tiny checkpoints: Qwen3-MoE and Mixtral (16 experts each, stored one by one), Qwen2 (q/k/v biases), Phi
+    (biases on every Linear)."""
     root = tmp_path_factory.mktemp('tp')
     out = {name: save_tiny(name, root / name) for name in ('qwen3_moe', 'mixtral', 'qwen2')}
     torch.manual_seed(0)
@@ -110,7 +112,10 @@ def test_fused_targets_slice_through_the_converter(tiny, name, conv, world_size,
 def test_non_divisible_dimension_names_key_dim_and_world_size(smol_ckpt, smol_config):
     with pytest.raises(
         ValueError,
-        match=r"model\.layers\.0\.mlp\.gate_proj\.weight: dim 0 of shape \[1536, 576\] has size 1536, which does not divide by world_size 7",
+        match=(
+            r"model\.layers\.0\.mlp\.gate_proj\.weight: dim 0 of shape \[1536, 576\] has size 1536, "
+            r"which does not divide by world_size 7"
+        ),
     ):
         ShardedSource(checkpoint_source(smol_ckpt), Sharding(tp_plan(smol_config, 7), 0, 7)).shape(
             'model.layers.0.mlp.gate_proj.weight'
@@ -133,7 +138,10 @@ def test_module_not_cut_is_refused_before_reading(smol_ckpt, smol_config):
 
 
 def test_rules_decide_before_the_plan_and_dict_sources_are_sliced():
-    rule = lambda sh, key, shape: Slice(0, ((0, 1),)) if key == 'w.scale' else None
+
+    def rule(sh, key, shape):
+        return Slice(0, ((0, 1),)) if key == 'w.scale' else None
+
     sh = Sharding({'w': 'rowwise'}, 1, 2, rules=[rule])
     sd = {'w.weight': torch.arange(12.0).reshape(3, 4), 'w.scale': torch.arange(3.0), 'w.bias': torch.ones(3)}
     src = ShardedSource(DictSource(sd), sh)
@@ -181,7 +189,8 @@ def test_two_ranks_match_the_unsharded_models(tiny):
 
 
 def test_ranks_read_renamed_and_transformers_fused_checkpoints(tmp_path):
-    "GPT-NeoX (its head stored as embed_out) and OLMoE (experts stored one by one, fused by transformers' rules): two ranks load what load_model loads."
+    """GPT-NeoX (its head stored as embed_out) and OLMoE (experts stored one by one, fused by transformers' rules):
+    two ranks load what load_model loads."""
     folders = [save_tiny(name, tmp_path / name) for name in ('gpt_neox', 'olmoe')]
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
     jobs = [(f, ids, None, False) for f in folders]
@@ -207,7 +216,8 @@ def test_four_ranks_match_the_unsharded_models(tiny):
 
 
 def test_sharded_load_unties_a_tie_stored_twice_with_different_values_and_takes_the_checkpoint_dtype(tmp_path):
-    "load_model_sharded is load_model at a rank: a checkpoint that stores both tied names with different values loads them untied, as from_pretrained does; a config without dtype builds in the checkpoint's."
+    """load_model_sharded is load_model at a rank: a checkpoint that stores both tied names with different values
+    loads them untied, as from_pretrained does; a config without dtype builds in the checkpoint's."""
     import json
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -238,7 +248,8 @@ def test_sharded_load_unties_a_tie_stored_twice_with_different_values_and_takes_
 
 
 def test_vocab_parallel_embedding_with_a_pad_token(tmp_path):
-    "An embedding built with padding_idx (config pad_token_id, as gpt-oss-20b's 199999 of 201088) split by vocabulary: each rank keeps its own row of the pad id, or none, and the logits match."
+    """An embedding built with padding_idx (config pad_token_id, as gpt-oss-20b's 199999 of 201088) split by
+    vocabulary: each rank keeps its own row of the pad id, or none, and the logits match."""
     import json
 
     folder = save_tiny('qwen2', tmp_path / 'q')

@@ -347,9 +347,10 @@ def test_cell(matrix, cell):
 
 
 def test_kept_experts_renamed_then_fused(tmp_path):
-    """fp8 experts stored as `block_sparse_moe.experts.N.w1`, renamed to `mlp.experts` and fused: by our recipe (Mixtral)
-    or by transformers' rules after its renames (PhiMoE). Kept at 2 ranks with expert parallelism, each rank holds its
-    experts' codes and scales as stored, its logits equal the dequantized reference's and load_plan plans its bytes."""
+    """fp8 experts stored as `block_sparse_moe.experts.N.w1`, renamed to `mlp.experts` and fused: by our recipe
+    (Mixtral) or by transformers' rules after its renames (PhiMoE). Kept at 2 ranks with expert parallelism, each rank
+    holds its experts' codes and scales as stored, its logits equal the dequantized reference's and load_plan plans its
+    bytes."""
     from mstar_utils.testing import tiny_model
 
     ids = {'input_ids': torch.randint(3, 90, (1, 8), generator=torch.Generator().manual_seed(1))}

@@ -1,8 +1,9 @@
 """Every documentation page runs as a reader runs it: its visible cells alone, in order, in a fresh kernel.
 
 A cell is visible when the docs show its source: not `#| hide`, not `#| exporti` (exported, hidden). Cells marked
-`#| gpu` run only with CUDA and `#| slow` ones only with `--flags slow` in nbdev_test's sense (MSTAR_SLOW=1), as nbdev_test
-skips them. Each page runs in its own Python process, so nothing one page imports or sets leaks into another."""
+`#| gpu` run only with CUDA and `#| slow` ones only with `--flags slow` in nbdev_test's sense (MSTAR_SLOW=1), as
+nbdev_test skips them. Each page runs in its own Python process, so nothing one page imports or sets leaks into
+another."""
 
 import json
 import os
