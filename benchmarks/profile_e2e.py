@@ -90,7 +90,7 @@ def _worker_hf(path: str, marks: list):
 
     _stamp(marks, 'import torch')
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_utils import PreTrainedModel
+    from transformers import PreTrainedModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -23,7 +23,7 @@ import xxhash
 
 from .sources import read_header, read_weight_map, FileSource, INDEX_FILE, checkpoint_dir as checkpoint_dir_
 from .quantized import quantized_tensors, quantized_source
-from .tensor_parallel import tp_plan
+from .tensor_parallel import plans_for, tp_plan
 from .loading import named_tensors
 from .convert import listed
 
@@ -729,7 +729,7 @@ class RankBytes:
 def rank_bytes(
     checkpoint_dir,  # an HF checkpoint folder
     world_size: int,  # the group's size
-    expert_parallel: bool = False,  # experts split by expert (`base_model_ep_plan`)
+    expert_parallel: bool = False,  # experts split by expert (the model type's expert-parallel plan, `plans_for`)
     built=None,  # its model built on meta (`build_on_meta`), which each plan copies instead of building again
 ) -> RankBytes:
     "Bytes each rank of `world_size` reads and holds, by `load_plan(..., detail=False)`."
@@ -760,7 +760,7 @@ def rank_table(
             Finding('ranks', 'note', 'config.json', str(e), 'pass a plan to load_model_sharded')
         ]
     rows, out = [], []
-    for ep in (False, True) if getattr(cfg, 'base_model_ep_plan', None) else (False,):
+    for ep in (False, True) if plans_for(cfg)[1] else (False,):
         for ws in [s for s in sizes if not (ep and s == 1)]:
             rows.append(r := rank_bytes(checkpoint_dir, ws, ep, built))
             if r.refused:

@@ -473,7 +473,9 @@ def gguf_config(
 ):
     "The transformers config of GGUF file `f`, as `AutoConfig.from_pretrained(gguf_file=...)` builds it."
     from transformers import AutoConfig, CONFIG_MAPPING
-    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    from mstar_utils.upstream import gguf_config_mappings
+
+    GGUF_CONFIG_MAPPING, GGUF_CONFIG_DEFAULTS_MAPPING = gguf_config_mappings()
 
     meta = header.metadata
     arch, name = meta.get('general.architecture'), meta.get('general.name')

@@ -11,7 +11,7 @@ import json
 import logging
 import re
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -27,7 +27,23 @@ from .sources import checkpoint_source, RenamedSource, read_weight_map, read_hea
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter, DEEPSEEK_V2_CONVERSIONS
 from .quantized import quantized_source
-from .tensor_parallel import Slice, Sharding, ShardedSource, shard_module, tp_plan
+from mstar_utils.tensor_parallel import (
+    Slice,
+    Sharding,
+    ShardedSource,
+    shard_module,
+    tp_plan,
+    held_bytes,
+    replication_warning,
+)
+from mstar_utils.upstream import (
+    checkpoint_conversions,
+    dtype_plan,
+    model_renamings,
+    no_init_weights,
+    rename_key,
+    weight_ops,
+)
 
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
@@ -54,7 +70,7 @@ def model_class_for(config) -> type:
 # %% ../nbs/03_load_model.ipynb #482e65c4
 def _fp32_names(model, dtype) -> list:
     "Parameter and buffer names transformers keeps in float32 at `dtype`: `_get_dtype_plan` patterns searched in them."
-    plan = model._get_dtype_plan(dtype) if hasattr(model, '_get_dtype_plan') else {}
+    plan = dtype_plan(model, dtype)
     if not plan:
         return []
     rx = re.compile('|'.join(f'(?:{p.replace("*", ".*")})' for p in plan))  # as build_glob_alternation, searched
@@ -100,10 +116,6 @@ def _params_on_meta():
 # %% ../nbs/03_load_model.ipynb #eb4f0243-1
 def _no_init():
     "transformers' `no_init_weights` (torch's `nn.init` functions and `init_weights` made no-ops); nothing without it."
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        return nullcontext()
     return no_init_weights()
 
 # %% ../nbs/03_load_model.ipynb #fcf437aa
@@ -169,14 +181,10 @@ def _transformers_rules(config) -> tuple[list, list]:
     types = _model_types(config)
     if any(t in CONVERSIONS_BY_MODEL_TYPE for t in types):
         return [], []  # ours, written for these checkpoints, do the fusing
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import WeightConverter as HFConverter
-    except ImportError:
-        return [], []
+    HFConverter = weight_ops().WeightConverter
     out, skipped, seen = [], [], set()
     for t in types:
-        for c in get_checkpoint_conversion_mapping(t) or []:
+        for c in checkpoint_conversions(t):
             if not isinstance(c, HFConverter):
                 continue
             names = [type(o).__name__ for o in getattr(c, 'operations', [])]
@@ -222,12 +230,8 @@ def checkpoint_renames(
     keys,  # checkpoint keys
 ) -> dict:
     "{checkpoint key: the name transformers loads it under} for the `keys` that are not `model`'s names."
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:
-        return {}  # a transformers without a conversion mapping renames nothing
+    from transformers import PreTrainedModel
+
     if not isinstance(model, PreTrainedModel):
         return {}
     # the state_dict's names; the prefix rule looks them up
@@ -235,11 +239,11 @@ def checkpoint_renames(
     todo = [k for k in keys if k not in names]  # a model name is left as it is, with no per-key rule matching
     if not todo:
         return {}  # nothing to rename: transformers' mapping of every model type is not even built
-    rules = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    rules = model_renamings(model)
     prefix = getattr(model, 'base_model_prefix', None) or None
     out = {}
     for k in todo:
-        new, _ = rename_source_key(k, rules, [], prefix, names)
+        new = rename_key(k, rules, prefix, names)
         if new != k:
             out[k] = new
     return out
@@ -679,6 +683,9 @@ def _finish(prep: _Prepared, res, kept: list, device, strict: bool) -> torch.nn.
     model.bytes_read = prep.source.bytes_read
     if prep.sharding is not None:
         model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
+        warning = replication_warning(prep.sharding, held_bytes(model))
+        if warning:
+            _log.warning(f'{name}: {warning}')
     return model.eval()
 
 # %% ../nbs/03_load_model.ipynb #512231b4
@@ -790,12 +797,15 @@ class LoadPlan:
     checkpoint_bytes: int  # bytes of tensor data the checkpoint holds
     options: dict  # the keyword arguments of `load_model` it was made with
     held_bytes: int = 0  # bytes this rank's model holds once loaded: parameters and persistent buffers, ties once
+    replicated_bytes: int = 0  # of `held_bytes`, those every rank holds whole (the plan leaves them unsplit)
+    replicated: tuple = ()  # [(name, bytes)] of those tensors, largest first; () on one device
 
     def __repr__(self):
         head = (
             f'LoadPlan({Path(self.checkpoint).name}, rank {self.rank} of {self.world_size}): '
             f'{len(self.tensors)} tensors, reads {_mb(self.total_bytes)} of {_mb(self.checkpoint_bytes)} '
             f'in {len(self.files)} file(s), holds {_mb(self.held_bytes)}'
+            + (f', {_mb(self.replicated_bytes)} of it whole on every rank' if self.world_size > 1 else '')
         )
 
         def row(t):
@@ -829,6 +839,8 @@ def to_json(self: LoadPlan, indent: int | None = 1) -> str:
             world_size=self.world_size,
             total_bytes=self.total_bytes,
             held_bytes=self.held_bytes,
+            replicated_bytes=self.replicated_bytes,
+            replicated=[list(r) for r in self.replicated],
             checkpoint_bytes=self.checkpoint_bytes,
             options={k: str(v) for k, v in self.options.items()},
             files=[f._asdict() for f in self.files],
@@ -960,7 +972,8 @@ def load_plan(
         total, reads = raw.bytes_read, list(raw.reads)
         quantized = kw.get('quantized') == 'keep' and getattr(prep.config, 'quantization_config', None)
         tensors, unused = [], set(res.unexpected_keys)
-        held = sum(t.numel() * t.element_size() for t in {id(t): t for _, t, _ in named_tensors(prep.model)}.values())
+        held = held_bytes(prep.model)
+        repl = tuple(prep.sharding.replicated) if prep.sharding is not None else ()
         for k in [k for k in src.keys() if k not in unused] if detail else []:  # noqa: SIM118
             tensors.append(_planned(prep, k, quantized))
         ck = sum(raw.info(k)[2].end - raw.info(k)[2].begin for k in raw.keys())  # noqa: SIM118
@@ -971,4 +984,6 @@ def load_plan(
         for path, rs in _by_path(reads).values():
             by_file[_name(path)] = by_file.get(_name(path), 0) + sum(n for _, n in rs)
         files = [FileReads(f, [tuple(r) for r in rs], by_file[f]) for f, rs in sorted(_merged(reads).items())]
-    return LoadPlan(str(prep.ckpt), rank, world_size, tensors, files, total, ck, dict(kw), held)
+    return LoadPlan(
+        str(prep.ckpt), rank, world_size, tensors, files, total, ck, dict(kw), held, sum(b for _, b in repl), repl
+    )

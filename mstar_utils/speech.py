@@ -482,7 +482,9 @@ class _SelfKV:
 # %% ../nbs/11_speech.ipynb #b7c1e2a3
 def _window_cache(model, max_length: int):
     "An `EncoderDecoderCache` for one window of `model`'s decoder: self-attention in `_SelfKV` buffers."
-    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
+    from mstar_utils.upstream import cache_classes
+
+    Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache = cache_classes()
 
     CacheLayerMixin.register(_SelfKV)  # an attention layer, as `Cache` checks
     layers = model.config.decoder_layers

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from .sources import Source, WrappedSource, checkpoint_source, default_threads
+from .upstream import config_ep_plan, config_tp_plan
 from .convert import MergeModulelist, Concatenate, converted_source
 from mstar_utils.loading import (
     ModuleAndPrefix,
@@ -28,8 +29,9 @@ from mstar_utils.loading import (
 from .quantized import QuantizedLinear, QuantizedExperts, dequantize_cut
 
 # %% auto #0
-__all__ = ['WHOLE', 'TP_STYLES', 'SLICE_ROUTES', 'FORWARDS', 'Slice', 'slice_shape', 'take', 'TPStyle', 'Sharding', 'tp_plan',
-           'read_slice', 'ShardedSource', 'shard_module', 'install_collectives', 'load_weights_sharded']
+__all__ = ['WHOLE', 'TP_STYLES', 'PLANS', 'SLICE_ROUTES', 'REPLICATED_SHARE', 'FORWARDS', 'Slice', 'slice_shape', 'take',
+           'TPStyle', 'Sharding', 'plans_for', 'tp_plan', 'read_slice', 'ShardedSource', 'shard_module', 'held_bytes',
+           'replication_warning', 'install_collectives', 'load_weights_sharded']
 
 # %% ../nbs/07_tensor_parallel.ipynb #f4c3d661
 class Slice(NamedTuple):
@@ -95,6 +97,9 @@ TP_STYLES = {
     'replicated_with_grad_allreduce': TPStyle(),
     'local_params': TPStyle(),
     'mla_kv_a_proj': TPStyle(),
+    'experts_colwise_io': TPStyle(-1, -1),  # experts stored [in, out] (gpt-oss): gate_up and its bias by columns
+    'experts_rowwise_io': TPStyle(-2, None),  # and their down projection by its input rows, its bias whole
+    'moe_tp_experts_bias_once': TPStyle(forward='all_reduce_bias_once'),
 }
 
 # %% ../nbs/07_tensor_parallel.ipynb #543be121
@@ -138,6 +143,7 @@ class Sharding:
         self.pinned = {}  # {key: Slice} fixed by `shard_module` for kept codes and scales, asked before the rules
         # module paths ('...experts.5.') whose keys other ranks load: kept experts `shard_module` dropped
         self.elsewhere = []
+        self.replicated = []  # [(name, bytes)] that `shard_module` left whole on every rank, largest first
 
     def __repr__(self):
         return (
@@ -220,16 +226,83 @@ def spread(
     lo = r * q + min(r, extra)
     return Slice(d, ((lo, lo + q + (r < extra)),))
 
+# %% ../nbs/07_tensor_parallel.ipynb #5a1e0c01
+_ATTN = {f'layers.*.self_attn.{p}_proj': 'colwise' for p in 'qkv'} | {'layers.*.self_attn.o_proj': 'rowwise'}
+_MLP = {'layers.*.mlp.gate_proj': 'colwise', 'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}
+_QK_NORM = {f'layers.*.self_attn.{p}_norm': 'replicated_with_grad_allreduce' for p in 'qk'}
+_EXPERTS = 'layers.*.mlp.experts'
+_EXPERTS_TP = {
+    f'{_EXPERTS}.gate_up_proj': 'packed_colwise',
+    f'{_EXPERTS}.down_proj': 'rowwise',
+    _EXPERTS: 'moe_tp_experts',
+}
+_EXPERTS_EP = {f'{_EXPERTS}.gate_up_proj': 'grouped_gemm', f'{_EXPERTS}.down_proj': 'grouped_gemm'}
+_EXPERTS_EP[_EXPERTS] = 'ep_dispatch_experts'
+_GATHER = {k: {'colwise': 'colwise_gather_output', 'rowwise': 'rowwise_split_input'}[v] for k, v in _ATTN.items()}
+_SHARED = {k.replace('mlp.', 'mlp.shared_experts.'): v for k, v in _MLP.items()}
+_MLA = {f'layers.*.self_attn.{p}': 'colwise' for p in ('q_proj', 'q_b_proj', 'kv_b_proj')}
+_MLA |= {'layers.*.self_attn.kv_a_proj_with_mqa': 'mla_kv_a_proj', 'layers.*.self_attn.o_proj': 'rowwise'}
+_OSS_EP = {f'{_EXPERTS}.{p}{b}': 'grouped_gemm' for p in ('gate_up_proj', 'down_proj') for b in ('', '_bias')}
+_OSS_TP = {f'{_EXPERTS}.gate_up_proj{b}': 'experts_colwise_io' for b in ('', '_bias')}
+_OSS_TP |= {f'{_EXPERTS}.down_proj': 'experts_rowwise_io', _EXPERTS: 'moe_tp_experts_bias_once'}
+PLANS = {  # model type: (tensor-parallel plan, expert-parallel plan laid over it, or None)
+    **{t: (_ATTN | _MLP, None) for t in ('llama', 'mistral', 'qwen2')},
+    'qwen3': (_ATTN | _QK_NORM | _MLP, None),
+    'phi': (
+        {
+            **{k.replace('o_proj', 'dense'): v for k, v in _ATTN.items()},
+            'layers.*.mlp.fc1': 'colwise',
+            'layers.*.mlp.fc2': 'rowwise',
+        },
+        None,
+    ),
+    'gpt_neox': (
+        {
+            'embed_in': 'embedding_rowwise',
+            'layers.*.attention.query_key_value': 'colwise',
+            'layers.*.attention.dense': 'rowwise',
+            'layers.*.mlp.dense_h_to_4h': 'colwise',
+            'layers.*.mlp.dense_4h_to_h': 'rowwise',
+        },
+        None,
+    ),
+    'qwen3_moe': (_ATTN | _QK_NORM | _EXPERTS_TP | _MLP, _EXPERTS_EP),
+    'mixtral': (_ATTN | _EXPERTS_TP, _EXPERTS_EP),
+    'olmoe': (_GATHER | _EXPERTS_TP, _EXPERTS_EP),
+    'qwen2_moe': (_ATTN | _EXPERTS_TP | _MLP, _EXPERTS_EP),
+    'phimoe': (dict(_EXPERTS_TP), _EXPERTS_EP),
+    'deepseek_v2': (_MLA | _EXPERTS_TP | _SHARED | _MLP, _EXPERTS_EP),
+    'deepseek_v3': (_EXPERTS_TP | _SHARED | _MLP, _EXPERTS_EP),
+    'gpt_oss': ({'embed_tokens': 'embedding_rowwise'} | _OSS_TP, _OSS_EP | {_EXPERTS: 'ep_dispatch_experts'}),
+}
+
+# %% ../nbs/07_tensor_parallel.ipynb #5a1e0c05
+def _derived(cfg) -> tuple:
+    "(tp plan, ep plan) of a model type not in `PLANS`: the config's, experts added, a tied embedding left whole."
+    tp, ep = config_tp_plan(cfg), config_ep_plan(cfg) or None
+    if getattr(cfg, 'tie_word_embeddings', False):
+        tp = {k: v for k, v in tp.items() if not v.startswith('embedding_')}
+    if ep and not any('.experts' in k for k in tp) and not any(k.endswith('_bias') for k in ep):
+        by_leaf = {'gate_up_proj': 'packed_colwise', 'down_proj': 'rowwise', 'experts': 'moe_tp_experts'}
+        tp |= {k: by_leaf[k.rpartition('.')[2]] for k in ep if k.rpartition('.')[2] in by_leaf}
+    return tp, ep
+
+# %% ../nbs/07_tensor_parallel.ipynb #5a1e0c06
+def plans_for(cfg) -> tuple:
+    "(tp plan, ep plan or None) of text config `cfg`: ours from `PLANS`, else derived from the config."
+    own = PLANS.get(getattr(cfg, 'model_type', None))
+    return (dict(own[0]), own[1] and dict(own[1])) if own else _derived(cfg)
+
 # %% ../nbs/07_tensor_parallel.ipynb #0ba81c5e
 _ATTENTION = re.compile(r'(^|\.)(self_attn|attention|attn)\.')
 _HEADS = {'colwise': 'colwise_gather_output', 'rowwise': 'rowwise_split_input'}
 
 
 def _own_plan(cfg, world_size: int, expert_parallel: bool) -> dict:
-    "`cfg`'s `base_model_tp_plan` (`base_model_ep_plan` over it), attention gathering where heads do not divide; or {}."
-    plan = dict(getattr(cfg, 'base_model_tp_plan', None) or {})
-    if plan and expert_parallel and getattr(cfg, 'base_model_ep_plan', None):
-        plan.update(cfg.base_model_ep_plan)
+    "`cfg`'s plan from `plans_for` (its ep plan over it), attention gathering where heads do not divide; or {}."
+    plan, ep = plans_for(cfg)
+    if plan and expert_parallel and ep:
+        plan.update(ep)
     heads = [getattr(cfg, 'num_attention_heads', None), getattr(cfg, 'num_key_value_heads', None)]
     if any(isinstance(h, int) and h % world_size for h in heads):
         plan = {k: _HEADS.get(v, v) if _ATTENTION.search(k) else v for k, v in plan.items()}
@@ -247,15 +320,15 @@ def _tower(model, sub) -> str:
 def tp_plan(
     config,  # a transformers config; a multimodal one's text plan applies to its language model
     world_size: int = 1,  # the tensor-parallel group's size
-    expert_parallel: bool = False,  # experts split by expert (the config's `base_model_ep_plan`)
+    expert_parallel: bool = False,  # experts split by expert (the model type's expert-parallel plan)
     model=None,  # the model of `config`: where a multimodal model's towers are; None: built on meta if needed
 ) -> dict:
-    "The config's `base_model_tp_plan`, and `base_model_ep_plan` over it."
+    "The model type's plan (`plans_for`), its expert-parallel plan over it with `expert_parallel`."
     cfg = config.get_text_config() if hasattr(config, 'get_text_config') else config
     plan = _own_plan(cfg, world_size, expert_parallel)
     if not plan:
         raise ValueError(f'{type(cfg).__name__} declares no base_model_tp_plan; pass a plan')
-    if expert_parallel and not getattr(cfg, 'base_model_ep_plan', None):
+    if expert_parallel and not plans_for(cfg)[1]:
         raise ValueError(
             f'{type(cfg).__name__} declares no base_model_ep_plan, so its experts cannot be split by expert'
         )
@@ -612,6 +685,7 @@ def shard_module(
             )
         sl = slices[names[0]]
         if sl.dim is None:
+            sharding.replicated.append((prefix + names[0], t.numel() * t.element_size()))
             continue
         new = _cut(t, sl)
         for n in names:
@@ -619,9 +693,34 @@ def shard_module(
             cut[n] = sl
     for m in module.modules():
         _fix_sizes(m)
+    sharding.replicated.sort(key=lambda e: -e[1])
     if sharding.world_size > 1:
         install_collectives(module, sharding, cut, group, prefix)
     return cut
+
+# %% ../nbs/07_tensor_parallel.ipynb #2aabb65b
+def held_bytes(module: torch.nn.Module) -> int:
+    "Bytes of `module`'s parameters and persistent buffers, a tied tensor counted once."
+    return sum(t.numel() * t.element_size() for t in {id(t): t for _, t, _ in named_tensors(module)}.values())
+
+# %% ../nbs/07_tensor_parallel.ipynb #2aabb658
+REPLICATED_SHARE = 0.6  # `load_model` warns above this share of a rank's bytes held whole on every rank
+
+
+def replication_warning(
+    sharding: Sharding,  # after `shard_module`: its `replicated` tensors
+    held: int,  # bytes the rank holds, parameters and persistent buffers, ties once
+) -> str | None:
+    "The warning `load_model` gives when over `REPLICATED_SHARE` of a rank's bytes are copies, or None."
+    repl = sum(b for _, b in sharding.replicated)
+    if sharding.world_size == 1 or not held or repl <= REPLICATED_SHARE * held:
+        return None
+    top = ', '.join(f'{n} ({b / 1e6:.1f} MB)' for n, b in sharding.replicated[:3])
+    return (
+        f'rank {sharding.rank} of {sharding.world_size} holds {repl / 1e6:.1f} MB whole, {repl / held:.0%} of its '
+        f'{held / 1e6:.1f} MB: the plan leaves these tensors unsplit, so every rank holds a copy (largest: {top}); '
+        'pass a plan that splits them, or expert_parallel=True for experts (load_plan lists the replicated bytes)'
+    )
 
 # %% ../nbs/07_tensor_parallel.ipynb #583f09fe
 def _split(sl: Slice, m, kind: str) -> Slice:
@@ -697,6 +796,23 @@ def _vocab_parallel(m, sharding, sl, group):
     m.register_forward_pre_hook(pre)
     m.register_forward_hook(hook)
 
+# %% ../nbs/07_tensor_parallel.ipynb #a0985d7f
+def _all_reduce_bias_once(m, sharding, sl, group):
+    "moe_tp_experts_bias_once: the output summed over the ranks, its `down_proj_bias` added by rank 0 alone."
+    held = {}
+
+    def pre(mod, args):  # the others run with a zero bias; the parameter itself stays the checkpoint's
+        held['b'] = b = mod._parameters['down_proj_bias']
+        mod._parameters['down_proj_bias'] = torch.zeros_like(b)
+
+    def post(mod, args, out):
+        mod._parameters['down_proj_bias'] = held.pop('b')
+
+    if sharding.rank:
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+    _all_reduce_output(m, sharding, sl, group)
+
 # %% ../nbs/07_tensor_parallel.ipynb #a0985d80
 def _expert_dispatch(m, sharding, sl, group):
     "ep_dispatch_experts: the module holds experts [lo, hi) and sums their outputs"
@@ -721,6 +837,7 @@ def _expert_dispatch(m, sharding, sl, group):
 
 FORWARDS = {
     'all_reduce': _all_reduce_output,
+    'all_reduce_bias_once': _all_reduce_bias_once,
     'reduce_output': _reduce_output,
     'split_input': _split_input,
     'gather_output': _gather_output,

@@ -24,11 +24,11 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
            'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder',
            'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'quantized_configs', 'fp8_block_quantize',
-           'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint',
-           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
-           'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference',
-           'tiny_llama_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint',
-           'write_bnb_checkpoint', 'RankReads', 'rank_reads']
+           'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'quiet_progress',
+           'write_compressed_tensors_checkpoint', 'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks',
+           'tp_logits', 'tp_jobs', 'tp_cells', 'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint',
+           'ct_nvfp4_reference', 'ct_preset_reference', 'tiny_llama_gguf_config', 'write_gguf_checkpoint',
+           'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -670,6 +670,13 @@ CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 pe
     },
 }
 
+# %% ../nbs/98_testing.ipynb #bc23fa84
+def quiet_progress(fn) -> dict:
+    "{'show_progress': False} where compressed-tensors' `fn` takes it (0.20 does, 0.17 does not), else {}."
+    import inspect
+
+    return {'show_progress': False} if 'show_progress' in inspect.signature(fn).parameters else {}
+
 # %% ../nbs/98_testing.ipynb #bc23fa85
 def write_compressed_tensors_checkpoint(
     model,  # a transformers model, quantized in place
@@ -685,7 +692,7 @@ def write_compressed_tensors_checkpoint(
 
     loguru.logger.disable('compressed_tensors')
     qcfg = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), quantization_status='frozen')
-    apply_quantization_config(model, qcfg, show_progress=False)
+    apply_quantization_config(model, qcfg, **quiet_progress(apply_quantization_config))
     for m in model.modules():
         if not hasattr(m, 'weight_scale'):
             continue
@@ -730,22 +737,22 @@ def dequantized_reference(
     qc = json.loads((folder / 'config.json').read_text(encoding='utf-8'))['quantization_config']
     sd = load_file(str(folder / 'model.safetensors'))
     if qc['quant_method'] == 'fp8':
-        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight  # float32 math, then one rounding
+        from mstar_utils.upstream import fp8_dequantize_reference
 
         out = {
-            k: _dequantize_fp8_weight(v, sd[k + '_scale_inv'], qc['weight_block_size'], torch.float32).to(dtype)
+            k: fp8_dequantize_reference(v, sd[k + '_scale_inv'], qc['weight_block_size']).to(dtype)  # one rounding
             if k + '_scale_inv' in sd
             else v
             for k, v in sd.items()
             if not k.endswith('_scale_inv')
         }
     elif qc['quant_method'] == 'mxfp4':
-        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+        from mstar_utils.upstream import mxfp4_dequantize_reference
 
         out = {k: v for k, v in sd.items() if not k.endswith(('_blocks', '_scales'))}
         out.update(
             {
-                k[:-7]: convert_moe_packed_tensors(v, sd[k[:-7] + '_scales'], dtype=dtype)
+                k[:-7]: mxfp4_dequantize_reference(v, sd[k[:-7] + '_scales'], dtype=dtype)
                 for k, v in sd.items()
                 if k.endswith('_blocks')
             }
@@ -985,7 +992,7 @@ def write_ct_preset_checkpoint(
         quantization_status='frozen',
         **({} if compress else {'format': 'dense'}),
     )
-    apply_quantization_config(model, qcfg, show_progress=False)
+    apply_quantization_config(model, qcfg, **quiet_progress(apply_quantization_config))
     _preset_qparams(model, compress)
     comp = ModelCompressor.from_pretrained_model(model, quantization_format=None if compress else 'dense')
     if compress:

@@ -4,6 +4,7 @@ A test that needs SmolLM2 asks for `smol_ckpt` (its folder) or `smol_config` (it
 building the checkpoint when pytest imports the file."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,8 @@ def cells(nb: Path) -> list[dict]:
 
 def src(cell: dict) -> str:
     return ''.join(cell['source'])
+
+
+# The `mstar-utils` console script installed beside the running interpreter: the tests run it as a user does, and find
+# it even when the venv is used without being activated (its bin/ not on PATH).
+CLI = str(Path(sys.executable).parent / 'mstar-utils')

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 import transformers
+
+from mstar_utils.upstream import output_cache
 from mstar_utils.kv import kv_geometry
 
 # Released defaults that transformers' own model cannot run as they stand, and the smallest change that lets it:
@@ -68,8 +70,7 @@ def _filled(model, config, tokens: int):
     ids = torch.zeros(1, tokens, dtype=torch.long, device='meta')
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
-    cache = out.get('cache', None) if hasattr(out, 'get') else None
-    cache = cache if cache is not None else getattr(out, 'past_key_values', None)
+    cache = output_cache(out)
     if cache is None:
         raise LookupError('its forward returns no cache')
     return cache

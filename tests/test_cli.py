@@ -9,11 +9,13 @@ import pytest
 from mstar_utils import minilm_checkpoint, smollm2_checkpoint
 from mstar_utils.checkpoints import jfk_audio, whisper_checkpoint
 
+from conftest import CLI
+
 ENV = {**os.environ, 'HF_HUB_OFFLINE': '1'}
 
 
 def run(*args):
-    return subprocess.run(['mstar-utils', *args], capture_output=True, text=True, env=ENV, timeout=300)
+    return subprocess.run([CLI, *args], capture_output=True, text=True, env=ENV, timeout=300)
 
 
 def test_report_json_matches_checkpoint():
@@ -54,7 +56,7 @@ def test_prompt_answers_paris_through_our_loader():
 def test_progress_lines_start_lines_of_their_own():
     "In a terminal stdout and stderr interleave: the report ends its last line before the progress lines come."
     r = subprocess.run(
-        ['mstar-utils', 'inspect', '--prompt', 'Hi', '--max-new-tokens', '2'],
+        [CLI, 'inspect', '--prompt', 'Hi', '--max-new-tokens', '2'],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 from safetensors.torch import save_file, load_file
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
-from transformers.core_model_loading import MergeModulelist as HFMerge, Concatenate as HFConcat
+from mstar_utils.upstream import weight_ops
 from transformers.utils import logging as hf_logging
 
 from mstar_utils.convert import (
@@ -211,9 +211,9 @@ def test_ops_match_transformers(n, n_patterns, shape, data):
     sd = {k: sd[k] for k in keys}
     ops = [Operation('MergeModulelist', m)] + ([Operation('Concatenate', c)] if n_patterns > 1 else [])
     try:
-        want = HFMerge(m).convert({p: list(ts) for p, ts in lists.items()}, patterns, ['t'])
+        want = weight_ops().MergeModulelist(m).convert({p: list(ts) for p, ts in lists.items()}, patterns, ['t'])
         if n_patterns > 1:
-            want = HFConcat(c).convert(want, patterns, ['t'])
+            want = weight_ops().Concatenate(c).convert(want, patterns, ['t'])
         [want] = want.values()
     except RuntimeError:
         with pytest.raises(ValueError, match="target 'block.fused'"):

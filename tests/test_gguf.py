@@ -18,7 +18,12 @@ from mstar_utils.checkpoints import smollm2_gguf
 from mstar_utils.gguf import GGUF_TYPES, dequantize_gguf, gguf_config, gguf_file, read_gguf, unpermute_rows
 from mstar_utils.model import load_gguf_model
 from mstar_utils.model import load_model
-from mstar_utils.testing import tiny_llama_gguf_config, write_gguf_checkpoint
+from mstar_utils.testing import (
+    assert_state_dict_equal,
+    assert_tensors_equal,
+    tiny_llama_gguf_config,
+    write_gguf_checkpoint,
+)
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -48,11 +53,6 @@ ALL_TYPES = {
 }
 
 
-def same(a, b):
-    assert (a.dtype, a.shape) == (b.dtype, b.shape), ((a.dtype, a.shape), (b.dtype, b.shape))
-    assert torch.equal(a, b), f'max |difference| {(a.float() - b.float()).abs().max().item()}'
-
-
 def logits(m):
     with torch.no_grad():
         return m(IDS).logits
@@ -70,14 +70,16 @@ def random_blocks(rng, qtype, shape):
 @pytest.mark.parametrize('shape', [(1, 1), (7, 3), (33, 2), (3, 5, 1)])
 def test_block_decoders_equal_gguf_py(qtype, shape):
     b = random_blocks(np.random.default_rng(int(qtype) * 100 + sum(shape)), qtype, shape)
-    same(dequantize_gguf(torch.from_numpy(b), qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
+    assert_tensors_equal(
+        dequantize_gguf(torch.from_numpy(b), qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype))
+    )
 
 
 @pytest.mark.parametrize('qtype', [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda q: q.name)
 def test_gguf_py_quantized_values_decode_as_gguf_py(qtype):
     x = np.random.default_rng(1).standard_normal((13, 96)).astype(np.float32) * 3
     q = gguf.quants.quantize(x, qtype)
-    same(
+    assert_tensors_equal(
         dequantize_gguf(torch.from_numpy(q.view(np.uint8).copy()), qtype),
         torch.from_numpy(gguf.quants.dequantize(q, qtype).astype(np.float32)),
     )
@@ -111,17 +113,17 @@ def test_fresh_and_resident_outputs_decode_alike(qtype, heads):
     buf = mmap.mmap(-1, rows * n * GGML_QUANT_SIZES[qtype][0] * 4)
     fresh = torch.frombuffer(buf, dtype=torch.float32).view(rows, -1)
     assert not _resident(fresh)
-    same(dequantize_gguf(b, qtype, fresh, heads), ref)
+    assert_tensors_equal(dequantize_gguf(b, qtype, fresh, heads), ref)
     assert _resident(fresh)
     fresh.zero_()
-    same(dequantize_gguf(b, qtype, fresh, heads), ref)  # resident now: the other path
+    assert_tensors_equal(dequantize_gguf(b, qtype, fresh, heads), ref)  # resident now: the other path
 
 
 def test_unpermute_undoes_llamacpp_and_matches_transformers():
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+    from mstar_utils.upstream import gguf_reverse_permute
 
     w = torch.randn(24, 5)
-    same(unpermute_rows(w, 3), torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(w.numpy(), 3, 3)))
+    assert_tensors_equal(unpermute_rows(w, 3), torch.from_numpy(gguf_reverse_permute(w.numpy(), 3, 3)))
 
 
 @pytest.fixture(scope='module')
@@ -145,11 +147,8 @@ def test_tiny_files_load_as_from_pretrained(name, tiny):
     f = tiny[name]
     ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
     for m in (load_model(f), load_model(f.parent)):
-        a, b = m.state_dict(), ref.state_dict()
-        assert set(a) == set(b)
-        for k in a:
-            same(a[k], b[k])
-        same(logits(m), logits(ref))
+        assert_state_dict_equal(m, ref)
+        assert_tensors_equal(logits(m), logits(ref))
         assert (m.lm_head.weight is m.model.embed_tokens.weight) == (
             ref.lm_head.weight is ref.model.embed_tokens.weight
         )
@@ -158,7 +157,9 @@ def test_tiny_files_load_as_from_pretrained(name, tiny):
 def test_dtype_is_one_rounding_of_the_float32_values(tiny):
     f = tiny['all_types']
     m32, m16 = load_gguf_model(f), load_gguf_model(f, dtype=torch.bfloat16)
-    same(m16.model.layers[0].mlp.down_proj.weight, m32.model.layers[0].mlp.down_proj.weight.to(torch.bfloat16))
+    assert_tensors_equal(
+        m16.model.layers[0].mlp.down_proj.weight, m32.model.layers[0].mlp.down_proj.weight.to(torch.bfloat16)
+    )
 
 
 def test_header_and_config_equal_gguf_py_and_transformers(tiny):
@@ -168,7 +169,7 @@ def test_header_and_config_equal_gguf_py_and_transformers(tiny):
     for t in r.tensors:
         mine = h.tensors[t.name]
         assert (mine.qtype, mine.shape) == (T(t.tensor_type), tuple(int(d) for d in reversed(t.shape)))
-        same(mine.data, torch.from_numpy(t.data.view(np.uint8).reshape(-1).copy()))
+        assert_tensors_equal(mine.data, torch.from_numpy(t.data.view(np.uint8).reshape(-1).copy()))
     assert gguf_config(f, h).to_dict() == AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
 
 
@@ -176,11 +177,9 @@ def test_smollm2_q4_1_equals_from_pretrained():
     f = smollm2_gguf()
     ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
     m = load_model(f)
-    a, b = m.state_dict(), ref.state_dict()
-    assert set(a) == set(b) and len(a) > 200
-    for k in a:
-        same(a[k], b[k])
-    same(logits(m), logits(ref))
+    assert len(m.state_dict()) > 200
+    assert_state_dict_equal(m, ref)
+    assert_tensors_equal(logits(m), logits(ref))
     h = read_gguf(f)
     assert gguf_config(f, h).to_dict() == AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
     assert {t.qtype.name for t in h.tensors.values()} == {'Q4_1', 'Q8_0', 'F32'}
@@ -226,7 +225,7 @@ def test_keep_holds_the_blocks_and_equals_the_dequantized_load(tmp_path, monkeyp
     assert isinstance(q, QuantizedLinear) and q.op.qtype == T.Q8_0 and q.op.heads == m.config.num_attention_heads
     assert torch.equal(q.weight, h.tensors['blk.1.attn_q.weight'].data.reshape(q.weight.shape))  # the file's bytes
     assert m.model.layers[0].mlp.down_proj.op.qtype == T.Q4_K and m.lm_head.weight.dtype == torch.uint8
-    same(q.dequantized_weight(), ref.model.layers[1].self_attn.q_proj.weight)
+    assert_tensors_equal(q.dequantized_weight(), ref.model.layers[1].self_attn.q_proj.weight)
     torch.testing.assert_close(logits(m), logits(ref), atol=1e-4, rtol=0)
 
 
@@ -238,8 +237,8 @@ def test_unaligned_bytes_decode_as_gguf_py(qtype):
     for at in (0, 1, 3):
         src = buf[at : at + b.size].view(b.shape)
         src.copy_(torch.from_numpy(b))
-        same(dequantize_gguf(src, qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
-        same(
+        assert_tensors_equal(dequantize_gguf(src, qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
+        assert_tensors_equal(
             dequantize_gguf(
                 src,
                 qtype,
@@ -288,7 +287,7 @@ def check_ranks(f, ws, keys=None, quantized='dequantize'):
         sd = m.state_dict()
         for k in keys or sd:
             got = kept[k].dequantized_weight() if k in kept else sd[k]
-            same(got, take(fsd[k], values.slice_for(k, fsd[k].shape)))
+            assert_tensors_equal(got, take(fsd[k], values.slice_for(k, fsd[k].shape)))
         plan = load_plan(f, r, ws, quantized=quantized)
         assert m.tp_bytes_read == plan.total_bytes
         read += m.tp_bytes_read

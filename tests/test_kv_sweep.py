@@ -37,6 +37,8 @@ CUT = [
 
 @pytest.mark.parametrize('model_type', CUT)
 def test_released_shape_matches_transformers_cache(model_type):
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f'transformers {transformers.__version__} has no model type {model_type!r}')
     r = sweep_one(model_type)
     assert r.status == 'matched', r
 

@@ -363,7 +363,7 @@ def test_transformers_rules_listed_once_and_the_rest_named():
     """A rule transformers lists for a model type and again for its text model is taken once; rules our converter
     cannot express are named in load errors."""
     from transformers import CONFIG_MAPPING
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from mstar_utils.upstream import checkpoint_conversions
     from mstar_utils.model import transformers_conversions, transformers_conversions_skipped, _with_skipped_rules
 
     omni = CONFIG_MAPPING['qwen3_omni_moe']().thinker_config
@@ -371,7 +371,7 @@ def test_transformers_rules_listed_once_and_the_rest_named():
     assert rules and len({(tuple(c.source_patterns), c.target_patterns) for c in rules}) == len(rules)
     for t in ('hrm_text', 'lara_mini', 'kimi_linear'):
         cfg = CONFIG_MAPPING[t]()
-        theirs = [c for c in get_checkpoint_conversion_mapping(t) or [] if hasattr(c, 'operations')]
+        theirs = [c for c in checkpoint_conversions(t) if hasattr(c, 'operations')]
         skipped = transformers_conversions_skipped(cfg)
         assert len(skipped) + len(transformers_conversions(cfg)) == len(theirs) and skipped
         e = _with_skipped_rules(KeyError('ckpt: 2 missing key(s)'), cfg, 'auto')

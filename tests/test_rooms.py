@@ -2,6 +2,8 @@
 module imports another module's private names."""
 
 import ast
+import json
+import re
 from pathlib import Path
 
 import mstar_utils
@@ -83,3 +85,30 @@ def test_one_concept_rooms_stand_in_layers():
     assert g['checkpoints'] == {'ct2_whisper'}, g['checkpoints']
     assert g['kv_figures'] == {'kv'} and 'kv_figures' not in g['kv'], (g['kv_figures'], g['kv'])
     assert not {'languages', 'kv_figures'} & g['generation'], g['generation']
+
+
+INTERNAL = re.compile(
+    r'(?:from|import)\s+transformers\.(?:integrations|core_model_loading|conversion_mapping|cache_utils|initialization'
+    r'|modeling_gguf_pytorch_utils|modeling_utils)\b'
+    r'|from\s+transformers[\w.]*\s+import\s+\(?\s*_\w'
+    r'|\.(?:_get_dtype_plan|base_model_tp_plan|base_model_ep_plan|_dequantize_fp8_weight)\b'
+)
+
+
+def code_of(path: Path) -> str:
+    "A Python file's text, or a notebook's code cells joined."
+    if path.suffix != '.ipynb':
+        return path.read_text(encoding='utf-8')
+    cells = json.loads(path.read_text(encoding='utf-8'))['cells']
+    return '\n'.join(''.join(c['source']) for c in cells if c['cell_type'] == 'code')
+
+
+def test_transformers_internals_only_through_upstream():
+    """Every private or version-dependent transformers name goes through `mstar_utils.upstream` (nbs/01c_upstream),
+    so that a release that moves one fails there, by name, at both ends of the supported window."""
+    root = PKG.parent
+    files = [*PKG.glob('*.py'), *(root / 'tests').rglob('*.py'), *(root / 'nbs').glob('*.ipynb')]
+    files += [*(root / 'benchmarks').glob('*.py')]
+    door = {PKG / 'upstream.py', root / 'nbs' / '01c_upstream.ipynb', Path(__file__)}
+    bad = [f'{p.relative_to(root)}: {m[0]}' for p in files if p not in door for m in INTERNAL.finditer(code_of(p))]
+    assert bad == [], bad

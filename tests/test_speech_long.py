@@ -14,6 +14,8 @@ import torch
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 from mstar_utils import checkpoints as ck
 from mstar_utils.model import load_model
+
+from conftest import CLI
 from mstar_utils.speech import (
     Language,
     Segment,
@@ -419,7 +421,7 @@ def test_inspect_audio_long_clip_json(tmp_path):
     path = ck.long_speech_clip('jfk')
     env = {**os.environ, 'HF_HUB_OFFLINE': '1'}
     r = subprocess.run(
-        ['mstar-utils', 'inspect', str(ck.whisper_checkpoint('tiny.en')), '--audio', str(path), '--json'],
+        [CLI, 'inspect', str(ck.whisper_checkpoint('tiny.en')), '--audio', str(path), '--json'],
         capture_output=True,
         text=True,
         env=env,

@@ -17,13 +17,16 @@ from mstar_utils.tensor_parallel import (
     Sharding,
     ShardedSource,
     Slice,
+    PLANS,
     load_weights_sharded,
+    plans_for,
     read_slice,
     shard_module,
     take,
     tp_plan,
 )
 from mstar_utils.testing import run_ranks, save_tiny, tp_jobs
+from mstar_utils.upstream import config_ep_plan, config_tp_plan
 
 
 def rchar() -> int:
@@ -273,3 +276,37 @@ def test_vocab_parallel_embedding_with_a_pad_token(tmp_path):
     m0 = build_on_meta(config, dtype=torch.float32)
     shard_module(m0, Sharding(vocab_split, 0, 2))
     assert m0.model.embed_tokens.padding_idx is None
+
+
+MOE_TYPES = ('qwen3_moe', 'mixtral', 'olmoe', 'qwen2_moe', 'phimoe', 'deepseek_v2')
+
+
+@pytest.mark.parametrize('name', MOE_TYPES)
+def test_experts_split_under_tensor_parallelism_at_every_version(tmp_path, name):
+    """transformers 5.25's plans name no experts: ours (or the config's, experts added) split each expert by rows, so
+    the ranks together read the checkpoint once plus what the plan leaves whole, and no expert is a copy."""
+    from mstar_utils.model import load_plan
+
+    folder = save_tiny(name, tmp_path / name, max_shard_size='1GB')
+    for ws in (2, 4):
+        plans = [load_plan(folder, r, ws, detail=False, dtype=torch.float32) for r in range(ws)]
+        copied = [n for p in plans for n, _ in p.replicated if '.experts.' in n or n.endswith('.experts')]
+        assert copied == [], f'{name} at TP {ws}: experts held whole on every rank: {copied[:4]}'
+        whole = plans[0].replicated_bytes
+        read = sum(p.total_bytes for p in plans)
+        assert read <= 1.01 * (plans[0].checkpoint_bytes + (ws - 1) * whole), (name, ws, read, whole)
+
+
+@pytest.mark.parametrize('model_type', sorted(PLANS))
+def test_our_plans_agree_with_transformers_where_both_name_a_module(model_type):
+    "Where the installed transformers' config plan names a pattern ours names too, the styles are the same."
+    cfg = AutoConfig.for_model(model_type)
+    ours, our_ep = plans_for(cfg)
+    theirs, their_ep = config_tp_plan(cfg), config_ep_plan(cfg)
+    both = ours.keys() & theirs.keys()
+    assert {k: ours[k] for k in both} == {k: theirs[k] for k in both}
+    if our_ep and their_ep:
+        both = our_ep.keys() & their_ep.keys()
+        assert {k: our_ep[k] for k in both} == {k: their_ep[k] for k in both}
+    if our_ep:  # a MoE type: its experts are split under tensor parallelism too
+        assert any('.experts' in k for k in ours), model_type

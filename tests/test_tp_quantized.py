@@ -2,7 +2,8 @@
 
 Models: tiny Llama, Qwen3-MoE (our recipe), OLMoE (transformers' rules), DeepSeek-V3 (MLA), gpt-oss and Llava,
 built from their config classes. Formats where the architecture ships them: bf16, fp8 block, compressed-tensors
-float and pack, MXFP4. Modes dequantize and keep; TP 1, 2 and 4, with expert parallelism for the MoE models.
+float and pack, MXFP4. Modes dequantize and keep; TP 1, 2 and 4, MoE models with and without expert parallelism (without
+it no expert may be whole on every rank: transformers 5.25's plans name no experts, ours split them).
 For each cell the logits equal `from_pretrained` of the checkpoint dequantized by the format's own reference
 (float32, <= 1e-4), each rank's tensors equal the full tensor's slice, and the bytes summed over ranks stay within
 1.01 x (checkpoint + (world_size - 1) x replicated) plus whole blocks at cuts.
@@ -108,22 +109,27 @@ FORMATS = {
 }
 MOE = {'qwen3_moe', 'olmoe', 'deepseek_v3', 'gpt_oss'}
 ALL = [
-    (m, f, q, ws)
+    (m, f, q, ws, ep)
     for m, fs in FORMATS.items()
     for f in fs
     for q in (('dequantize',) if f == 'bf16' else ('dequantize', 'keep'))
     for ws in (1, 2, 4)
+    for ep in ((True, False) if m in MOE and ws > 1 else (m in MOE,))
+    # experts kept one at a time (fp8 DeepSeek-V3, OLMoE, Qwen3-MoE) are cut by expert only: refused by key without EP
+    if ep or m not in MOE or not (q == 'keep' and f == 'fp8')
 ]
 FAST = [
-    ('llama', 'fp8', 'dequantize', 2),
-    ('llama', 'fp8', 'keep', 2),
-    ('llama', 'ct_pack', 'keep', 2),
-    ('qwen3_moe', 'fp8', 'dequantize', 2),
-    ('olmoe', 'fp8', 'keep', 1),
-    ('olmoe', 'fp8', 'keep', 2),
-    ('deepseek_v3', 'fp8', 'keep', 2),
-    ('gpt_oss', 'mxfp4', 'keep', 2),
-    ('llava', 'bf16', 'dequantize', 2),
+    ('llama', 'fp8', 'dequantize', 2, False),
+    ('llama', 'fp8', 'keep', 2, False),
+    ('llama', 'ct_pack', 'keep', 2, False),
+    ('qwen3_moe', 'fp8', 'dequantize', 2, True),
+    ('qwen3_moe', 'fp8', 'dequantize', 2, False),  # experts split by rows: transformers 5.25's plan names none
+    ('olmoe', 'fp8', 'keep', 1, True),
+    ('olmoe', 'fp8', 'keep', 2, True),
+    ('deepseek_v3', 'fp8', 'keep', 2, True),
+    ('gpt_oss', 'mxfp4', 'keep', 2, True),
+    ('gpt_oss', 'mxfp4', 'keep', 2, False),  # [in, out] experts by columns, the down bias added once
+    ('llava', 'bf16', 'dequantize', 2, False),
 ]
 CELLS = ALL if SLOW else FAST
 ONLY = os.environ.get('TPQ_ONLY')
@@ -237,8 +243,9 @@ def expert_weight(ref_sd: dict, k: str) -> torch.Tensor:
 
 
 def byte_bound(folder: Path, fmt: str, sharding: Sharding) -> tuple:
-    "(checkpoint bytes, replicated bytes, whole blocks at cuts) of `folder` under `sharding`'s plan."
+    "(checkpoint bytes, replicated bytes, whole blocks at cuts, expert keys whole) of `folder` under `sharding`'s plan."
     total = repl = blocks = 0
+    copied = []
     ws = sharding.world_size
     for k, (shape, dt) in stored(folder).items():
         n = _BYTES[dt] * int(torch.Size(shape).numel())
@@ -249,13 +256,15 @@ def byte_bound(folder: Path, fmt: str, sharding: Sharding) -> tuple:
         dim = _dim_for(style, mk.rpartition('.')[2], max(len(shape), 2)) if style else None
         if dim is None or n <= 16:
             repl += n
+            if '.experts.' in mk and not mk.endswith('down_proj_bias') and n > 16:  # gpt-oss: added on rank 0 alone
+                copied.append(k)
             continue  # whole on every rank; per-tensor scales and shapes too
         if (
             UNIT[fmt] and len(shape) >= 2 and not style.uneven
         ):  # each cut may read one block more along the cut dim, per packed part
             parts = style.parts if mk == renamed(k) else 1  # per-expert keys are one part each
             blocks += (ws - 1) * parts * UNIT[fmt] * (n // shape[dim])
-    return total, repl, blocks
+    return total, repl, blocks, copied
 
 
 def _load(b: bytes) -> dict:
@@ -267,14 +276,14 @@ def matrix(tmp_path_factory):
     "Every cell's per-rank results, its checkpoint and its reference model: one spawn of `run_ranks` per world_size."
     tmp = tmp_path_factory.mktemp('tpq')
     folders, refs = {}, {}
-    for m, f, _, _ in CELLS:
+    for m, f, *_ in CELLS:
         if (m, f) not in folders:
             folders[m, f] = write(m, f, tmp / f'{m}-{f}')
             refs[m, f] = reference(m, folders[m, f], f, tmp)
     results = {}
     for ws in sorted({c[3] for c in CELLS}):
         cells = [c for c in CELLS if c[3] == ws]
-        jobs = [(folders[m, f], inputs(m), m in MOE, q) for m, f, q, _ in cells]
+        jobs = [(folders[m, f], inputs(m), ep, q) for m, f, q, _, ep in cells]
         try:
             per_rank = run_ranks(tp_cells, ws, jobs, timeout=900)
         except RuntimeError as e:  # one failing cell fails the whole spawn: run the cells one by one to pin it down
@@ -295,7 +304,7 @@ def matrix(tmp_path_factory):
 
 @pytest.mark.parametrize('cell', CELLS, ids=lambda c: '-'.join(map(str, c)))
 def test_cell(matrix, cell):
-    name, fmt, quantized, ws = cell
+    name, fmt, quantized, ws, ep = cell
     folders, refs, results = matrix
     got = results[cell]
     if isinstance(got, Exception):
@@ -328,7 +337,8 @@ def test_cell(matrix, cell):
             assert any(k.endswith(('_scale_inv', '_scale', '_scales', '_packed')) for k in res['tensors']), (
                 'keep held no scales'
             )
-    total, repl, blocks = byte_bound(ckpt, fmt, Sharding(got[0]['plan'], 0, ws))
+    total, repl, blocks, copied = byte_bound(ckpt, fmt, Sharding(got[0]['plan'], 0, ws))
+    assert ws == 1 or copied == [], f'experts whole on every one of {ws} ranks: {copied[:4]}'
     for r, res in enumerate(got):
         assert res['planned_bytes'] == res['bytes_read'], (
             f"rank {r}: load_plan's total_bytes {res['planned_bytes']} != {res['bytes_read']} bytes the load read"
