@@ -24,11 +24,11 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
            'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder',
            'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'quantized_configs', 'fp8_block_quantize',
-           'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'quiet_progress',
-           'write_compressed_tensors_checkpoint', 'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks',
-           'tp_logits', 'tp_jobs', 'tp_cells', 'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint',
-           'ct_nvfp4_reference', 'ct_preset_reference', 'tiny_llama_gguf_config', 'write_gguf_checkpoint',
-           'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
+           'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint',
+           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
+           'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference',
+           'tiny_llama_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint',
+           'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -670,13 +670,6 @@ CT_PACK_GROUPS = {  # int4 per channel, asymmetric int4 per group of 32, int8 pe
     },
 }
 
-# %% ../nbs/98_testing.ipynb #bc23fa84
-def quiet_progress(fn) -> dict:
-    "{'show_progress': False} where compressed-tensors' `fn` takes it (0.20 does, 0.17 does not), else {}."
-    import inspect
-
-    return {'show_progress': False} if 'show_progress' in inspect.signature(fn).parameters else {}
-
 # %% ../nbs/98_testing.ipynb #bc23fa85
 def write_compressed_tensors_checkpoint(
     model,  # a transformers model, quantized in place
@@ -692,7 +685,7 @@ def write_compressed_tensors_checkpoint(
 
     loguru.logger.disable('compressed_tensors')
     qcfg = QuantizationConfig(config_groups=config_groups, ignore=list(ignore), quantization_status='frozen')
-    apply_quantization_config(model, qcfg, **quiet_progress(apply_quantization_config))
+    apply_quantization_config(model, qcfg, show_progress=False)
     for m in model.modules():
         if not hasattr(m, 'weight_scale'):
             continue
@@ -992,7 +985,7 @@ def write_ct_preset_checkpoint(
         quantization_status='frozen',
         **({} if compress else {'format': 'dense'}),
     )
-    apply_quantization_config(model, qcfg, **quiet_progress(apply_quantization_config))
+    apply_quantization_config(model, qcfg, show_progress=False)
     _preset_qparams(model, compress)
     comp = ModelCompressor.from_pretrained_model(model, quantization_format=None if compress else 'dense')
     if compress:

@@ -19,8 +19,6 @@ from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizatio
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-from importlib.metadata import version
-from packaging.version import Version
 
 from mstar_utils.convert import group_keys
 from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, process_weights_after_loading
@@ -35,7 +33,6 @@ from mstar_utils.testing import (
     dequantized_reference,
     fp8_block_quantize,
     quantized_configs,
-    quiet_progress,
     write_compressed_tensors_checkpoint,
     write_quantized_checkpoint,
 )
@@ -44,7 +41,6 @@ hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 FORMATS = list(quantized_configs())
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
-CT_VERSION = version('compressed-tensors')
 
 
 def logits(m):
@@ -185,11 +181,6 @@ def test_float_quantized_matches_compressed_tensors(kind, strategy, arg, sym):
     }
     if not sym:
         sd['weight_zero_point'] = torch.randint(-5, 5, grid, dtype=torch.int8)
-    if strategy == 'block' and (R % arg[0] or C % arg[1]) and Version(CT_VERSION) < Version('0.20'):
-        pytest.skip(
-            f'compressed-tensors {CT_VERSION} decompresses a partial block with the block size taken from the scale '
-            'grid (rows // grid rows); 0.20 uses block_structure, as the checkpoint does and as ours does'
-        )
     q = NaiveQuantizationCompressor.compress(sd, sc)
     op = FloatQuantizedDequantize(block, torch.bfloat16, sym)
     assert_tensors_equal(
@@ -359,9 +350,7 @@ def test_ct_scheme_picks_the_group_compressed_tensors_picks(grouping):
     groups, ignore = GROUPINGS[grouping]
     qc = {'config_groups': {g: {'targets': t, 'weights': W8} for g, t in groups.items()}, 'ignore': ignore}
     model = _tiny_llama()
-    apply_quantization_config(
-        model, QuantizationConfig(**qc, quantization_status='initialized'), **quiet_progress(apply_quantization_config)
-    )
+    apply_quantization_config(model, QuantizationConfig(**qc, quantization_status='initialized'), show_progress=False)
     by_targets = {tuple(t): g for g, t in groups.items()}
     got, want = {}, {}
     for name, m in model.named_modules():
