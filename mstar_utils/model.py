@@ -48,8 +48,8 @@ from mstar_utils.upstream import (
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
-           'model_dtype', 'start_reads', 'model_source', 'load_model', 'load_model_sharded', 'load_gguf_model',
-           'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
+           'model_dtype', 'TPOptions', 'LoadOptions', 'start_reads', 'model_source', 'load_model', 'load_model_sharded',
+           'load_gguf_model', 'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -427,6 +427,61 @@ def _attach_generation_config(model, ckpt: Path, config=None):
             ckpt, config_file_name='config.json', _from_model_config=True
         )
 
+# %% ../nbs/03_load_model.ipynb #771a33c6
+@dataclass(frozen=True)
+class TPOptions:
+    "The tensor-parallel options of `load_model`: rank, group size, process group and plan."
+
+    rank: int | None = None  # this rank; None with `world_size` None: the whole model
+    world_size: int | None = None  # the group's size
+    group: object = None  # the process group of the collectives (rank and size default to its own)
+    plan: dict | None = None  # a tp_plan; None: `tp_plan(config, world_size, expert_parallel)`
+    expert_parallel: bool = False  # default plan: experts split by expert
+    rules: tuple = ()  # per-key slicing rules, asked before the plan (see `Sharding`)
+
+    def __post_init__(self):
+        if self.group is not None and (self.rank is None or self.world_size is None):
+            object.__setattr__(self, 'rank', dist.get_rank(self.group))  # frozen: set once, here
+            object.__setattr__(self, 'world_size', dist.get_world_size(self.group))
+
+# %% ../nbs/03_load_model.ipynb #73c7f080
+@dataclass(frozen=True)
+class LoadOptions:
+    "Every option of `load_model` but the folder, in one frozen record; `tp` holds the parallel ones."
+
+    model_class: type | None = None  # None: transformers' class for config.json `architectures`
+    device: str = 'cpu'  # where the weights land
+    dtype: torch.dtype | None = None  # parameters' dtype; None: `model_dtype`
+    conv: list | str | None = 'auto'  # WeightConverter recipes; 'auto': ours, then transformers'; None: none
+    strict: bool = False  # raise instead of warning when checkpoint keys go unused
+    quantized: str = 'dequantize'  # 'dequantize' into `dtype`, or 'keep' codes and scales
+    renames: bool = True  # keys under the names transformers renames them to
+    mmap: bool = False  # weights as views of copy-on-write mappings of the shards
+    tp: TPOptions = TPOptions()  # the tensor-parallel options
+
+    def __post_init__(self):
+        if self.quantized not in ('dequantize', 'keep'):
+            raise ValueError(f"quantized={self.quantized!r}: expected 'dequantize' or 'keep'")
+
+# %% ../nbs/03_load_model.ipynb #e9fcb9bf
+_TP_FIELDS = ('rank', 'world_size', 'group', 'plan', 'expert_parallel', 'rules')
+
+
+@patch(cls_method=True)
+def of(cls: LoadOptions, **kw) -> LoadOptions:
+    "`LoadOptions` from `load_model`'s keyword arguments, the tensor-parallel ones gathered into `tp`."
+    return cls(
+        **{k: v for k, v in kw.items() if k not in _TP_FIELDS},
+        tp=TPOptions(**{k: kw[k] for k in _TP_FIELDS if k in kw}),
+    )
+
+# %% ../nbs/03_load_model.ipynb #f572d0ea
+@patch
+def kwargs(self: LoadOptions) -> dict:
+    "The keyword arguments of `load_model` this record stands for, `tp` spread out again."
+    out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != 'tp'}
+    return {**out, **{f: getattr(self.tp, f) for f in _TP_FIELDS}}
+
 # %% ../nbs/03_load_model.ipynb #948fe28f
 def _recipes(config, conv) -> list:
     "The recipes whose keys `load_model` fuses: `conv`, or for 'auto' ours by model type, then transformers'."
@@ -479,29 +534,49 @@ def _json_dtype(cfg: dict):
     return dt if isinstance(dt, torch.dtype) else None
 
 # %% ../nbs/03_load_model.ipynb #bc8b0ea7
-def _reads_before_config(ckpt: Path, dtype, conv, device: str, mmap: bool) -> FileSource:
+def _reads_before_config(ckpt: Path, opts: LoadOptions) -> FileSource:
     "`start_reads` from config.json's JSON alone (our recipes by model type), before transformers is imported."
     try:
         cfg = json.loads((ckpt / 'config.json').read_text(encoding='utf-8'))
     except (OSError, ValueError):
         cfg = None  # transformers' AutoConfig says what is wrong with it
-    src = checkpoint_source(ckpt, mmap=mmap)
-    if not isinstance(cfg, dict) or torch.device(device).type != 'cpu' or cfg.get('quantization_config'):
+    src = checkpoint_source(ckpt, mmap=opts.mmap)
+    if not isinstance(cfg, dict) or torch.device(opts.device).type != 'cpu' or cfg.get('quantization_config'):
         return src
     types = dict.fromkeys([cfg.get('model_type'), *(v.get('model_type') for v in cfg.values() if isinstance(v, dict))])
     ours = [c for t in types if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]
-    recipes = ours if conv == 'auto' else list(conv or [])
-    return _read_ahead(src, mmap, lambda: _as_stored(src, recipes, dtype or _json_dtype(cfg) or checkpoint_dtype(ckpt)))
+    recipes = ours if opts.conv == 'auto' else list(opts.conv or [])
+    dtype = opts.dtype or _json_dtype(cfg) or checkpoint_dtype(ckpt)
+    return _read_ahead(src, opts.mmap, lambda: _as_stored(src, recipes, dtype))
 
 # %% ../nbs/03_load_model.ipynb #d80dc9e8
-def _keep_reads(src: FileSource, config, ckpt: Path, dtype, conv, mmap: bool):
+def _keep_reads(src: FileSource, config, dtype, opts: LoadOptions):
     "Cancel the reads `_reads_before_config` started of shards that the built config says do not load as stored."
-    if src.ahead is None or mmap:
+    if src.ahead is None or opts.mmap:
         return
-    keep = (
-        set() if getattr(config, 'quantization_config', None) else set(_as_stored(src, _recipes(config, conv), dtype))
-    )
+    quantized = getattr(config, 'quantization_config', None)
+    keep = set() if quantized else set(_as_stored(src, _recipes(config, opts.conv), dtype))
     src.ahead.cancel([p for p in src.ahead.paths if p not in keep])
+
+# %% ../nbs/03_load_model.ipynb #4783da64
+class _Reads(NamedTuple):
+    "How `_prepare` reads a folder's shards, as one object: ahead of the build and trimmed after it, or plain."
+
+    opts: LoadOptions
+    dry: bool = False  # a source that only records reads (`load_plan`)
+
+    @property
+    def early(self) -> bool:
+        return not self.dry and _one_device(self.opts.tp.rank, self.opts.tp.world_size)  # a rank reads slices
+
+    def open(self, ckpt: Path) -> FileSource:
+        if self.early:
+            return _reads_before_config(ckpt, self.opts)
+        return checkpoint_source(ckpt, mmap=self.opts.mmap, dry=self.dry)
+
+    def keep(self, src: FileSource, config, dtype):
+        if self.early:
+            _keep_reads(src, config, dtype, self.opts)
 
 # %% ../nbs/03_load_model.ipynb #6d9905b2
 def model_source(
@@ -545,13 +620,12 @@ def _one_device(rank, world_size) -> bool:
     return world_size == 1 and rank == 0
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c02-1
-def _sharding(config, model, rank, world_size, plan, expert_parallel, rules):
+def _sharding(config, model, tp: TPOptions):
     "This rank's `Sharding` of the model, or None for one device (`_one_device`)."
-    if _one_device(rank, world_size):
+    if _one_device(tp.rank, tp.world_size):
         return None
-    return Sharding(
-        tp_plan(config, world_size, expert_parallel, model) if plan is None else plan, rank, world_size, rules
-    )
+    plan = tp_plan(config, tp.world_size, tp.expert_parallel, model) if tp.plan is None else tp.plan
+    return Sharding(plan, tp.rank, tp.world_size, tp.rules)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c03
 class _Prepared(NamedTuple):
@@ -568,62 +642,27 @@ class _Prepared(NamedTuple):
     what: str  # names the model in messages
 
 # %% ../nbs/03_load_model.ipynb #861597e5
-def _prepare(
-    checkpoint_dir,
-    model_class=None,
-    dtype=None,
-    conv='auto',
-    quantized='dequantize',
-    renames=True,
-    rank=None,
-    world_size=None,
-    group=None,
-    plan=None,
-    expert_parallel=False,
-    rules=(),
-    dry=False,
-    mmap=False,
-    device='cpu',
-    built=None,
-) -> _Prepared:
-    "Every step of `load_model` before a weight is read (see `load_model` for the arguments)."
-    # `dry`: a source that only records reads; `built`: a meta model to copy.
-    if quantized not in ('dequantize', 'keep'):
-        raise ValueError(f"quantized={quantized!r}: expected 'dequantize' or 'keep'")
-    if group is not None and (rank is None or world_size is None):
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    from mstar_utils.gguf import gguf_file  # a .gguf file (or a folder of one) is read through `GGUFSource`
-
-    f = gguf_file(checkpoint_dir)
-    if f is not None:
-        return _prepare_gguf(
-            f, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules, dry, built
-        )
-    ckpt = _checkpoint_dir(checkpoint_dir)
-    early = not dry and _one_device(rank, world_size)  # a rank reads its slices, not whole shards
-    raw = (
-        _reads_before_config(ckpt, dtype, conv, device, mmap) if early else checkpoint_source(ckpt, mmap=mmap, dry=dry)
-    )
+def _prepare_folder(ckpt: Path, opts: LoadOptions, reads: _Reads, built=None) -> _Prepared:
+    "`_prepare` for a safetensors folder: its reads started, config and model built, reads trimmed, source set up."
+    raw = reads.open(ckpt)
     try:
         from transformers import AutoConfig  # imported, the config and the model built, while the shards are read
 
         config = AutoConfig.from_pretrained(ckpt)
-        dtype = model_dtype(config, ckpt, dtype)
-        if early:
-            _keep_reads(raw, config, ckpt, dtype, conv, mmap)
+        dtype = model_dtype(config, ckpt, opts.dtype)
+        reads.keep(raw, config, dtype)
         # a copy: it is cut below
-        model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class, dtype)
-        # the model: where its towers are
-        sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)
+        model = copy.deepcopy(built) if built is not None else build_on_meta(config, opts.model_class, dtype)
+        sharding = _sharding(config, model, opts.tp)  # the model: where its towers are
     except BaseException:
         raw.close()
         raise
-    src = model_source(ckpt, config, model, conv, renames, quantized, raw)
-    return _prepared(ckpt, config, model, src, raw, sharding, group)
+    src = model_source(ckpt, config, model, conv=opts.conv, renames=opts.renames, quantized=opts.quantized, raw=raw)
+    return _prepared(ckpt, config, model, src, raw=raw, sharding=sharding, group=opts.tp.group)
 
 # %% ../nbs/03_load_model.ipynb #dc01eb66
-def _prepared(ckpt: Path, config, model, src, raw, sharding, group) -> _Prepared:
-    "What every `_prepare` ends with: ties the checkpoint breaks undone, the model cut, the source sliced."
+def _prepared(ckpt: Path, config, model, src, *, raw, sharding, group) -> _Prepared:
+    "What every opener ends with: ties the checkpoint breaks undone, the model cut, the source sliced."
     whole = src
     try:
         untied = _untie_stored(model, src)
@@ -635,28 +674,49 @@ def _prepared(ckpt: Path, config, model, src, raw, sharding, group) -> _Prepared
         raise
     where = '' if sharding is None else f', rank {sharding.rank} of {sharding.world_size}'
     what = f'{ckpt.name} ({type(model).__name__}{where})'
-    return _Prepared(ckpt, config, model, src, whole, raw, sharding, untied, what)
+    return _Prepared(ckpt, config, model, src, whole=whole, raw=raw, sharding=sharding, untied=untied, what=what)
 
 # %% ../nbs/03_load_model.ipynb #78edd5c0
-def _prepare_gguf(
-    f: Path, model_class, dtype, quantized, rank, world_size, group, plan, expert_parallel, rules, dry, built
-) -> _Prepared:
+def _prepare_gguf(f: Path, opts: LoadOptions, reads: _Reads, built=None) -> _Prepared:
     "`_prepare` for GGUF file `f`: its config from the metadata, the model in float32 unless `dtype`, a `GGUFSource`."
     from mstar_utils.gguf import GGUFSource, gguf_config, gguf_model_class, keep_gguf, read_gguf
 
     header = read_gguf(f)
-    config, dtype = gguf_config(f, header), dtype or torch.float32  # float32: what from_pretrained(gguf_file=) gives
-    model_class = model_class or gguf_model_class(config)
+    config = gguf_config(f, header)
+    dtype = opts.dtype or torch.float32  # float32: what from_pretrained(gguf_file=) gives
+    model_class = opts.model_class or gguf_model_class(config)
     model = copy.deepcopy(built) if built is not None else build_on_meta(config, model_class, dtype)
-    sharding = _sharding(config, model, rank, world_size, plan, expert_parallel, rules)
-    src = GGUFSource(f, model, config, header, dry=dry)
-    if quantized == 'keep':
+    sharding = _sharding(config, model, opts.tp)
+    src = GGUFSource(f, model, config, header, dry=reads.dry)
+    if opts.quantized == 'keep':
         try:
             keep_gguf(model, src, dtype)  # block-type Linear weights stay the file's bytes
         except BaseException:
             src.close()
             raise
-    return _prepared(f, config, model, src, src.raw, sharding, group)
+    return _prepared(f, config, model, src, raw=src.raw, sharding=sharding, group=opts.tp.group)
+
+# %% ../nbs/03_load_model.ipynb #139407ee
+def _gguf_path(path) -> Path | None:
+    "The .gguf file `path` is or holds; None when it holds none."
+    from mstar_utils.gguf import gguf_file  # the GGUF room imports this one
+
+    return gguf_file(path)
+
+# %% ../nbs/03_load_model.ipynb #a9b06954
+# (format, find: path -> the file or folder it opens, or None; its opener), asked in order: the last one's `find`
+# raises, naming what a checkpoint folder lacks
+_OPENERS = (('gguf', _gguf_path, _prepare_gguf), ('safetensors', _checkpoint_dir, _prepare_folder))
+
+
+def _prepare(checkpoint_dir, opts: LoadOptions | None = None, dry: bool = False, built=None) -> _Prepared:
+    "Every step of `load_model` before a weight is read: the format's opener picked first, then run."
+    # `dry`: a source that only records reads; `built`: a meta model to copy.
+    opts = opts or LoadOptions()
+    for _format, find, opener in _OPENERS:
+        path = find(checkpoint_dir)
+        if path is not None:
+            return opener(path, opts, _Reads(opts, dry), built)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c04
 def _read_weights(prep: _Prepared, device, progress=None):
@@ -670,17 +730,18 @@ def _read_weights(prep: _Prepared, device, progress=None):
     return res, kept
 
 # %% ../nbs/03_load_model.ipynb #b1f7fc71
-def _finish(prep: _Prepared, res, kept: list, device, strict: bool) -> torch.nn.Module:
+def _finish(prep: _Prepared, res, kept: list, opts: LoadOptions) -> torch.nn.Module:
     "The prepared model after `_read_weights`: re-tied, initialized, finalized, checked, in eval mode."
     model, name = prep.model, prep.ckpt.name
     _retie_equal(model, prep.untied, name)
     _initialize_unloaded(model, res[0])
     _report_kept_buffers(model, kept, name)
-    model.to(device)  # the buffers built real on the CPU
-    process_weights_after_loading(model, device)
-    _report_unexpected(model, res.unexpected_keys, name, strict)
+    model.to(opts.device)  # the buffers built real on the CPU
+    process_weights_after_loading(model, opts.device)
+    _report_unexpected(model, res.unexpected_keys, name, opts.strict)
     _attach_generation_config(model, prep.ckpt, prep.config)
     model.bytes_read = prep.source.bytes_read
+    model.load_options, model.load_checkpoint = opts, prep.ckpt  # what a refit, or a load on another rank, reuses
     if prep.sharding is not None:
         model.tp_sharding, model.tp_bytes_read = prep.sharding, model.bytes_read
         warning = replication_warning(prep.sharding, held_bytes(model))
@@ -708,29 +769,30 @@ def load_model(
     mmap: bool = False,  # weights as views of copy-on-write mappings of the shards (page cache) instead of owned memory
 ) -> torch.nn.Module:
     "The model in `checkpoint_dir`, or rank `rank`'s part of it, loaded, checked and in eval mode."
-    prep = _prepare(
-        checkpoint_dir,
-        model_class,
-        dtype,
-        conv,
-        quantized,
-        renames,
-        rank,
-        world_size,
-        group,
-        plan,
-        expert_parallel,
-        rules,
-        mmap=mmap,
+    opts = LoadOptions.of(
+        model_class=model_class,
         device=device,
+        dtype=dtype,
+        conv=conv,
+        strict=strict,
+        quantized=quantized,
+        renames=renames,
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        plan=plan,
+        expert_parallel=expert_parallel,
+        rules=rules,
+        mmap=mmap,
     )
+    prep = _prepare(checkpoint_dir, opts)
     try:
         res, kept = _read_weights(prep, device)
     except KeyError as e:
         raise _with_skipped_rules(e, prep.config, conv) from None
     finally:
         prep.source.close()
-    return _finish(prep, res, kept, device, strict)
+    return _finish(prep, res, kept, opts)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c05
 def load_model_sharded(
@@ -943,12 +1005,12 @@ def _planned(prep: _Prepared, k: str, quantized) -> PlannedTensor:
     return PlannedTensor(
         k,
         tuple(src.shape(k)),
-        str(src.dtype(k)).replace('torch.', ''),
-        keys,
-        steps,
-        None if sl is None or sl.dim is None else sl,
-        sum(r[2] for r in mine),
-        [(f, a, b) for f, rs in merged.items() for a, b in rs],
+        dtype=str(src.dtype(k)).replace('torch.', ''),
+        keys=keys,
+        steps=steps,
+        slice=None if sl is None or sl.dim is None else sl,
+        bytes=sum(r[2] for r in mine),
+        ranges=[(f, a, b) for f, rs in merged.items() for a, b in rs],
     )
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c16
@@ -962,15 +1024,16 @@ def load_plan(
     **kw,  # as `load_model`: model_class, dtype, conv, quantized, renames, plan, expert_parallel, rules
 ) -> LoadPlan:
     "What `load_model(checkpoint_dir, rank=rank, world_size=world_size, **kw)` reads, and what it does."
-    prep = _prepare(checkpoint_dir, rank=rank, world_size=world_size, dry=True, built=built, **kw)
+    opts = LoadOptions.of(rank=rank, world_size=world_size, **kw)
+    prep = _prepare(checkpoint_dir, opts, dry=True, built=built)
     src, raw = prep.source, prep.raw
     try:
         try:
             res, _ = _read_weights(prep, 'meta', progress=False)
         except KeyError as e:
-            raise _with_skipped_rules(e, prep.config, kw.get('conv', 'auto')) from None
+            raise _with_skipped_rules(e, prep.config, opts.conv) from None
         total, reads = raw.bytes_read, list(raw.reads)
-        quantized = kw.get('quantized') == 'keep' and getattr(prep.config, 'quantization_config', None)
+        quantized = opts.quantized == 'keep' and getattr(prep.config, 'quantization_config', None)
         tensors, unused = [], set(res.unexpected_keys)
         held = held_bytes(prep.model)
         repl = tuple(prep.sharding.replicated) if prep.sharding is not None else ()
@@ -985,5 +1048,15 @@ def load_plan(
             by_file[_name(path)] = by_file.get(_name(path), 0) + sum(n for _, n in rs)
         files = [FileReads(f, [tuple(r) for r in rs], by_file[f]) for f, rs in sorted(_merged(reads).items())]
     return LoadPlan(
-        str(prep.ckpt), rank, world_size, tensors, files, total, ck, dict(kw), held, sum(b for _, b in repl), repl
+        str(prep.ckpt),
+        rank,
+        world_size,
+        tensors,
+        files=files,
+        total_bytes=total,
+        checkpoint_bytes=ck,
+        options=dict(kw),
+        held_bytes=held,
+        replicated_bytes=sum(b for _, b in repl),
+        replicated=repl,
     )
