@@ -2,6 +2,7 @@
 loading modes against the dequantized reference model, refusals, MLA and tensor-parallel block slices."""
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -404,7 +405,9 @@ def test_lm_head_group_beside_linear_loads(tmp_path, head_first):
             d, quantization_config=CompressedTensorsConfig(dequantize=True)
         ).eval()
     deq = load_model(d)
-    assert_state_dict_equal(deq, ref_model)
+    # transformers 5.19 keeps each `weight_scale` beside the weight it dequantized; 5.25 drops them
+    kept = {k: v for k, v in ref_model.state_dict().items() if not k.endswith('.weight_scale')}
+    assert_state_dict_equal(deq, kept)
     ref = logits(ref_model)
     assert_tensors_equal(logits(deq), ref)
     assert_tensors_equal(logits(load_model(d, quantized='keep')), ref)
@@ -638,17 +641,25 @@ def test_block_slice():
 
 
 def test_compressed_tensors_targets_name_the_models_modules_not_the_checkpoints(tmp_path):
-    """PhiMoE stores its router as block_sparse_moe.router, which transformers renames to mlp.router: the config
+    """PhiMoE stores its router under block_sparse_moe, which transformers renames to mlp.router: the config
     group targeting `re:.*mlp\\..*` quantized it (compressed-tensors matched the model's name), and load_model
     matches the target against that name too."""
     from mstar_utils.model import load_model
     from mstar_utils.testing import tiny_model, CT_PACK_GROUPS
 
     m = tiny_model('phimoe', dtype=torch.bfloat16)
+    if not hasattr(m.model.layers[0], 'mlp'):
+        pytest.skip(
+            f'transformers {transformers.__version__} names the module block_sparse_moe, as the checkpoint does'
+        )
     d = write_compressed_tensors_checkpoint(m, tmp_path / 'ct', CT_PACK_GROUPS)
     sd = load_file(d / 'model.safetensors')
-    router = 'model.layers.0.block_sparse_moe.router.'
-    assert router + 'weight_packed' in sd
+    # transformers 5.25 writes the router back as block_sparse_moe.router, 5.19 as block_sparse_moe.gate
+    (router,) = [
+        k[: -len('weight_packed')]
+        for k in sd
+        if re.fullmatch(r'model\.layers\.0\.block_sparse_moe\.\w+\.weight_packed', k)
+    ]
     ours = load_model(d)
     # the reference for the router: compressed-tensors' own decompression of what it stored, under the group that
     # quantized it
