@@ -9,10 +9,10 @@ from contextlib import nullcontext
 import torch
 
 # %% auto #0
-__all__ = ['transformers_version', 'UpstreamChanged', 'config_tp_plan', 'config_ep_plan', 'dtype_plan', 'no_init_weights',
-           'checkpoint_conversions', 'model_renamings', 'rename_key', 'weight_ops', 'cache_classes', 'output_cache',
-           'fp8_dequantize_reference', 'fp8_grid_dequantize', 'mxfp4_dequantize_reference', 'fp4_values',
-           'gguf_config_mappings', 'gguf_reverse_permute']
+__all__ = ['transformers_version', 'UpstreamChanged', 'reach', 'config_tp_plan', 'config_ep_plan', 'dtype_plan',
+           'no_init_weights', 'checkpoint_conversions', 'model_renamings', 'rename_key', 'weight_ops', 'cache_classes',
+           'output_cache', 'fp8_dequantize_reference', 'fp8_grid_dequantize', 'mxfp4_dequantize_reference',
+           'fp4_values', 'gguf_config_mappings', 'gguf_reverse_permute']
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0006
 def transformers_version() -> str:
@@ -31,6 +31,19 @@ class UpstreamChanged(RuntimeError):
         change: str,  # what the installed release has instead, and what to do
     ):
         super().__init__(f'transformers {transformers_version()}: {what}: {change}')
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0010a
+def reach(
+    path: str,  # dotted, under `transformers.`: 'integrations.mxfp4.FP4_VALUES'
+):
+    "The transformers object at `path`, or `UpstreamChanged` naming it and the installed release."
+    import importlib
+
+    mod, _, name = path.rpartition('.')
+    try:
+        return getattr(importlib.import_module(f'transformers.{mod}'), name)
+    except (ImportError, AttributeError) as e:
+        raise UpstreamChanged(f'transformers.{path}', f'not there ({e}); settings.ini names the tested window') from e
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0012
 def config_tp_plan(cfg) -> dict:
@@ -78,25 +91,20 @@ def model_renamings(model) -> list:
 # %% ../nbs/01c_upstream.ipynb #1b0c0024
 def rename_key(key: str, rules: list, prefix, names: dict) -> str:
     "`key` renamed by transformers' `rename_source_key` with renaming `rules` (`model_renamings`)."
-    from transformers.core_model_loading import rename_source_key
-
-    return rename_source_key(key, rules, [], prefix, names)[0]
+    return reach('core_model_loading.rename_source_key')(key, rules, [], prefix, names)[0]
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0025
 def weight_ops():
     "transformers' `core_model_loading`: `WeightConverter`, `MergeModulelist`, `Concatenate`, ..."
-    try:
-        import transformers.core_model_loading as m
-    except ImportError as e:
-        raise UpstreamChanged('transformers.core_model_loading', 'no such module; the window starts at 5.19') from e
-    return m
+    import importlib
+
+    reach('core_model_loading.WeightConverter')  # `UpstreamChanged`, naming it, where the module or its class moved
+    return importlib.import_module('transformers.core_model_loading')
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0029
 def cache_classes() -> tuple:
     "(Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache) of `transformers.cache_utils`."
-    from transformers import cache_utils as c
-
-    return c.Cache, c.CacheLayerMixin, c.DynamicLayer, c.EncoderDecoderCache
+    return tuple(reach(f'cache_utils.{n}') for n in ('Cache', 'CacheLayerMixin', 'DynamicLayer', 'EncoderDecoderCache'))
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0031a
 def output_cache(out):
@@ -137,9 +145,7 @@ def fp8_grid_dequantize(
     dtype=torch.bfloat16,  # what it returns
 ) -> torch.Tensor:
     "`w` dequantized by transformers' load-time `Fp8Dequantize`, its block taken from the scale grid."
-    from transformers.integrations import finegrained_fp8 as fp8
-
-    return fp8.Fp8Dequantize(None)._dequantize_one(w, s, dtype)
+    return reach('integrations.finegrained_fp8.Fp8Dequantize')(None)._dequantize_one(w, s, dtype)
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0036
 def mxfp4_dequantize_reference(
@@ -148,27 +154,19 @@ def mxfp4_dequantize_reference(
     dtype=torch.bfloat16,  # what it returns
 ) -> torch.Tensor:
     "gpt-oss's MXFP4 experts dequantized by transformers' `convert_moe_packed_tensors`."
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+    return reach('integrations.mxfp4.convert_moe_packed_tensors')(blocks, scales, dtype=dtype)
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0037
 def fp4_values() -> list:
     "The 16 FP4 (E2M1) values transformers' MXFP4 integration decodes codes to."
-    from transformers.integrations.mxfp4 import FP4_VALUES
-
-    return list(FP4_VALUES)
+    return list(reach('integrations.mxfp4.FP4_VALUES'))
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0041
 def gguf_config_mappings() -> tuple:
     "(GGUF_CONFIG_MAPPING, GGUF_CONFIG_DEFAULTS_MAPPING) of transformers' GGUF integration."
-    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-
-    return GGUF_CONFIG_MAPPING, GGUF_CONFIG_DEFAULTS_MAPPING
+    return reach('integrations.GGUF_CONFIG_MAPPING'), reach('integrations.GGUF_CONFIG_DEFAULTS_MAPPING')
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0042
 def gguf_reverse_permute(w, n_head: int, n_kv: int | None = None):
     "numpy `w` with llama.cpp's q/k row permutation undone by transformers' `LlamaTensorProcessor`."
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
-
-    return LlamaTensorProcessor()._reverse_permute_weights(w, n_head, n_kv)
+    return reach('modeling_gguf_pytorch_utils.LlamaTensorProcessor')()._reverse_permute_weights(w, n_head, n_kv)
