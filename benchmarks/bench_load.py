@@ -118,11 +118,12 @@ def _build(name: str):
 
     def synth(tmp):
         from transformers import LlamaConfig, LlamaForCausalLM
+        from mstar_utils.upstream import build_model
 
         torch.manual_seed(0)
-        LlamaForCausalLM._from_config(
-            LlamaConfig(**SYNTH_CONFIG, dtype='bfloat16'), dtype=torch.bfloat16
-        ).save_pretrained(tmp, max_shard_size=SYNTH_SHARD)
+        build_model(LlamaForCausalLM, LlamaConfig(**SYNTH_CONFIG, dtype='bfloat16'), torch.bfloat16).save_pretrained(
+            tmp, max_shard_size=SYNTH_SHARD
+        )
 
     def many(tmp):
         from safetensors.torch import save_file

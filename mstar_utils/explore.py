@@ -24,6 +24,7 @@ import xxhash
 from .sources import read_header, read_weight_map, FileSource, INDEX_FILE, checkpoint_dir as checkpoint_dir_
 from .quantized import quantized_tensors, quantized_source
 from .tensor_parallel import plans_for, tp_plan
+from .upstream import unexpected_key_patterns
 from .loading import named_tensors
 from .convert import listed
 
@@ -589,7 +590,7 @@ def _slots(model) -> list:
 # %% ../nbs/12b_explore.ipynb #c12010
 def _unexpected_findings(model, src, names: set, findings: list):
     "A warning for each key of `src` that no tensor of `model` (`names`), buffer or ignore pattern takes."
-    pats = [re.compile(p) for p in getattr(model, '_keys_to_ignore_on_load_unexpected', None) or []]
+    pats = unexpected_key_patterns(model)
     buffers = {n for n, _ in model.named_buffers()}
     for k in src.keys():  # noqa: SIM118 (a source has no __iter__)
         if k not in names and k not in buffers and not any(p.search(k) for p in pats):

@@ -305,6 +305,8 @@ def _config_from_dict(d: dict, where: str):
     "transformers' config of `d['model_type']` built from `d`, defaults filling the rest; `ValueError` naming `where`."
     from transformers import CONFIG_MAPPING
 
+    from mstar_utils.upstream import decode_special_floats
+
     if not isinstance(d, dict):
         raise ValueError(f'{where} holds a JSON {type(d).__name__}, expected an object')
     model_type = d.get('model_type')
@@ -316,7 +318,7 @@ def _config_from_dict(d: dict, where: str):
         raise ValueError(f'{where}: model_type {model_type!r} is not one transformers knows')
     cls = CONFIG_MAPPING[model_type]
     # save_pretrained writes inf as {'__float__': 'Infinity'}
-    d = getattr(cls, '_decode_special_floats', lambda d: d)(d)
+    d = decode_special_floats(cls, d)
     try:
         return cls.from_dict(d)
     except (AttributeError, TypeError, ValueError) as e:

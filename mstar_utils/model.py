@@ -37,11 +37,15 @@ from mstar_utils.tensor_parallel import (
     replication_warning,
 )
 from mstar_utils.upstream import (
+    build_model,
     checkpoint_conversions,
     dtype_plan,
+    mark_initialized,
     model_renamings,
     no_init_weights,
     rename_key,
+    tied_weights_keys,
+    unexpected_key_patterns,
     weight_ops,
 )
 
@@ -139,9 +143,7 @@ def build_on_meta(
     dtype = dtype or getattr(config, 'dtype', None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = meta_module(
-        lambda: cls._from_config(config, dtype=dtype) if hasattr(cls, '_from_config') else cls(config).to(dtype)
-    )
+    model = meta_module(lambda: build_model(cls, config, dtype))
     with torch.device('meta'):
         for n in _fp32_names(model, dtype):
             _to_fp32(model, n)
@@ -254,7 +256,7 @@ _log = logging.getLogger('mstar_utils.model')
 
 def _report_unexpected(model, keys: list, where, strict: bool):
     "Warn (`ValueError` if `strict`) about checkpoint `keys` no parameter took, less those the class ignores."
-    pats = [re.compile(p) for p in getattr(model, '_keys_to_ignore_on_load_unexpected', None) or []]
+    pats = unexpected_key_patterns(model)
     buffers = {n for n, _ in model.named_buffers()}  # a checkpoint may hold a buffer the class computes (position_ids)
     keys = [k for k in keys if k not in buffers and not any(p.search(k) for p in pats)]
     if not keys:
@@ -317,7 +319,7 @@ def _retie_equal(
 ) -> list[str]:
     "Tie each untied name to its kept one again where the values are equal; returns the names left untied."
     # Where they differ, it warns and drops the tie from `all_tied_weights_keys`, as `from_pretrained` does.
-    left, tied = [], getattr(model, 'all_tied_weights_keys', None)
+    left, tied = [], tied_weights_keys(model)
     for kept, n in pairs:
         a, b = model.get_parameter(kept), model.get_parameter(n)
         owner, _, leaf = n.rpartition('.')
@@ -374,9 +376,9 @@ def _initialize_unloaded(
     loaded = set(loaded)
     for n, t, _ in named_tensors(model):
         if n in loaded:
-            t._is_hf_initialized = True
+            mark_initialized(t)
     for m in model.modules():
-        m.__dict__.pop('_is_hf_initialized', None)  # set by the build's own initialization, which would skip them all
+        mark_initialized(m, False)  # set by the build's own initialization, which would skip them all
     with torch.no_grad():
         init()
 

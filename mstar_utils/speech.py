@@ -395,6 +395,8 @@ class _Rules:
         timestamps: bool,  # apply the timestamp rules
         vocab: int,  # the logits' width
     ):
+        from mstar_utils.upstream import detect_timestamp_from_logprob
+
         def index(ids):  # the ids inside the vocabulary, as `index_fill_` takes them (isin ignores the others)
             return None if ids is None else torch.tensor(sorted({i for i in ids if 0 <= i < vocab}), dtype=torch.long)
 
@@ -402,7 +404,7 @@ class _Rules:
         self.timestamps, self.nt, self.tb = timestamps, gc.no_timestamps_token_id, gc.no_timestamps_token_id + 1
         self.eos = gc.eos_token_id or gc.bos_token_id  # as WhisperTimeStampLogitsProcessor
         self.max_initial = getattr(gc, 'max_initial_timestamp_index', None)
-        self.logprob = getattr(gc, '_detect_timestamp_from_logprob', True)
+        self.logprob = detect_timestamp_from_logprob(gc)
 
 # %% ../nbs/11_speech.ipynb #e7a1c0d2
 @patch

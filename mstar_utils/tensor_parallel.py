@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from .sources import Source, WrappedSource, checkpoint_source, default_threads
-from .upstream import config_ep_plan, config_tp_plan
+from .upstream import config_ep_plan, config_tp_plan, set_expert_parallel
 from .convert import MergeModulelist, Concatenate, converted_source
 from mstar_utils.loading import (
     ModuleAndPrefix,
@@ -819,7 +819,7 @@ def _expert_dispatch(m, sharding, sl, group):
     # tokens routed elsewhere get its skip index `num_experts` and weight 0.
     lo, hi = _split(sl, m, 'expert_dispatch').ranges[0]
     for e in {m, m.inner} if isinstance(m, QuantizedExperts) else (m,):  # a kept one runs its inner module
-        e.num_experts, e._is_expert_parallel = hi - lo, True  # transformers' kernels then mask the skip index
+        set_expert_parallel(e, hi - lo)  # transformers' kernels then mask the skip index
 
     def pre(mod, args):
         if len(args) < 3:

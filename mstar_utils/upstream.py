@@ -10,9 +10,11 @@ import torch
 
 # %% auto #0
 __all__ = ['transformers_version', 'UpstreamChanged', 'reach', 'config_tp_plan', 'config_ep_plan', 'dtype_plan',
-           'no_init_weights', 'checkpoint_conversions', 'model_renamings', 'rename_key', 'weight_ops', 'cache_classes',
-           'output_cache', 'fp8_dequantize_reference', 'fp8_grid_dequantize', 'mxfp4_dequantize_reference',
-           'fp4_values', 'gguf_config_mappings', 'gguf_reverse_permute']
+           'no_init_weights', 'build_model', 'unexpected_key_patterns', 'tied_weights_keys', 'mark_initialized',
+           'decode_special_floats', 'set_expert_parallel', 'detect_timestamp_from_logprob', 'checkpoint_conversions',
+           'model_renamings', 'rename_key', 'weight_ops', 'cache_classes', 'output_cache', 'fp8_dequantize_reference',
+           'fp8_grid_dequantize', 'mxfp4_dequantize_reference', 'fp4_values', 'gguf_config_mappings',
+           'gguf_reverse_permute']
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0006
 def transformers_version() -> str:
@@ -68,6 +70,54 @@ def no_init_weights():
     except ImportError:
         return nullcontext()
     return ctx()
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0020b
+def build_model(cls, config, dtype):
+    "`cls._from_config(config, dtype=dtype)` (sub-configs' dtypes honoured), else `cls(config)` cast."
+    if hasattr(cls, '_from_config'):
+        return cls._from_config(config, dtype=dtype)
+    return cls(config).to(dtype)
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0020c
+def unexpected_key_patterns(model) -> list:
+    "`model`'s `_keys_to_ignore_on_load_unexpected`, compiled: keys `from_pretrained` ignores."
+    import re
+
+    return [re.compile(p) for p in getattr(model, '_keys_to_ignore_on_load_unexpected', None) or []]
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0020d
+def tied_weights_keys(model) -> dict | None:
+    "`model.all_tied_weights_keys`, {tied name: the name it follows}, or None in a release without it."
+    return getattr(model, 'all_tied_weights_keys', None)
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0020g
+def mark_initialized(
+    t,  # a tensor or a module
+    done: bool = True,  # False: clear the mark
+):
+    "Set (or clear) `_is_hf_initialized`, the mark transformers' weight initialization skips."
+    if done:
+        t._is_hf_initialized = True
+    else:
+        t.__dict__.pop('_is_hf_initialized', None)
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0020h
+def decode_special_floats(cls, d: dict) -> dict:
+    "Config dict `d` with save_pretrained's {'__float__': 'Infinity'} made floats, as `cls` reads it."
+    return getattr(cls, '_decode_special_floats', lambda d: d)(d)
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0020i
+def set_expert_parallel(
+    experts,  # a transformers experts module
+    n_local: int,  # the experts this rank holds
+):
+    "Tell `experts` it holds `n_local` experts of a group, so its kernels mask the skip index."
+    experts.num_experts, experts._is_expert_parallel = n_local, True
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0020k
+def detect_timestamp_from_logprob(gc) -> bool:
+    "Whisper config `gc`'s `_detect_timestamp_from_logprob`: a timestamp wins on its summed logprob."
+    return getattr(gc, '_detect_timestamp_from_logprob', True)
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0022
 def checkpoint_conversions(model_type: str) -> list:

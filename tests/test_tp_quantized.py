@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mstar_utils.tensor_parallel import Sharding, take, _dim_for, TP_STYLES, WHOLE
+from mstar_utils.upstream import build_model
 from mstar_utils.testing import (
     assert_tensors_equal,
     run_ranks,
@@ -142,7 +143,9 @@ def _model(name: str):
 
     torch.manual_seed(0)
     cls = tf.LlavaForConditionalGeneration if name == 'llava' else tf.AutoModelForCausalLM
-    return (cls._from_config if name == 'llava' else cls.from_config)(configs()[name], dtype=torch.float32)
+    if name == 'llava':
+        return build_model(cls, configs()[name], torch.float32)
+    return cls.from_config(configs()[name], dtype=torch.float32)
 
 
 def write(name: str, fmt: str, dest: Path) -> Path:
