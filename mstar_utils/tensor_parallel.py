@@ -602,20 +602,34 @@ def _fix_sizes(m):
     elif isinstance(m, torch.nn.Embedding):
         m.num_embeddings, m.embedding_dim = m.weight.shape
 
+# %% ../nbs/07_tensor_parallel.ipynb #96ada0b2
+def _pin_expert_rows(m, path: str, sharding: Sharding, split: dict):
+    "Pin each kept expert layer's weight to its part of the fused experts' row split (`split`: the fused slices)."
+    # `_pin_kept` then cuts each layer's codes and scales to it, as for any kept Linear.
+    for n, q in m.named_modules():
+        if not isinstance(q, QuantizedLinear):
+            continue
+        pres = dict.fromkeys([m.prefix, m.stored])
+        hit = next((h for c in m.conv or [] for pre in pres if (h := c.match(f'{pre}{n}.weight'))), None)
+        fused = hit[2][len(m.prefix) :] if hit and hit[2].startswith(m.prefix) else None
+        sl = split.get(fused)
+        if sl is None or sl.dim == 0:
+            raise NotImplementedError(
+                f'{path}.{n}: a kept expert layer fused into {fused!r}, which the plan does not split by rows; '
+                'load it with quantized="dequantize", or expert_parallel=True'
+            )
+        sharding.pinned[f'{path}.{n}.weight'] = Slice(sl.dim - 1, (sl.ranges[0],))  # each packed part alike
+
 # %% ../nbs/07_tensor_parallel.ipynb #96ada0b3
 def _pin_per_expert(m, path: str, sharding: Sharding):
-    "Experts kept one at a time: under expert parallelism a rank keeps its experts' layers whole, drops the others."
+    "Experts kept one at a time: split by expert, a rank keeps its experts' layers whole; by rows, their rows."
     split = {n: sharding.slice_for(f'{path}.{n}', p.shape) for n, p in m.inner.named_parameters(recurse=False)}
     split = {n: sl for n, sl in split.items() if sl.dim is not None}
     if not split:
         return
     cuts = {(sl.dim, sl.ranges) for sl in split.values()}
     if len(cuts) != 1 or next(iter(cuts))[0] != 0:
-        dims = ', '.join(f'{n} along dim {sl.dim}' for n, sl in split.items())
-        raise NotImplementedError(
-            f'{path}: experts kept quantized one expert at a time are cut by expert only '
-            f'(expert_parallel=True); the plan splits {dims}: load them with quantized="dequantize"'
-        )
+        return _pin_expert_rows(m, path, sharding, split)
     ((lo, hi),) = next(iter(cuts))[1]
     gone = [k for k in m._modules if k.isdigit() and not lo <= int(k) < hi]
     for k in gone:
