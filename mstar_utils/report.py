@@ -217,6 +217,7 @@ def generate_reply(
     from transformers import AutoTokenizer, DynamicCache
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.model import load_model
+    from mstar_utils.upstream import cache_arg
 
     ckpt = _require_checkpoint(checkpoint_dir)
     check_can_answer(ckpt)
@@ -231,7 +232,7 @@ def generate_reply(
     with torch.no_grad():
         for _ in range(max_new_tokens):
             nxt = (
-                model(input_ids=step_in, cache=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=step_in, **{cache_arg(model): cache}, use_cache=True, logits_to_keep=1)
                 .logits[0, -1]
                 .argmax()
                 .reshape(1)

@@ -4,7 +4,6 @@
 
 # %% ../nbs/11_speech.ipynb #b83f9725
 from __future__ import annotations
-import inspect
 import json
 import math
 import queue
@@ -498,9 +497,10 @@ def _window_cache(model, max_length: int):
 # %% ../nbs/11_speech.ipynb #601215a3
 def _greedy(model, encoded: torch.Tensor, prompt: list[int], rules: _Rules, max_length: int, eos: int) -> Iterator[int]:
     "Greedy decode of one window: each new id, eos included, up to `max_length` ids with the prompt."
+    from mstar_utils.upstream import cache_arg
+
     cache = _window_cache(model, max_length)
-    params = inspect.signature(type(model).forward).parameters
-    key = 'cache' if 'cache' in params else 'past_key_values'  # renamed in 5.x
+    key = cache_arg(model)  # `past_key_values` before transformers 5.25
     dev, toks, n = encoded.device, [], len(prompt)
     step, positions = torch.tensor([prompt], device=dev), torch.arange(max_length, device=dev)
     while n < max_length:

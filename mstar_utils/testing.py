@@ -360,6 +360,8 @@ def transformers_kv_cache(
     import torch
     import transformers
 
+    from mstar_utils.upstream import output_cache
+
     torch.manual_seed(0)
     if config.is_encoder_decoder:
         model = transformers.AutoModel.from_config(config, dtype=config.dtype).eval()
@@ -370,7 +372,7 @@ def transformers_kv_cache(
         inputs = dict(input_ids=torch.arange(tokens)[None])
     with torch.no_grad():
         out = model(**inputs, use_cache=True)
-    return out.cache if 'cache' in out else out.past_key_values
+    return output_cache(out)
 
 # %% ../nbs/98_testing.ipynb #e0aa82ca
 def cache_layer_bytes(cache) -> list[tuple[str, int]]:

@@ -12,9 +12,9 @@ import torch
 __all__ = ['transformers_version', 'UpstreamChanged', 'reach', 'config_tp_plan', 'config_ep_plan', 'dtype_plan',
            'no_init_weights', 'build_model', 'unexpected_key_patterns', 'tied_weights_keys', 'mark_initialized',
            'decode_special_floats', 'set_expert_parallel', 'detect_timestamp_from_logprob', 'checkpoint_conversions',
-           'model_renamings', 'rename_key', 'weight_ops', 'cache_classes', 'output_cache', 'fp8_dequantize_reference',
-           'fp8_grid_dequantize', 'mxfp4_dequantize_reference', 'fp4_values', 'gguf_config_mappings',
-           'gguf_reverse_permute']
+           'model_renamings', 'rename_key', 'weight_ops', 'cache_classes', 'output_cache', 'cache_arg',
+           'fp8_dequantize_reference', 'fp8_grid_dequantize', 'mxfp4_dequantize_reference', 'fp4_values',
+           'gguf_config_mappings', 'gguf_reverse_permute']
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0006
 def transformers_version() -> str:
@@ -164,6 +164,13 @@ def output_cache(out):
         if get(name, None) is not None:
             return get(name, None)
     return None
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0031d
+def cache_arg(model) -> str:
+    "The keyword `model`'s forward takes its KV cache by: `cache` (5.25) or `past_key_values` (5.19)."
+    import inspect
+
+    return 'cache' if 'cache' in inspect.signature(type(model).forward).parameters else 'past_key_values'
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0033
 def fp8_dequantize_reference(

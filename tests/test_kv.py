@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import torch
 import transformers
+from mstar_utils.upstream import output_cache
 from mstar_utils import kv
 from mstar_utils import kv_figures as kf
 from mstar_utils.kv import (
@@ -510,7 +511,7 @@ def test_smollm2_bytes_per_token_match_transformers():
     lm = transformers.AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
     with torch.no_grad():
         out = lm(torch.arange(5)[None], use_cache=True)
-    ref = sum(b for _, b in cache_layer_bytes(out.cache if 'cache' in out else out.past_key_values)) / 5
+    ref = sum(b for _, b in cache_layer_bytes(output_cache(out))) / 5
     assert kv_bytes_per_token(ck) == kv_bytes_per_token(ck / 'config.json') == kv_bytes_per_token(lm.config) == ref
     assert kv_bytes_per_token(json.loads((ck / 'config.json').read_text())) == ref
     assert kv.kv_page_bytes(ck, 16) == 16 * ref and kv_fixed_bytes_per_request(ck) == 0
@@ -556,7 +557,7 @@ def test_random_models_bytes_per_token_match_transformers(arch, kwargs, dtype):
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
     with torch.no_grad():
         out = model(torch.arange(5)[None], use_cache=True)
-    ref = sum(b for _, b in cache_layer_bytes(out.cache if 'cache' in out else out.past_key_values)) / 5
+    ref = sum(b for _, b in cache_layer_bytes(output_cache(out))) / 5
     assert kv_bytes_per_token(model.config, dtype) == ref
     assert kv_bytes_per_token(cfg.to_dict(), dtype) == ref  # GPT-2's n_layer resolves through GPT2Config
 
@@ -758,7 +759,7 @@ def test_mllama_cross_attention_holds_one_image():
             cross_attention_mask=torch.ones(1, 9, 1, 4, dtype=torch.long),
             use_cache=True,
         )
-    theirs = [b for _, b in cache_layer_bytes(out.past_key_values)]
+    theirs = [b for _, b in cache_layer_bytes(output_cache(out))]
     g = kv_geometry(cfg)
     assert [layer.kind for layer in g.layers] == [
         'full_attention',

@@ -95,6 +95,7 @@ INTERNAL = re.compile(
     r'|all_tied_weights_keys|_is_hf_initialized|_is_expert_parallel)\b'
     r"|'(?:_keys_to_ignore_on_load_unexpected|_decode_special_floats|_detect_timestamp_from_logprob|_from_config"
     r"|_is_hf_initialized|all_tied_weights_keys)'"
+    r'|\.past_key_values\b'  # the cache's name out of a forward changed in 5.25 (`output_cache`)
 )
 
 
