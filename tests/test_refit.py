@@ -269,3 +269,18 @@ def test_plan_needed_to_stream(ckpts):
     a, b = ckpts['llama']
     with pytest.raises(TypeError, match='pass plan=refit_plan'):
         refit(load_model(a), iter(weights(b).items()))
+
+
+def test_gguf(tmp_path):
+    "A GGUF model refits in dequantized form; keeping GGUF blocks is refused, naming the format and a key."
+    from mstar_utils.testing import write_gguf_checkpoint
+
+    qt = {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'}
+    fa, fb = (write_gguf_checkpoint(tmp_path / f'{s}.gguf', qt, seed=s) for s in (0, 1))
+    served, fresh = load_model(fa), load_model(fb)
+    before = storage(served)
+    refit(served, {k: v.clone() for k, v in fresh.state_dict().items()})
+    assert differing(served, fresh) == [] and moved(before, served) == []
+    kept = load_model(fa, quantized='keep')
+    with pytest.raises(ValueError, match="keeps GGUF codes.*'model.embed_tokens.weight'"):
+        refit_plan(kept, {'model.embed_tokens.weight': torch.zeros(1)})
