@@ -284,3 +284,15 @@ def test_gguf(tmp_path):
     kept = load_model(fa, quantized='keep')
     with pytest.raises(ValueError, match="keeps GGUF codes.*'model.embed_tokens.weight'"):
         refit_plan(kept, {'model.embed_tokens.weight': torch.zeros(1)})
+
+
+def test_a_layout_the_model_does_not_hold_is_refused(ckpts):
+    "NeMo-RL #3659: bytes in another layout streamed over the model's; refused before anything is written."
+    a, b = ckpts['olmoe']
+    served, new = load_model(a), load_model(b).state_dict()
+    k = 'model.layers.0.mlp.experts.down_proj'
+    bad = {**new, k: new[k].transpose(1, 2).contiguous()}  # [E, I, H] against the model's [E, H, I]
+    before = storage(served)
+    with pytest.raises(ValueError, match="make 'model.layers.0.mlp.experts.down_proj'.*the layout save_pretrained"):
+        refit(served, bad)
+    assert moved(before, served) == [] and differing(served, load_model(a)) == []
