@@ -53,7 +53,7 @@ from mstar_utils.upstream import (
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
            'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
            'model_dtype', 'TPOptions', 'LoadOptions', 'start_reads', 'model_source', 'load_model', 'load_model_sharded',
-           'load_gguf_model', 'PlannedTensor', 'FileReads', 'LoadPlan', 'load_plan']
+           'load_gguf_model', 'PlannedTensor', 'FileReads', 'LoadPlan', 'lineage', 'load_plan']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -945,6 +945,15 @@ def _lineage(src, k: str, steps: list) -> list:
     for op in dict.fromkeys(reversed(ops)):  # innermost first
         steps.append(f'{"dequantize" if hasattr(op, "target_dtype") else "fuse"} {op!r}')
     return keys
+
+# %% ../nbs/03_load_model.ipynb #326b3598
+def lineage(
+    src,  # a loader source keyed by the model's names (`model_source`), wrappers and all
+    k: str,  # one of its keys
+) -> tuple[list, list]:
+    "(the bottom keys of `src` key `k` is read from, its transforms innermost first), as `load_plan` has."
+    steps = []
+    return _lineage(src, k, steps), steps
 
 # %% ../nbs/03_load_model.ipynb #31e258af
 def _by_path(reads: list) -> dict:

@@ -1,0 +1,298 @@
+"""refit: a model loaded from checkpoint A and refit with weights B equals `load_model` of checkpoint B, tensor for
+tensor, with its logits, and no tensor changes storage; public refit bugs as small tests. MSTAR_UTILS_SLOW=1 runs
+the bigger matrix (SmolLM2, more architectures and ranks)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards
+from mstar_utils.mla import MLAAttention
+from mstar_utils.model import load_model
+from mstar_utils.refit import differing, moved, refit, refit_plan, storage
+from mstar_utils.sources import checkpoint_source
+from mstar_utils.testing import MLA_CONFIG, save_mla_checkpoint, save_tiny, tiny_model, write_fp8_checkpoint
+
+SLOW = pytest.mark.skipif(not os.environ.get('MSTAR_UTILS_SLOW'), reason='bigger refit matrix: set MSTAR_UTILS_SLOW=1')
+
+
+def weights(folder) -> dict:
+    src = checkpoint_source(folder)
+    try:
+        return {k: src.get(k).clone() for k in src.keys()}  # noqa: SIM118 (a source has no __iter__)
+    finally:
+        src.close()
+
+
+def tiny_llama(folder, seed: int):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope='module')
+def ckpts(tmp_path_factory):
+    "Checkpoint pairs (A, B) of tiny real architectures: two seeds, as two training steps."
+    root = tmp_path_factory.mktemp('refit')
+    out = {'llama': (tiny_llama(root / 'llama_a', 0), tiny_llama(root / 'llama_b', 1))}
+    for name in ('qwen2', 'qwen3_moe', 'olmoe'):
+        out[name] = tuple(save_tiny(name, root / f'{name}_{s}', seed=s) for s in (0, 1))
+    return out
+
+
+def check_refit(a, b, **kw):
+    "Load A (at a rank), refit with B's tensors, compare with load_model(B): every tensor, storage, logits."
+    served = load_model(a, **kw)
+    before = storage(served)
+    plan = refit_plan(served, weights(b))
+    items = list(weights(b).items())[::-1]  # any order, buckets of three
+    refit(served, [items[i : i + 3] for i in range(0, len(items), 3)], plan)
+    fresh = load_model(b, **kw)
+    assert differing(served, fresh) == []
+    assert moved(before, served) == []
+    if kw.get('world_size', 1) == 1:
+        x = torch.tensor([[1, 2, 3, 4, 5]])
+        with torch.no_grad():
+            assert torch.equal(served(x).logits, fresh(x).logits)
+    return served, plan
+
+
+@pytest.mark.parametrize(
+    'name,kw',
+    [
+        ('llama', {}),
+        ('llama', dict(rank=1, world_size=2)),
+        ('qwen3_moe', {}),
+        ('qwen3_moe', dict(rank=1, world_size=2, expert_parallel=True)),
+        ('olmoe', {}),
+    ],
+)
+def test_refit_equals_a_fresh_load(ckpts, name, kw):
+    check_refit(*ckpts[name], **kw)
+
+
+@SLOW
+@pytest.mark.parametrize(
+    'name,kw',
+    [
+        ('qwen2', {}),
+        ('qwen2', dict(rank=0, world_size=2)),
+        ('llama', dict(rank=0, world_size=2)),
+        ('qwen3_moe', dict(rank=0, world_size=2)),
+        ('qwen3_moe', dict(rank=3, world_size=4, expert_parallel=True)),
+        ('olmoe', dict(rank=1, world_size=2)),
+        ('olmoe', dict(rank=2, world_size=4, expert_parallel=True)),
+        ('llama', dict(dtype=torch.float32)),
+    ],
+)
+def test_refit_matrix(ckpts, name, kw):
+    check_refit(*ckpts[name], **kw)
+
+
+@SLOW
+@pytest.mark.parametrize('kw', [{}, dict(rank=1, world_size=2)])
+def test_smollm2_refit(smol_ckpt, tmp_path, kw):
+    "SmolLM2, refit with its weights moved as by a training step, equals a fresh load of those weights."
+    new = {k: (v.float() * 1.01 + 1e-3).to(v.dtype) for k, v in weights(smol_ckpt).items()}
+    b = tmp_path / 'b'
+    b.mkdir()
+    (b / 'config.json').write_text((smol_ckpt / 'config.json').read_text())
+    save_file(new, str(b / 'model.safetensors'), metadata={'format': 'pt'})
+    check_refit(smol_ckpt, b, **kw)
+
+
+def test_verify_checks_against_a_fresh_load(ckpts):
+    a, b = ckpts['qwen2']
+    served = load_model(a)
+    refit(served, weights(b), verify=True)
+    assert differing(served, load_model(b)) == []
+
+
+def test_plan_dumps_json_and_names_steps(ckpts):
+    a, b = ckpts['qwen3_moe']
+    plan = refit_plan(load_model(a, rank=1, world_size=2, expert_parallel=True), weights(b))
+    d = json.loads(plan.to_json())
+    gu = next(r for r in d['routes'] if r['target'] == 'model.layers.0.mlp.experts.gate_up_proj')
+    assert gu['slice'] == {'dim': 0, 'ranges': [[8, 16]]} and any(s.startswith('fuse') for s in gu['steps'])
+    assert len(gu['keys']) == 16  # rank 1's 8 experts, gate and up
+    assert 'model.layers.0.mlp.experts.0.gate_proj.weight' in d['skipped']  # rank 0's expert
+    assert 'RefitPlan(' in repr(plan)
+
+
+def test_fused_parts_written_not_zero(ckpts):
+    "prime-rl #3451: fused tensors written as zeros. A copy by name leaves the fused experts stale; refit fills them."
+    a, b = ckpts['qwen3_moe']
+    naive, new = load_model(a), weights(b)
+    sd = naive.state_dict()
+    with torch.no_grad():
+        for k, v in new.items():
+            if k in sd:
+                sd[k].copy_(v)
+    fresh = load_model(b)
+    assert 'model.layers.0.mlp.experts.gate_up_proj' in differing(naive, fresh)
+    refit(naive, new)
+    gu = naive.model.layers[0].mlp.experts.gate_up_proj
+    assert differing(naive, fresh) == [] and gu.abs().amax(dim=(1, 2)).min() > 0
+
+
+def test_stacked_experts_accepted(ckpts, tmp_path):
+    "NeMo-RL #3403: a trainer that sends experts stacked 3-D, under the model's fused names, is taken, at every rank."
+    a, b = ckpts['olmoe']
+    fused = load_model(b).state_dict()  # the stacked experts, as the model holds them
+    sent = {k: v for k, v in fused.items() if k != 'lm_head.weight' or 'lm_head.weight' in weights(b)}
+    for kw in ({}, dict(rank=1, world_size=2)):
+        served = load_model(a, **kw)
+        refit(served, sent)
+        assert differing(served, load_model(b, **kw)) == []
+
+
+def test_unknown_name_is_an_error(ckpts):
+    "verl-omni #636: a name the receiver cannot place is an error listing it, not a warning; nothing moves."
+    a, b = ckpts['llama']
+    served, new = load_model(a), weights(b)
+    before = storage(served)
+    with pytest.raises(KeyError, match='model.layers.7.mlp.up_proj.weight'):
+        refit_plan(served, {**new, 'model.layers.7.mlp.up_proj.weight': new['model.norm.weight']})
+    plan = refit_plan(served, new)
+    with pytest.raises(KeyError, match='not in the refit plan'):
+        refit(served, [('model.layers.7.mlp.up_proj.weight', new['model.norm.weight'])], plan)
+    with pytest.raises(KeyError, match='got nothing'):
+        refit(served, [('model.norm.weight', new['model.norm.weight'])], plan)
+    assert moved(before, served) == []
+
+
+def test_partial_update(ckpts):
+    a, b = ckpts['qwen3_moe']
+    served, new = load_model(a), weights(b)
+    experts = {k: v for k, v in new.items() if '.experts.' in k}
+    refit(served, experts, partial=True)
+    fresh, old = load_model(b), load_model(a)
+    assert [n for n in differing(served, fresh) if '.experts.' in n] == []
+    assert [n for n in differing(served, old) if '.experts.' not in n] == []
+    with pytest.raises(ValueError, match='no key matches source pattern'):  # half a fused tensor: never partial
+        refit(served, {k: v for k, v in experts.items() if 'gate_proj' in k}, partial=True)
+
+
+def mla(q_lora_rank=24):
+    c = MLA_CONFIG
+    return MLAAttention(
+        c['hidden_size'],
+        c['num_attention_heads'],
+        c['kv_lora_rank'],
+        c['qk_nope_head_dim'],
+        c['qk_rope_head_dim'],
+        c['v_head_dim'],
+        q_lora_rank=q_lora_rank,
+    )
+
+
+def test_mla_absorbed_weights_rebuilt_in_place(tmp_path):
+    "sglang #30749: w_kc/w_vc rebuilt from stale values. A naive copy leaves them stale; refit rebuilds them in place."
+    a = save_mla_checkpoint(tmp_path / 'a')
+    prefix = 'model.layers.0.self_attn.'
+    att = mla()
+    load_weights_from_hf_shards(a, [ModuleAndPrefix(att, prefix)])
+    att.process_weights_after_loading('cpu')
+    sent = {k: v * 1.5 for k, v in weights(a).items() if k.startswith(prefix)}
+    ref = mla()
+    ref.load_state_dict({k.removeprefix(prefix): v for k, v in sent.items()})
+    ref.process_weights_after_loading('cpu')
+    naive = mla()
+    naive.load_state_dict(att.state_dict())
+    naive.process_weights_after_loading('cpu')
+    with torch.no_grad():
+        naive.kv_b_proj.weight.copy_(sent[prefix + 'kv_b_proj.weight'])
+    assert 'w_kc' in differing(naive, ref)  # what a copy without the rebuild serves
+    before, w_kc = storage([ModuleAndPrefix(att, prefix)]), att.w_kc
+    plan = refit([ModuleAndPrefix(att, prefix)], sent, verify=True)
+    assert att.w_kc is w_kc and moved(before, [ModuleAndPrefix(att, prefix)]) == []
+    assert differing(att, ref) == []
+    assert any('process_weights_after_loading' in s for s in plan.lands_in(prefix + 'kv_b_proj.weight')[0].stale)
+
+
+def fp8_reference(model, dest, block):
+    "`model` saved with its projections quantized by transformers' own fine-grained fp8 quantizer (`Fp8Quantize`)."
+    from types import SimpleNamespace
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=list(block))))
+    model.save_pretrained(dest)
+    out = {}
+    for k, v in weights(dest).items():
+        out.update(op.convert({k: v}) if '_proj.weight' in k else {k: v})
+    cfg = json.loads((dest / 'config.json').read_text())
+    cfg['quantization_config'] = {'quant_method': 'fp8', 'weight_block_size': list(block)}
+    (dest / 'config.json').write_text(json.dumps(cfg))
+    (dest / 'model.safetensors').unlink()
+    save_file(out, str(dest / 'model.safetensors'), metadata={'format': 'pt'})
+    return dest
+
+
+@pytest.mark.parametrize('kw', [{}, pytest.param(dict(rank=1, world_size=2), marks=SLOW)])
+def test_kept_fp8_requantized_as_transformers_does(tmp_path, kw):
+    "Kept fp8 block codes: the refit equals load_model(keep) of B quantized by transformers' own quantizer."
+    a = write_fp8_checkpoint(tiny_model('qwen2', seed=0), tmp_path / 'a', block=(16, 16))
+    trainer = tiny_model('qwen2', dtype=torch.bfloat16, seed=1)
+    b = fp8_reference(trainer, tmp_path / 'b', (16, 16))
+    served = load_model(a, quantized='keep', **kw)
+    before = storage(served)
+    refit(served, trainer.state_dict())
+    fresh = load_model(b, quantized='keep', **kw)
+    assert differing(served, fresh) == [] and moved(before, served) == []
+    assert served.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn
+
+
+def test_formats_without_a_quantizer_are_refused(tmp_path):
+    from mstar_utils.testing import write_quantized_checkpoint
+
+    ct = load_model(write_quantized_checkpoint('ct_pack', tmp_path / 'ct'), quantized='keep')
+    with pytest.raises(ValueError, match='keeps compressed-tensors codes.*quantized=.dequantize'):
+        refit_plan(ct, {'model.norm.weight': torch.zeros(1)})
+
+
+def test_plan_needed_to_stream(ckpts):
+    a, b = ckpts['llama']
+    with pytest.raises(TypeError, match='pass plan=refit_plan'):
+        refit(load_model(a), iter(weights(b).items()))
+
+
+def test_gguf(tmp_path):
+    "A GGUF model refits in dequantized form; keeping GGUF blocks is refused, naming the format and a key."
+    from mstar_utils.testing import write_gguf_checkpoint
+
+    qt = {'attn': 'Q8_0', 'ffn': 'Q4_K', 'output': 'Q4_K', 'token_embd': 'Q8_0'}
+    fa, fb = (write_gguf_checkpoint(tmp_path / f'{s}.gguf', qt, seed=s) for s in (0, 1))
+    served, fresh = load_model(fa), load_model(fb)
+    before = storage(served)
+    refit(served, {k: v.clone() for k, v in fresh.state_dict().items()})
+    assert differing(served, fresh) == [] and moved(before, served) == []
+    kept = load_model(fa, quantized='keep')
+    with pytest.raises(ValueError, match="keeps GGUF codes.*'model.embed_tokens.weight'"):
+        refit_plan(kept, {'model.embed_tokens.weight': torch.zeros(1)})
+
+
+def test_a_layout_the_model_does_not_hold_is_refused(ckpts):
+    "NeMo-RL #3659: bytes in another layout streamed over the model's; refused before anything is written."
+    a, b = ckpts['olmoe']
+    served, new = load_model(a), load_model(b).state_dict()
+    k = 'model.layers.0.mlp.experts.down_proj'
+    bad = {**new, k: new[k].transpose(1, 2).contiguous()}  # [E, I, H] against the model's [E, H, I]
+    before = storage(served)
+    with pytest.raises(ValueError, match="make 'model.layers.0.mlp.experts.down_proj'.*the layout save_pretrained"):
+        refit(served, bad)
+    assert moved(before, served) == [] and differing(served, load_model(a)) == []
