@@ -1057,18 +1057,18 @@ def advance(
     chunk: bytes,  # the next bytes of the reply
     active: bool = True,  # False: a stop string completing here does not count (before `min_tokens`)
 ) -> _Advance:
-    "The chunk's effect: the stop string ending first in it (the longer of two ending together)"
+    "The chunk's effect: the stop string ending first in it (of two ending together, the first listed)"
     held = self.prefixes[state]
     buf = held + chunk
     if active:
         best = None
-        for s, b in self.stops:
+        for s, b in self.stops:  # in the request's order: a tie keeps the one listed first, as vLLM does
             j = buf.find(b, max(0, len(held) - len(b) + 1))  # only matches that end inside the chunk
-            if j >= 0 and (best is None or (j + len(b), j) < (best[0] + len(best[1]), best[0])):
-                best = (j, b, s)
+            if j >= 0 and (best is None or j + len(b) < best[0]):
+                best = (j + len(b), j, s)
         if best is not None:
-            j, b, s = best
-            return _Advance(0, buf[: j + len(b) if self.include else j], s)
+            end, j, s = best
+            return _Advance(0, buf[: end if self.include else j], s)
     for k in range(min(len(buf), self.longest - 1), 0, -1):
         new = self._index.get(buf[-k:])
         if new is not None:

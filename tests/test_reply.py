@@ -92,7 +92,7 @@ def reference(t, ids, stop=(), include=False, min_tokens=0, stop_ids=()):
     for s in dict.fromkeys(stop):
         b = s.encode()
         j = text.find(b, max(0, floor - len(b) + 1))
-        if j >= 0 and (best is None or (j + len(b), j) < (best[0] + len(best[1]), best[0])):
+        if j >= 0 and (best is None or j + len(b) < best[0] + len(best[1])):  # a tie: the first listed
             best = (j, b, s)
     if best is not None:
         j, b, s = best
@@ -182,6 +182,21 @@ def test_multi_token_step_ends_mid_step():
         r = text_output('qwen').reply(stop=stop, stop_token_ids=stop_ids)
         out = r.step(torch.tensor(ids))
         assert out == reference(t, ids, stop, False, 0, stop_ids)[0] and r.stopped
+
+
+def test_ties_broken_by_list_order():
+    "vLLM's test_ties_broken_by_list_order on a real tokenizer: of two stop strings ending together, the first listed."
+    t = tok('qwen')
+    assert reference(t, t.encode('ab', add_special_tokens=False), ['b', 'ab'])[:2] == (b'a', 'b')
+    for text in ('ab', 'xab yab', 'yxab'):
+        ids = t.encode(text, add_special_tokens=False)
+        for stop in (['b', 'ab'], ['ab', 'b'], ['xab', 'b'], ['b', 'xab'], ['y', 'yx']):
+            want = reference(t, ids, stop)[:2]
+            for steps in ([ids], [[i] for i in ids]):
+                r = text_output('qwen').reply(stop=stop)
+                assert (run(r, steps)[0] + r.finish(), r.stop_reason) == want, (text, stop)
+    r = text_output('qwen').reply(stop=['b', 'ab'], include_stop_str_in_output=True)
+    assert (r.step([t.encode('ab', add_special_tokens=False)[0]]), r.stop_reason) == (b'ab', 'b')
 
 
 def test_min_tokens_with_stop_string():
