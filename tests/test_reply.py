@@ -87,7 +87,9 @@ def reference(t, ids, stop=(), include=False, min_tokens=0, stop_ids=()):
     used = ids if k is None else ids[: k + 1] if include else ids[:k]
     text = decode(t, used)
     # stop strings must end past the first min_tokens
-    floor = common(decode(t, ids[:min_tokens]), text) if min_tokens else 0
+    # as vLLM's detokenizer shows them: the ids up to the last of the first min_tokens that ends a character
+    shown = max(j for j in range(min(min_tokens, len(ids)) + 1) if not t.decode(ids[:j]).endswith('\ufffd'))
+    floor = common(decode(t, ids[:shown]), text) if min_tokens else 0
     best = None
     for s in dict.fromkeys(stop):
         b = s.encode()
@@ -120,7 +122,12 @@ def check_contract(t, reply, steps, stop, include, min_tokens, stop_ids):
         seen.extend(s)
         assert final.startswith(out), (out, final)
         if not reply.stopped:
-            known = common(decode(t, seen), final)  # the part of the final reply these ids already fix
+            # the part of the final reply these ids already fix; within the first min_tokens, up to the last id that
+            # ends a character (a token ending inside one waits for the one that completes it, as vLLM shows it)
+            j = len(seen)
+            if j <= min_tokens:
+                j = max(j for j in range(j + 1) if not t.decode(seen[:j]).endswith('\ufffd'))
+            known = common(decode(t, seen[:j]), final)
             assert len(out) >= known - hold, (out, final, known, hold)
     out += reply.finish()
     assert out == final, (out, final, steps)
