@@ -1057,18 +1057,18 @@ def advance(
     chunk: bytes,  # the next bytes of the reply
     active: bool = True,  # False: a stop string completing here does not count (before `min_tokens`)
 ) -> _Advance:
-    "The chunk's effect: the stop string ending first in it (the longer of two ending together)"
+    "The chunk's effect: the stop string ending first in it (of two ending together, the first listed)"
     held = self.prefixes[state]
     buf = held + chunk
     if active:
         best = None
-        for s, b in self.stops:
+        for s, b in self.stops:  # in the request's order: a tie keeps the one listed first, as vLLM does
             j = buf.find(b, max(0, len(held) - len(b) + 1))  # only matches that end inside the chunk
-            if j >= 0 and (best is None or (j + len(b), j) < (best[0] + len(best[1]), best[0])):
-                best = (j, b, s)
+            if j >= 0 and (best is None or j + len(b) < best[0]):
+                best = (j + len(b), j, s)
         if best is not None:
-            j, b, s = best
-            return _Advance(0, buf[: j + len(b) if self.include else j], s)
+            end, j, s = best
+            return _Advance(0, buf[: end if self.include else j], s)
     for k in range(min(len(buf), self.longest - 1), 0, -1):
         new = self._index.get(buf[-k:])
         if new is not None:
@@ -1176,7 +1176,7 @@ def _setup(self: Reply, stop: list[str]):
     "The matcher and memo (shared by the requests with the same stop strings), and the chunk source for the mode."
     det = self.text_output.detokenizer
     self._matcher, self._memo = _shared(det, tuple(dict.fromkeys(stop)), self.include_stop_str_in_output, self.stop_ids)
-    self._state = 0
+    self._state, self._defer = 0, b''  # _defer: a start of the reply before min_tokens, ending inside a character
     self._window = _DecodeWindow(det) if getattr(det, 'mode', None) == 'decode' else None
     self._begun = not getattr(det, 'edges', ()) or self._window is not None  # False: decode treats the start apart
     self._start_ids = []
@@ -1187,7 +1187,8 @@ def _setup(self: Reply, stop: list[str]):
 @patch
 def _open(self: Reply):
     "Let the warm path run once the memo alone decides a step: past `min_tokens` and the start, not in `'decode'` mode."
-    ok = not (self.stopped or self.finished) and self._window is None and self._begun and self._seen >= self.min_tokens
+    ok = not (self.stopped or self.finished or self._defer) and self._window is None and self._begun
+    ok = ok and self._seen >= self.min_tokens
     self._row = self._memo[self._state] if ok else None
 
 # %% ../nbs/08_detokenize.ipynb #rp000019
@@ -1241,6 +1242,17 @@ def _release(self: Reply) -> bytes:
     self._state = 0
     return held
 
+# %% ../nbs/08_detokenize.ipynb #7fb27b941602401d91542211134fc71a
+def _mid_character(b: bytes) -> bool:
+    "True when `b` ends inside a UTF-8 character: its last lead byte wants more bytes than follow it."
+    for n in range(1, min(4, len(b)) + 1):
+        c = b[-n]
+        if c < 0x80:
+            return False
+        if c >= 0xC0:
+            return n < (2 if c < 0xE0 else 3 if c < 0xF0 else 4)
+    return False
+
 # %% ../nbs/08_detokenize.ipynb #rp000017
 @patch
 def _warm(self: Reply, ids: list) -> bytes:
@@ -1273,13 +1285,18 @@ def _step(self: Reply, ids: list[int]) -> bytes:
             break
         state, k, begun = self._state, self._seen + 1, self._begun  # k: this token's number (counted up to min_tokens)
         stop_id = i in self.stop_ids and k >= self.min_tokens
-        chunk = self._chunk(i, stop_id)
+        chunk, active = self._chunk(i, stop_id), k > self.min_tokens
         self._seen = min(k, self.min_tokens + 1)
-        out = self._match(chunk, k > self.min_tokens)
+        held = self._defer  # bytes of earlier tokens: this step's output is then not this token's alone
+        if held or not active:  # vLLM shows a token ending inside a character with the one that completes it
+            chunk, self._defer = held + chunk, b''
+            if not active and not stop_id and _mid_character(chunk):
+                chunk, self._defer = b'', chunk
+        out = self._match(chunk, active)
         if stop_id and not self.stopped:
             out, self.stopped, self.stop_reason = out + self._release(), True, i
         outs.append(out)
-        if not (stop_id or self.stopped) and begun and self._window is None and k > self.min_tokens:
+        if not (stop_id or self.stopped or held) and begun and self._window is None and k > self.min_tokens:
             self._memo[state][i] = (self._memo[self._state], out)
     self._open()
     return b''.join(outs)
@@ -1320,11 +1337,11 @@ def finish(self: Reply) -> bytes:
         return b''
     if self._row is not None:
         self._state = self._row[None]
-    rest = b''
+    rest, self._defer = self._defer, b''
     if self._window is not None:
-        rest = self._window.flush()
+        rest += self._window.flush()
     elif not self._begun:
-        rest, self._begun = self._decoded(), True
+        rest, self._begun = rest + self._decoded(), True
     out = self._match(rest, self._seen > self.min_tokens)
     if not self.stopped:
         out += self._release()

