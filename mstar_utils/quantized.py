@@ -519,16 +519,16 @@ def _unit(src, target: str, op, what: str, dropped: tuple = ()) -> QuantizedTens
             f'{what}: {have!r} ({src.dtype(have)}) belongs to quantized codes {keys[0]!r}, which are missing'
         )
     shapes, dtypes = [tuple(src.shape(k)) for k in keys], [src.dtype(k) for k in keys]
+    try:  # the dtypes first: the shapes are counted in elements of the dtype the format stores
+        op.out_dtype(dtypes)
+    except ValueError as e:
+        raise ValueError(f'{what}: {keys[getattr(op, "codes_at", 0)]!r}: {e}') from None
     bad = op.mismatch(shapes)
     if bad:
         raise ValueError(
             f'{what}: {keys[bad[1]]!r} has shape {list(shapes[bad[1]])} beside {keys[bad[0]]!r} '
             f'{list(shapes[bad[0]])}; {type(op).__name__} needs {bad[2]}'
         )
-    try:
-        op.out_dtype(dtypes)
-    except ValueError as e:
-        raise ValueError(f'{what}: {keys[0]!r}: {e}') from None
     return QuantizedTensor(target, keys, op, shapes, dtypes, dropped)
 
 # %% ../nbs/06_quantized.ipynb #9855774e
@@ -902,6 +902,22 @@ def forward(self: QuantizedExperts, *args, **kwargs):
 def extra_repr(self: QuantizedExperts) -> str:
     return f'inner={type(self.inner).__name__}, ops={self.ops}' if self.ops else f'inner={type(self.inner).__name__}'
 
+# %% ../nbs/06_quantized.ipynb #45ae8d91
+_KEPT = (
+    'fp8 with block scales, compressed-tensors float-, pack-quantized and dense, NVFP4 (compressed-tensors and '
+    "ModelOpt), MXFP8, MXFP4 and GGUF's block types"
+)
+
+
+def _not_keepable(u) -> NotImplementedError:
+    "The refusal of `quantized='keep'` for a unit whose format it does not hold: its codes' key, the format, the fix."
+    op = u.op
+    key = u.sources[getattr(op, 'codes_at', 0)]
+    return NotImplementedError(
+        f"{key!r}: quantized='keep' holds no {getattr(op, 'format_name', type(op).__name__)} codes "
+        f"({type(op).__name__}); it keeps {_KEPT}. Load this checkpoint with quantized='dequantize'"
+    )
+
 # %% ../nbs/06_quantized.ipynb #45ae8d92
 def keep_quantized(
     model: nn.Module,  # on meta or not; its modules are swapped in place
@@ -915,10 +931,7 @@ def keep_quantized(
     lin, whole, per = [], {}, {}
     for u in units:
         if not getattr(u.op, 'keepable', True):
-            raise NotImplementedError(
-                f"{u.sources[0]!r}: quantized='keep' holds no {type(u.op).__name__} codes; "
-                "load it with quantized='dequantize'"
-            )
+            raise _not_keepable(u)
         path = _model_name(u.target.rpartition('.')[0], names or {})
         if u.target.startswith(prefix):
             _place(model, u, path[len(prefix) :], lin, whole, per)
@@ -1318,6 +1331,7 @@ class GPTQDequantize(Dequantize):
     order_key: str = ''  # the stored key `order` came from: the ops of two modules differ
     module_keys: ClassVar[bool] = True  # suffixes name tensors of the weight's module
     keepable: ClassVar[bool] = False
+    format_name: ClassVar[str] = 'GPTQ'  # named when quantized='keep' refuses it
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
 
@@ -1368,6 +1382,7 @@ class AWQDequantize(Dequantize):
     suffixes: ClassVar[tuple] = ('qweight', 'qzeros', 'scales')
     module_keys: ClassVar[bool] = True
     keepable: ClassVar[bool] = False
+    format_name: ClassVar[str] = 'AWQ'  # named when quantized='keep' refuses it
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
 
@@ -1504,16 +1519,19 @@ class BnB4bitDequantize(Dequantize):
     # bitsandbytes' NF4 and FP4 as transformers saves them: codes uint8, flattened, two a byte (high nibble first), one
     # absmax per `blocksize`; nested (double quant, `.nested_absmax` and `.nested_quant_map`): the absmax themselves
     # uint8 codes of `nested_quant_map`, one float per `nested_blocksize`, plus `nested_offset`. The JSON quant state
-    # beside them is read once, to build the op (`_bnb_op`), and is not among the op's inputs.
+    # beside them is read once, to build the op (`_bnb_op`), and is not among the op's inputs. transformers'
+    # `bnb_4bit_quant_storage` stores the same bytes as another dtype: [bytes / itemsize, 1] bfloat16, float16, float32.
     quant_type: str = 'nf4'
     shape: tuple = ()
     blocksize: int = 64
     nested_blocksize: int = 0  # 0: absmax stored as floats
     nested_offset: float = 0.0
     target_dtype: torch.dtype = torch.bfloat16
+    quant_storage: torch.dtype = torch.uint8  # the dtype the packed bytes are stored as
     keepable: ClassVar[bool] = False
+    format_name: ClassVar[str] = 'bitsandbytes 4-bit (NF4, FP4)'  # named when quantized='keep' refuses it
     codes_at: ClassVar[int] = -1  # the codes' place in `suffixes`, named in errors
-    codes: ClassVar[tuple] = (torch.uint8,)
+    codes: ClassVar[tuple] = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
     _stackable: ClassVar[bool] = False
 
     @property
@@ -1523,6 +1541,8 @@ class BnB4bitDequantize(Dequantize):
         return ('.absmax', *nested, '.quant_map', '')
 
     def out_dtype(self, dtypes: list) -> torch.dtype:
+        if dtypes[-1] != self.quant_storage:
+            raise ValueError(f'codes are {dtypes[-1]}, the quant state was read for {self.quant_storage}')
         return Dequantize.out_dtype(self, dtypes[-1:])
 
     def out_shape(self, shapes: list) -> tuple:
@@ -1530,9 +1550,11 @@ class BnB4bitDequantize(Dequantize):
 
     def mismatch(self, shapes: list):
         "(j, 0, rule) when the codes or absmax do not fit `shape` and `blocksize`, else None."
-        n = _numel(self.shape)
-        if _numel(shapes[-1]) != -(-n // 2):
-            return len(shapes) - 1, len(shapes) - 1, f'two codes a byte of {list(self.shape)}: {-(-n // 2)} bytes'
+        n, size = _numel(self.shape), self.quant_storage.itemsize
+        if _numel(shapes[-1]) * size != -(-n // 2):
+            dt = str(self.quant_storage).removeprefix('torch.')
+            rule = f'two codes a byte of {list(self.shape)}: {-(-n // 2)} bytes, {-(-n // 2) / size:g} {dt} elements'
+            return len(shapes) - 1, len(shapes) - 1, rule
         if _numel(shapes[0]) != -(-n // self.blocksize):
             return len(shapes) - 1, 0, f'one absmax per {self.blocksize} values: {-(-n // self.blocksize)}'
         return None
@@ -1556,6 +1578,7 @@ class BnBInt8Dequantize(Dequantize):
     weight_format: bool = True  # a `weight_format` is stored (and dropped)
     module_keys: ClassVar[bool] = True
     keepable: ClassVar[bool] = False
+    format_name: ClassVar[str] = 'bitsandbytes int8'  # named when quantized='keep' refuses it
     codes: ClassVar[tuple] = (torch.int8,)
 
     @property
@@ -1604,8 +1627,9 @@ def _bnb_op(src, key: str, dtype, what: str) -> BnB4bitDequantize:
             f"{what}: {key!r} has quant_type {st.get('quant_type')!r}; bitsandbytes 4-bit is 'nf4' or 'fp4'"
         )
     nested = st.get('nested_blocksize', 0) if 'nested_offset' in st else 0
-    offset = float(st.get('nested_offset', 0.0))
-    return BnB4bitDequantize(st['quant_type'], tuple(st['shape']), st['blocksize'], nested, offset, dtype)
+    offset, codes = float(st.get('nested_offset', 0.0)), key.partition(_BNB_STATE)[0]
+    storage = src.dtype(codes) if codes in src else torch.uint8  # bnb_4bit_quant_storage; a missing key is named later
+    return BnB4bitDequantize(st['quant_type'], tuple(st['shape']), st['blocksize'], nested, offset, dtype, storage)
 
 # %% ../nbs/06_quantized.ipynb #gab023-2
 def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:

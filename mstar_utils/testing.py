@@ -1247,6 +1247,7 @@ def write_bnb_checkpoint(
     dest,  # the checkpoint folder to write
     kind: str = 'nf4',  # 'nf4', 'fp4' or 'int8'
     nested: bool = False,  # 4-bit: double quant (absmax quantized too)
+    storage=torch.uint8,  # 4-bit: `bnb_4bit_quant_storage`, the dtype the packed codes are stored as
 ) -> Path:
     "A bitsandbytes checkpoint as transformers writes it, on the CPU."
     import tempfile
@@ -1260,6 +1261,7 @@ def write_bnb_checkpoint(
             bnb_4bit_quant_type=kind,
             bnb_4bit_use_double_quant=nested,
             bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_quant_storage=storage,
         )
     )
     with tempfile.TemporaryDirectory() as plain, contextlib.redirect_stderr(io.StringIO()):
