@@ -1063,11 +1063,13 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class DenseQuantized(_BlockScaled):
-    "(`weight` float [R, C], `weight_scale` [, `weight_zero_point`, ...]) → the weight as stored"
+    "(`weight` float [R, C], `weight_scale`, ...) → the weight as stored, or fake-quantized by its scales"
 
     # scales checked, then dropped. compressed-tensors' `dense` format: the weights are stored as their dequantized
-    # values.
+    # values. `fake`: a status below `compressed`, whose forward quantizes the weight by its scales and dequantizes it.
     keys: tuple = ('', '_scale')  # the stored suffixes: the weight, then its quantization parameters
+    fake: tuple = ()  # (type, num_bits), e.g. ('int', 4): quantized and dequantized as compressed-tensors' forward does
+    skip: tuple = (0, 0)  # a cut's rows and columns of its first block before its first value (fake only)
     codes: ClassVar[tuple] = _FLOATS
 
     @property
@@ -1077,16 +1079,55 @@ class DenseQuantized(_BlockScaled):
     def mismatch(self, shapes: list):
         "(0, j, rule) when a scale or zero point does not hold one value per block"
         # else None (a global scale is one value).
+        shapes = [_padded(shapes[0], self.skip), *shapes[1:]]
         return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys, strict=False) if k != '_global_scale'])
 
     def _one(self, ts):
-        return ts[0]
+        return _fake_quantized(self, ts) if self.fake else ts[0]
 
     def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
         "Exactly [start, stop) of the weight, stored as values; none of the parameters, which are dropped."
+        if self.fake:  # exactly the range, with the scales of the blocks it touches
+            return _fake_cut(self, shapes, dim, start, stop)
         return StoredCut(
             ((dim % len(shapes[0]), start, stop), *((0, 0, 0) if len(s) else None for s in shapes[1:])), self, None
         )
+
+# %% ../nbs/06_quantized.ipynb #fmtq002-1
+def _padded(shape, skip: tuple) -> tuple:
+    "`shape` with `skip` rows and columns more in its last two dims."
+    return (*shape[:-2], shape[-2] + skip[0], shape[-1] + skip[1]) if any(skip) else tuple(shape)
+
+# %% ../nbs/06_quantized.ipynb #fmtq003-1
+def _fake_quantized(op: DenseQuantized, ts: list) -> torch.Tensor:
+    "The weight quantized by its scales (and zero points) and dequantized, in the model's dtype, as compressed-tensors."
+    kind, bits = op.fake
+    w, (r0, c0) = ts[0], op.skip
+    x = w.new_zeros(_padded(w.shape, op.skip), dtype=op.target_dtype)  # a cut starts inside a block: padded to it
+    x[..., r0:, c0:] = w
+    s = ts[op.keys.index('_scale')].to(x.dtype).reshape(scale_grid(x.shape, op.block))
+    zp = ts[op.keys.index('_zero_point')].to(x.dtype).reshape(s.shape) if '_zero_point' in op.keys else None
+    per_block_(x, s, op.block, torch.Tensor.div_)
+    if zp is not None:
+        per_block_(x, zp, op.block, torch.Tensor.add_)
+    if kind == 'float':  # fp8: clamped to E4M3's range, rounded by the cast
+        x = x.clamp_(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+    else:
+        x = x.clamp_(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1).round_()
+    if zp is not None:
+        per_block_(x, zp, op.block, torch.Tensor.sub_)
+    return per_block_(x, s, op.block)[..., r0:, c0:]
+
+# %% ../nbs/06_quantized.ipynb #fmtq003-2
+def _fake_cut(op: DenseQuantized, shapes: list, dim: int, start: int, stop: int) -> StoredCut | None:
+    "Exactly [start, stop) of the weight, the scales of the blocks it touches, and the op that skips the rest of them."
+    c = _BlockScaled.cut(op, shapes, dim, start, stop)
+    if c is None or c.trim is None:
+        return c
+    d, lo, _ = c.parts[0]
+    skip = [0, 0]
+    skip[d - len(shapes[0]) + 2] = start - lo
+    return StoredCut(((d, start, stop), *c.parts[1:]), dataclasses.replace(op, skip=tuple(skip)), None)
 
 # %% ../nbs/06_quantized.ipynb #fmtq004
 _CT_PARAMS = ('_scale', '_zero_point', '_global_scale')
@@ -1110,8 +1151,19 @@ def _ct_dense(src, qc: dict, g: dict, module: str, dtype, what: str) -> DenseQua
         )
     if not plain:
         return None
-    keys = ('',) + tuple(s for s in _CT_PARAMS if f'{key}{s}' in src)
-    return DenseQuantized(_ct_weight_block(g.get('weights') or {}, f'{what}: {module!r}'), dtype, keys)
+    keys, w = ('',) + tuple(s for s in _CT_PARAMS if f'{key}{s}' in src), g.get('weights') or {}
+    kind, bits = w.get('type', 'int'), w.get('num_bits', 8)
+    # below status compressed compressed-tensors' forward fake-quantizes the weight: int, and fp8 (fp4 on its grid)
+    fake = (
+        (kind, bits)
+        if qc.get('quantization_status') != 'compressed'
+        and '_scale' in keys
+        and '_global_scale' not in keys
+        and not w.get('dynamic')
+        and (kind == 'int' or (kind == 'float' and bits == 8))
+        else ()
+    )
+    return DenseQuantized(_ct_weight_block(w, f'{what}: {module!r}'), dtype, keys, fake)
 
 
 _CT_OPS.append(_ct_dense)

@@ -971,6 +971,7 @@ def write_ct_preset_checkpoint(
     preset: str,  # a compressed-tensors preset scheme: 'NVFP4A16', 'MXFP8A16', 'W4A16', ...
     ignore: list = ('lm_head',),  # modules left unquantized
     compress: bool = True,  # False: saved as llm-compressor's `save_compressed=False` does (format dense)
+    frozen: bool = False,  # with compress: saved uncompressed, status frozen, under the compressed format's label
 ) -> Path:
     "`model` quantized by compressed-tensors preset `preset` on every Linear, saved by it."
     import loguru
@@ -986,9 +987,9 @@ def write_ct_preset_checkpoint(
         **({} if compress else {'format': 'dense'}),
     )
     apply_quantization_config(model, qcfg, show_progress=False)
-    _preset_qparams(model, compress)
+    _preset_qparams(model, compress)  # frozen: the weights as calibration leaves them, off the grid
     comp = ModelCompressor.from_pretrained_model(model, quantization_format=None if compress else 'dense')
-    if compress:
+    if compress and not frozen:
         with contextlib.redirect_stderr(io.StringIO()):
             comp.compress_model(model)
     dest, _ = _saved(model, dest)
