@@ -171,7 +171,7 @@ def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
     try:
         wm = read_weight_map(ckpt)
     except (ValueError, OSError) as e:
-        _read_failed(ckpt, str(e).replace(str(ckpt) + '/', ''), findings)
+        _read_failed(ckpt, str(e).replace(str(ckpt) + '/', '').replace(str(ckpt), ckpt.name), findings)
         wm = None
     files = sorted(set(wm.values()) if wm else ckpt.glob('*.safetensors'))
     headers = {}
@@ -714,7 +714,7 @@ def load_findings(
                 'load',
                 'error',
                 _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "").replace(str(ckpt), ckpt.name)}',
                 'as the message says',
             )
         )
@@ -729,7 +729,7 @@ def load_findings(
                 'load',
                 'error',
                 _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "").replace(str(ckpt), ckpt.name)}',
                 'as the message says',
             )
         )

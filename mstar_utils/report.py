@@ -153,7 +153,7 @@ def _weight_map(ckpt: Path, problems: list) -> dict:
     try:
         return read_weight_map(ckpt)
     except (ValueError, OSError) as e:
-        msg = str(e).replace(f'{ckpt}/', '')
+        msg = str(e).replace(f'{ckpt}/', '').replace(str(ckpt), ckpt.name)
         m = re.match(r'([\w.-]+\.(?:json|safetensors)):\s*', msg)
         name = m[1] if m else INDEX_FILE
         problems.append({'file': name, 'message': f'{name}: {type(e).__name__}: {msg[m.end() if m else 0 :]}'})
