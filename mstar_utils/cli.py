@@ -118,7 +118,7 @@ def _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot) -> tup
         kv = kv_report(
             ckpt, page_size=page_size, max_num_pages=kv_pages, max_concurrent_requests=max_concurrent_requests
         )
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: no config.json, a problem of the report
         if kv_pages is not None or plot:
             raise _Usage(str(e)) from None
         return None, [f'KV cache: not computed ({e})']

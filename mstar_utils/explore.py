@@ -21,7 +21,8 @@ from fastcore.basics import patch
 import torch
 import xxhash
 
-from .sources import read_header, read_weight_map, FileSource, INDEX_FILE, checkpoint_dir as checkpoint_dir_
+from .sources import read_header, read_weight_map, FileSource, INDEX_FILE, SINGLE_FILE
+from .sources import checkpoint_dir as checkpoint_dir_
 from .quantized import quantized_tensors, quantized_source
 from .tensor_parallel import plans_for, tp_plan
 from .upstream import unexpected_key_patterns
@@ -58,16 +59,25 @@ _JSON_FILES = (
     'preprocessor_config.json',
     INDEX_FILE,
 )
+_NO_CONFIG = (
+    'missing: without it the model cannot be built, so whether it loads, its bytes per rank and its KV cache are not '
+    'checked; the structure and the statistics come from the shards alone'
+)
 
 
 def _parse_json(path: Path) -> tuple:
     "(the JSON object in `path`, None), or (None, the parser's message)."
     try:
-        d = json.loads(path.read_text(encoding='utf-8'))
+        text = path.read_text(encoding='utf-8')
+        d = json.loads(text)
+    except FileNotFoundError:
+        return None, 'missing'
+    except OSError as e:
+        return None, f'cannot be read ({e.strerror})'
     except UnicodeDecodeError as e:
         return None, f'not UTF-8 text ({e})'
     except (ValueError, RecursionError) as e:
-        return None, f'not valid JSON ({e})'
+        return None, 'empty (0 bytes of JSON)' if not text.strip() else f'not valid JSON ({e})'
     return (d, None) if isinstance(d, dict) else (None, f'holds a JSON {type(d).__name__}, expected an object')
 
 # %% ../nbs/12b_explore.ipynb #b3d09515-1
@@ -88,6 +98,12 @@ def check_files(
     for name in _JSON_FILES:
         p = Path(ckpt) / name
         if not p.is_file():
+            if name == 'config.json':
+                out.append(
+                    Finding(
+                        'files', 'error', name, _NO_CONFIG, 'copy config.json from the release the weights came with'
+                    )
+                )
             continue
         d, err = _parse_json(p)
         if err:
@@ -135,22 +151,28 @@ class Stored(NamedTuple):
     shape: tuple
     nbytes: int
 
+# %% ../nbs/12b_explore.ipynb #b352026e
+def _read_failed(ckpt: Path, msg: str, findings: list):
+    "A finding for the weight map's read of `ckpt` failing with `msg`, naming the file the message starts with."
+    m = re.match(r'([\w.-]+\.(?:json|safetensors)):', msg)
+    name = m[1] if m else INDEX_FILE
+    if any(f.section == 'files' and f.where == name for f in findings):
+        return  # check_files named the file already
+    fix = (
+        'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)'
+        if name == INDEX_FILE
+        else f'{name} is damaged or cut short: fetch it again'
+    )
+    findings.append(Finding('files', 'error', name, msg, fix))
+
 # %% ../nbs/12b_explore.ipynb #b352026f
 def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
     "({key: shard Path}, {shard Path: header or None}); what cannot be read is a finding."
     # The key map is the index's, else the one file's, else every shard's.
     try:
         wm = read_weight_map(ckpt)
-    except (ValueError, FileNotFoundError) as e:
-        findings.append(
-            Finding(
-                'files',
-                'error',
-                INDEX_FILE,
-                str(e).replace(str(ckpt) + '/', ''),
-                'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)',
-            )
-        )
+    except (ValueError, OSError) as e:
+        _read_failed(ckpt, str(e).replace(str(ckpt) + '/', '').replace(str(ckpt), ckpt.name), findings)
         wm = None
     files = sorted(set(wm.values()) if wm else ckpt.glob('*.safetensors'))
     headers = {}
@@ -159,6 +181,8 @@ def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
             headers[f] = read_header(f)[1]
         except (ValueError, OSError) as e:
             headers[f] = None
+            if any(x.section == 'files' and x.where == f.name for x in findings):
+                continue  # the weight map's read named it already
             findings.append(
                 Finding(
                     'files',
@@ -691,7 +715,7 @@ def load_findings(
                 'load',
                 'error',
                 _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "").replace(str(ckpt), ckpt.name)}',
                 'as the message says',
             )
         )
@@ -706,7 +730,7 @@ def load_findings(
                 'load',
                 'error',
                 _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "")}',
+                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "").replace(str(ckpt), ckpt.name)}',
                 'as the message says',
             )
         )
@@ -799,7 +823,7 @@ def kv_section(ckpt: Path, findings: list) -> tuple:
 
     try:
         rep = kv_report(ckpt)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OSError) as e:
         findings.append(Finding('kv', 'note', 'config.json', f'KV cache not computed: {e}', ''))
         return None, [], None
     return rep, format_kv_report(rep), _png(plot_kv(ckpt))
@@ -1104,7 +1128,10 @@ def values_dtype(ckpt: Path, config: dict) -> torch.dtype:
     d = config.get('dtype') or config.get('torch_dtype') or (config.get('text_config') or {}).get('dtype')
     if isinstance(d, str) and isinstance(getattr(torch, d, None), torch.dtype):
         return getattr(torch, d)
-    return checkpoint_dtype(ckpt) or torch.float32
+    try:
+        return checkpoint_dtype(ckpt) or torch.float32
+    except (ValueError, OSError):  # no readable weights: a finding of section 0 already
+        return torch.float32
 
 # %% ../nbs/12b_explore.ipynb #58785493
 def weight_stats(
@@ -1162,6 +1189,9 @@ class TensorDiff:
     norm_a: float  # ‖a‖, which per-layer figures weigh by
     hash_a: str
     hash_b: str
+    dtype_a: str = ''  # the dtypes compared, e.g. 'float32' and 'bfloat16'
+    dtype_b: str = ''
+    equal: bool = False  # equal values, whatever their dtypes: a tensor only cast is equal, not identical
 
 # %% ../nbs/12b_explore.ipynb #dfc1e50e-1
 def _hash(t: torch.Tensor) -> str:
@@ -1177,7 +1207,8 @@ def compare_tensors(
 ) -> TensorDiff:
     "`TensorDiff` of two tensors of one shape: hashes first, then sums over cache-sized float32 chunks."
     ha, hb = ha or _hash(a), hb or _hash(b)
-    same = ha == hb and a.dtype == b.dtype
+    da, db = (str(t.dtype).removeprefix('torch.') for t in (a, b))
+    same, equal = ha == hb and da == db, True
     fa, fb = a.reshape(-1), b.reshape(-1)
     n = fa.numel()
     bx, by, bd, bp = (torch.empty(min(n, _CHUNK)) for _ in range(4))
@@ -1190,16 +1221,17 @@ def compare_tensors(
         if same:
             continue
         y.copy_(fb[i : i + k])
+        equal = equal and torch.equal(x, y)
         torch.sub(x, y, out=d)
         mx = max(mx, float(d.abs_().max()))
         dd += float(torch.mul(d, d, out=p).sum())
         bb += float(torch.mul(y, y, out=p).sum())
         ab += float(torch.mul(x, y, out=p).sum())
     if same:
-        return TensorDiff(key, True, 0.0, 0.0, 1.0, math.sqrt(aa), ha, hb)
+        return TensorDiff(key, True, 0.0, 0.0, 1.0, math.sqrt(aa), ha, hb, da, db, True)
     rel = math.sqrt(dd / aa) if aa else (0.0 if dd == 0 else math.inf)
     cos = ab / math.sqrt(aa * bb) if aa and bb else float('nan')
-    return TensorDiff(key, False, mx, rel, cos, math.sqrt(aa), ha, hb)
+    return TensorDiff(key, False, mx, rel, cos, math.sqrt(aa), ha, hb, da, db, equal)
 
 # %% ../nbs/12b_explore.ipynb #4b149476
 @dataclass
@@ -1225,7 +1257,7 @@ def _layer_diffs(diffs: list) -> list[LayerDiff]:
             LayerDiff(
                 name,
                 len(ds),
-                sum(not d.identical for d in ds),
+                sum(not d.equal for d in ds),
                 math.sqrt(dd / aa) if aa else 0.0,
                 max(d.max_abs for d in ds),
             )
@@ -1254,12 +1286,16 @@ class CheckpointDiff:
     findings: list = field(default_factory=list)
 
     @property
-    def changed(self) -> list:
-        return [d for d in self.tensors if not d.identical]
+    def changed(self) -> list:  # values differ
+        return [d for d in self.tensors if not d.equal]
+
+    @property
+    def retyped(self) -> list:  # another dtype, equal values
+        return [d for d in self.tensors if d.equal and d.dtype_a != d.dtype_b]
 
 # %% ../nbs/12b_explore.ipynb #6d05c2e1-1
 def _rank(d: TensorDiff) -> tuple:
-    return (d.identical, -(d.rel_l2 if math.isfinite(d.rel_l2) else math.inf), -d.max_abs, d.key)
+    return (d.equal, d.identical, -(d.rel_l2 if math.isfinite(d.rel_l2) else math.inf), -d.max_abs, d.key)
 
 # %% ../nbs/12b_explore.ipynb #34446645
 def diff_checkpoints(
@@ -1643,15 +1679,20 @@ def _stats(self: Exploration) -> tuple:
     )
     return summary, body, _text_table(lhead, lrows) + [''] + _text_table(_T_HEAD, [_t_row(s) for s in top[:10]])
 
+# %% ../nbs/12b_explore.ipynb #b77122ab
+def _dtypes(t: TensorDiff) -> str:
+    return t.dtype_a if t.dtype_a == t.dtype_b else f'{t.dtype_a} → {t.dtype_b}'
+
 # %% ../nbs/12b_explore.ipynb #b77122ac
 def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
     "(summary, html, lines) of a `CheckpointDiff`."
     summary = (
-        f'{d.a} → {d.b}: {len(d.changed)} tensors changed, {len(d.tensors) - len(d.changed)} identical, '
-        f'{len(d.added)} added, {len(d.removed)} removed, {len(d.reshaped)} reshaped'
+        f'{d.a} → {d.b}: {len(d.changed)} tensors changed, {len(d.tensors) - len(d.changed) - len(d.retyped)} '
+        f'identical, {len(d.retyped)} retyped, {len(d.added)} added, {len(d.removed)} removed, '
+        f'{len(d.reshaped)} reshaped'
     )
-    head = ['tensor', 'identical', 'max |a−b|', 'rel L2', 'cosine']
-    rows = [(t.key, _num(t.identical), _num(t.max_abs), _num(t.rel_l2), _num(t.cosine)) for t in d.changed[:n]]
+    head = ['tensor', 'dtype', 'max |a−b|', 'rel L2', 'cosine']
+    rows = [(t.key, _dtypes(t), _num(t.max_abs), _num(t.rel_l2), _num(t.cosine)) for t in d.changed[:n]]
     lh, lr = (
         ['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'],
         [(row.layer, row.tensors, row.changed, _num(row.rel_l2), _num(row.max_abs)) for row in d.layers[:n]],
@@ -1660,6 +1701,7 @@ def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
         ('added', d.added),
         ('removed', d.removed),
         ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped]),
+        ('retyped, values equal', [f'{t.key} {_dtypes(t)}' for t in d.retyped]),
     ]
     lines = [f'  {w}: {listed(v, 8)}' for w, v in keys if v]
     body = ''.join(f'<div>{_E(line.strip())}</div>' for line in lines) + _html_table(head, rows) + _html_table(lh, lr)
@@ -1668,7 +1710,7 @@ def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
 # %% ../nbs/12b_explore.ipynb #b77122ac-1
 def _files(self: Exploration) -> tuple:
     n = len(self.of('files'))
-    return (f'{n} file(s) that cannot be parsed' if n else 'every file parses', '', [])
+    return (f'{n} file(s) missing or that cannot be parsed' if n else 'every file parses', '', [])
 
 # %% ../nbs/12b_explore.ipynb #933d0b63
 _SECTIONS = [
@@ -1765,6 +1807,7 @@ def diff_dict(d: CheckpointDiff) -> dict:
             'removed': d.removed,
             'reshaped': d.reshaped,
             'changed': d.changed,
+            'retyped': [{'key': t.key, 'dtype_a': t.dtype_a, 'dtype_b': t.dtype_b} for t in d.retyped],
             'identical': [t.key for t in d.tensors if t.identical],
             'layers': d.layers,
             'findings': d.findings,
@@ -1796,6 +1839,40 @@ def to_json(self: CheckpointDiff, indent: int | None = 1) -> str:
     "`diff_dict` as a JSON string."
     return json.dumps(diff_dict(self), indent=indent)
 
+# %% ../nbs/12b_explore.ipynb #7df7f1ea-2
+def _folder(path, findings: list) -> Path:
+    "`path` as a folder to explore; a finding when it holds no weights, FileNotFoundError when it is no folder."
+    p = Path(path)
+    if not p.is_dir():
+        return checkpoint_dir_(p)  # raises, saying what the path is instead
+    try:
+        return checkpoint_dir_(p)
+    except FileNotFoundError as e:
+        findings.append(
+            Finding(
+                'files',
+                'error',
+                SINGLE_FILE,
+                str(e).replace(str(p), p.name),
+                'copy the weights (model.safetensors, or the shards and their index) into the folder',
+            )
+        )
+        return p
+
+# %% ../nbs/12b_explore.ipynb #7df7f1ea-3
+def _unbuilt(findings: list) -> tuple:
+    "(None, None) and the load section's error: without a readable config.json no model is built."
+    findings.append(
+        Finding(
+            'load',
+            'error',
+            'config.json',
+            'load_model builds the model from config.json, which is missing or cannot be parsed (see 0. Files)',
+            'restore config.json',
+        )
+    )
+    return None, None
+
 # %% ../nbs/12b_explore.ipynb #7df7f1ea
 def explore(
     checkpoint_dir,  # an HF checkpoint folder
@@ -1803,13 +1880,15 @@ def explore(
     base=None,  # a checkpoint folder to diff against (section 7), e.g. the base of a fine-tune
 ) -> Exploration:
     "Everything about a checkpoint folder; what cannot be parsed is a finding."
-    ckpt = checkpoint_dir_(checkpoint_dir)
-    findings = check_files(ckpt)
+    findings = []
+    ckpt = _folder(checkpoint_dir, findings)
+    weightless = bool(findings)
+    findings += check_files(ckpt)
     config = _parse_json(ckpt / 'config.json')[0] or {}
-    tensors = stored_tensors(ckpt, findings)
+    tensors = {} if weightless else stored_tensors(ckpt, findings)
     findings += format_findings(config, tensors)
     formats = format_families(tensors, quantized_units(ckpt, config, tensors, findings))
-    tcfg, model = _build(ckpt, findings) if config else (None, None)
+    tcfg, model = _build(ckpt, findings) if config else _unbuilt(findings)
     ranks, plots = [], {}
     if model is not None:
         lf, src = load_findings(ckpt, tcfg, model)
@@ -1824,7 +1903,7 @@ def explore(
         wf = []
         try:
             ws = weight_stats(ckpt, wf)
-        except (ValueError, NotImplementedError, KeyError) as e:
+        except (ValueError, NotImplementedError, KeyError, OSError) as e:
             wf.append(Finding('stats', 'error', _quoted(str(e)) or ckpt.name, f'not computed: {e}', ''))
         findings += [f for f in wf if f.section == 'stats']
         if ws is not None:

@@ -519,16 +519,16 @@ def _unit(src, target: str, op, what: str, dropped: tuple = ()) -> QuantizedTens
             f'{what}: {have!r} ({src.dtype(have)}) belongs to quantized codes {keys[0]!r}, which are missing'
         )
     shapes, dtypes = [tuple(src.shape(k)) for k in keys], [src.dtype(k) for k in keys]
+    try:  # the dtypes first: the shapes are counted in elements of the dtype the format stores
+        op.out_dtype(dtypes)
+    except ValueError as e:
+        raise ValueError(f'{what}: {keys[getattr(op, "codes_at", 0)]!r}: {e}') from None
     bad = op.mismatch(shapes)
     if bad:
         raise ValueError(
             f'{what}: {keys[bad[1]]!r} has shape {list(shapes[bad[1]])} beside {keys[bad[0]]!r} '
             f'{list(shapes[bad[0]])}; {type(op).__name__} needs {bad[2]}'
         )
-    try:
-        op.out_dtype(dtypes)
-    except ValueError as e:
-        raise ValueError(f'{what}: {keys[0]!r}: {e}') from None
     return QuantizedTensor(target, keys, op, shapes, dtypes, dropped)
 
 # %% ../nbs/06_quantized.ipynb #9855774e
@@ -902,6 +902,22 @@ def forward(self: QuantizedExperts, *args, **kwargs):
 def extra_repr(self: QuantizedExperts) -> str:
     return f'inner={type(self.inner).__name__}, ops={self.ops}' if self.ops else f'inner={type(self.inner).__name__}'
 
+# %% ../nbs/06_quantized.ipynb #45ae8d91
+_KEPT = (
+    'fp8 with block scales, compressed-tensors float-, pack-quantized and dense, NVFP4 (compressed-tensors and '
+    "ModelOpt), MXFP8, MXFP4 and GGUF's block types"
+)
+
+
+def _not_keepable(u) -> NotImplementedError:
+    "The refusal of `quantized='keep'` for a unit whose format it does not hold: its codes' key, the format, the fix."
+    op = u.op
+    key = u.sources[getattr(op, 'codes_at', 0)]
+    return NotImplementedError(
+        f"{key!r}: quantized='keep' holds no {getattr(op, 'format_name', type(op).__name__)} codes "
+        f"({type(op).__name__}); it keeps {_KEPT}. Load this checkpoint with quantized='dequantize'"
+    )
+
 # %% ../nbs/06_quantized.ipynb #45ae8d92
 def keep_quantized(
     model: nn.Module,  # on meta or not; its modules are swapped in place
@@ -915,10 +931,7 @@ def keep_quantized(
     lin, whole, per = [], {}, {}
     for u in units:
         if not getattr(u.op, 'keepable', True):
-            raise NotImplementedError(
-                f"{u.sources[0]!r}: quantized='keep' holds no {type(u.op).__name__} codes; "
-                "load it with quantized='dequantize'"
-            )
+            raise _not_keepable(u)
         path = _model_name(u.target.rpartition('.')[0], names or {})
         if u.target.startswith(prefix):
             _place(model, u, path[len(prefix) :], lin, whole, per)
@@ -1050,11 +1063,13 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class DenseQuantized(_BlockScaled):
-    "(`weight` float [R, C], `weight_scale` [, `weight_zero_point`, ...]) → the weight as stored"
+    "(`weight` float [R, C], `weight_scale`, ...) → the weight as stored, or fake-quantized by its scales"
 
     # scales checked, then dropped. compressed-tensors' `dense` format: the weights are stored as their dequantized
-    # values.
+    # values. `fake`: a status below `compressed`, whose forward quantizes the weight by its scales and dequantizes it.
     keys: tuple = ('', '_scale')  # the stored suffixes: the weight, then its quantization parameters
+    fake: tuple = ()  # (type, num_bits), e.g. ('int', 4): quantized and dequantized as compressed-tensors' forward does
+    skip: tuple = (0, 0)  # a cut's rows and columns of its first block before its first value (fake only)
     codes: ClassVar[tuple] = _FLOATS
 
     @property
@@ -1064,16 +1079,55 @@ class DenseQuantized(_BlockScaled):
     def mismatch(self, shapes: list):
         "(0, j, rule) when a scale or zero point does not hold one value per block"
         # else None (a global scale is one value).
+        shapes = [_padded(shapes[0], self.skip), *shapes[1:]]
         return _BlockScaled.mismatch(self, [s for s, k in zip(shapes, self.keys, strict=False) if k != '_global_scale'])
 
     def _one(self, ts):
-        return ts[0]
+        return _fake_quantized(self, ts) if self.fake else ts[0]
 
     def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
         "Exactly [start, stop) of the weight, stored as values; none of the parameters, which are dropped."
+        if self.fake:  # exactly the range, with the scales of the blocks it touches
+            return _fake_cut(self, shapes, dim, start, stop)
         return StoredCut(
             ((dim % len(shapes[0]), start, stop), *((0, 0, 0) if len(s) else None for s in shapes[1:])), self, None
         )
+
+# %% ../nbs/06_quantized.ipynb #fmtq002-1
+def _padded(shape, skip: tuple) -> tuple:
+    "`shape` with `skip` rows and columns more in its last two dims."
+    return (*shape[:-2], shape[-2] + skip[0], shape[-1] + skip[1]) if any(skip) else tuple(shape)
+
+# %% ../nbs/06_quantized.ipynb #fmtq003-1
+def _fake_quantized(op: DenseQuantized, ts: list) -> torch.Tensor:
+    "The weight quantized by its scales (and zero points) and dequantized, in the model's dtype, as compressed-tensors."
+    kind, bits = op.fake
+    w, (r0, c0) = ts[0], op.skip
+    x = w.new_zeros(_padded(w.shape, op.skip), dtype=op.target_dtype)  # a cut starts inside a block: padded to it
+    x[..., r0:, c0:] = w
+    s = ts[op.keys.index('_scale')].to(x.dtype).reshape(scale_grid(x.shape, op.block))
+    zp = ts[op.keys.index('_zero_point')].to(x.dtype).reshape(s.shape) if '_zero_point' in op.keys else None
+    per_block_(x, s, op.block, torch.Tensor.div_)
+    if zp is not None:
+        per_block_(x, zp, op.block, torch.Tensor.add_)
+    if kind == 'float':  # fp8: clamped to E4M3's range, rounded by the cast
+        x = x.clamp_(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+    else:
+        x = x.clamp_(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1).round_()
+    if zp is not None:
+        per_block_(x, zp, op.block, torch.Tensor.sub_)
+    return per_block_(x, s, op.block)[..., r0:, c0:]
+
+# %% ../nbs/06_quantized.ipynb #fmtq003-2
+def _fake_cut(op: DenseQuantized, shapes: list, dim: int, start: int, stop: int) -> StoredCut | None:
+    "Exactly [start, stop) of the weight, the scales of the blocks it touches, and the op that skips the rest of them."
+    c = _BlockScaled.cut(op, shapes, dim, start, stop)
+    if c is None or c.trim is None:
+        return c
+    d, lo, _ = c.parts[0]
+    skip = [0, 0]
+    skip[d - len(shapes[0]) + 2] = start - lo
+    return StoredCut(((d, start, stop), *c.parts[1:]), dataclasses.replace(op, skip=tuple(skip)), None)
 
 # %% ../nbs/06_quantized.ipynb #fmtq004
 _CT_PARAMS = ('_scale', '_zero_point', '_global_scale')
@@ -1097,8 +1151,19 @@ def _ct_dense(src, qc: dict, g: dict, module: str, dtype, what: str) -> DenseQua
         )
     if not plain:
         return None
-    keys = ('',) + tuple(s for s in _CT_PARAMS if f'{key}{s}' in src)
-    return DenseQuantized(_ct_weight_block(g.get('weights') or {}, f'{what}: {module!r}'), dtype, keys)
+    keys, w = ('',) + tuple(s for s in _CT_PARAMS if f'{key}{s}' in src), g.get('weights') or {}
+    kind, bits = w.get('type', 'int'), w.get('num_bits', 8)
+    # below status compressed compressed-tensors' forward fake-quantizes the weight: int, and fp8 (fp4 on its grid)
+    fake = (
+        (kind, bits)
+        if qc.get('quantization_status') != 'compressed'
+        and '_scale' in keys
+        and '_global_scale' not in keys
+        and not w.get('dynamic')
+        and (kind == 'int' or (kind == 'float' and bits == 8))
+        else ()
+    )
+    return DenseQuantized(_ct_weight_block(w, f'{what}: {module!r}'), dtype, keys, fake)
 
 
 _CT_OPS.append(_ct_dense)
@@ -1318,6 +1383,7 @@ class GPTQDequantize(Dequantize):
     order_key: str = ''  # the stored key `order` came from: the ops of two modules differ
     module_keys: ClassVar[bool] = True  # suffixes name tensors of the weight's module
     keepable: ClassVar[bool] = False
+    format_name: ClassVar[str] = 'GPTQ'  # named when quantized='keep' refuses it
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
 
@@ -1368,6 +1434,7 @@ class AWQDequantize(Dequantize):
     suffixes: ClassVar[tuple] = ('qweight', 'qzeros', 'scales')
     module_keys: ClassVar[bool] = True
     keepable: ClassVar[bool] = False
+    format_name: ClassVar[str] = 'AWQ'  # named when quantized='keep' refuses it
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
 
@@ -1504,16 +1571,19 @@ class BnB4bitDequantize(Dequantize):
     # bitsandbytes' NF4 and FP4 as transformers saves them: codes uint8, flattened, two a byte (high nibble first), one
     # absmax per `blocksize`; nested (double quant, `.nested_absmax` and `.nested_quant_map`): the absmax themselves
     # uint8 codes of `nested_quant_map`, one float per `nested_blocksize`, plus `nested_offset`. The JSON quant state
-    # beside them is read once, to build the op (`_bnb_op`), and is not among the op's inputs.
+    # beside them is read once, to build the op (`_bnb_op`), and is not among the op's inputs. transformers'
+    # `bnb_4bit_quant_storage` stores the same bytes as another dtype: [bytes / itemsize, 1] bfloat16, float16, float32.
     quant_type: str = 'nf4'
     shape: tuple = ()
     blocksize: int = 64
     nested_blocksize: int = 0  # 0: absmax stored as floats
     nested_offset: float = 0.0
     target_dtype: torch.dtype = torch.bfloat16
+    quant_storage: torch.dtype = torch.uint8  # the dtype the packed bytes are stored as
     keepable: ClassVar[bool] = False
+    format_name: ClassVar[str] = 'bitsandbytes 4-bit (NF4, FP4)'  # named when quantized='keep' refuses it
     codes_at: ClassVar[int] = -1  # the codes' place in `suffixes`, named in errors
-    codes: ClassVar[tuple] = (torch.uint8,)
+    codes: ClassVar[tuple] = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
     _stackable: ClassVar[bool] = False
 
     @property
@@ -1523,6 +1593,8 @@ class BnB4bitDequantize(Dequantize):
         return ('.absmax', *nested, '.quant_map', '')
 
     def out_dtype(self, dtypes: list) -> torch.dtype:
+        if dtypes[-1] != self.quant_storage:
+            raise ValueError(f'codes are {dtypes[-1]}, the quant state was read for {self.quant_storage}')
         return Dequantize.out_dtype(self, dtypes[-1:])
 
     def out_shape(self, shapes: list) -> tuple:
@@ -1530,9 +1602,11 @@ class BnB4bitDequantize(Dequantize):
 
     def mismatch(self, shapes: list):
         "(j, 0, rule) when the codes or absmax do not fit `shape` and `blocksize`, else None."
-        n = _numel(self.shape)
-        if _numel(shapes[-1]) != -(-n // 2):
-            return len(shapes) - 1, len(shapes) - 1, f'two codes a byte of {list(self.shape)}: {-(-n // 2)} bytes'
+        n, size = _numel(self.shape), self.quant_storage.itemsize
+        if _numel(shapes[-1]) * size != -(-n // 2):
+            dt = str(self.quant_storage).removeprefix('torch.')
+            rule = f'two codes a byte of {list(self.shape)}: {-(-n // 2)} bytes, {-(-n // 2) / size:g} {dt} elements'
+            return len(shapes) - 1, len(shapes) - 1, rule
         if _numel(shapes[0]) != -(-n // self.blocksize):
             return len(shapes) - 1, 0, f'one absmax per {self.blocksize} values: {-(-n // self.blocksize)}'
         return None
@@ -1556,6 +1630,7 @@ class BnBInt8Dequantize(Dequantize):
     weight_format: bool = True  # a `weight_format` is stored (and dropped)
     module_keys: ClassVar[bool] = True
     keepable: ClassVar[bool] = False
+    format_name: ClassVar[str] = 'bitsandbytes int8'  # named when quantized='keep' refuses it
     codes: ClassVar[tuple] = (torch.int8,)
 
     @property
@@ -1604,8 +1679,9 @@ def _bnb_op(src, key: str, dtype, what: str) -> BnB4bitDequantize:
             f"{what}: {key!r} has quant_type {st.get('quant_type')!r}; bitsandbytes 4-bit is 'nf4' or 'fp4'"
         )
     nested = st.get('nested_blocksize', 0) if 'nested_offset' in st else 0
-    offset = float(st.get('nested_offset', 0.0))
-    return BnB4bitDequantize(st['quant_type'], tuple(st['shape']), st['blocksize'], nested, offset, dtype)
+    offset, codes = float(st.get('nested_offset', 0.0)), key.partition(_BNB_STATE)[0]
+    storage = src.dtype(codes) if codes in src else torch.uint8  # bnb_4bit_quant_storage; a missing key is named later
+    return BnB4bitDequantize(st['quant_type'], tuple(st['shape']), st['blocksize'], nested, offset, dtype, storage)
 
 # %% ../nbs/06_quantized.ipynb #gab023-2
 def _bnb_tensors(src, qc: dict, dtype, what: str) -> list:

@@ -9,7 +9,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from .sources import read_header, read_weight_map, checkpoint_dir
+from .sources import read_header, read_weight_map, checkpoint_dir, INDEX_FILE
 from .generation import load_generation_defaults
 
 # %% auto #0
@@ -25,6 +25,17 @@ def _require_checkpoint(path) -> Path:
     if not (p / 'config.json').is_file():
         raise NotACheckpoint(f'{p} is not a checkpoint folder: no config.json')
     return p
+
+# %% ../nbs/12_report.ipynb #ed3af0fe
+def _report_folder(path) -> Path:
+    "`path` once it is a folder holding config.json or safetensors weights; `NotACheckpoint` otherwise."
+    p = Path(path)
+    try:
+        return checkpoint_dir(p)
+    except FileNotFoundError as e:
+        if p.is_dir() and ((p / 'config.json').is_file() or any(p.glob('*.safetensors'))):
+            return p
+        raise NotACheckpoint(str(e)) from None
 
 # %% ../nbs/12_report.ipynb #0b535622
 class NotACheckpoint(ValueError):
@@ -109,6 +120,8 @@ def _read_json(path: Path) -> dict:
     "The JSON object in `path`; `ValueError` naming the file when it is not UTF-8, not JSON, or not an object."
     try:
         d = json.loads(path.read_text(encoding='utf-8'))
+    except FileNotFoundError:
+        raise ValueError(f'{path}: missing') from None
     except UnicodeDecodeError as e:
         raise ValueError(f'{path}: not UTF-8 text ({e})') from None
     except (ValueError, RecursionError) as e:
@@ -134,6 +147,19 @@ def _part(
             problems.append({'file': name, 'message': f'{name}: {type(e).__name__}: {msg}'})
         return default
 
+# %% ../nbs/12_report.ipynb #d98ef192-2
+def _weight_map(ckpt: Path, problems: list) -> dict:
+    "`read_weight_map(ckpt)`, or a problem naming the file and the keys of the shards whose headers read."
+    try:
+        return read_weight_map(ckpt)
+    except (ValueError, OSError) as e:
+        msg = str(e).replace(f'{ckpt}/', '').replace(str(ckpt), ckpt.name)
+        m = re.match(r'([\w.-]+\.(?:json|safetensors)):\s*', msg)
+        name = m[1] if m else INDEX_FILE
+        problems.append({'file': name, 'message': f'{name}: {type(e).__name__}: {msg[m.end() if m else 0 :]}'})
+    shards = sorted(ckpt.glob('*.safetensors'))
+    return {k: f for f in shards for k in _part(problems, f.name, lambda f=f: read_header(f)[1], {})}
+
 # %% ../nbs/12_report.ipynb #d98ef192-1
 def _tokenizer_summary(path: Path) -> dict:
     "The tokenizer's kind and vocabulary size, as tokenizers reads the file."
@@ -149,9 +175,9 @@ def checkpoint_report(
     checkpoint_dir,  # an HF checkpoint folder
 ) -> dict:
     "A JSON-ready summary of a checkpoint from its files only"
-    ckpt = _require_checkpoint(checkpoint_dir)
-    config = _read_json(ckpt / 'config.json')
-    wm, problems, tok, gc = read_weight_map(ckpt), [], None, ckpt / 'generation_config.json'
+    ckpt, problems = _report_folder(checkpoint_dir), []
+    config = _part(problems, 'config.json', lambda: _read_json(ckpt / 'config.json'), {})
+    wm, tok, gc = _weight_map(ckpt, problems), None, ckpt / 'generation_config.json'
     counts = _count_tensors(wm, problems)
     if (ckpt / 'tokenizer.json').is_file():
         tok = _part(problems, 'tokenizer.json', lambda: _tokenizer_summary(ckpt / 'tokenizer.json'))

@@ -973,6 +973,7 @@ def write_ct_preset_checkpoint(
     preset: str,  # a compressed-tensors preset scheme: 'NVFP4A16', 'MXFP8A16', 'W4A16', ...
     ignore: list = ('lm_head',),  # modules left unquantized
     compress: bool = True,  # False: saved as llm-compressor's `save_compressed=False` does (format dense)
+    frozen: bool = False,  # with compress: saved uncompressed, status frozen, under the compressed format's label
 ) -> Path:
     "`model` quantized by compressed-tensors preset `preset` on every Linear, saved by it."
     import loguru
@@ -988,9 +989,9 @@ def write_ct_preset_checkpoint(
         **({} if compress else {'format': 'dense'}),
     )
     apply_quantization_config(model, qcfg, show_progress=False)
-    _preset_qparams(model, compress)
+    _preset_qparams(model, compress)  # frozen: the weights as calibration leaves them, off the grid
     comp = ModelCompressor.from_pretrained_model(model, quantization_format=None if compress else 'dense')
-    if compress:
+    if compress and not frozen:
         with contextlib.redirect_stderr(io.StringIO()):
             comp.compress_model(model)
     dest, _ = _saved(model, dest)
@@ -1249,6 +1250,7 @@ def write_bnb_checkpoint(
     dest,  # the checkpoint folder to write
     kind: str = 'nf4',  # 'nf4', 'fp4' or 'int8'
     nested: bool = False,  # 4-bit: double quant (absmax quantized too)
+    storage=torch.uint8,  # 4-bit: `bnb_4bit_quant_storage`, the dtype the packed codes are stored as
 ) -> Path:
     "A bitsandbytes checkpoint as transformers writes it, on the CPU."
     import tempfile
@@ -1262,6 +1264,7 @@ def write_bnb_checkpoint(
             bnb_4bit_quant_type=kind,
             bnb_4bit_use_double_quant=nested,
             bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_quant_storage=storage,
         )
     )
     with tempfile.TemporaryDirectory() as plain, contextlib.redirect_stderr(io.StringIO()):

@@ -290,3 +290,133 @@ def test_fp8_blocks_straddling_a_cut_are_read_by_both_ranks(fp8_llama):
         for t in straddled
     )  # one row of blocks (and of scales) of each straddled tensor
     assert sum(tp2.read_bytes) - share == block_rows > 0
+
+
+# Folders with files missing, empty or cut short: each is a finding naming the file, and the rest still renders. The
+# expected keys come from the shards that remain, read by safetensors' load_file.
+
+
+@pytest.fixture(scope='module')
+def broken(smol_ckpt, tmp_path_factory) -> dict:
+    "{case: folder}: a tiny Qwen2 saved by transformers, then emptied, thinned, cut or left dangling."
+    from mstar_utils.testing import save_tiny
+
+    root = tmp_path_factory.mktemp('broken')
+    one = save_tiny('qwen2', root / 'one', max_shard_size='10MB')  # model.safetensors alone
+    sharded = save_tiny('qwen2', root / 'sharded')  # shards behind an index
+    out = {name: root / name for name in ('empty', 'safetensors-only', 'tokenizer-only')}
+    for p in out.values():
+        p.mkdir()
+    shutil.copy(one / 'model.safetensors', out['safetensors-only'])
+    shutil.copy(smol_ckpt / 'tokenizer.json', out['tokenizer-only'])
+    out['dangling'] = Path(shutil.copytree(sharded, root / 'dangling'))
+    sorted(out['dangling'].glob('*.safetensors'))[-1].unlink()  # the index still names it
+    out['truncated'] = Path(shutil.copytree(one, root / 'truncated'))
+    f = out['truncated'] / 'model.safetensors'
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return out
+
+
+def readable_keys(folder) -> set:
+    "Keys of the shards in `folder` that safetensors reads whole."
+    out = set()
+    for f in Path(folder).glob('*.safetensors'):
+        with contextlib.suppress(Exception):
+            out |= set(load_file(str(f)))
+    return out
+
+
+def test_a_folder_without_weights_or_config_is_findings(broken):
+    for case in ('empty', 'tokenizer-only'):
+        e = explore(broken[case])
+        files = {f.where: f for f in e.of('files')}
+        assert set(files) == {'model.safetensors', 'config.json'}, case  # tokenizer.json parses
+        assert 'neither model.safetensors.index.json nor model.safetensors' in files['model.safetensors'].what
+        assert files['config.json'].what.startswith('missing') and files['config.json'].fix
+        assert [f.where for f in e.of('load') if f.level == 'error'] == ['config.json']
+        assert e.tree.tensors == 0 and e.stats is not None and e.stats.tensors == []
+        assert 'config.json' in str(e) and 'config.json' in e._repr_html_()
+        assert json.loads(e.to_json())['checkpoint'] == case
+
+
+def test_safetensors_without_config_is_explored_from_the_shards(broken):
+    e = explore(broken['safetensors-only'])
+    assert [(f.where, f.what[:7]) for f in e.of('files')] == [('config.json', 'missing')]
+    assert [f.where for f in e.of('load') if f.level == 'error'] == ['config.json']  # not "it loads"
+    keys = readable_keys(broken['safetensors-only'])
+    assert e.tree.tensors == len(keys) and {s.key for s in e.stats.tensors} == keys
+    assert '3. Will it load: no' in str(e)
+
+
+def test_dangling_index_and_truncated_shard_are_one_finding_each(broken):
+    e = explore(broken['dangling'])
+    index = json.loads((broken['dangling'] / 'model.safetensors.index.json').read_text())
+    gone = sorted(set(index['weight_map'].values()))[-1]
+    files = e.of('files')
+    assert [f.where for f in files] == ['model.safetensors.index.json'] and gone in files[0].what
+    keys = readable_keys(broken['dangling'])
+    assert e.tree.tensors == len(keys) and {s.key for s in e.stats.tensors} == keys  # the shards still there
+    e = explore(broken['truncated'])
+    files = e.of('files')
+    assert [f.where for f in files] == ['model.safetensors'] and 'cut short' in files[0].what
+    assert any(f.level == 'error' for f in e.of('load')) and e.tree.tensors == 0
+    assert json.loads(e.to_json())['findings'][0]['where'] == 'model.safetensors'
+
+
+@pytest.mark.parametrize('case', ['safetensors-only', 'dangling', 'truncated'])
+def test_cli_inspect_stats_reports_a_broken_folder(broken, case):
+    rc, out, err = run_cli('inspect', broken[case], '--stats', '--json')
+    assert rc == 0, err
+    rep = json.loads(out)
+    named = {'safetensors-only': 'config.json', 'dangling': 'model.safetensors.index.json'}
+    assert [p['file'] for p in rep['problems']][:1] == [named.get(case, 'model.safetensors')]
+    keys = readable_keys(broken[case])
+    assert rep['tensors'] == len(keys) and {t['key'] for t in rep['explore']['stats']['tensors']} == keys
+    assert named.get(case, 'model.safetensors') in {f['where'] for f in rep['explore']['findings']}
+    rc, out, err = run_cli('inspect', broken[case], '--stats')
+    assert rc == 0 and 'problem       ' in out and '6. Weight statistics' in out, err
+
+
+@pytest.mark.parametrize('case', ['empty', 'tokenizer-only'])
+def test_cli_inspect_stats_refuses_a_folder_without_weights_in_one_line(broken, case):
+    rc, out, err = run_cli('inspect', broken[case], '--stats')
+    assert rc == 2 and out == '' and len(err.strip().splitlines()) == 1
+    assert str(broken[case]) in err and 'neither model.safetensors.index.json nor model.safetensors' in err
+
+
+# A dtype change is reported as one: the expected categories come from the two checkpoints' tensors as safetensors'
+# load_file reads them.
+
+
+def test_diff_reports_a_cast_as_retyped(tmp_path):
+    from mstar_utils.testing import save_tiny
+
+    a = save_tiny('qwen2', tmp_path / 'a', max_shard_size='10MB')
+    b = Path(shutil.copytree(a, tmp_path / 'b'))
+    sd = load_file(str(b / 'model.safetensors'))
+    norm, proj = 'model.norm.weight', 'model.layers.0.mlp.up_proj.weight'
+    sd[norm] = sd[norm].to(torch.bfloat16)  # ones: the cast keeps every value
+    sd[proj] = sd[proj].to(torch.bfloat16)  # random floats: the cast rounds them
+    save_file(sd, str(b / 'model.safetensors'), metadata={'format': 'pt'})
+    ra, rb = load_file(str(a / 'model.safetensors')), load_file(str(b / 'model.safetensors'))
+    retyped = {k for k in ra if ra[k].dtype != rb[k].dtype and torch.equal(ra[k].float(), rb[k].float())}
+    changed = {k for k in ra if not torch.equal(ra[k].float(), rb[k].float())}
+    assert retyped == {norm} and changed == {proj}  # the reference's categories
+    d = diff_checkpoints(a, b)
+    assert [t.key for t in d.retyped] == [norm] and {t.key for t in d.changed} == changed
+    assert (d.retyped[0].dtype_a, d.retyped[0].dtype_b) == ('float32', 'bfloat16') and not d.retyped[0].identical
+    rc, out, _ = run_cli('diff', a, b, '--json')
+    j = json.loads(out)
+    assert rc == 0 and j['retyped'] == [{'key': norm, 'dtype_a': 'float32', 'dtype_b': 'bfloat16'}]
+    assert [t['key'] for t in j['changed']] == [proj] and norm not in j['identical']
+    assert (j['changed'][0]['dtype_a'], j['changed'][0]['dtype_b']) == ('float32', 'bfloat16')
+    want = float((ra[proj] - rb[proj].float()).abs().max())
+    assert j['changed'][0]['max_abs'] == want
+    rc, out, _ = run_cli('diff', a, b)
+    assert rc == 0 and f'1 tensors changed, {len(ra) - 2} identical, 1 retyped' in out
+    assert f'retyped, values equal: {norm} float32 → bfloat16' in out
+    assert next(line for line in out.splitlines() if line.strip().startswith(proj)).split()[1:4] == [
+        'float32',
+        '→',
+        'bfloat16',
+    ]

@@ -52,12 +52,13 @@ def fresh():
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp('formats')
     out = {
-        name: write_ct_preset_checkpoint(fresh(), root / name, preset, compress=comp)
-        for name, preset, comp in [
-            ('nvfp4', 'NVFP4A16', True),
-            ('mxfp8', 'MXFP8A16', True),
-            ('w4a16_dense', 'W4A16', False),
-            ('nvfp4_dense', 'NVFP4A16', False),
+        name: write_ct_preset_checkpoint(fresh(), root / name, preset, compress=comp, frozen=frozen)
+        for name, preset, comp, frozen in [
+            ('nvfp4', 'NVFP4A16', True, False),
+            ('mxfp8', 'MXFP8A16', True, False),
+            ('w4a16_dense', 'W4A16', False, False),
+            ('nvfp4_dense', 'NVFP4A16', False, False),
+            ('w4a16_frozen', 'W4A16', True, True),  # pack-quantized named, saved before compressing
         ]
     }
     out['modelopt'] = as_modelopt(out['nvfp4'], root / 'modelopt')
@@ -185,6 +186,62 @@ def test_plain_weights_under_a_packed_label_load_as_dense(ckpts, tmp_path):
     assert_tensors_equal(
         logits(load_model(d)), logits(AutoModelForCausalLM.from_pretrained(ckpts['w4a16_dense']).eval())
     )
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_frozen_pack_quantized_with_plain_weights_loads_as_from_pretrained(ckpts, dtype):
+    """quantization_status frozen, format pack-quantized, weights saved plain as calibration left them (no
+    weight_packed): compressed-tensors' forward, which from_pretrained runs, quantizes and dequantizes each weight by
+    its stored scales below status compressed, and so does the load."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    d, k = ckpts['w4a16_frozen'], 'model.layers.0.mlp.down_proj'
+    qc = config_of(d)['quantization_config']
+    assert (qc['format'], qc['quantization_status']) == ('pack-quantized', 'frozen')
+    sd = load_file(str(d / 'model.safetensors'))
+    assert k + '.weight_packed' not in sd and sd[k + '.weight'].dtype == torch.bfloat16
+    args = preset_name_to_scheme('W4A16', ['Linear']).weights
+    scale, zp = sd[k + '.weight_scale'].to(dtype), sd[k + '.weight_zero_point']
+    want = fake_quantize(sd[k + '.weight'].to(dtype), scale, zp, args)  # compressed-tensors' own QDQ
+    assert not torch.equal(want, sd[k + '.weight'].to(dtype))  # off the grid: the stored weight is not what runs
+    m = load_model(d, dtype=dtype)
+    assert_tensors_equal(m.model.layers[0].mlp.down_proj.weight, want)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
+    assert_tensors_equal(logits(m), logits(hf))
+    assert_tensors_equal(logits(load_model(d, dtype=dtype, quantized='keep')), logits(hf))
+
+
+@pytest.mark.parametrize(
+    'kind,bits,strategy,block,sym',
+    [
+        ('int', 4, 'group', (1, 32), False),
+        ('int', 8, 'channel', (1, None), True),
+        ('float', 8, 'channel', (1, None), True),
+    ],
+)
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_fake_quantized_op_equals_compressed_tensors(kind, bits, strategy, block, sym, dtype):
+    "The frozen op against compressed-tensors' own fake_quantize, whole and cut inside a group."
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from mstar_utils.quantized import dequantize_cut
+
+    torch.manual_seed(bits)
+    w = torch.randn(6, 96, dtype=dtype)
+    groups = w.unflatten(-1, (-1, block[1] or 96))
+    top = 2 ** (bits - 1) - 1 if kind == 'int' else 448
+    s = (groups.abs().amax(-1) / top).to(dtype)  # [6, G]
+    z = torch.randint(-2, 3, s.shape, dtype=torch.int8) if not sym else torch.zeros(s.shape, dtype=torch.int8)
+    args = QuantizationArgs(
+        num_bits=bits, type=kind, symmetric=sym, strategy=strategy, group_size=block[1] if strategy == 'group' else None
+    )
+    want = fake_quantize(w, s, z, args)
+    op = DenseQuantized(block, dtype, ('', '_scale', '_zero_point'), (kind, bits))
+    assert_tensors_equal(op.apply([w, s, z]), want)
+    c = op.cut([w.shape, s.shape, z.shape], 1, 40, 80)
+    parts = [t if p is None else t.narrow(p[0], p[1], p[2] - p[1]) for t, p in zip([w, s, z], c.parts, strict=True)]
+    assert_tensors_equal(dequantize_cut(c, parts), want[:, 40:80])
 
 
 def test_f4_dtype_is_read(ckpts, tmp_path):
@@ -332,7 +389,7 @@ def test_nvfp4_apply_into_equals_apply(dtype):
 # ---- tensor parallelism: each rank's tensors are the full load's slices, and it reads what its plan says
 
 
-@pytest.mark.parametrize('name', ['nvfp4', 'mxfp8', 'modelopt', 'w4a16_dense', 'nvfp4_dense'])
+@pytest.mark.parametrize('name', ['nvfp4', 'mxfp8', 'modelopt', 'w4a16_dense', 'nvfp4_dense', 'w4a16_frozen'])
 @pytest.mark.parametrize('ws', [2, 4])
 def test_ranks_are_slices_of_the_full_load(name, ws, ckpts):
     r = rank_reads(ckpts[name], ws, dtype=torch.float32)

@@ -72,6 +72,10 @@ BNB = {
     'fp4_nested': ('fp4', True),
     'fp4': ('fp4', False),
     'int8': ('int8', False),
+    # transformers' bnb_4bit_quant_storage: the packed bytes stored as another dtype
+    'nf4_nested_bf16': ('nf4', True, torch.bfloat16),
+    'fp4_fp16': ('fp4', False, torch.float16),
+    'nf4_fp32': ('nf4', False, torch.float32),
 }
 
 
@@ -80,7 +84,7 @@ def ckpts(tmp_path_factory):
     "{name: (folder, {weight key: the float32 weight it dequantizes to} or None for bitsandbytes)}."
     root = tmp_path_factory.mktemp('intq')
     out = {n: write_int4_checkpoint(fresh(), root / n, m, **kw) for n, (m, kw) in CKPTS.items()}
-    out.update({n: (write_bnb_checkpoint(fresh(), root / n, kind, nested), None) for n, (kind, nested) in BNB.items()})
+    out.update({n: (write_bnb_checkpoint(fresh(), root / n, *spec), None) for n, spec in BNB.items()})
     return out
 
 
@@ -167,6 +171,22 @@ def test_bnb_decoders_equal_bitsandbytes(name, ckpts):
         assert_tensors_equal(u.op.apply([sd[k] for k in u.sources]), want[u.target], u.target)
     nested = [k for k in sd if k.endswith('.nested_absmax')]
     assert bool(nested) == BNB[name][1]
+    storage = BNB[name][2] if len(BNB[name]) > 2 else torch.uint8 if BNB[name][0] != 'int8' else torch.int8
+    assert {sd[u.sources[-1] if BNB[name][0] != 'int8' else u.sources[0]].dtype for u in units} == {storage}
+
+
+def test_codes_of_another_dtype_are_named_by_their_dtype(ckpts, tmp_path):
+    "qweight saved as the same bytes in uint8 (four elements a word): the error names the dtype, not the element count."
+    from safetensors.torch import save_file
+
+    d = shutil.copytree(ckpts['gptq'][0], tmp_path / 'u8')
+    sd, k = load_file(str(d / 'model.safetensors')), 'model.layers.0.mlp.down_proj.qweight'
+    sd[k] = sd[k].view(torch.uint8)
+    save_file(sd, str(d / 'model.safetensors'), metadata={'format': 'pt'})
+    with pytest.raises(
+        ValueError, match=re.escape(f"{k!r}: GPTQDequantize: codes are torch.uint8, the format stores torch.int32")
+    ):
+        quantized_tensors(checkpoint_source(d), config_of(d), torch.float32)
 
 
 # ---- loaded models against from_pretrained of the reference-dequantized checkpoint
@@ -184,10 +204,25 @@ def test_logits_equal_the_dequantized_reference(name, ckpts, tmp_path):
         assert_tensors_equal(logits(load_model(d, dtype=torch.bfloat16)), logits(ref16))
 
 
-def test_keep_is_refused_by_name(ckpts):
-    d, _ = ckpts['gptq']
-    with pytest.raises(NotImplementedError, match=r"'model\.layers\.0\.mlp\.down_proj\.qweight': quantized='keep'"):
+@pytest.mark.parametrize(
+    'name,key,fmt',
+    [
+        ('gptq', 'model.layers.0.mlp.down_proj.qweight', 'GPTQ codes (GPTQDequantize)'),
+        ('awq', 'model.layers.0.mlp.down_proj.qweight', 'AWQ codes (AWQDequantize)'),
+        ('nf4_nested', 'model.layers.0.mlp.down_proj.weight', 'bitsandbytes 4-bit (NF4, FP4) codes'),
+        ('nf4_nested_bf16', 'model.layers.0.mlp.down_proj.weight', 'bitsandbytes 4-bit (NF4, FP4) codes'),
+        ('int8', 'model.layers.0.mlp.down_proj.weight', 'bitsandbytes int8 codes (BnBInt8Dequantize)'),
+    ],
+)
+def test_keep_is_refused_by_key_format_and_fix(ckpts, name, key, fmt):
+    "quantized='keep' holds no GPTQ, AWQ or bitsandbytes codes: the refusal names the codes' key, the format, the fix."
+    d, _ = ckpts[name]
+    with pytest.raises(NotImplementedError) as e:
         load_model(d, quantized='keep')
+    msg = str(e.value)
+    assert msg.startswith(f"{key!r}: quantized='keep' holds no {fmt}"), msg
+    assert msg.endswith("Load this checkpoint with quantized='dequantize'") and 'MXFP4' in msg
+    load_model(d, quantized='dequantize')  # the fix it names loads it
 
 
 def test_contradictions_are_named(ckpts, tmp_path):
