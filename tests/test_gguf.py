@@ -34,6 +34,19 @@ SCALE_AT = {
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
+    T.IQ4_NL: [0],
+    T.IQ4_XS: [0],
+    T.MXFP4: [-1],  # its E8M0 exponent, byte 0: bit 6 cleared, below 2^64
+    T.NVFP4: [],
+    T.TQ1_0: [52],
+    T.TQ2_0: [64],
+    T.IQ2_XXS: [0],
+    T.IQ2_XS: [0],
+    T.IQ2_S: [0],
+    T.IQ3_XXS: [0],
+    T.IQ3_S: [0],
+    T.IQ1_S: [0],
+    T.IQ1_M: [54],  # its float16's high nibbles: the top bits of the four 16-bit words at 48-55
 }
 ALL_TYPES = {
     'attn_q': 'Q4_0',
@@ -45,6 +58,28 @@ ALL_TYPES = {
     'ffn_down': 'Q4_K',
     'token_embd': 'Q5_K',
     'output': 'Q6_K',
+}
+LATER_TYPES = {  # gguf-py quantizes MXFP4, TQ1_0 and TQ2_0; the others are random codes of finite scales
+    'attn_q': 'IQ4_NL',
+    'attn_k': 'IQ4_XS',
+    'attn_v': 'MXFP4',
+    'attn_output': 'TQ1_0',
+    'ffn_gate': 'TQ2_0',
+    'ffn_up': 'IQ2_XXS',
+    'ffn_down': 'IQ3_S',
+    'token_embd': 'NVFP4',
+    'output': 'IQ1_M',
+}
+GRID_TYPES = {
+    'attn_q': 'IQ2_XS',
+    'attn_k': 'IQ2_S',
+    'attn_v': 'IQ3_XXS',
+    'attn_output': 'IQ1_S',
+    'ffn_gate': 'IQ1_M',
+    'ffn_up': 'IQ4_XS',
+    'ffn_down': 'IQ2_XXS',
+    'token_embd': 'IQ4_NL',
+    'output': 'IQ3_S',
 }
 
 
@@ -73,9 +108,14 @@ def test_block_decoders_equal_gguf_py(qtype, shape):
     same(dequantize_gguf(torch.from_numpy(b), qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
 
 
-@pytest.mark.parametrize('qtype', [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    'qtype',
+    [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4, T.TQ1_0, T.TQ2_0],
+    ids=lambda q: q.name,
+)
 def test_gguf_py_quantized_values_decode_as_gguf_py(qtype):
-    x = np.random.default_rng(1).standard_normal((13, 96)).astype(np.float32) * 3
+    "Every type gguf-py quantizes: its codes of real values decode as gguf-py decodes them."
+    x = np.random.default_rng(1).standard_normal((13, 768)).astype(np.float32) * 3
     q = gguf.quants.quantize(x, qtype)
     same(
         dequantize_gguf(torch.from_numpy(q.view(np.uint8).copy()), qtype),
@@ -89,9 +129,23 @@ def test_out_and_refusals():
     assert dequantize_gguf(torch.from_numpy(b), T.Q4_K, out) is out
     with pytest.raises(ValueError, match='a row of 35 bytes is not a whole number of 34-byte blocks'):
         dequantize_gguf(torch.zeros(2, 35, dtype=torch.uint8), T.Q8_0)
-    with pytest.raises(NotImplementedError, match='IQ2_XXS is not decoded'):
-        dequantize_gguf(torch.zeros(2, 66, dtype=torch.uint8), T.IQ2_XXS)
-    assert T.Q4_K in GGUF_TYPES and T.IQ2_XXS not in GGUF_TYPES
+    with pytest.raises(NotImplementedError, match='Q8_K is not decoded'):
+        dequantize_gguf(torch.zeros(2, 292, dtype=torch.uint8), T.Q8_K)
+    assert T.Q4_K in GGUF_TYPES and T.Q8_K not in GGUF_TYPES
+
+
+def test_every_type_gguf_py_dequantizes_is_decoded():
+    "The block types are gguf-py's: each one it dequantizes (F32 and F16 besides), none else."
+    from gguf.quants import _type_traits
+
+    assert set(GGUF_TYPES) == {T.F32, T.F16, *_type_traits}
+
+
+@pytest.mark.parametrize('qtype', [T.IQ4_XS, T.TQ1_0, T.IQ2_S, T.IQ1_M], ids=lambda q: q.name)
+def test_chunks_of_later_types_decode_as_gguf_py(qtype):
+    "Over 2048 blocks a tensor decodes in several pieces on torch's threads, and still equals gguf-py."
+    b = random_blocks(np.random.default_rng(int(qtype)), qtype, (9, 600))
+    same(dequantize_gguf(torch.from_numpy(b), qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype)))
 
 
 @pytest.mark.parametrize('qtype', [T.Q4_K, T.Q8_0, T.Q6_K], ids=lambda q: q.name)
@@ -132,6 +186,8 @@ def tiny(tmp_path_factory):
         ('all_types', ALL_TYPES, False),
         ('plain_tied', {'token_embd': 'F16', 'ffn': 'BF16', 'attn': 'F32'}, True),
         ('q8_0', {}, False),
+        ('later_types', LATER_TYPES, False),
+        ('grid_types', GRID_TYPES, True),
     ]:
         (root / name).mkdir()
         out[name] = write_gguf_checkpoint(
@@ -140,7 +196,7 @@ def tiny(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0'])
+@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0', 'later_types', 'grid_types'])
 def test_tiny_files_load_as_from_pretrained(name, tiny):
     f = tiny[name]
     ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
@@ -300,10 +356,16 @@ def check_ranks(f, ws, keys=None, quantized='dequantize'):
     )
 
 
-@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0'])
+@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0', 'later_types', 'grid_types'])
 @pytest.mark.parametrize('ws', [2, 4])
 def test_ranks_are_slices_of_the_full_load(name, ws, tiny):
     check_ranks(tiny[name], ws)
+
+
+@pytest.mark.parametrize('name', ['later_types', 'grid_types'])
+def test_later_types_kept_under_tensor_parallelism(name, tiny):
+    "Kept IQ, MXFP4, NVFP4 and ternary layers at 2 ranks: each rank's blocks dequantize to its slice of the full load."
+    check_ranks(tiny[name], 2, quantized='keep')
 
 
 @pytest.mark.parametrize('quantized', ['dequantize', 'keep'])
