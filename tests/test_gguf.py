@@ -423,3 +423,62 @@ def test_a_gguf_folder_is_named_where_only_safetensors_are_read(tmp_path):
     write_gguf_checkpoint(tmp_path / 'tiny.gguf', {})
     with pytest.raises(FileNotFoundError, match=r'holds GGUF tiny\.gguf, which load_model and load_plan read'):
         checkpoint_dir(tmp_path)
+
+
+# ---- a GGUF file, or a folder of one, is a whole checkpoint for text: the tokenizer and stop ids from its metadata
+
+
+@pytest.fixture(scope='module')
+def smol_gguf_tokenizer():
+    from transformers import AutoTokenizer, GenerationConfig
+
+    f = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
+    gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(f.parent, gguf_file=f.name))
+    return f, tok, gen
+
+
+@pytest.mark.parametrize('where', ['file', 'folder'])
+def test_gguf_text_output_is_the_transformers_tokenizer(where, smol_gguf_tokenizer):
+    "Token for token the text transformers' tokenizer of the file decodes; its eos ids and the tokenizer's stop."
+    from mstar_utils.detokenize import TextOutput
+
+    f, tok, gen = smol_gguf_tokenizer
+    to = TextOutput.from_checkpoint(f if where == 'file' else f.parent)
+    eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    assert to.stop_token_ids == {*eos, tok.eos_token_id} == {2}
+    chat = [{'role': 'user', 'content': 'Ça va? 🙂 Écris «naïve» en 日本語.'}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert to.output_bytes(ids, {'ignore_eos': True}).decode() == tok.decode(ids)
+    for text in ['Hello world', '  leading spaces\n\ttabs', 'émoji 🙂🙃 and 中文', '<|im_start|>assistant\nOk']:
+        ids = tok.encode(text, add_special_tokens=False)
+        steps = b''.join(to.detokenizer.token_bytes(i) for i in ids)
+        assert steps.decode() == tok.decode(ids) == text
+
+
+def test_gguf_reply_stops_at_its_eos(smol_gguf_tokenizer):
+    "`reply` on a GGUF folder: token by token, the text before the file's eos, stopped by it."
+    from mstar_utils.detokenize import TextOutput
+
+    f, tok, _ = smol_gguf_tokenizer
+    answer = tok.encode('Oui, très bien! 🙂', add_special_tokens=False)
+    r = TextOutput.from_checkpoint(f.parent).reply()
+    out = b''.join(r.step([i]) for i in [*answer, tok.eos_token_id, *answer]) + r.finish()
+    assert out.decode() == tok.decode(answer) and r.stopped and r.stop_reason == tok.eos_token_id
+
+
+def test_a_gguf_beside_tokenizer_files_reads_the_files(tmp_path, smol_gguf_tokenizer):
+    "A folder with tokenizer files beside its GGUF reads the files, as AutoTokenizer.from_pretrained(folder) does."
+    from mstar_utils.detokenize import TextOutput
+
+    f, tok, _ = smol_gguf_tokenizer
+    (tmp_path / 'm.gguf').symlink_to(f)
+    tok.save_pretrained(tmp_path)
+    to = TextOutput.from_checkpoint(tmp_path)
+    assert to.stop_token_ids == {tok.eos_token_id}
+    two = tmp_path / 'two'
+    two.mkdir()
+    for n in ('a.gguf', 'b.gguf'):
+        (two / n).symlink_to(f)
+    with pytest.raises(ValueError, match=r'holds 2 GGUF files \(a\.gguf, b\.gguf\); give the file to load'):
+        TextOutput.from_checkpoint(two)
