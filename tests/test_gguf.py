@@ -417,11 +417,13 @@ def test_keep_under_tensor_parallelism_gives_the_logits(tmp_path):
 
 
 def test_a_gguf_folder_is_named_where_only_safetensors_are_read(tmp_path):
-    "inspect and diff read safetensors: a folder of one GGUF file says so, naming the file and what reads it."
+    "explore and diff read safetensors: a folder of one GGUF file says so, naming the file and what reads it."
     from mstar_utils.sources import checkpoint_dir
 
     write_gguf_checkpoint(tmp_path / 'tiny.gguf', {})
-    with pytest.raises(FileNotFoundError, match=r'holds GGUF tiny\.gguf, which load_model and load_plan read'):
+    with pytest.raises(
+        FileNotFoundError, match=r'holds GGUF tiny\.gguf, which load_model, load_plan, inspect and TextOutput read'
+    ):
         checkpoint_dir(tmp_path)
 
 
@@ -482,3 +484,55 @@ def test_a_gguf_beside_tokenizer_files_reads_the_files(tmp_path, smol_gguf_token
         (two / n).symlink_to(f)
     with pytest.raises(ValueError, match=r'holds 2 GGUF files \(a\.gguf, b\.gguf\); give the file to load'):
         TextOutput.from_checkpoint(two)
+
+
+# ---- inspect: a GGUF file, or a folder of one, reported from its header
+
+
+def test_gguf_report_equals_transformers_and_gguf_py(smol_gguf_tokenizer):
+    "The report of the file and of its folder: transformers' model and tokenizer counts, gguf-py's tensor types."
+    from collections import Counter
+    from mstar_utils.kv import read_model_config
+    from mstar_utils.report import checkpoint_report
+
+    f, tok, gen = smol_gguf_tokenizer
+    rep = checkpoint_report(f.parent)
+    assert rep == checkpoint_report(f)
+    cfg = AutoConfig.from_pretrained(f.parent, gguf_file=f.name)
+    with torch.device('meta'):
+        ref = AutoModelForCausalLM.from_config(cfg)
+    assert (rep['architectures'], rep['model_type']) == ([type(ref).__name__], cfg.model_type)
+    assert rep['parameters'] == sum(p.numel() for p in ref.parameters())
+    assert rep['tensors'] == len(gguf.GGUFReader(f).tensors) and rep['shards'][0]['bytes'] == f.stat().st_size
+    assert rep['dtypes'] == dict(Counter(T(t.tensor_type).name for t in gguf.GGUFReader(f).tensors))
+    assert rep['tokenizer'] == {'kind': 'byte-level BPE', 'vocab_size': len(tok)}
+    assert rep['stop_token_ids'] == [tok.eos_token_id] and rep['generation_config'] == gen.to_diff_dict()
+    assert rep['tie_word_embeddings'] is cfg.tie_word_embeddings is True and rep['problems'] == []
+    assert read_model_config(f.parent).to_dict() == read_model_config(f).to_dict() == cfg.to_dict()
+
+
+def test_gguf_reply_equals_transformers_greedy(smol_gguf_tokenizer):
+    "generate_reply on the file: the greedy ids transformers generates from from_pretrained(gguf_file=...)."
+    import io
+    from mstar_utils.report import _prompt_ids, check_can_answer, generate_reply
+
+    f, tok, _ = smol_gguf_tokenizer
+    assert check_can_answer(f.parent).__name__ == 'LlamaForCausalLM'
+    buf = io.BytesIO()
+    ids = generate_reply(f.parent, 'What is the capital of France?', max_new_tokens=8, out=buf)
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
+    prompt = _prompt_ids(tok, 'What is the capital of France?')
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :].tolist()
+    reply = want[: want.index(tok.eos_token_id)] if tok.eos_token_id in want else want  # the stop id ends it
+    assert ids == reply and buf.getvalue().decode() == tok.decode(reply)
+
+
+def test_inspect_takes_a_gguf_folder(capsys):
+    "mstar-utils inspect on SmolLM2's GGUF folder: the report, exit 0."
+    from mstar_utils.cli import inspect
+
+    f = smollm2_gguf()
+    assert inspect(str(f.parent)) == 0
+    out = capsys.readouterr().out
+    assert f'  {f.name}' in out and 'Q4_1 (210 tensors)' in out and 'byte-level BPE, vocab size 49152' in out
