@@ -1001,11 +1001,42 @@ def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
             )
     return frozenset(ids)
 
+# %% ../nbs/08_detokenize.ipynb #gguftx01
+def _gguf_text(path: Path) -> Path | None:
+    "The GGUF file that holds `path`'s tokenizer: `path` itself, or a folder's one `.gguf` beside no tokenizer files."
+    from mstar_utils.gguf import gguf_file
+
+    if path.is_dir() and any(
+        (path / n).exists() for n in ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model')
+    ):
+        return None
+    return gguf_file(path)
+
+# %% ../nbs/08_detokenize.ipynb #gguftx02
+def _gguf_stop_ids(f: Path, tokenizer) -> frozenset[int]:
+    "The eos ids of the generation config transformers derives from GGUF file `f`, plus the tokenizer's eos."
+    from transformers import GenerationConfig
+    from mstar_utils.gguf import gguf_config, read_gguf
+
+    eos, size = GenerationConfig.from_model_config(gguf_config(f, read_gguf(f))).eos_token_id, _vocab_bound(tokenizer)
+    ids = {
+        v: f'{f}: tokenizer.ggml.eos_token_id' for v in ([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    }
+    if tokenizer.eos_token_id is not None:
+        ids.setdefault(tokenizer.eos_token_id, f"the tokenizer's eos_token {tokenizer.eos_token!r}")
+    for i, source in ids.items():
+        if not 0 <= i < size:
+            raise ValueError(
+                f'{source} is {i}, outside the vocabulary of {_tokenizer_name(tokenizer)}: ids run from 0 to '
+                f'{size - 1} (vocabulary size {size})'
+            )
+    return frozenset(ids)
+
 # %% ../nbs/08_detokenize.ipynb #cf4f8f71
 @patch(cls_method=True)
 def from_checkpoint(
     cls: TextOutput,
-    checkpoint_dir,  # a HF checkpoint folder with the tokenizer files
+    checkpoint_dir,  # a HF checkpoint folder with the tokenizer files, a GGUF file, or a folder of one
     tokenizer=None,  # the folder's tokenizer, if already loaded
     keep_special: bool = True,  # False: special tokens (flagged in tokenizer.json) give no text
     extra_skip_ids: Iterable[int] = (),  # more ids that give no text
@@ -1013,16 +1044,20 @@ def from_checkpoint(
 ) -> TextOutput:
     "A `TextChunkDetokenizer` over the folder's tokenizer"
     checkpoint_dir = Path(checkpoint_dir)
+    f = _gguf_text(checkpoint_dir)  # a GGUF file: the tokenizer and the eos ids from its metadata
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+            if f is None:
+                tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
         except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f'no tokenizer loads from {checkpoint_dir}: {e}') from e
+            raise ValueError(f'no tokenizer loads from {f or checkpoint_dir}: {e}') from e
     return cls(
         TextChunkDetokenizer(tokenizer, keep_special, extra_skip_ids, keep_timestamps),
-        _stop_token_ids(checkpoint_dir, tokenizer),
+        _stop_token_ids(checkpoint_dir, tokenizer) if f is None else _gguf_stop_ids(f, tokenizer),
     )
 
 # %% ../nbs/08_detokenize.ipynb #rp000003

@@ -140,6 +140,152 @@ def _q6_k(b):
     qh = _shifted(b[:, 128:192].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 8, 32)
     return (d * ((ql | (qh << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)).reshape(n, 256)
 
+# %% ../nbs/06b_gguf.ipynb #gqnl001
+_IQ4 = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's and IQ4_XS's levels
+_E2M1 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # MXFP4's and NVFP4's 4-bit floats, doubled
+
+
+def _table(levels: tuple, q: torch.Tensor) -> torch.Tensor:
+    "levels[q] as float32 for codes `q` (uint8): a lookup in a fixed table."
+    return torch.tensor(levels, dtype=torch.float32)[q.long()]
+
+# %% ../nbs/06b_gguf.ipynb #gqnl002
+def _iq4_nl(b):
+    return _f16(b, 0) * _table(_IQ4, _nibbles(b[:, 2:], 16))
+
+# %% ../nbs/06b_gguf.ipynb #gqnl003
+def _iq4_xs(b):
+    n = b.shape[0]
+    lo = _shifted(b[:, 4:8], [0, 4], 0xF).transpose(-1, -2).reshape(n, 8)  # sub-block j: byte j // 2, nibble j % 2
+    hi = _shifted(b[:, 2:4], [0, 2, 4, 6], 3).transpose(-1, -2).reshape(n, 8)  # bits 2j, 2j + 1 of the u16
+    dl = (_f16(b, 0) * ((lo | (hi << 4)).to(torch.int8) - 32).float()).reshape(n, 8, 1)
+    return (dl * _table(_IQ4, _nibbles(b[:, 8:], 16)).reshape(n, 8, 32)).reshape(n, 256)
+
+# %% ../nbs/06b_gguf.ipynb #gqnl006
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    "E8M0 exponent bytes as float32 halved, 2^(e − 128), as ggml reads them (e < 2: subnormal)."
+    e = e.int()
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+# %% ../nbs/06b_gguf.ipynb #gqnl007
+def _mxfp4(b):
+    return _e8m0_half(b[:, :1]) * _table(_E2M1, _nibbles(b[:, 1:], 16))
+
+# %% ../nbs/06b_gguf.ipynb #gqnl009
+def _ue4m3_half(x: torch.Tensor) -> torch.Tensor:
+    "Unsigned E4M3 scale bytes as float32 halved; 0 and 0x7F (NaN) read as 0, as gguf-py reads them."
+    e, m = (x >> 3 & 0xF).int(), (x & 7).float()
+    v = torch.where(e == 0, m * 2.0**-9, (1 + m / 8) * torch.exp2((e - 7).float()))
+    return torch.where((x == 0) | (x == 0x7F), 0.0, v * 0.5)
+
+# %% ../nbs/06b_gguf.ipynb #gqnl010
+def _nvfp4(b):
+    n = b.shape[0]
+    q = _table(_E2M1, _nibbles(b[:, 4:], 8)).reshape(n, 4, 16)
+    return (_ue4m3_half(b[:, :4]).reshape(n, 4, 1) * q).reshape(n, 64)
+
+# %% ../nbs/06b_gguf.ipynb #gqnl012
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8).view(-1, 1)
+
+
+def _trits(x: torch.Tensor, k: int) -> torch.Tensor:
+    "Bytes `x` [n, B] times 1, 3, 9, 27 (and 81 for k = 5), mod 256: [n, k·B], each power's run in turn."
+    return (x.unsqueeze(1) * _POW3[:k]).reshape(x.shape[0], -1)
+
+# %% ../nbs/06b_gguf.ipynb #gqnl013
+def _tq1_0(b):
+    x = torch.cat([_trits(b[:, :32], 5), _trits(b[:, 32:48], 5), _trits(b[:, 48:52], 4)], 1)
+    return _f16(b, 52) * ((x.int() * 3 >> 8) - 1).float()  # the top two bits of 3x: the digit
+
+# %% ../nbs/06b_gguf.ipynb #gqnl014
+def _tq2_0(b):
+    q = _shifted(b[:, :64].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 256)
+    return _f16(b, 64) * (q.to(torch.int8) - 1).float()
+
+# %% ../nbs/06b_gguf.ipynb #gqgr001
+@functools.cache
+def _grid(qtype: T) -> torch.Tensor:
+    "The grid of points of IQ type `qtype`, float32 [points, 8 or 4], from gguf-py's own tables."
+    import gguf.quants
+
+    q = getattr(gguf.quants, qtype.name)
+    q.init_grid()
+    return torch.from_numpy(q.grid.reshape(q.grid_shape).copy())
+
+# %% ../nbs/06b_gguf.ipynb #gqgr002
+_KSIGNS = torch.tensor([i | (i.bit_count() & 1) << 7 for i in range(128)], dtype=torch.uint8)  # 7 bits, and parity
+_SIGN_BITS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+
+
+def _signs(s: torch.Tensor) -> torch.Tensor:
+    "Sign bytes `s` [...] as ±1, float32 [..., 8]: bit i set, value i negative."
+    return 1 - 2 * ((s.unsqueeze(-1) & _SIGN_BITS) != 0).float()
+
+# %% ../nbs/06b_gguf.ipynb #gqgr003
+def _words(b: torch.Tensor, lo: int, hi: int, bits: int) -> torch.Tensor:
+    "The little-endian unsigned `bits`-bit words (16 or 32) of bytes [lo, hi) of each block, int64 [n, k]."
+    w = b[:, lo:hi].clone(memory_format=torch.contiguous_format)  # a fresh copy: aligned
+    w = w.view(torch.int32 if bits == 32 else torch.int16).long()
+    return w & ((1 << bits) - 1)
+
+# %% ../nbs/06b_gguf.ipynb #gqgr005
+def _iq2_xxs(b):
+    n = b.shape[0]
+    w = _words(b, 2, 66, 32).view(n, 8, 2)  # a sub-block of 32: 4 grid indices, then 4 × 7 sign bits and its scale
+    db = (_f16(b, 0) * (0.5 + (w[..., 1] >> 28).float()) * 0.25).view(n, 8, 1, 1)
+    s = _signs(_KSIGNS[(w[..., 1:] >> torch.tensor([0, 7, 14, 21])) & 0x7F])
+    g = _grid(T.IQ2_XXS)[b[:, 2:66].reshape(n, 8, 8)[..., :4].long()]
+    return (db * g * s).reshape(n, 256)
+
+# %% ../nbs/06b_gguf.ipynb #gqgr006
+def _iq2_xs(b):
+    n, q = b.shape[0], _words(b, 2, 66, 16)  # 9 bits of grid index, 7 of signs
+    db = (_f16(b, 0) * (0.5 + _nibbles(b[:, 66:74], 1).float()) * 0.25).view(n, 16, 1, 1)
+    s = _signs(_KSIGNS[q >> 9]).view(n, 16, 2, 8)
+    return (db * _grid(T.IQ2_XS)[q & 511].view(n, 16, 2, 8) * s).reshape(n, 256)
+
+# %% ../nbs/06b_gguf.ipynb #gqgr007
+def _iq2_s(b):
+    n = b.shape[0]
+    db = (_f16(b, 0) * (0.5 + _nibbles(b[:, 74:82], 1).float()) * 0.25).view(n, 16, 1, 1)
+    qh = _shifted(b[:, 66:74], [0, 2, 4, 6], 3).transpose(-1, -2).reshape(n, 32)  # index i's bits 8-9
+    g = _grid(T.IQ2_S)[b[:, 2:34].long() | qh.long() << 8].view(n, 16, 2, 8)
+    return (db * g * _signs(b[:, 34:66]).view(n, 16, 2, 8)).reshape(n, 256)
+
+# %% ../nbs/06b_gguf.ipynb #gqgr009
+def _iq3_xxs(b):
+    n, w = b.shape[0], _words(b, 66, 98, 32)  # a sub-block of 32: 4 × 7 sign bits and its scale
+    db = (_f16(b, 0) * (0.5 + (w >> 28).float()) * 0.5).view(n, 8, 1, 1)
+    s = _signs(_KSIGNS[(w.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21])) & 0x7F])
+    return (db * _grid(T.IQ3_XXS)[b[:, 2:66].long()].view(n, 8, 4, 8) * s).reshape(n, 256)
+
+# %% ../nbs/06b_gguf.ipynb #gqgr010
+def _iq3_s(b):
+    n = b.shape[0]
+    db = (_f16(b, 0) * (1 + 2 * _nibbles(b[:, 106:110], 1)).float()).view(n, 8, 1, 1)
+    qh = _shifted(b[:, 66:74], list(range(8)), 1).transpose(-1, -2).reshape(n, 64)  # index i's bit 8
+    g = _grid(T.IQ3_S)[b[:, 2:66].long() | qh.long() << 8].view(n, 8, 4, 8)
+    return (db * g * _signs(b[:, 74:106]).view(n, 8, 4, 8)).reshape(n, 256)
+
+# %% ../nbs/06b_gguf.ipynb #gqgr012
+def _iq1_s(b):
+    n, qh = b.shape[0], _words(b, 34, 50, 16)  # a sub-block of 32: 4 × 3 index bits, its scale, its shift's sign
+    dl = (_f16(b, 0) * (2 * ((qh >> 12) & 7) + 1).float()).view(n, 8, 1, 1)
+    delta = torch.where(qh & 0x8000 == 0, 0.125, -0.125).view(n, 8, 1, 1)
+    hi = ((qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7).reshape(n, 32)
+    return (dl * (_grid(T.IQ1_S)[b[:, 2:34].long() | hi << 8].view(n, 8, 4, 8) + delta)).reshape(n, 256)
+
+# %% ../nbs/06b_gguf.ipynb #gqgr013
+def _iq1_m(b):
+    n, s = b.shape[0], _words(b, 48, 56, 16)  # four 3-bit scales a word; d in the words' top nibbles
+    d = ((s >> 12) << torch.tensor([0, 4, 8, 12])).sum(1, keepdim=True).to(torch.int16).view(torch.float16).float()
+    sc = ((s.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7).reshape(n, 16)
+    dl = (d * (2 * sc + 1).float()).view(n, 8, 2, 1, 1)
+    qh = _shifted(b[:, 32:48], [0, 4], 0xF).transpose(-1, -2).reshape(n, 32)  # 3 index bits and a shift's sign
+    delta = torch.where(qh & 8 == 0, 0.125, -0.125).view(n, 8, 2, 2, 1)
+    g = _grid(T.IQ1_S)[b[:, :32].long() | (qh & 7).long() << 8].view(n, 8, 2, 2, 8)
+    return (dl * (g + delta)).reshape(n, 256)
+
 # %% ../nbs/06b_gguf.ipynb #fmtg009
 def _into(fn):
     "A decoder that returns its values [n, block] as one that writes them into `out`."
@@ -159,6 +305,19 @@ _RETURNING = {
     T.Q2_K: _q2_k,
     T.Q3_K: _q3_k,
     T.Q6_K: _q6_k,
+    T.IQ4_NL: _iq4_nl,
+    T.IQ4_XS: _iq4_xs,
+    T.MXFP4: _mxfp4,
+    T.NVFP4: _nvfp4,
+    T.TQ1_0: _tq1_0,
+    T.TQ2_0: _tq2_0,
+    T.IQ2_XXS: _iq2_xxs,
+    T.IQ2_XS: _iq2_xs,
+    T.IQ2_S: _iq2_s,
+    T.IQ3_XXS: _iq3_xxs,
+    T.IQ3_S: _iq3_s,
+    T.IQ1_S: _iq1_s,
+    T.IQ1_M: _iq1_m,
 }
 _BLOCK_DECODERS = {
     **{q: _into(f) for q, f in _RETURNING.items()},

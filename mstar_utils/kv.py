@@ -326,7 +326,7 @@ def _config_from_dict(d: dict, where: str):
 
 # %% ../nbs/09_kv.ipynb #8c9d0e1f
 def read_model_config(
-    config,  # a transformers config, a config.json dict, or a checkpoint folder or its config.json
+    config,  # a transformers config, a config.json dict, a checkpoint folder or its config.json, a GGUF file
 ):
     "`config` as transformers' config object of its `model_type`."
     from transformers import PretrainedConfig
@@ -336,6 +336,11 @@ def read_model_config(
     if isinstance(config, dict):
         return _config_from_dict(config, 'model config')
     path = Path(config)
+    if path.suffix == '.gguf' or (path.is_dir() and not (path / 'config.json').exists()):
+        from mstar_utils.gguf import gguf_config, gguf_file, read_gguf
+
+        if (f := gguf_file(path)) is not None:  # a GGUF file, or a folder of one: the config transformers builds
+            return gguf_config(f, read_gguf(f))
     if path.is_dir():
         path = path / 'config.json'
     try:

@@ -172,9 +172,13 @@ def _tokenizer_summary(path: Path) -> dict:
 
 # %% ../nbs/12_report.ipynb #d6e6bc1f
 def checkpoint_report(
-    checkpoint_dir,  # an HF checkpoint folder
+    checkpoint_dir,  # an HF checkpoint folder, a GGUF file, or a folder of one
 ) -> dict:
     "A JSON-ready summary of a checkpoint from its files only"
+    from mstar_utils.gguf import gguf_file
+
+    if (f := gguf_file(checkpoint_dir)) is not None:
+        return _gguf_report(f)
     ckpt, problems = _report_folder(checkpoint_dir), []
     config = _part(problems, 'config.json', lambda: _read_json(ckpt / 'config.json'), {})
     wm, tok, gc = _weight_map(ckpt, problems), None, ckpt / 'generation_config.json'
@@ -200,15 +204,65 @@ def checkpoint_report(
         else _part(problems, gc.name, lambda: load_generation_defaults(ckpt)),
     }
 
+# %% ../nbs/12_report.ipynb #ggrep002
+_GGUF_TOKENIZERS = {
+    'gpt2': 'byte-level BPE',
+    'llama': 'SentencePiece',
+    'bert': 'other (WordPiece)',
+    't5': 'other (Unigram)',
+}
+
+
+def _gguf_report(f: Path) -> dict:
+    "`checkpoint_report` of GGUF file `f`, from its header and the config transformers builds from it."
+    from math import prod
+    from transformers import GenerationConfig
+    from mstar_utils.detokenize import TextOutput
+    from mstar_utils.gguf import gguf_config, gguf_model_class, gguf_names, read_gguf
+    from mstar_utils.model import build_on_meta
+
+    h, problems = read_gguf(f), []
+    config = gguf_config(f, h)
+    cls, meta = gguf_model_class(config), h.metadata
+    names = gguf_names(build_on_meta(config, cls), config)
+    by_prefix = Counter()
+    for name, t in h.tensors.items():
+        by_prefix[_param_group(names.get(name, name))] += prod(t.shape)
+    tokens, kind = meta.get('tokenizer.ggml.tokens'), meta.get('tokenizer.ggml.model')
+    tok = None if tokens is None else {'kind': _GGUF_TOKENIZERS.get(kind, f'other ({kind})'), 'vocab_size': len(tokens)}
+    return {
+        'checkpoint': str(f),
+        'architectures': [cls.__name__],
+        'model_type': config.model_type,
+        'shards': [{'file': f.name, 'bytes': f.stat().st_size}],
+        'tensors': len(h.tensors),
+        'parameters': sum(by_prefix.values()),
+        'parameters_by_prefix': dict(by_prefix.most_common()),
+        'dtypes': dict(Counter(t.qtype.name for t in h.tensors.values())),
+        'buffers': {},
+        'tie_word_embeddings': config.tie_word_embeddings,
+        'tokenizer': tok,
+        'stop_token_ids': _part(problems, f.name, lambda: sorted(TextOutput.from_checkpoint(f).stop_token_ids), []),
+        'generation_config': GenerationConfig.from_model_config(config).to_diff_dict(),
+        'problems': problems,
+        'sampling_defaults': {},
+    }
+
 # %% ../nbs/12_report.ipynb #55a0c544
 def check_can_answer(
-    ckpt: Path,  # a checkpoint folder
+    ckpt: Path,  # a checkpoint folder, a GGUF file, or a folder of one
 ) -> type:
     "The transformers causal-LM class for `ckpt`"
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from mstar_utils.model import model_class_for
+    from mstar_utils.gguf import gguf_config, gguf_file, gguf_model_class, read_gguf
 
+    if (f := gguf_file(ckpt)) is not None:  # the config and the tokenizer from the file's metadata
+        h = read_gguf(f)
+        if 'tokenizer.ggml.tokens' not in h.metadata:
+            raise NotACheckpoint(f'{f.name}: no tokenizer.ggml.tokens in its metadata, so a prompt cannot be encoded')
+        return gguf_model_class(gguf_config(f, h))
     config = AutoConfig.from_pretrained(ckpt)
     cls = model_class_for(config)
     if cls.__name__ not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
@@ -232,7 +286,7 @@ def _prompt_ids(tok, prompt: str):
 
 # %% ../nbs/12_report.ipynb #8682a7bb
 def generate_reply(
-    checkpoint_dir,  # a causal LM checkpoint folder with a tokenizer
+    checkpoint_dir,  # a causal LM checkpoint folder with a tokenizer, a GGUF file, or a folder of one
     prompt: str,  # the user's message
     max_new_tokens: int = 64,  # most tokens to generate
     out=None,  # a binary stream that receives each step's bytes as they come
@@ -243,13 +297,18 @@ def generate_reply(
     from transformers import AutoTokenizer, DynamicCache
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.model import load_model
+    from mstar_utils.gguf import gguf_file
     from mstar_utils.upstream import cache_arg
 
-    ckpt = _require_checkpoint(checkpoint_dir)
+    f = gguf_file(checkpoint_dir)
+    ckpt = _require_checkpoint(checkpoint_dir) if f is None else f
     check_can_answer(ckpt)
     if log:
         print(f'loading {ckpt.name} with mstar_utils.load_model ...', file=log, flush=True)
-    model, tok = load_model(ckpt), AutoTokenizer.from_pretrained(ckpt)
+    tok = (
+        AutoTokenizer.from_pretrained(ckpt) if f is None else AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
+    )
+    model = load_model(ckpt)
     text_out = TextOutput.from_checkpoint(ckpt, tokenizer=tok)
     step_in, cache, new = _prompt_ids(tok, prompt), DynamicCache(config=model.config), []
     step_bytes = text_out.step_fn()  # the decode loop's function: what text_out.step_bytes gives

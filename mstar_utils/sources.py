@@ -220,7 +220,8 @@ def _not_a_checkpoint(p: Path) -> str | None:
         )
     ggufs = sorted(x.name for x in p.glob('*.gguf'))
     hint = (
-        f'; it holds GGUF {ggufs[0]}, which load_model and load_plan read (inspect and diff read safetensors)'
+        f'; it holds GGUF {ggufs[0]}, which load_model, load_plan, inspect and TextOutput read '
+        '(explore and diff read safetensors)'
         if ggufs
         else ''
     )

@@ -1059,7 +1059,8 @@ def _gguf_codes(x, qtype, rng):
         pass
     block, size = GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, (x.shape[0], x.shape[1] // block, size), dtype='uint8')
-    at = {'Q2_K': [80, 82], 'Q3_K': [108], 'Q4_K': [0, 2], 'Q5_K': [0, 2], 'Q6_K': [208]}[qtype.name]
+    at = {'Q2_K': [80, 82], 'Q3_K': [108], 'Q4_K': [0, 2], 'Q5_K': [0, 2], 'Q6_K': [208], 'NVFP4': [], 'IQ1_M': [54]}
+    at = at.get(qtype.name, [0])  # the IQ types: d first (IQ1_M: its high byte in byte 55's high nibble)
     for a in at:
         b[..., a + 1] &= 0x3B  # float16 scales of small magnitude: exponent bits 0b01110 at most
     return b.reshape(x.shape[0], -1)

@@ -39,6 +39,19 @@ SCALE_AT = {
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
+    T.IQ4_NL: [0],
+    T.IQ4_XS: [0],
+    T.MXFP4: [-1],  # its E8M0 exponent, byte 0: bit 6 cleared, below 2^64
+    T.NVFP4: [],
+    T.TQ1_0: [52],
+    T.TQ2_0: [64],
+    T.IQ2_XXS: [0],
+    T.IQ2_XS: [0],
+    T.IQ2_S: [0],
+    T.IQ3_XXS: [0],
+    T.IQ3_S: [0],
+    T.IQ1_S: [0],
+    T.IQ1_M: [54],  # its float16's high nibbles: the top bits of the four 16-bit words at 48-55
 }
 ALL_TYPES = {
     'attn_q': 'Q4_0',
@@ -50,6 +63,28 @@ ALL_TYPES = {
     'ffn_down': 'Q4_K',
     'token_embd': 'Q5_K',
     'output': 'Q6_K',
+}
+LATER_TYPES = {  # gguf-py quantizes MXFP4, TQ1_0 and TQ2_0; the others are random codes of finite scales
+    'attn_q': 'IQ4_NL',
+    'attn_k': 'IQ4_XS',
+    'attn_v': 'MXFP4',
+    'attn_output': 'TQ1_0',
+    'ffn_gate': 'TQ2_0',
+    'ffn_up': 'IQ2_XXS',
+    'ffn_down': 'IQ3_S',
+    'token_embd': 'NVFP4',
+    'output': 'IQ1_M',
+}
+GRID_TYPES = {
+    'attn_q': 'IQ2_XS',
+    'attn_k': 'IQ2_S',
+    'attn_v': 'IQ3_XXS',
+    'attn_output': 'IQ1_S',
+    'ffn_gate': 'IQ1_M',
+    'ffn_up': 'IQ4_XS',
+    'ffn_down': 'IQ2_XXS',
+    'token_embd': 'IQ4_NL',
+    'output': 'IQ3_S',
 }
 
 
@@ -75,9 +110,14 @@ def test_block_decoders_equal_gguf_py(qtype, shape):
     )
 
 
-@pytest.mark.parametrize('qtype', [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    'qtype',
+    [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4, T.TQ1_0, T.TQ2_0],
+    ids=lambda q: q.name,
+)
 def test_gguf_py_quantized_values_decode_as_gguf_py(qtype):
-    x = np.random.default_rng(1).standard_normal((13, 96)).astype(np.float32) * 3
+    "Every type gguf-py quantizes: its codes of real values decode as gguf-py decodes them."
+    x = np.random.default_rng(1).standard_normal((13, 768)).astype(np.float32) * 3
     q = gguf.quants.quantize(x, qtype)
     assert_tensors_equal(
         dequantize_gguf(torch.from_numpy(q.view(np.uint8).copy()), qtype),
@@ -91,9 +131,25 @@ def test_out_and_refusals():
     assert dequantize_gguf(torch.from_numpy(b), T.Q4_K, out) is out
     with pytest.raises(ValueError, match='a row of 35 bytes is not a whole number of 34-byte blocks'):
         dequantize_gguf(torch.zeros(2, 35, dtype=torch.uint8), T.Q8_0)
-    with pytest.raises(NotImplementedError, match='IQ2_XXS is not decoded'):
-        dequantize_gguf(torch.zeros(2, 66, dtype=torch.uint8), T.IQ2_XXS)
-    assert T.Q4_K in GGUF_TYPES and T.IQ2_XXS not in GGUF_TYPES
+    with pytest.raises(NotImplementedError, match='Q8_K is not decoded'):
+        dequantize_gguf(torch.zeros(2, 292, dtype=torch.uint8), T.Q8_K)
+    assert T.Q4_K in GGUF_TYPES and T.Q8_K not in GGUF_TYPES
+
+
+def test_every_type_gguf_py_dequantizes_is_decoded():
+    "The block types are gguf-py's: each one it dequantizes (F32 and F16 besides), none else."
+    from gguf.quants import _type_traits
+
+    assert set(GGUF_TYPES) == {T.F32, T.F16, *_type_traits}
+
+
+@pytest.mark.parametrize('qtype', [T.IQ4_XS, T.TQ1_0, T.IQ2_S, T.IQ1_M], ids=lambda q: q.name)
+def test_chunks_of_later_types_decode_as_gguf_py(qtype):
+    "Over 2048 blocks a tensor decodes in several pieces on torch's threads, and still equals gguf-py."
+    b = random_blocks(np.random.default_rng(int(qtype)), qtype, (9, 600))
+    assert_tensors_equal(
+        dequantize_gguf(torch.from_numpy(b), qtype), torch.from_numpy(gguf.quants.dequantize(b, qtype))
+    )
 
 
 @pytest.mark.parametrize('qtype', [T.Q4_K, T.Q8_0, T.Q6_K], ids=lambda q: q.name)
@@ -134,6 +190,8 @@ def tiny(tmp_path_factory):
         ('all_types', ALL_TYPES, False),
         ('plain_tied', {'token_embd': 'F16', 'ffn': 'BF16', 'attn': 'F32'}, True),
         ('q8_0', {}, False),
+        ('later_types', LATER_TYPES, False),
+        ('grid_types', GRID_TYPES, True),
     ]:
         (root / name).mkdir()
         out[name] = write_gguf_checkpoint(
@@ -142,7 +200,7 @@ def tiny(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0'])
+@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0', 'later_types', 'grid_types'])
 def test_tiny_files_load_as_from_pretrained(name, tiny):
     f = tiny[name]
     ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
@@ -299,10 +357,16 @@ def check_ranks(f, ws, keys=None, quantized='dequantize'):
     )
 
 
-@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0'])
+@pytest.mark.parametrize('name', ['all_types', 'plain_tied', 'q8_0', 'later_types', 'grid_types'])
 @pytest.mark.parametrize('ws', [2, 4])
 def test_ranks_are_slices_of_the_full_load(name, ws, tiny):
     check_ranks(tiny[name], ws)
+
+
+@pytest.mark.parametrize('name', ['later_types', 'grid_types'])
+def test_later_types_kept_under_tensor_parallelism(name, tiny):
+    "Kept IQ, MXFP4, NVFP4 and ternary layers at 2 ranks: each rank's blocks dequantize to its slice of the full load."
+    check_ranks(tiny[name], 2, quantized='keep')
 
 
 @pytest.mark.parametrize('quantized', ['dequantize', 'keep'])
@@ -354,9 +418,122 @@ def test_keep_under_tensor_parallelism_gives_the_logits(tmp_path):
 
 
 def test_a_gguf_folder_is_named_where_only_safetensors_are_read(tmp_path):
-    "inspect and diff read safetensors: a folder of one GGUF file says so, naming the file and what reads it."
+    "explore and diff read safetensors: a folder of one GGUF file says so, naming the file and what reads it."
     from mstar_utils.sources import checkpoint_dir
 
     write_gguf_checkpoint(tmp_path / 'tiny.gguf', {})
-    with pytest.raises(FileNotFoundError, match=r'holds GGUF tiny\.gguf, which load_model and load_plan read'):
+    with pytest.raises(
+        FileNotFoundError, match=r'holds GGUF tiny\.gguf, which load_model, load_plan, inspect and TextOutput read'
+    ):
         checkpoint_dir(tmp_path)
+
+
+# ---- a GGUF file, or a folder of one, is a whole checkpoint for text: the tokenizer and stop ids from its metadata
+
+
+@pytest.fixture(scope='module')
+def smol_gguf_tokenizer():
+    from transformers import AutoTokenizer, GenerationConfig
+
+    f = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
+    gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(f.parent, gguf_file=f.name))
+    return f, tok, gen
+
+
+@pytest.mark.parametrize('where', ['file', 'folder'])
+def test_gguf_text_output_is_the_transformers_tokenizer(where, smol_gguf_tokenizer):
+    "Token for token the text transformers' tokenizer of the file decodes; its eos ids and the tokenizer's stop."
+    from mstar_utils.detokenize import TextOutput
+
+    f, tok, gen = smol_gguf_tokenizer
+    to = TextOutput.from_checkpoint(f if where == 'file' else f.parent)
+    eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    assert to.stop_token_ids == {*eos, tok.eos_token_id} == {2}
+    chat = [{'role': 'user', 'content': 'Ça va? 🙂 Écris «naïve» en 日本語.'}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert to.output_bytes(ids, {'ignore_eos': True}).decode() == tok.decode(ids)
+    for text in ['Hello world', '  leading spaces\n\ttabs', 'émoji 🙂🙃 and 中文', '<|im_start|>assistant\nOk']:
+        ids = tok.encode(text, add_special_tokens=False)
+        steps = b''.join(to.detokenizer.token_bytes(i) for i in ids)
+        assert steps.decode() == tok.decode(ids) == text
+
+
+def test_gguf_reply_stops_at_its_eos(smol_gguf_tokenizer):
+    "`reply` on a GGUF folder: token by token, the text before the file's eos, stopped by it."
+    from mstar_utils.detokenize import TextOutput
+
+    f, tok, _ = smol_gguf_tokenizer
+    answer = tok.encode('Oui, très bien! 🙂', add_special_tokens=False)
+    r = TextOutput.from_checkpoint(f.parent).reply()
+    out = b''.join(r.step([i]) for i in [*answer, tok.eos_token_id, *answer]) + r.finish()
+    assert out.decode() == tok.decode(answer) and r.stopped and r.stop_reason == tok.eos_token_id
+
+
+def test_a_gguf_beside_tokenizer_files_reads_the_files(tmp_path, smol_gguf_tokenizer):
+    "A folder with tokenizer files beside its GGUF reads the files, as AutoTokenizer.from_pretrained(folder) does."
+    from mstar_utils.detokenize import TextOutput
+
+    f, tok, _ = smol_gguf_tokenizer
+    (tmp_path / 'm.gguf').symlink_to(f)
+    tok.save_pretrained(tmp_path)
+    to = TextOutput.from_checkpoint(tmp_path)
+    assert to.stop_token_ids == {tok.eos_token_id}
+    two = tmp_path / 'two'
+    two.mkdir()
+    for n in ('a.gguf', 'b.gguf'):
+        (two / n).symlink_to(f)
+    with pytest.raises(ValueError, match=r'holds 2 GGUF files \(a\.gguf, b\.gguf\); give the file to load'):
+        TextOutput.from_checkpoint(two)
+
+
+# ---- inspect: a GGUF file, or a folder of one, reported from its header
+
+
+def test_gguf_report_equals_transformers_and_gguf_py(smol_gguf_tokenizer):
+    "The report of the file and of its folder: transformers' model and tokenizer counts, gguf-py's tensor types."
+    from collections import Counter
+    from mstar_utils.kv import read_model_config
+    from mstar_utils.report import checkpoint_report
+
+    f, tok, gen = smol_gguf_tokenizer
+    rep = checkpoint_report(f.parent)
+    assert rep == checkpoint_report(f)
+    cfg = AutoConfig.from_pretrained(f.parent, gguf_file=f.name)
+    with torch.device('meta'):
+        ref = AutoModelForCausalLM.from_config(cfg)
+    assert (rep['architectures'], rep['model_type']) == ([type(ref).__name__], cfg.model_type)
+    assert rep['parameters'] == sum(p.numel() for p in ref.parameters())
+    assert rep['tensors'] == len(gguf.GGUFReader(f).tensors) and rep['shards'][0]['bytes'] == f.stat().st_size
+    assert rep['dtypes'] == dict(Counter(T(t.tensor_type).name for t in gguf.GGUFReader(f).tensors))
+    assert rep['tokenizer'] == {'kind': 'byte-level BPE', 'vocab_size': len(tok)}
+    assert rep['stop_token_ids'] == [tok.eos_token_id] and rep['generation_config'] == gen.to_diff_dict()
+    assert rep['tie_word_embeddings'] is cfg.tie_word_embeddings is True and rep['problems'] == []
+    assert read_model_config(f.parent).to_dict() == read_model_config(f).to_dict() == cfg.to_dict()
+
+
+def test_gguf_reply_equals_transformers_greedy(smol_gguf_tokenizer):
+    "generate_reply on the file: the greedy ids transformers generates from from_pretrained(gguf_file=...)."
+    import io
+    from mstar_utils.report import _prompt_ids, check_can_answer, generate_reply
+
+    f, tok, _ = smol_gguf_tokenizer
+    assert check_can_answer(f.parent).__name__ == 'LlamaForCausalLM'
+    buf = io.BytesIO()
+    ids = generate_reply(f.parent, 'What is the capital of France?', max_new_tokens=8, out=buf)
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
+    prompt = _prompt_ids(tok, 'What is the capital of France?')
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :].tolist()
+    reply = want[: want.index(tok.eos_token_id)] if tok.eos_token_id in want else want  # the stop id ends it
+    assert ids == reply and buf.getvalue().decode() == tok.decode(reply)
+
+
+def test_inspect_takes_a_gguf_folder(capsys):
+    "mstar-utils inspect on SmolLM2's GGUF folder: the report, exit 0."
+    from mstar_utils.cli import inspect
+
+    f = smollm2_gguf()
+    assert inspect(str(f.parent)) == 0
+    out = capsys.readouterr().out
+    assert f'  {f.name}' in out and 'Q4_1 (210 tensors)' in out and 'byte-level BPE, vocab size 49152' in out
