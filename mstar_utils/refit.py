@@ -79,13 +79,9 @@ def fp8_requantizer(
     qc: dict,  # a block-fp8 `quantization_config`: `weight_block_size`, optionally `scale_fmt`
 ):
     "transformers' fine-grained fp8 quantizer for `qc`: (key, tensor) -> {key: codes, scale key: scales}."
-    from types import SimpleNamespace
+    from mstar_utils.upstream import fp8_quantize_op
 
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
-
-    kw = {k: qc[k] for k in ('weight_block_size', 'scale_fmt') if qc.get(k) is not None}
-    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(**kw)))
+    op = fp8_quantize_op(**{k: qc[k] for k in ('weight_block_size', 'scale_fmt') if qc.get(k) is not None})
     return lambda key, t: op.convert({key: t})
 
 # %% ../nbs/03c_refit.ipynb #60ce7f70

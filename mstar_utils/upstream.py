@@ -13,8 +13,8 @@ __all__ = ['transformers_version', 'UpstreamChanged', 'reach', 'config_tp_plan',
            'no_init_weights', 'build_model', 'unexpected_key_patterns', 'tied_weights_keys', 'mark_initialized',
            'decode_special_floats', 'set_expert_parallel', 'detect_timestamp_from_logprob', 'checkpoint_conversions',
            'model_renamings', 'rename_key', 'weight_ops', 'cache_classes', 'output_cache', 'cache_arg',
-           'fp8_dequantize_reference', 'fp8_grid_dequantize', 'mxfp4_dequantize_reference', 'fp4_values',
-           'gguf_config_mappings', 'gguf_reverse_permute']
+           'fp8_dequantize_reference', 'fp8_grid_dequantize', 'fp8_quantize_op', 'mxfp4_dequantize_reference',
+           'fp4_values', 'gguf_config_mappings', 'gguf_reverse_permute']
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0006
 def transformers_version() -> str:
@@ -203,6 +203,17 @@ def fp8_grid_dequantize(
 ) -> torch.Tensor:
     "`w` dequantized by transformers' load-time `Fp8Dequantize`, its block taken from the scale grid."
     return reach('integrations.finegrained_fp8.Fp8Dequantize')(None)._dequantize_one(w, s, dtype)
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0035a
+def fp8_quantize_op(**kw):
+    "transformers' fine-grained fp8 quantizer op (`Fp8Quantize`) for a `FineGrainedFP8Config(**kw)`."
+    from types import SimpleNamespace
+
+    from transformers import FineGrainedFP8Config
+
+    return reach('integrations.finegrained_fp8.Fp8Quantize')(
+        SimpleNamespace(quantization_config=FineGrainedFP8Config(**kw))
+    )
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0036
 def mxfp4_dequantize_reference(

@@ -133,7 +133,8 @@ def test_plan_dumps_json_and_names_steps(ckpts):
 
 
 def test_fused_parts_written_not_zero(ckpts):
-    "prime-rl #3451: fused tensors written as zeros. A copy by name leaves the fused experts stale; refit fills them."
+    """prime-rl (https://github.com/PrimeIntellect-ai/prime-rl/issues/3451):
+    fused tensors written as zeros. A copy by name leaves the fused experts stale; refit fills them."""
     a, b = ckpts['qwen3_moe']
     naive, new = load_model(a), weights(b)
     sd = naive.state_dict()
@@ -149,7 +150,8 @@ def test_fused_parts_written_not_zero(ckpts):
 
 
 def test_stacked_experts_accepted(ckpts, tmp_path):
-    "NeMo-RL #3403: a trainer that sends experts stacked 3-D, under the model's fused names, is taken, at every rank."
+    """NeMo-RL (https://github.com/NVIDIA-NeMo/RL/issues/3403):
+    a trainer that sends experts stacked 3-D, under the model's fused names, is taken, at every rank."""
     a, b = ckpts['olmoe']
     fused = load_model(b).state_dict()  # the stacked experts, as the model holds them
     sent = {k: v for k, v in fused.items() if k != 'lm_head.weight' or 'lm_head.weight' in weights(b)}
@@ -160,7 +162,8 @@ def test_stacked_experts_accepted(ckpts, tmp_path):
 
 
 def test_unknown_name_is_an_error(ckpts):
-    "verl-omni #636: a name the receiver cannot place is an error listing it, not a warning; nothing moves."
+    """verl-omni (https://github.com/verl-project/verl-omni/issues/636):
+    a name the receiver cannot place is an error listing it, not a warning; nothing moves."""
     a, b = ckpts['llama']
     served, new = load_model(a), weights(b)
     before = storage(served)
@@ -200,7 +203,8 @@ def mla(q_lora_rank=24):
 
 
 def test_mla_absorbed_weights_rebuilt_in_place(tmp_path):
-    "sglang #30749: w_kc/w_vc rebuilt from stale values. A naive copy leaves them stale; refit rebuilds them in place."
+    """sglang (https://github.com/sgl-project/sglang/issues/30749):
+    w_kc/w_vc rebuilt from stale values. A naive copy leaves them stale; refit rebuilds them in place."""
     a = save_mla_checkpoint(tmp_path / 'a')
     prefix = 'model.layers.0.self_attn.'
     att = mla()
@@ -225,12 +229,9 @@ def test_mla_absorbed_weights_rebuilt_in_place(tmp_path):
 
 def fp8_reference(model, dest, block):
     "`model` saved with its projections quantized by transformers' own fine-grained fp8 quantizer (`Fp8Quantize`)."
-    from types import SimpleNamespace
+    from mstar_utils.upstream import fp8_quantize_op
 
-    from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize
-
-    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=list(block))))
+    op = fp8_quantize_op(weight_block_size=list(block))
     model.save_pretrained(dest)
     out = {}
     for k, v in weights(dest).items():
@@ -287,7 +288,8 @@ def test_gguf(tmp_path):
 
 
 def test_a_layout_the_model_does_not_hold_is_refused(ckpts):
-    "NeMo-RL #3659: bytes in another layout streamed over the model's; refused before anything is written."
+    """NeMo-RL (https://github.com/NVIDIA-NeMo/RL/issues/3659):
+    bytes in another layout streamed over the model's; refused before anything is written."""
     a, b = ckpts['olmoe']
     served, new = load_model(a), load_model(b).state_dict()
     k = 'model.layers.0.mlp.experts.down_proj'
