@@ -982,15 +982,9 @@ def generation_eos_ids(
             raise ValueError(f'{path}: eos_token_id must be an int or a list of ints, got {eos!r}')
     return ids
 
-# %% ../nbs/08_detokenize.ipynb #d2d8cf60
-def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
-    "`generation_eos_ids` plus the tokenizer's eos_token_id"
-    # checked against the vocabulary bound the detokenizers use (`_vocab_bound`).
-    path, size = checkpoint_dir / 'generation_config.json', _vocab_bound(tokenizer)
-    # where generation_eos_ids then reads
-    if not path.exists():
-        path = checkpoint_dir / 'config.json'
-    ids = {v: f'{path}: eos_token_id' for v in generation_eos_ids(checkpoint_dir)}
+# %% ../nbs/08_detokenize.ipynb #d2d8cf5f
+def _checked_stop_ids(ids: dict, tokenizer, size: int) -> frozenset[int]:
+    "{id: where it comes from} plus the tokenizer's eos, each checked to lie in the vocabulary bound `size`."
     if tokenizer.eos_token_id is not None:
         ids.setdefault(tokenizer.eos_token_id, f"the tokenizer's eos_token {tokenizer.eos_token!r}")
     for i, source in ids.items():
@@ -1000,6 +994,17 @@ def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
                 f'{size - 1} (vocabulary size {size})'
             )
     return frozenset(ids)
+
+# %% ../nbs/08_detokenize.ipynb #d2d8cf60
+def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
+    "`generation_eos_ids` plus the tokenizer's eos_token_id"
+    # checked against the vocabulary bound the detokenizers use (`_vocab_bound`).
+    path, size = checkpoint_dir / 'generation_config.json', _vocab_bound(tokenizer)
+    # where generation_eos_ids then reads
+    if not path.exists():
+        path = checkpoint_dir / 'config.json'
+    ids = {v: f'{path}: eos_token_id' for v in generation_eos_ids(checkpoint_dir)}
+    return _checked_stop_ids(ids, tokenizer, size)
 
 # %% ../nbs/08_detokenize.ipynb #gguftx01
 def _gguf_text(path: Path) -> Path | None:
@@ -1022,15 +1027,7 @@ def _gguf_stop_ids(f: Path, tokenizer) -> frozenset[int]:
     ids = {
         v: f'{f}: tokenizer.ggml.eos_token_id' for v in ([] if eos is None else [eos] if isinstance(eos, int) else eos)
     }
-    if tokenizer.eos_token_id is not None:
-        ids.setdefault(tokenizer.eos_token_id, f"the tokenizer's eos_token {tokenizer.eos_token!r}")
-    for i, source in ids.items():
-        if not 0 <= i < size:
-            raise ValueError(
-                f'{source} is {i}, outside the vocabulary of {_tokenizer_name(tokenizer)}: ids run from 0 to '
-                f'{size - 1} (vocabulary size {size})'
-            )
-    return frozenset(ids)
+    return _checked_stop_ids(ids, tokenizer, size)
 
 # %% ../nbs/08_detokenize.ipynb #cf4f8f71
 @patch(cls_method=True)
