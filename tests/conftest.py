@@ -28,13 +28,22 @@ def smol_config(smol_ckpt):
     return AutoConfig.from_pretrained(smol_ckpt)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    "Under pytest-xdist's `--dist loadgroup`, each file's tests share a worker, so its module fixtures are built once."
-    # test_visible_cells' pages are independent processes, so they spread over the workers one by one.
-    for item in items:
-        if item.path.name != 'test_visible_cells.py':
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    "Under pytest-xdist's `--dist loadscope`, each test file runs on one worker, so its module fixtures are built once."
+    # The scope is the file, except for test_visible_cells, whose pages are independent processes spread one by one.
+    # (Not `--dist loadgroup`: since pytest 9.2 a test's id no longer takes the group suffix xdist 3.8 writes into it,
+    # so the groups are silently ignored and a file's tests split over workers.)
+    if config.getvalue('dist') != 'loadscope':
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split('::', 1)[0]
+            return nodeid if path.endswith('test_visible_cells.py') else path
+
+    return ByFile(config, log)
 
 
 def notebooks() -> list[Path]:
