@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
 
-from .sources import DictSource, WrappedSource
+from .sources import DictSource, WrappedSource, as_source
 
 # %% auto #0
 __all__ = ['OPERATIONS', 'MIXTRAL_CONVERSIONS', 'QWEN2_MOE_CONVERSIONS', 'QWEN3_MOE_CONVERSIONS', 'DEEPSEEK_V2_CONVERSIONS',
@@ -459,27 +459,17 @@ class ConvertedSource(WrappedSource):
 
     def __init__(self, src, conv: list[WeightConverter], what: str = 'checkpoint'):
         super().__init__(src, what)
-        self.groups, members = _group(list(src.keys()), conv, what)
+        self.groups, members = _group(list(self.src.keys()), conv, what)
         consumed = set().union(*(g.keys for g in self.groups.values())) if self.groups else set()
-        clash = [t for t in self.groups if t in src and t not in consumed]
+        clash = [t for t in self.groups if t in self.src and t not in consumed]
         if clash:
             raise ValueError(
                 f'{what}: target key {clash[0]!r} is also a checkpoint key; '
                 'the converted checkpoint would hold it twice'
             )
         # a source has keys() but no __iter__
-        self._keys = [k for k in src.keys() if k not in consumed] + list(self.groups)  # noqa: SIM118
-        self._set = set(self._keys)
-        self._trees = {t: _tree(src, t, g.converter, members[t], what) for t, g in self.groups.items()}
-
-    def keys(self):
-        return self._keys
-
-    def __contains__(self, k):
-        return k in self._set
-
-    def __len__(self):
-        return len(self._keys)
+        self.own_keys([k for k in self.src.keys() if k not in consumed] + list(self.groups))  # noqa: SIM118
+        self._trees = {t: _tree(self.src, t, g.converter, members[t], what) for t, g in self.groups.items()}
 
     def shape(self, k):
         return self._trees[k].shape if k in self._trees else self.src.shape(k)
@@ -491,7 +481,7 @@ class ConvertedSource(WrappedSource):
         return False if k in self._trees else self.src.borrowed(k)
 
     def maps(self, k):  # a view held below
-        return k not in self._trees and getattr(self.src, 'maps', lambda k: False)(k)
+        return k not in self._trees and self.src.maps(k)
 
     def resolve(self, k):
         return self.src, self._trees.get(k, k)
@@ -609,7 +599,8 @@ def converted_source(
     what: str | None = None,  # names the checkpoint in messages
 ) -> ConvertedSource:
     "`src` seen through `conv`, as `load_weights_from_hf_shards(..., conv=...)` reads it"
-    return ConvertedSource(src, conv, what or getattr(src, 'what', 'checkpoint'))
+    src = as_source(src)
+    return ConvertedSource(src, conv, what or src.what)
 
 # %% ../nbs/04_convert.ipynb #75a3cac5
 def convert_state_dict(

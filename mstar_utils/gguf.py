@@ -19,7 +19,7 @@ from fastcore.basics import patch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from .quantized import QuantizedTensor, Dequantize, StoredCut, in_threads, keep_quantized, scratch
-from .sources import TensorInfo, tensor_file_source
+from .sources import Source, TensorInfo, tensor_file_source
 from .io import populate_pages
 
 # %% auto #0
@@ -690,7 +690,7 @@ def _rows(t: GGUFTensor) -> tuple:
     return (rows, t.data.numel() // max(rows, 1))
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026-1
-class GGUFSource:
+class GGUFSource(Source):
     "A loader source: a GGUF file's tensors under `model`'s names, dequantized as they are read."
 
     reads_slices = True  # a slice reads its rows, or its whole blocks of columns (`GGUFDequantize.cut`)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .sources import gc_paused, DictSource, checkpoint_source, file_source
+from .sources import gc_paused, DictSource, as_source, checkpoint_source, file_source
 from .convert import converted_source, listed
 
 # %% auto #0
@@ -189,7 +189,7 @@ def _tie_hint(module, missing: list) -> str:
 def _unlisted_hint(source, keys: list) -> str:
     "A hint when some missing `keys` are in a shard that the index does not list them under (a stale index)"
     # '' otherwise.
-    found = source.stored_in(keys[:100]) if hasattr(source, 'stored_in') else {}  # wrappers forward it (see `Source`)
+    found = source.stored_in(keys[:100])
     if not found:
         return ''
     k = next(iter(found))
@@ -376,18 +376,9 @@ class _Progress:
     def __exit__(self, *exc):
         self.bar.close()
 
-# %% ../nbs/02_loading.ipynb #6c3174db
-def _read_new(source, slot, key, device) -> torch.Tensor:
-    "The tensor for a slot that needs new storage, from a source without `read_many`"
-    # on `device`, in the slot's dtype, never the caller's own memory.
-    t = source.get(key)
-    if t.dtype != slot.tensor.dtype or t.device != device:
-        return t.to(device=device, dtype=slot.tensor.dtype)
-    return t.clone(memory_format=torch.contiguous_format) if source.borrowed(key) else t
-
 # %% ../nbs/02_loading.ipynb #6c3174db-1
 def _write_in_place(source, slot, key, device):
-    "Overwrite a materialized slot on `device` from a source without `read_many`, or a slot that is not contiguous."
+    "Overwrite a materialized slot on `device` that is not contiguous, so batched reads cannot fill it."
     target = slot.tensor
     if target.dtype == source.dtype(key) and target.is_contiguous() and device.type == 'cpu':
         t = source.get(key, out=target)
@@ -398,28 +389,18 @@ def _write_in_place(source, slot, key, device):
 
 # %% ../nbs/02_loading.ipynb #2d8f6a31
 def _read_fresh(source, fresh: list, device: torch.device, bar) -> list:
-    "(slot, new tensor) for each (slot, key) of `fresh`"
-    # one `read_many` call when the source has it, else one `get` per key.
-    batch = getattr(source, 'read_many', None)
-    if batch is None:
-        out = []
-        for s, key in fresh:
-            t = _read_new(source, s, key, device)
-            out.append((s, t))
-            bar(t.numel() * t.element_size(), 1)
-        return out
-    # get(k): a view of memory the source holds
-    maps = getattr(source, 'maps', None) or (lambda k: getattr(source, 'mmap', False))
+    "(slot, new tensor) for each (slot, key) of `fresh`, read in one `read_many` call."
     out, todo = [], []
     for s, key in fresh:
-        if device.type == 'cpu' and source.dtype(key) == s.tensor.dtype and maps(key):
+        # a view of memory the source holds is kept as it is
+        if device.type == 'cpu' and source.dtype(key) == s.tensor.dtype and source.maps(key):
             t = source.get(key)
             bar(t.numel() * t.element_size(), 1)
         else:
             t = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, device=device)
             todo.append((key, t))
         out.append((s, t))
-    batch(todo, progress=bar)
+    source.read_many(todo, progress=bar)
     return out
 
 # %% ../nbs/02_loading.ipynb #0e7c3b58
@@ -432,12 +413,11 @@ def _write_all(source, in_place: list, device: torch.device, bar, what: str):
         done[0] += tensors
         bar(nbytes, tensors)
 
-    batch = getattr(source, 'read_many', None)
-    whole = [(k, s.tensor) for s, k in in_place if batch and s.tensor.is_contiguous()]
-    rest = [(s, k) for s, k in in_place if not (batch and s.tensor.is_contiguous())]
+    whole = [(k, s.tensor) for s, k in in_place if s.tensor.is_contiguous()]
+    rest = [(s, k) for s, k in in_place if not s.tensor.is_contiguous()]
     try:
         if whole:
-            batch(whole, progress=count)
+            source.read_many(whole, progress=count)
         for s, key in rest:
             _write_in_place(source, s, key, device)
             count(s.tensor.numel() * s.tensor.element_size(), 1)
@@ -475,7 +455,7 @@ def _fill(source, entries, device, what, progress=None) -> LoadResult:
             for i, n in s.refs:
                 names[i].add(n)
         unexpected = [k for k in source.keys() if k not in consumed]  # noqa: SIM118 (a source has no __iter__)
-        out = LoadResult(names, unexpected, getattr(source, 'bytes_read', None))
+        out = LoadResult(names, unexpected, source.bytes_read)
         # freed while the collector is off, so that turning it back on does not walk them
         del plan, consumed, fresh, in_place, staged
     return out
@@ -549,14 +529,15 @@ def load_weights_from_hf_shards(
 
 # %% ../nbs/02_loading.ipynb #ba1cf953
 def load_from_source(
-    source,  # a source (see the safetensors page): keys, in, shape, dtype, get, where, borrowed, close
+    source,  # a `Source` (see the safetensors page), or a dict of tensors
     modules: list[ModuleAndPrefix],  # the modules to fill, each with its prefix
     device: str = 'cpu',  # where new tensors land
     progress: bool | None = None,  # a tqdm bar; None: only when stderr is a terminal
     what: str | None = None,  # names the checkpoint in messages; default: the source's `what`
 ) -> LoadResult:
     "Fill `modules` from `source`, with every check of the loaders above; the caller closes the source."
-    return _fill(source, module_entries(modules), device, what or getattr(source, 'what', 'source'), progress)
+    source = as_source(source)
+    return _fill(source, module_entries(modules), device, what or source.what, progress)
 
 # %% ../nbs/02_loading.ipynb #f3cc5028
 def check_loaded(

@@ -923,7 +923,7 @@ def load(self: LoadPlan, **kw) -> torch.nn.Module:
 def _lineage(src, k: str, steps: list) -> list:
     "The checkpoint keys key `k` of `src` is read from; adds its transforms to `steps`, innermost first."
     # It walks the wrappers by `resolve`.
-    step = src.resolve(k) if hasattr(src, 'resolve') else None
+    step = src.resolve(k)
     if step is None:
         return [k]
     inner, node = step

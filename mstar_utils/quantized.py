@@ -686,7 +686,7 @@ def quantized_tensors(
     qc = _qconfig(config)
     if not qc:
         return []
-    what, method = Path(getattr(src, 'what', 'checkpoint')).name, qc.get('quant_method')
+    what, method = Path(src.what).name, qc.get('quant_method')
     if method not in _FORMATS:
         raise NotImplementedError(
             f'{what}: quantization_config.quant_method {method!r} is not supported '
@@ -967,13 +967,8 @@ class _Without(WrappedSource):
 
     def __init__(self, src, hidden: set):
         super().__init__(src)
-        self.hidden, self._keys = hidden, [k for k in src.keys() if k not in hidden]  # noqa: SIM118
-
-    def keys(self):
-        return self._keys
-
-    def __contains__(self, k):
-        return k not in self.hidden and k in self.src
+        self.hidden = hidden
+        self.own_keys(k for k in self.src.keys() if k not in hidden)  # noqa: SIM118
 
 # %% ../nbs/06_quantized.ipynb #28decb80-1
 def quantized_source(

@@ -9,6 +9,7 @@ import json
 import mmap as _mmap
 import os
 import threading
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +22,7 @@ from .io import Reads, Span, copier_for, populate_pages, read_at, read_direct, r
 
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
-           'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'default_threads', 'FileSource',
+           'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'as_source', 'default_threads', 'FileSource',
            'checkpoint_source', 'file_source', 'tensor_file_source', 'ReadAhead', 'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
@@ -315,6 +316,7 @@ class Source:
     mmap: bool = False  # `get` hands out mapped views of files
     reads_slices: bool = False  # `get_slice` reads only the slice's bytes
     bytes_read: int = 0  # bytes read from files so far
+    threads: int | None = None  # reader threads of batched reads; None: the reader chooses
 
     def _must(self, name):
         raise NotImplementedError(f'{type(self).__name__} is a Source and must define {name}')
@@ -349,6 +351,12 @@ class Source:
     def resolve(self, k):
         return None
 
+    def maps(self, k) -> bool:
+        return self.mmap
+
+    def __len__(self):
+        return len(self.keys())
+
 # %% ../nbs/01_safetensors.ipynb #5a0c1e02
 @patch
 def read_many(
@@ -379,18 +387,27 @@ def get_slice(self: Source, k, dim: int, ranges, out: torch.Tensor | None = None
 class WrappedSource(Source):
     "A source over `src` that forwards everything to it; a wrapper overrides what it changes."
 
-    def __init__(self, src, what: str | None = None):
-        self.src, self.what = src, what or getattr(src, 'what', 'checkpoint')
+    _keys = None  # the wrapper's own key list, when `own_keys` set one; else the wrapped source's keys
 
-    mmap = property(lambda self: getattr(self.src, 'mmap', False))
-    reads_slices = property(lambda self: getattr(self.src, 'reads_slices', False))
-    bytes_read = property(lambda self: getattr(self.src, 'bytes_read', 0))
+    def __init__(self, src, what: str | None = None):
+        self.src = as_source(src)
+        self.what = what or self.src.what
+
+    mmap = property(lambda self: self.src.mmap)
+    reads_slices = property(lambda self: self.src.reads_slices)
+    bytes_read = property(lambda self: self.src.bytes_read)
+    threads = property(lambda self: self.src.threads)
+
+    def own_keys(self, keys):
+        "Present `keys` (in this order) in place of the wrapped source's keys."
+        self._keys = list(keys)
+        self._set = set(self._keys)
 
     def keys(self):
-        return self.src.keys()
+        return self.src.keys() if self._keys is None else self._keys
 
     def __contains__(self, k):
-        return k in self.src
+        return k in self.src if self._keys is None else k in self._set
 
     def shape(self, k):
         return self.src.shape(k)
@@ -408,14 +425,16 @@ class WrappedSource(Source):
         return self.src.borrowed(k)
 
     def stored_in(self, keys):
-        return self.src.stored_in(keys) if hasattr(self.src, 'stored_in') else {}
+        return self.src.stored_in(keys)
 
     def resolve(self, k):
         return self.src, k
 
+    def maps(self, k):
+        return self.src.maps(k)
+
     def read_many(self, pairs, progress=None, **kw):
-        inner = getattr(self.src, 'read_many', None)  # a source of the caller's own making may lack it
-        return inner(pairs, progress, **kw) if inner else Source.read_many(self.src, pairs, progress)
+        return self.src.read_many(pairs, progress, **kw)
 
     def close(self):
         self.src.close()
@@ -466,6 +485,21 @@ def get(self: DictSource, k, out: torch.Tensor | None = None) -> torch.Tensor:
     "The tensor of key `k`, copied into `out` when given."
     t = self._tensor(k)
     return t if out is None else out.copy_(t)
+
+# %% ../nbs/01_safetensors.ipynb #ca83bf16
+def as_source(
+    obj,  # a `Source`, or a mapping of str to Tensor (a state_dict)
+    what: str | None = None,  # names a state_dict in messages
+) -> Source:
+    "`obj` as a `Source`: a `Source` as it is, a mapping of tensors as a `DictSource`."
+    if isinstance(obj, Source):
+        return obj
+    if isinstance(obj, Mapping):
+        return DictSource(obj, what or 'state_dict')
+    raise TypeError(
+        f'{type(obj).__name__} is not a Source: the loaders read through mstar_utils.sources.Source; subclass it '
+        '(keys, __contains__, shape, dtype, where and get; the rest have defaults) or pass a dict of tensors'
+    )
 
 # %% ../nbs/01_safetensors.ipynb #5e0c7a11
 def default_threads() -> int:
@@ -888,7 +922,7 @@ class RenamedSource(WrappedSource):
     def __init__(self, src, renames: dict, what: str | None = None):
         super().__init__(src, what)
         self.old = {new: old for old, new in renames.items()}
-        clash = [n for n in self.old if n in src and n not in renames]
+        clash = [n for n in self.old if n in self.src and n not in renames]
         if clash:
             raise ValueError(
                 f'{self.what}: {self.old[clash[0]]!r} is renamed to {clash[0]!r}, which the checkpoint also holds; '
@@ -896,20 +930,10 @@ class RenamedSource(WrappedSource):
             )
         if len(self.old) < len(renames):
             raise ValueError(f'{self.what}: two checkpoint keys are renamed to the same key')
-        self._keys = [renames.get(k, k) for k in src.keys()]  # noqa: SIM118
-        self._set = set(self._keys)
+        self.own_keys(renames.get(k, k) for k in self.src.keys())  # noqa: SIM118
 
     def _k(self, k):
         return self.old.get(k, k)
-
-    def keys(self):
-        return self._keys
-
-    def __contains__(self, k):
-        return k in self._set
-
-    def __len__(self):
-        return len(self._keys)
 
     def shape(self, k):
         return self.src.shape(self._k(k))
@@ -924,7 +948,7 @@ class RenamedSource(WrappedSource):
         return self.src, self._k(k)
 
     def maps(self, k):
-        return getattr(self.src, 'maps', lambda k: False)(self._k(k))  # get(k): a view the source holds
+        return self.src.maps(self._k(k))
 
     def where(self, k):
         return self.src.where(self._k(k)) + (f' (as {self._k(k)!r})' if k in self.old else '')

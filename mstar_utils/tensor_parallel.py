@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .sources import Source, WrappedSource, checkpoint_source, default_threads
+from .sources import WrappedSource, checkpoint_source, default_threads
 from .upstream import config_ep_plan, config_tp_plan, set_expert_parallel
 from .convert import MergeModulelist, Concatenate, converted_source
 from mstar_utils.loading import (
@@ -454,7 +454,7 @@ def read_slice(
 ) -> torch.Tensor:
     "Slice `sl` of `src`'s tensor `key`, reading only its bytes where `src` can."
     count = count or (lambda n: None)
-    step = src.resolve(key) if hasattr(src, 'resolve') else None
+    step = src.resolve(key)
     if step is not None:
         inner, node = step
         if isinstance(node, str):
@@ -463,14 +463,9 @@ def read_slice(
             out = torch.empty(slice_shape(node.shape, sl), dtype=node.dtype)
         _fill_node(inner, node, sl, out, count)
         return out
-    if sl.dim is None:
-        t = src.get(key, out=out)
-    else:
-        t = (src.get_slice if hasattr(src, 'get_slice') else Source.get_slice.__get__(src))(
-            key, sl.dim, sl.ranges, out=out
-        )
+    t = src.get(key, out=out) if sl.dim is None else src.get_slice(key, sl.dim, sl.ranges, out=out)
     # this source read all of it to cut the slice
-    whole = sl.dim is not None and not getattr(src, 'reads_slices', False)
+    whole = sl.dim is not None and not src.reads_slices
     count(_numel(src.shape(key)) * src.dtype(key).itemsize if whole else t.numel() * t.element_size())
     if out is not None and t is not out:
         out.copy_(t)
@@ -566,9 +561,7 @@ def read_many(
 
     if not cut:
         return
-    with ThreadPoolExecutor(
-        min(len(cut), getattr(self.src, 'threads', None) or default_threads()), thread_name_prefix='slice'
-    ) as ex:
+    with ThreadPoolExecutor(min(len(cut), self.src.threads or default_threads()), thread_name_prefix='slice') as ex:
         for n in ex.map(job, cut):
             if progress:
                 progress(n, 1)

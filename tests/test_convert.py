@@ -27,7 +27,7 @@ from mstar_utils.convert import (
     DEEPSEEK_V2_CONVERSIONS,
 )
 from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, check_loaded
-from mstar_utils.sources import read_weight_map, FileSource
+from mstar_utils.sources import read_weight_map, FileSource, Source
 from mstar_utils.model import build_on_meta
 from mstar_utils.testing import assert_state_dict_equal, save_tiny, tiny_configs
 
@@ -248,7 +248,7 @@ def test_patterns_match_whole_parts():
 # ---- reading a group
 
 
-class Spy:
+class Spy(Source):
     "A source over a state_dict that records each read and the buffer it was asked to fill."
 
     def __init__(self, sd):

@@ -116,3 +116,70 @@ def test_transformers_internals_only_through_upstream():
     door = {PKG / 'upstream.py', root / 'nbs' / '01c_upstream.ipynb', Path(__file__)}
     bad = [f'{p.relative_to(root)}: {m[0]}' for p in files if p not in door for m in INTERNAL.finditer(code_of(p))]
     assert bad == [], bad
+
+
+SOURCE_MEMBERS = 'read_many|get_slice|maps|mmap|reads_slices|bytes_read|threads|stored_in|resolve|borrowed|what'
+
+
+def test_every_tensor_source_is_a_source_and_nobody_probes_one():
+    """The loaders trust the `Source` protocol: every class of the package that serves tensors (has `get`, `shape`
+    and `dtype`) is a `Source`, and no module asks a source whether it has one of the protocol's members."""
+    import importlib
+    import inspect
+
+    from mstar_utils.sources import Source
+
+    servers = []
+    for f in sorted(PKG.glob('*.py')):
+        if f.stem.startswith('_'):
+            continue
+        mod = importlib.import_module(f'mstar_utils.{f.stem}')
+        for _, c in inspect.getmembers(mod, inspect.isclass):
+            if c.__module__ == mod.__name__ and all(callable(getattr(c, m, None)) for m in ('get', 'shape', 'dtype')):
+                servers.append(c)
+    assert len(servers) >= 10, [c.__name__ for c in servers]
+    assert [c.__qualname__ for c in servers if not issubclass(c, Source)] == []
+    probe = re.compile(rf"(getattr|hasattr)\([^,()]+,\s*'({SOURCE_MEMBERS})'")
+    found = [
+        f'{f.name}:{i}'
+        for f in PKG.glob('*.py')
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert found == [], found
+
+
+def test_wrapper_stacks_reach_the_batched_reads(smol_ckpt):
+    """A batched read through every kind of wrapper (renamed, converted, a rank's slices) ends in one `read_many` of
+    the file source at the bottom, and gives the file's tensors."""
+    import torch
+    from safetensors import safe_open
+
+    from mstar_utils.convert import converted_source
+    from mstar_utils.sources import FileSource, RenamedSource, checkpoint_source
+    from mstar_utils.tensor_parallel import ShardedSource, Sharding
+
+    calls = []
+    plain = FileSource.read_many
+
+    def counted(self, pairs, progress=None, **kw):
+        calls.append(len(pairs))
+        return plain(self, pairs, progress, **kw)
+
+    key = 'model.norm.weight'
+    shard = json.loads((smol_ckpt / 'model.safetensors.index.json').read_text())['weight_map'][key]
+    with safe_open(str(smol_ckpt / shard), framework='pt') as f:
+        want = f.get_tensor(key)
+    FileSource.read_many = counted
+    try:
+        bottom = checkpoint_source(smol_ckpt)
+        stack = RenamedSource(
+            ShardedSource(converted_source(bottom, []), Sharding({}, 0, 2)), {key: 'norm'}
+        )
+        out = torch.empty_like(want)
+        stack.read_many([('norm', out)])
+        assert stack.bytes_read == bottom.bytes_read > 0 and stack.threads == bottom.threads
+    finally:
+        FileSource.read_many = plain
+        bottom.close()
+    assert calls == [1] and torch.equal(out, want), calls
