@@ -19,7 +19,7 @@ __all__ = ['OPERATIONS', 'MIXTRAL_CONVERSIONS', 'QWEN2_MOE_CONVERSIONS', 'QWEN3_
 
 # %% ../nbs/04_convert.ipynb #0ed130b5
 class ConversionOp:
-    "One step of a `WeightConverter`: combines tensors into one"
+    "One step of a `WeightConverter`, which combines tensors into one."
 
     # True: applied to each source pattern's per-index list (MergeModulelist); else to all current tensors
     per_pattern = False
@@ -501,9 +501,9 @@ def where(self: ConvertedSource, k):
 
 # %% ../nbs/04_convert.ipynb #8f15d4b4
 class _Batch:
-    "One batch of a converted read"
+    "One batch of a converted read."
 
-    # (key, dest) pairs for the source below, the steps to run after it, the bytes of its buffers.
+    # It holds (key, dest) pairs for the source below, the steps to run after it, the bytes of its buffers.
     def __init__(self):
         self.pairs, self.after, self.scratch, self.n = [], [], 0, 0
 

@@ -23,9 +23,9 @@ CT2_DTYPES = {0: 'float32', 1: 'int8', 2: 'int16', 3: 'int32', 4: 'float16', 5: 
 
 
 class _Cursor:
-    "Reads little-endian fields from `buf` in order"
+    "Reads little-endian fields from `buf` in order; a read past its end raises `ValueError`."
 
-    # a read past the end raises `ValueError` naming the file, field and offset.
+    # The error names the file, the field and the offset.
     def __init__(self, buf, name: str):
         self.buf, self.name, self.off = buf, name, 0
 
@@ -273,9 +273,9 @@ def whisper_generation_config(config, tokenizer, ct2_config: dict):
 
 # %% ../nbs/00b_ct2_whisper.ipynb #6e48826c
 def _add_languages(gc, vocab: dict, ct2_config: dict):
-    "Set a multilingual model's `lang_to_id` (the codes of transformers' `LANGUAGES` in `vocab`)"
-    # `task_to_id` and default `task` on `gc`. Raises `ValueError` when the language ids differ from CTranslate2's
-    # `lang_ids`.
+    "Set a multilingual model's `lang_to_id`, `task_to_id` and default `task` on generation config `gc`."
+    # `lang_to_id` holds the codes of transformers' `LANGUAGES` found in `vocab`. Raises `ValueError` when the
+    # language ids differ from CTranslate2's `lang_ids`.
     from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
 
     gc.lang_to_id = {f'<|{c}|>': vocab[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in vocab}
@@ -289,8 +289,8 @@ def _add_languages(gc, vocab: dict, ct2_config: dict):
 
 # %% ../nbs/00b_ct2_whisper.ipynb #2421cff0
 def _whisper_model(ct2: CT2Model, config, tok, ct2_config: dict):
-    "`WhisperForConditionalGeneration` built on meta and given `ct2`'s tensors, its head tied"
-    # with its generation config.
+    "A `WhisperForConditionalGeneration` built on meta, given `ct2`'s tensors, with its head tied."
+    # It also gets its generation config.
     import torch
     from transformers import WhisperForConditionalGeneration
 

@@ -24,9 +24,9 @@ __all__ = ['ByteLevelDetokenizer', 'SentencePieceDetokenizer', 'TextChunkDetoken
 
 # %% ../nbs/08_detokenize.ipynb #487e2b25
 class _TokenMemo:
-    "The vocabulary check and thread-safe `token_bytes` memo of every detokenizer"
+    "The vocabulary check and thread-safe `token_bytes` memo of every detokenizer."
 
-    # a subclass calls `_init_memo` and defines `_bytes(token_id) -> bytes`.
+    # A subclass calls `_init_memo` and defines `_bytes(token_id) -> bytes`.
     def _init_memo(
         self,
         vocab_size: int,  # ids run from 0 to vocab_size - 1
@@ -38,7 +38,7 @@ class _TokenMemo:
 # %% ../nbs/08_detokenize.ipynb #b7d1c001
 @patch
 def _check_id(self: _TokenMemo, token_id) -> int:
-    "`token_id` as an int; `ValueError` naming it and the vocabulary size unless it is a valid id"
+    "`token_id` as an int; `ValueError` naming it and the vocabulary size unless it is a valid id."
     # Valid: an int from 0 to `vocab_size - 1`, or one the caller said gives no text (`extra_skip_ids`: Whisper's
     # timestamp ids, which older tokenizer files lack).
     if isinstance(token_id, numbers.Integral) and not isinstance(token_id, bool):
@@ -111,8 +111,8 @@ def __setstate__(self: _TokenMemo, state):
 
 # %% ../nbs/08_detokenize.ipynb #b7d1c005
 def _tokenizer_name(tokenizer) -> str:
-    "How error messages name `tokenizer`"
-    # the last part of its `name_or_path` (a folder's name, not the machine's path), else its class.
+    "How error messages name `tokenizer`: the last part of its `name_or_path`, else its class."
+    # The last part is a folder's name, not the machine's path.
     name = str(getattr(tokenizer, 'name_or_path', '') or '')
     return f'tokenizer {Path(name).name!r}' if name else f'this {type(tokenizer).__name__}'
 
@@ -156,8 +156,8 @@ def _cleans_up(tokenizer) -> bool:
 
 # %% ../nbs/08_detokenize.ipynb #7df56974
 def _decoder_steps(part: dict | None, key: str = 'decoders') -> list[dict]:
-    "A tokenizer.json decoder (or, with `key='pretokenizers'`, pre-tokenizer) as a flat list of steps"
-    # `Sequence`s unrolled; [] for none.
+    "A tokenizer.json decoder (or pre-tokenizer) as a flat list of steps, [] for none."
+    # `key='pretokenizers'` for a pre-tokenizer; `Sequence`s are unrolled.
     if part is None:
         return []
     if part.get('type') == 'Sequence':
@@ -190,9 +190,9 @@ def _byte_level_problem(tokenizer, cleanup: bool = True) -> str | None:
 
 # %% ../nbs/08_detokenize.ipynb #39b785a4
 def _added_tokens(tokenizer) -> tuple[dict[int, str], frozenset[int]]:
-    "The added tokens of `tokenizer`, fast or slow"
-    # id -> the content `decode` starts from (a fast tokenizer's `id_to_token`, normalized for a `normalized`
-    # token), and the special ids.
+    "The added tokens of `tokenizer`, fast or slow: id -> content, and the special ids."
+    # The content is what `decode` starts from: a fast tokenizer's `id_to_token`, normalized for a `normalized`
+    # token.
     backend = getattr(tokenizer, 'backend_tokenizer', None)
     if backend is None:
         added = tokenizer.added_tokens_decoder
@@ -204,8 +204,8 @@ def _added_tokens(tokenizer) -> tuple[dict[int, str], frozenset[int]]:
 
 # %% ../nbs/08_detokenize.ipynb #39b785a8
 def _timestamp_ids(tokenizer, added: dict[int, str]) -> frozenset[int]:
-    "Ids of the added tokens (id -> content) that `tokenizer.decode` deletes as timestamps"
-    # those its `timestamp_pat` (transformers' Whisper tokenizers) matches whole; empty for other tokenizers.
+    "Ids of the added tokens (id -> content) that `tokenizer.decode` deletes as timestamps."
+    # Those its `timestamp_pat` (transformers' Whisper tokenizers) matches whole; none for other tokenizers.
     pat = getattr(tokenizer, 'timestamp_pat', None)
     if not isinstance(pat, re.Pattern):
         return frozenset()
@@ -269,8 +269,8 @@ _BYTE_PIECE = re.compile(r'<0x([0-9A-Fa-f]{2})>')
 
 
 def _byte_piece(piece: str | bytes) -> int | None:
-    "The byte a byte-fallback piece `<0xNN>` stands for, as HF tokenizers' `ByteFallback` decoder reads it"
-    # None for any other piece.
+    "The byte a byte-fallback piece `<0xNN>` stands for, as `ByteFallback` reads it; None for others."
+    # `ByteFallback` is HF tokenizers' decoder.
     if isinstance(piece, bytes):
         if len(piece) != 6:
             return None
@@ -303,8 +303,8 @@ def _sentencepiece_pieces(model) -> dict[int, str]:
 
 # %% ../nbs/08_detokenize.ipynb #29b16c65
 def _byte_level_json(tokenizer_json: dict) -> str | None:
-    "The part of a parsed tokenizer.json (normalizer, pre_tokenizer or decoder) with a `ByteLevel` step"
-    # which makes it byte-level BPE; None for none.
+    "The part of a parsed tokenizer.json with a `ByteLevel` step, which makes it byte-level BPE."
+    # The part is the normalizer, pre_tokenizer or decoder; None for none.
     for part, key in (('normalizer', 'normalizers'), ('pre_tokenizer', 'pretokenizers'), ('decoder', 'decoders')):
         obj = tokenizer_json.get(part)
         if isinstance(obj, dict) and any(s.get('type') == 'ByteLevel' for s in _decoder_steps(obj, key)):
@@ -313,8 +313,8 @@ def _byte_level_json(tokenizer_json: dict) -> str | None:
 
 # %% ../nbs/08_detokenize.ipynb #29b16c66
 def _added_contents(tokenizer_json: dict) -> dict[int, str]:
-    "id -> content of tokenizer.json's added tokens, as `decode` reads them"
-    # a `normalized` token's content through the file's normalizer. `ValueError` naming the normalizer when HF
+    "id -> content of tokenizer.json's added tokens, as `decode` reads them."
+    # A `normalized` token's content goes through the file's normalizer. `ValueError` naming the normalizer when HF
     # tokenizers cannot read it.
     added, normalizer = tokenizer_json.get('added_tokens') or [], tokenizer_json.get('normalizer')
 
@@ -400,7 +400,7 @@ class _Unstreamable(ValueError):
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e21-1
 class _Plan:
-    "A tokenizer.json decoder compiled for streaming"
+    "A tokenizer.json decoder compiled for streaming."
 
     # `steps` turn one token's piece into its bytes mid-reply (`text_steps`, the same less the byte map, an added
     # token's); `edges` say how `decode` differs at the ends.
@@ -419,7 +419,7 @@ class _Plan:
         self.kinds.append(kind)
 
     def piece_bytes(self, piece: str, text: bool = False) -> bytes:
-        "The bytes of one token's string in the middle of a reply"
+        "The bytes of one token's string in the middle of a reply."
         # `text=True` for an added token, which the byte map leaves alone.
         b = piece.encode()
         for step in self.text_steps if text else self.steps:
@@ -428,8 +428,8 @@ class _Plan:
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e22
 def _per_token(plan: _Plan, kind: str):
-    "Refuse a step that works token by token once the tokens are joined"
-    # there it would see the whole reply as one token.
+    "Refuse a step that works token by token once the tokens are joined."
+    # There it would see the whole reply as one token.
     if plan.joined:
         raise _Unstreamable(
             f'its {kind} step comes after the tokens are joined, where it sees the whole reply as one token'
@@ -437,8 +437,8 @@ def _per_token(plan: _Plan, kind: str):
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e22-1
 def _unsplit(plan: _Plan, kind: str, s: str):
-    "Refuse a step that matches `s`, two or more bytes, after a step that can leave part of a character in a token"
-    # a match could straddle two tokens.
+    "Refuse a step matching `s` (2+ bytes) after one that can leave part of a character in a token."
+    # A match could straddle two tokens.
     n = len(s.encode())
     if plan.splits and n > 1:
         raise _Unstreamable(
@@ -533,8 +533,8 @@ def _wordpiece_step(plan: _Plan, s: dict):
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e26-1
 def _wordpiece_cleanup(t: bytes) -> bytes:
-    "The WordPiece decoder's cleanup of one token"
-    # run by HF tokenizers itself (a first token gets its cleanup and nothing else).
+    "The WordPiece decoder's cleanup of one token, run by HF tokenizers itself."
+    # A first token gets its cleanup and nothing else.
     from tokenizers.decoders import WordPiece
 
     try:
@@ -604,8 +604,8 @@ _MODES = (
 
 # %% ../nbs/08_detokenize.ipynb #a81e7e30
 def _plan_decoder(tokenizer_json: dict) -> _Plan:
-    "Compile tokenizer.json's decoder for streaming, the vocabulary's byte fallback and end-of-word suffix included"
-    # `_Unstreamable` says why not.
+    "Compile tokenizer.json's decoder for streaming, byte fallback and end-of-word suffix included."
+    # The byte fallback and the suffix are the vocabulary's (its `model`); `_Unstreamable` says why not.
     plan, model, decoder = _Plan(), tokenizer_json.get('model') or {}, tokenizer_json.get('decoder')
     if decoder is None:  # decode joins the pieces with spaces: nothing of the vocabulary's rules can apply
         edge = "decode gives the reply's first token no leading space (tokens are joined by spaces)"
@@ -743,8 +743,8 @@ def to_bytes(
     self: TextChunkDetokenizer,
     token_ids,  # a sequence of ints, or a 1-d integer tensor
 ) -> bytes:
-    "The bytes of `token_ids`"
-    # the memo's joined token_bytes
+    "The bytes of `token_ids`: each token's bytes, joined, or in 'decode' mode what `decode` gives."
+    # In 'decode' mode each run between timestamp ids is decoded whole and encoded; timestamps give their own bytes.
     if self.mode != 'decode':
         return _TokenMemo.to_bytes(self, token_ids)
     if hasattr(token_ids, 'tolist'):
@@ -777,7 +777,7 @@ def _tensor_ids(output: torch.Tensor) -> list[int]:
 
 # %% ../nbs/08_detokenize.ipynb #5ca33e0c
 def _token_ids(output) -> list[int]:
-    "`output` as a flat list of ints: an integer tensor or array, or a sequence of ints"
+    "`output` as a flat list of ints: an integer tensor or array, or a sequence of ints."
     # `ValueError` saying what was expected otherwise.
     if isinstance(output, torch.Tensor):
         return _tensor_ids(output)
@@ -997,8 +997,8 @@ def _checked_stop_ids(ids: dict, tokenizer, size: int) -> frozenset[int]:
 
 # %% ../nbs/08_detokenize.ipynb #d2d8cf60
 def _stop_token_ids(checkpoint_dir: Path, tokenizer) -> frozenset[int]:
-    "`generation_eos_ids` plus the tokenizer's eos_token_id"
-    # checked against the vocabulary bound the detokenizers use (`_vocab_bound`).
+    "`generation_eos_ids` plus the tokenizer's eos_token_id, checked against the vocabulary bound."
+    # The bound is the one the detokenizers use (`_vocab_bound`).
     path, size = checkpoint_dir / 'generation_config.json', _vocab_bound(tokenizer)
     # where generation_eos_ids then reads
     if not path.exists():

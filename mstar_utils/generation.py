@@ -59,9 +59,9 @@ def _read_generation_config(path: Path) -> dict:
 
 # %% ../nbs/10_generation.ipynb #5a1c0011
 def _number(value, kind: type):
-    "`value` as `kind` (float or int)"
-    # None when JSON gave another type (a bool included), or a number no float holds (NaN, ±inf, an int past about
-    # 1.8e308).
+    "`value` as `kind` (float or int), or None when JSON gave another type or a number no float holds."
+    # Another type includes a bool. No float holds NaN, ±inf, or an int past about 1.8e308 (`float` overflows), so
+    # those give None as well.
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         return None
     if kind is int:
@@ -74,8 +74,8 @@ def _number(value, kind: type):
 
 # %% ../nbs/10_generation.ipynb #5a1c0003
 def _knob(cfg: dict, key: str, name: str, path: Path):
-    "The value of `key` (knob `name`) as its Python type, or None when it is unset"
-    # or wrong (with a warning naming the file and key).
+    "The value of `key` (knob `name`) as its Python type, or None when it is unset or wrong."
+    # A wrong value gets a warning naming the file and key.
     value = cfg.get(key)
     if value is None:
         return None
@@ -89,8 +89,8 @@ def _knob(cfg: dict, key: str, name: str, path: Path):
 
 # %% ../nbs/10_generation.ipynb #5a1c0004
 def _greedy(cfg: dict, prefix: str, path: Path) -> bool:
-    "Whether `{prefix}do_sample` (or `{prefix}dosample`) is false"
-    # a value that is not a bool gets a warning and counts as unset.
+    "Whether `{prefix}do_sample` (or `{prefix}dosample`) is false."
+    # A value that is not a bool gets a warning and counts as unset.
     for key in (prefix + k for k in _SAMPLE_KEYS):
         value = cfg.get(key)
         if value is None:
@@ -118,8 +118,8 @@ _KNOB_KEYS = (*_FLOAT_KNOBS, *_INT_KNOBS, *_SAMPLE_KEYS)
 
 
 def _stage_prefixes(cfg: dict) -> list[str]:
-    "The prefixes in front of knob names among the keys of `cfg`, such as 'talker_' for talker_temperature"
-    # transformers' own keys are none.
+    "Prefixes in front of knob names among the keys of `cfg`, such as 'talker_' for talker_temperature."
+    # transformers' own keys have none.
     found = {k[: -len(n)] for k in _staged(cfg) for n in _KNOB_KEYS if k.endswith('_' + n) and len(k) > len(n) + 1}
     return sorted(found)
 

@@ -240,7 +240,7 @@ _log = logging.getLogger('mstar_utils.kv')
 
 
 def _model_pools(model):
-    "`model.get_kv_cache_config()`, `None` for a model without it"
+    "`model.get_kv_cache_config()`, `None` for a model without it."
     # `TypeError` naming the model for anything but a list, dict or `None`.
     get = getattr(model, 'get_kv_cache_config', None)
     pools = get() if callable(get) else None
@@ -387,8 +387,8 @@ _RECURRENT_ONLY = {
 
 
 def _layer_kinds(text) -> list[str | None]:
-    "Each decoder layer's kind from `layer_types` (or `sliding_window` / `attention_chunk_size`)"
-    # `None` for a layer without a cache of its own.
+    "Each decoder layer's kind from `layer_types`, `None` for a layer without a cache of its own."
+    # Without `layer_types`, from `sliding_window` / `attention_chunk_size`.
     if text.model_type in _RECURRENT_ONLY:
         raise ValueError(f'{text.model_type} config: {_RECURRENT_ONLY[text.model_type]} are not counted here')
     n, kinds = _need(text, 'num_hidden_layers'), getattr(text, 'layer_types', None)
@@ -416,7 +416,7 @@ def _layer_kinds(text) -> list[str | None]:
 
 # %% ../nbs/09_kv.ipynb #7e8f9a0b
 def _kv_heads(text) -> int:
-    "KV heads of one attention layer, as transformers' attention modules take them"
+    "KV heads of one attention layer, as transformers' attention modules take them."
     # `num_key_value_heads`; Falcon's `num_kv_heads`, or 1 when it is `multi_query` in the old layout; 1 for other
     # `multi_query` configs; else `num_attention_heads`.
     if getattr(text, 'num_key_value_heads', None) is not None:
@@ -429,8 +429,8 @@ def _kv_heads(text) -> int:
 
 # %% ../nbs/09_kv.ipynb #8a9b0c1d
 def _attention_token_bytes(text, nbytes: int) -> int:
-    "Bytes one token takes in one attention layer"
-    # the MLA latent when the config sets `kv_lora_rank`, else K and V of each KV head.
+    "Bytes one token takes in one attention layer: the MLA latent, else K and V of each KV head."
+    # The MLA latent when the config sets `kv_lora_rank`.
     if getattr(text, 'kv_lora_rank', None):
         return (_need(text, 'kv_lora_rank') + _need(text, 'qk_rope_head_dim')) * nbytes
     heads, kv_heads = _need(text, 'num_attention_heads'), _kv_heads(text)
@@ -478,8 +478,8 @@ class StateShape:
 
 # %% ../nbs/09_kv.ipynb #9c4de1ca
 def _mamba2(t) -> StateShape:
-    "Mamba-2 (SSD): window over x, B and C (`heads × head_dim + 2 × groups × state` channels)"
-    # state `heads × head_dim × state`.
+    "Mamba-2 (SSD): a window over x, B and C, and a state of `heads × head_dim × state`."
+    # The window is over `heads × head_dim + 2 × groups × state` channels.
     d = _needs(
         t,
         'Mamba-2',
@@ -494,7 +494,7 @@ def _mamba2(t) -> StateShape:
 
 # %% ../nbs/09_kv.ipynb #ac20d3a4
 def _mamba1(t) -> StateShape:
-    "Mamba-1: window over the `intermediate` channels, state `intermediate × state`"
+    "Mamba-1: a window over the `intermediate` channels, and a state of `intermediate × state`."
     # intermediate = expand × hidden (Jamba, Zamba).
     d = _needs(t, 'Mamba-1', state=('mamba_d_state', 'state_size'), kernel=('mamba_d_conv', 'conv_kernel'))
     inner = (
@@ -524,8 +524,8 @@ def _gated_deltanet(t) -> StateShape:
 
 # %% ../nbs/09_kv.ipynb #932eb018
 def _kda(t) -> StateShape:
-    "Kimi Delta Attention (Kimi Linear)"
-    # window over q, k and v of `heads × head_dim` each, a `head_dim²` state per head.
+    "Kimi Delta Attention (Kimi Linear): windows over q, k and v, and a `head_dim²` state per head."
+    # Each window is over `heads × head_dim` channels.
     d = _needs(
         t,
         'Kimi Delta Attention',
@@ -537,8 +537,8 @@ def _kda(t) -> StateShape:
 
 # %% ../nbs/09_kv.ipynb #39100c75
 def _short_conv(t) -> StateShape:
-    "LFM2's gated short convolution"
-    # a window of `conv_L_cache` positions over `hidden_size` channels, no recurrent state.
+    "LFM2's gated short convolution: a window of `conv_L_cache` positions, no recurrent state."
+    # The window is over `hidden_size` channels.
     d = _needs(t, 'short convolution', channels=('conv_dim', 'hidden_size'), kernel=('conv_L_cache',))
     return StateShape('short_conv', d['channels'], d['kernel'])
 
@@ -560,8 +560,8 @@ _STATE_FAMILIES = (  # (family, the config keys that mark it), tried in order
 
 
 def _state_shape(t, kind: str) -> StateShape:
-    "The recurrent state a `kind` layer of text config `t` keeps: LFM2's conv, else the family its keys mark"
-    # `ValueError` otherwise.
+    "The recurrent state a `kind` layer of text config `t` keeps: LFM2's conv, else its keys' family."
+    # `ValueError` when no family's keys are there.
     if kind == 'conv':
         return _short_conv(t)
     for family, marks in _STATE_FAMILIES:
@@ -579,8 +579,8 @@ _FP32_INDEXER_KEYS = {'dots3_note', 'dots3_note_text'}
 
 
 def _indexer_token_bytes(t, nbytes: int, convention: str) -> int:
-    "Bytes per token of an indexer key: vLLM's fp8 with a float32 scale per 128"
-    # transformers' `nbytes` (or its float32).
+    "Bytes per token of an indexer key: vLLM's fp8 with a float32 scale per 128, or transformers' dtype."
+    # transformers' is `nbytes` (or its float32).
     dim = _need(t, 'index_head_dim')
     if convention == 'vllm':
         return dim + dim // 128 * 4
@@ -657,8 +657,8 @@ def _layer_cache(
 
 # %% ../nbs/09_kv.ipynb #5b6c7d8e
 def _cross_attention(config, text, nbytes: int) -> list[KVLayer]:
-    "One cross-attention cache per decoder layer of an encoder-decoder `config`"
-    # of the encoder's length `max_source_positions`.
+    "One cross-attention cache per decoder layer of an encoder-decoder `config`, of the encoder's length."
+    # The encoder's length is `max_source_positions`.
     if not getattr(config, 'is_encoder_decoder', False):
         return []
     if getattr(config, 'max_source_positions', None) is None:
@@ -674,9 +674,9 @@ def _cross_attention(config, text, nbytes: int) -> list[KVLayer]:
 
 # %% ../nbs/09_kv.ipynb #6b7c8d9e
 def _image_tokens(config) -> int | None:
-    "Positions one image takes in a cross-attention layer's cache"
-    # `max_num_tiles × ((image_size // patch_size)² + 1)` of the vision config; None without cross-attention
-    # layers.
+    "Positions one image takes in a cross-attention layer's cache; None without cross-attention layers."
+    # That is `max_num_tiles × ((image_size // patch_size)² + 1)`, all three numbers from the vision config, each
+    # tile's patches and one position more.
     text = config.get_text_config(decoder=True)
     if not getattr(text, 'cross_attention_layers', None):
         return None
@@ -690,9 +690,9 @@ def _image_tokens(config) -> int | None:
 
 # %% ../nbs/09_kv.ipynb #6c7d8e90
 def _model_dtype(config, text):
-    "The dtype the model runs in"
-    # the top-level config's, as `from_pretrained(dtype='auto')` and vLLM read it, else its text config's; None
-    # when neither sets one.
+    "The dtype the model runs in: the top-level config's, else its text config's, else None."
+    # The top-level config's comes first, as `from_pretrained(dtype='auto')` and vLLM read it; a text config's only
+    # counts when the top level has none.
     return getattr(config, 'dtype', None) or getattr(text, 'dtype', None)
 
 # %% ../nbs/09_kv.ipynb #6c7d8e9f
@@ -858,8 +858,8 @@ class VLLMConcurrency:
 def _vllm_specs(
     layer: KVLayer, max_model_len: int, block_size: int, batched: int, state_blocks: int = 1
 ) -> list[tuple[str, int, int]]:
-    "(group kind, blocks per request, page bytes) of the specs vLLM gives `layer`"
-    # blocks as its specs' `max_memory_usage_bytes` count them; a Mamba state's page is its own size, and it takes
+    "(group kind, blocks per request, page bytes) of the specs vLLM gives `layer`."
+    # Blocks as its specs' `max_memory_usage_bytes` count them; a Mamba state's page is its own size, and it takes
     # `state_blocks` of them (2 under prefix caching, vLLM's mamba_cache_mode 'align').
     full = -(-max_model_len // block_size)
     page = block_size * layer.token_bytes

@@ -23,8 +23,8 @@ __all__ = ['plot_kv', 'KVCurve', 'kv_curve', 'plot_kv_curve', 'kv_report', 'form
 
 # %% ../nbs/09b_kv_figures.ipynb #05162739
 def _requests_in(budget: int, pages: list[int], page_bytes: int, fixed: int) -> list[float]:
-    "Requests `budget` bytes hold at each page count"
-    # the largest C with C × (pages × page_bytes + fixed) + one sink page ≤ budget.
+    "Requests `budget` bytes hold at each page count."
+    # That is the largest C with C × (pages × page_bytes + fixed) + one sink page ≤ budget.
     per = [p * page_bytes + fixed for p in pages]
     return [max((budget - page_bytes) // c, 0) if c else float('nan') for c in per]
 

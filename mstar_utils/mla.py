@@ -104,9 +104,9 @@ def from_config(cls: MLAAttention, config, layer_idx: int | None = None) -> MLAA
 # %% ../nbs/05_mla.ipynb #d69b24f6
 @patch
 def _heads(self: MLAAttention) -> int:
-    "The heads this layer computes"
-    # `num_heads`, or a rank's share after a tensor-parallel cut, when the query projection, `kv_b_proj` and
-    # `o_proj` all hold the same whole heads.
+    "The heads this layer computes: `num_heads`, or a rank's share after a tensor-parallel cut."
+    # A rank's share only when the query projection, `kv_b_proj` and `o_proj` all hold the same whole heads, a
+    # divisor of `num_heads`; otherwise `num_heads`.
     P, R, V = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
     q = self.q_proj if self.q_lora_rank is None else self.q_b_proj
     n = self.kv_b_proj.out_features // (P + V)

@@ -73,8 +73,8 @@ def _count_tensors(
     wm: dict,  # checkpoint key -> shard, from `read_weight_map`
     problems: list,  # receives a problem for each shard whose header cannot be read
 ) -> dict:
-    "Parameter and buffer counts, by prefix and dtype"
-    # from the headers of the shards `wm` names (the index is the truth); unreadable shards are skipped.
+    "Parameter and buffer counts, by prefix and dtype, from the headers of the shards `wm` names."
+    # The index is the truth; unreadable shards are skipped.
     by_prefix, dtypes, n_params, buffers = Counter(), Counter(), 0, Counter()
     for shard in sorted(set(wm.values())):
         header = _part(problems, shard.name, lambda shard=shard: read_header(shard)[1], {})
@@ -99,8 +99,8 @@ def _count_tensors(
 
 # %% ../nbs/12_report.ipynb #0f389644
 def _report_stop_ids(ckpt: Path) -> list[int]:
-    "Stop ids of `ckpt`: through `TextOutput.from_checkpoint` with a tokenizer"
-    # else generation_config.json's eos_token_id.
+    "Stop ids of `ckpt`: `TextOutput.from_checkpoint`'s with a tokenizer, else generation_config.json's."
+    # Without tokenizer.json, generation_config.json's eos_token_id.
     if (ckpt / 'tokenizer.json').is_file():
         from mstar_utils.detokenize import TextOutput
 
@@ -137,8 +137,8 @@ def _part(
     fn,  # what parses it
     default=None,  # the part's value when it cannot be parsed
 ):
-    "`fn()`, or `default` and a problem naming the file and the parser's message"
-    # one unparseable file leaves the rest of the report.
+    "`fn()`, or `default` and a problem naming the file and the parser's message."
+    # One unparseable file leaves the rest of the report.
     try:
         return fn()
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read

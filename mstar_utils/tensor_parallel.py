@@ -408,8 +408,8 @@ def _route_dequantize(node, sl: Slice) -> list | None:
 
 # %% ../nbs/07_tensor_parallel.ipynb #5c6c9dd3
 def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
-    "Fill `out` with slice `sl` of tree `node`'s value"
-    # reading from `src` only the parts of its leaves that land in it.
+    "Fill `out` with slice `sl` of tree `node`'s value, reading only the parts of its leaves inside it."
+    # The leaves are read from `src`.
     if hasattr(node, 'key'):  # a leaf of the conversion tree: one checkpoint key
         if out.is_contiguous():
             read_slice(src, node.key, sl, out, count)
@@ -568,8 +568,8 @@ def read_many(
 
 # %% ../nbs/07_tensor_parallel.ipynb #d1a0800f
 def _cut(t: torch.Tensor, sl: Slice) -> torch.Tensor:
-    "`t` cut to slice `sl`: a new meta tensor of the slice's shape, or a copy of the slice"
-    # a Parameter keeps its class and attributes.
+    "`t` cut to slice `sl`: a new meta tensor of the slice's shape, or a copy of the slice."
+    # A Parameter keeps its class and attributes.
     new = (
         torch.empty(slice_shape(t.shape, sl), dtype=t.dtype, device='meta')
         if t.is_meta
@@ -782,8 +782,8 @@ def _gather_output(m, sharding, sl, group):
 
 # %% ../nbs/07_tensor_parallel.ipynb #21fe7bb8-1
 def _vocab_parallel(m, sharding, sl, group):
-    "embedding_rowwise: each rank looks up the ids in its rows of the vocabulary, zeros for the rest"
-    # the sum over ranks is the lookup.
+    "embedding_rowwise: each rank looks up the ids in its rows of the vocabulary, zeros for the rest."
+    # The sum over ranks is the lookup.
     (lo, hi), state = _split(sl, m, 'vocab_parallel').ranges[0], {}
     # a global id: this rank's row of it, or none (it only keeps the row's gradient at zero)
     pad = getattr(m, 'padding_idx', None)
@@ -822,8 +822,8 @@ def _all_reduce_bias_once(m, sharding, sl, group):
 
 # %% ../nbs/07_tensor_parallel.ipynb #a0985d80
 def _expert_dispatch(m, sharding, sl, group):
-    "ep_dispatch_experts: the module holds experts [lo, hi) and sums their outputs"
-    # tokens routed elsewhere get its skip index `num_experts` and weight 0.
+    "ep_dispatch_experts: the module holds experts [lo, hi) and sums their outputs."
+    # Tokens routed elsewhere get its skip index `num_experts` and weight 0.
     lo, hi = _split(sl, m, 'expert_dispatch').ranges[0]
     for e in {m, m.inner} if isinstance(m, QuantizedExperts) else (m,):  # a kept one runs its inner module
         set_expert_parallel(e, hi - lo)  # transformers' kernels then mask the skip index

@@ -559,8 +559,8 @@ def mxfp4_quantize(
 
 # %% ../nbs/98_testing.ipynb #95785c88
 def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
-    "Replace `dest`'s model.safetensors by `tensors`; set config.json's `quantization_config` and `dtype`"
-    # `quantization_config=None` drops it.
+    "Replace `dest`'s model.safetensors by `tensors`; set its config's `quantization_config` and `dtype`."
+    # `qc=None` drops `quantization_config`.
     cfg = json.loads((dest / 'config.json').read_text(encoding='utf-8'))
     cfg.pop('quantization_config', None)
     if qc:
@@ -764,8 +764,8 @@ def dequantized_reference(
 
 # %% ../nbs/98_testing.ipynb #4f5f95d0
 def _rank_main(fn, rank: int, world_size: int, store: str, args: tuple, queue):
-    "One spawned rank: join the gloo group through the file `store`, run `fn`"
-    # put (rank, ok, pickled result or traceback) on `queue`.
+    "One spawned rank: join the gloo group through the file `store`, run `fn`, and report on `queue`."
+    # It puts (rank, ok, pickled result or traceback) on `queue`.
     import datetime
     import pickle
     import traceback
@@ -1048,8 +1048,8 @@ def _llamacpp_permute(w, heads: int):
 
 # %% ../nbs/98_testing.ipynb #fmtu001-1
 def _gguf_codes(x, qtype, rng):
-    "`x` float32 [rows, cols] as gguf-py stores `qtype`"
-    # quantized by gguf-py, or (K-quants) random codes of finite scales.
+    "`x` float32 [rows, cols] as gguf-py stores `qtype`."
+    # Quantized by gguf-py, or (K-quants) random codes of finite scales.
     import gguf
     from gguf import GGML_QUANT_SIZES
 
@@ -1150,7 +1150,7 @@ def _int32(x: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/98_testing.ipynb #gabt001-1
 def _pack(q: torch.Tensor, bits: int, dim: int, order: tuple | None = None) -> torch.Tensor:
-    "Codes q (ints in [0, 2^b)) packed 32/b to an int32 word along `dim`, padded with zeros"
+    "Codes q (ints in [0, 2^b)) packed 32/b to an int32 word along `dim`, padded with zeros."
     # `order`: the index each position holds.
     per = 32 // bits
     q = q.long().movedim(dim, -1)

@@ -106,6 +106,19 @@ def test_readme_in_sync():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def test_readme_reaches_its_first_command_soon():
+    "A reader meets the first command within 400 words: the set-up, the example and the features come after it."
+    words = len((ROOT / 'README.md').read_text(encoding='utf-8').split('```')[0].split())
+    assert words <= 400, f'README.md has {words} words before its first code block; 400 at most'
+
+
+def test_ci_runs_the_readme_test_command():
+    "`.ci/run` runs the README's test command verbatim, so the command a reader copies is the one CI proves."
+    ci = (ROOT / '.ci' / 'run').read_text(encoding='utf-8').strip().splitlines()[-1]
+    readme = (ROOT / 'README.md').read_text(encoding='utf-8')
+    assert f'```sh\n{ci}\n```' in readme, f'.ci/run runs {ci!r}, which README.md does not show as its own block'
+
+
 def test_notebooks_saved_with_outputs():
     "The pages show saved results, so a notebook with code is committed executed (tools/nbrun), outputs kept."
     bare = [

@@ -173,9 +173,7 @@ def test_wrapper_stacks_reach_the_batched_reads(smol_ckpt):
     FileSource.read_many = counted
     try:
         bottom = checkpoint_source(smol_ckpt)
-        stack = RenamedSource(
-            ShardedSource(converted_source(bottom, []), Sharding({}, 0, 2)), {key: 'norm'}
-        )
+        stack = RenamedSource(ShardedSource(converted_source(bottom, []), Sharding({}, 0, 2)), {key: 'norm'})
         out = torch.empty_like(want)
         stack.read_many([('norm', out)])
         assert stack.bytes_read == bottom.bytes_read > 0 and stack.threads == bottom.threads

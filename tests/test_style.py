@@ -85,3 +85,35 @@ def test_at_most_three_exported_cells_in_a_row():
                 bad.append(f'{nb.name} cells {run[0]}-{run[-1]} ({len(run)} in a row)')
             run = []
     assert bad == [], bad
+
+
+# ---- whole sentences: a docstring is one complete sentence, not the first line of a sentence a comment finishes
+
+# Notebooks other work is rewriting now; their docstrings get the same fix there. Empty this set once it lands.
+PENDING = {'03c_refit.ipynb', '06_quantized.ipynb', '06b_gguf.ipynb', '12b_explore.ipynb', '14_cli.ipynb'}
+SENTENCE_END = re.compile(r'[.!?][)`\'"]*\s*\Z')
+
+
+def docstrings_with_next_line(s: str):
+    "(name, docstring, the first non-blank line after it) of every function and class an exported cell defines."
+    lines = s.splitlines()
+    for n in ast.walk(ast.parse(s)):
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        doc = n.body[0] if n.body and isinstance(n.body[0], ast.Expr) else None
+        if doc is None or not isinstance(doc.value, ast.Constant) or not isinstance(doc.value.value, str):
+            continue
+        yield n.name, doc.value.value, next((line.strip() for line in lines[doc.end_lineno :] if line.strip()), '')
+
+
+def test_no_docstring_is_continued_in_a_comment():
+    "A docstring that stops short of a sentence's end and goes on in a `#` comment fails: say it in one sentence."
+    bad = []
+    for nb in notebooks():
+        if nb.name in PENDING:
+            continue
+        for i, s in exported_cells(nb):
+            for name, doc, after in docstrings_with_next_line(s or ''):
+                if after.startswith('#') and not after.startswith('#|') and not SENTENCE_END.search(doc):
+                    bad.append(f'{nb.name} cell {i}: {name}: {doc!r} / {after[:60]!r}')
+    assert bad == [], '\n'.join(bad)
