@@ -389,9 +389,8 @@ class WrappedSource(Source):
 
     _keys = None  # the wrapper's own key list, when `own_keys` set one; else the wrapped source's keys
 
-    def __init__(self, src, what: str | None = None):
-        self.src = as_source(src)
-        self.what = what or self.src.what
+    def __init__(self, src: Source, what: str | None = None):
+        self.src, self.what = src, what or src.what
 
     mmap = property(lambda self: self.src.mmap)
     reads_slices = property(lambda self: self.src.reads_slices)
