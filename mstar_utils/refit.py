@@ -28,7 +28,7 @@ from mstar_utils.model import (
     model_dtype,
     model_source,
 )
-from .quantized import _ct_scheme, _model_name, quantized_tensors
+from .quantized import quantized_tensors
 from .sources import Source, checkpoint_source
 from .tensor_parallel import ShardedSource, Slice
 
@@ -142,7 +142,7 @@ def ct_requantizer(
     group: dict,  # the compressed-tensors config group that quantizes the module: its `weights` args
     fmt: str,  # its format: 'float-quantized', 'int-quantized', 'pack-quantized', 'nvfp4-pack-quantized', ...
 ):
-    "compressed-tensors' own quantizer and compressor for `group` in `fmt`: tensor -> {suffix: stored tensor}."
+    "compressed-tensors' quantizer and compressor for `group` in `fmt`: tensor -> {suffix: stored one}."
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
@@ -159,14 +159,22 @@ def ct_requantizer(
 def kept_format(
     qc: dict,  # the checkpoint's `quantization_config`
     u,  # the loader's `QuantizedTensor` of one kept tensor (`quantized_tensors`)
+    model=None,  # the model (on meta will do), whose module classes compressed-tensors' class targets match
     names: dict | None = None,  # checkpoint key -> the model's key: compressed-tensors targets name the model's
 ) -> tuple:
     "(format, compressed-tensors config group or None) of kept tensor `u`: the key of `REQUANTIZERS`."
-    method = qc.get('quant_method')
-    if method != 'compressed-tensors':
-        return (method, None)
-    module = u.target.rpartition('.')[0]
-    g = _ct_scheme(qc, _model_name(module, names or {})) or {}
+    from compressed_tensors.utils.match import match_targets
+
+    if qc.get('quant_method') != 'compressed-tensors':
+        return (qc.get('quant_method'), None)
+    name = (names or {}).get(u.target, u.target).rpartition('.')[0]
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:  # no model, or not one of its modules: matched as a Linear
+        module = torch.nn.Linear(1, 1, device='meta')
+    groups = {t: g for g in (qc.get('config_groups') or {}).values() for t in g.get('targets') or []}
+    hit = match_targets(name, module, groups)  # most specific first, as compressed-tensors applies its config
+    g = groups[hit[0]] if hit else {}
     return (f'compressed-tensors {g.get("format") or qc.get("format")}', g)
 
 # %% ../nbs/03c_refit.ipynb #5c0a9e18
@@ -288,7 +296,7 @@ def _requantized(raw: _Incoming, model, built, what: str) -> Source:
         dtype = model_dtype(model.config, ck, model.load_options.dtype)
         kept = {}
         for u in quantized_tensors(src, model.config, dtype, names):
-            fmt, group = kept_format(qc, u, names)
+            fmt, group = kept_format(qc, u, built, names)
             if fmt not in REQUANTIZERS:
                 raise _refused(what, fmt, u.target)
             if u.target not in raw:
