@@ -6,9 +6,11 @@
 from __future__ import annotations
 import copy
 import json
+import math
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+import functools
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,12 +19,22 @@ from fastcore.basics import patch
 
 from .convert import converted_source, listed
 from .loading import ModuleAndPrefix, module_entries, named_tensors, norm_prefix
-from .model import LoadOptions, build_on_meta, lineage, load_model, model_dtype, model_source
+from mstar_utils.model import (
+    LoadOptions,
+    build_on_meta,
+    checkpoint_renames,
+    lineage,
+    load_model,
+    model_dtype,
+    model_source,
+)
+from .quantized import quantized_tensors
 from .sources import Source, checkpoint_source
 from .tensor_parallel import ShardedSource, Slice
 
 # %% auto #0
-__all__ = ['incoming_spec', 'fp8_requantizer', 'RefitRoute', 'RefitPlan', 'refit_plan', 'storage', 'moved', 'differing', 'refit']
+__all__ = ['REQUANTIZERS', 'incoming_spec', 'fp8_requantizer', 'ct_requantizer', 'kept_format', 'RefitRoute', 'RefitPlan',
+           'refit_plan', 'storage', 'moved', 'differing', 'refit']
 
 # %% ../nbs/03c_refit.ipynb #8381d791
 def incoming_spec(
@@ -76,71 +88,185 @@ class _Incoming(Source):
 
 # %% ../nbs/03c_refit.ipynb #52fa2536
 def fp8_requantizer(
-    qc: dict,  # a block-fp8 `quantization_config`: `weight_block_size`, optionally `scale_fmt`
+    block: tuple = (128, 128),  # (rows, cols) one scale covers; None in either: the whole axis
+    scale_fmt: str | None = None,  # `FineGrainedFP8Config.scale_fmt`: 'float' or 'ue8m0' (power-of-two scales)
+    scale: str = '_scale_inv',  # the suffix the checkpoint stores the scales under
 ):
-    "transformers' fine-grained fp8 quantizer for `qc`: (key, tensor) -> {key: codes, scale key: scales}."
+    "transformers' fine-grained fp8 quantizer: tensor -> {'': codes, `scale`: scales}."
     from mstar_utils.upstream import fp8_quantize_op
 
-    op = fp8_quantize_op(**{k: qc[k] for k in ('weight_block_size', 'scale_fmt') if qc.get(k) is not None})
-    return lambda key, t: op.convert({key: t})
+    def quantize(t: torch.Tensor) -> dict:
+        br, bc = (b or n for b, n in zip(block, t.shape[-2:], strict=True))
+        op = fp8_quantize_op(weight_block_size=[br, bc], **({'scale_fmt': scale_fmt} if scale_fmt else {}))
+        got = list(op.convert({'w.weight': t}).values())
+        if len(got) != 2:
+            raise ValueError(
+                f"transformers' Fp8Quantize quantizes only shapes its block divides: {list(t.shape)} by "
+                f"[{br}, {bc}] (it leaves the tensor unquantized)"
+            )
+        return {'': got[0], scale: got[1]}
+
+    return quantize
+
+# %% ../nbs/03c_refit.ipynb #5c0a9e12
+def _ct_minmax(w: torch.Tensor, args) -> tuple:
+    "(min, max) of float `w` [R, C] per scale of compressed-tensors weight args `args`."
+    s = args.strategy
+    if s == 'tensor':
+        return w.min().reshape(1), w.max().reshape(1)
+    if s == 'channel':
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if s in ('group', 'tensor_group'):
+        g = w.unflatten(1, (-1, args.group_size))
+        return g.amin(-1), g.amax(-1)
+    if s == 'block':
+        (br, bc), (R, C) = args.block_structure, w.shape
+        b = torch.nn.functional.pad(w, (0, -C % bc, 0, -R % br)).unflatten(0, (-1, br)).unflatten(-1, (-1, bc))
+        return b.amin((1, 3)), b.amax((1, 3))
+    raise ValueError(f'compressed-tensors weight strategy {s!r} has no min-max calibration here')
+
+# %% ../nbs/03c_refit.ipynb #5c0a9e13
+def _ct_qparams(w: torch.Tensor, args) -> dict:
+    "The weight's qparams by their local names, as compressed-tensors calibrates and stores them before compressing."
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    x = w.float()
+    gs = generate_gparam(x.min(), x.max()) if args.strategy == 'tensor_group' else None
+    s, z = calculate_qparams(*_ct_minmax(x, args), args, global_scale=gs)
+    sdt = w.dtype if w.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+    out = {'weight_scale': s.to(sdt), 'weight_zero_point': z.to(args.zp_dtype)}
+    return out if gs is None else {**out, 'weight_global_scale': gs.to(torch.float32)}
+
+# %% ../nbs/03c_refit.ipynb #5c0a9e14
+def ct_requantizer(
+    group: dict,  # the compressed-tensors config group that quantizes the module: its `weights` args
+    fmt: str,  # its format: 'float-quantized', 'int-quantized', 'pack-quantized', 'nvfp4-pack-quantized', ...
+):
+    "compressed-tensors' quantizer and compressor for `group` in `fmt`: tensor -> {suffix: stored one}."
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    comp = BaseCompressor.get_value_from_registry(fmt)
+    scheme = QuantizationScheme.model_validate({**group, 'targets': group.get('targets') or ['Linear'], 'format': fmt})
+
+    def quantize(t: torch.Tensor) -> dict:
+        out = comp.compress({'weight': t, **_ct_qparams(t, scheme.weights)}, scheme)
+        return {k.removeprefix('weight'): v for k, v in out.items() if k.startswith('weight')}
+
+    return quantize
+
+# %% ../nbs/03c_refit.ipynb #5c0a9e17
+def kept_format(
+    qc: dict,  # the checkpoint's `quantization_config`
+    u,  # the loader's `QuantizedTensor` of one kept tensor (`quantized_tensors`)
+    model=None,  # the model (on meta will do), whose module classes compressed-tensors' class targets match
+    names: dict | None = None,  # checkpoint key -> the model's key: compressed-tensors targets name the model's
+) -> tuple:
+    "(format, compressed-tensors config group or None) of kept tensor `u`: the key of `REQUANTIZERS`."
+    from compressed_tensors.utils.match import match_targets
+
+    if qc.get('quant_method') != 'compressed-tensors':
+        return (qc.get('quant_method'), None)
+    name = (names or {}).get(u.target, u.target).rpartition('.')[0]
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:  # no model, or not one of its modules: matched as a Linear
+        module = torch.nn.Linear(1, 1, device='meta')
+    groups = {t: g for g in (qc.get('config_groups') or {}).values() for t in g.get('targets') or []}
+    hit = match_targets(name, module, groups)  # most specific first, as compressed-tensors applies its config
+    g = groups[hit[0]] if hit else {}
+    return (f'compressed-tensors {g.get("format") or qc.get("format")}', g)
+
+# %% ../nbs/03c_refit.ipynb #5c0a9e18
+_CT_KEPT = (
+    'float-quantized',
+    'int-quantized',
+    'naive-quantized',
+    'pack-quantized',
+    'nvfp4-pack-quantized',
+    'mxfp8-quantized',
+)
+REQUANTIZERS = {  # format -> factory (quantization_config, QuantizedTensor, config group) -> requantizer
+    'fp8': lambda qc, u, group: fp8_requantizer(u.op.block, qc.get('scale_fmt'), u.op.scale),
+    **{f'compressed-tensors {f}': lambda qc, u, group, f=f: ct_requantizer(group, f) for f in _CT_KEPT},
+}
 
 # %% ../nbs/03c_refit.ipynb #60ce7f70
-class _Requantized(Source):
-    "Incoming tensors with those the checkpoint keeps in fp8 re-quantized: codes under their name, scales beside."
+class _Kept(NamedTuple):
+    "One incoming tensor the checkpoint keeps quantized: its stored keys, their requantizer, how plans show it."
 
-    def __init__(self, src: _Incoming, scale_of: dict, quantize, how: str):
-        # scale_of: {incoming name: its scale key}; `how` describes the quantizer in plans
-        self.src, self.scale_of, self.quantize, self.how, self.what = src, scale_of, quantize, how, src.what
-        self.base = {s: n for n, s in scale_of.items()}
-        self.meta, self.done = {}, {}  # {name: its quantized pair on meta}, {name: what is left to take of it}
+    keys: dict  # {stored key: (shape, dtype)}, in the order of the loader's `QuantizedTensor.sources`
+    quantize: object  # tensor -> {stored key: tensor}
+    how: str  # the plan's step
+    fixed: dict  # {stored key: tensor} the loader reads while planning (weight_shape)
+
+# %% ../nbs/03c_refit.ipynb #60ce7f71
+class _Requantized(Source):
+    "Incoming tensors with those the checkpoint keeps quantized re-quantized, under the keys the checkpoint stores."
+
+    def __init__(self, src: _Incoming, kept: dict):
+        # kept: {incoming name: _Kept}
+        self.src, self.kept, self.what = src, kept, src.what
+        self.base = {k: n for n, u in kept.items() for k in u.keys}
+        self.done = {}  # {name: what is left to take of its stored tensors}
 
     live = property(lambda self: self.src.live)
     touched = property(lambda self: self.src.touched)
 
     def keys(self):
-        return [*self.src.keys(), *self.base]
+        return [*(k for k in self.src.keys() if k not in self.kept), *self.base]  # noqa: SIM118
 
     def __contains__(self, k):
-        return k in self.src or k in self.base
+        return k in self.base or (k in self.src and k not in self.kept)
 
     def origin(self, k) -> str:
         return self.base.get(k, k)
 
     def requantizes(self, k) -> str | None:
-        return self.how if self.origin(k) in self.scale_of else None
+        return self.kept[k].how if k in self.kept else self.kept[self.base[k]].how if k in self.base else None
 
     def clear(self):
         self.src.clear()
         self.done.clear()
 
-    def _on_meta(self, n) -> dict:
-        if n not in self.meta:
-            self.meta[n] = self.quantize(n, torch.empty(self.src.shape(n), dtype=self.src.dtype(n), device='meta'))
-        return self.meta[n]
-
     def shape(self, k):
-        n = self.origin(k)
-        return tuple(self._on_meta(n)[k].shape) if n in self.scale_of else self.src.shape(k)
+        return self.kept[self.base[k]].keys[k][0] if k in self.base else self.src.shape(k)
 
     def dtype(self, k):
-        n = self.origin(k)
-        return self._on_meta(n)[k].dtype if n in self.scale_of else self.src.dtype(k)
+        return self.kept[self.base[k]].keys[k][1] if k in self.base else self.src.dtype(k)
 
     def where(self, k):
         return self.what
 
-    def get(self, k, out=None):
-        n = self.origin(k)
-        if n not in self.scale_of:
-            return self.src.get(k, out=out)
-        if self.touched is not None:  # a dry read
-            t = self.quantize(n, self.src.get(n))[k]
-        else:  # the pair is made once; each half is dropped once taken
-            pair = self.done.get(n) or self.done.setdefault(n, dict(self.quantize(n, self.src.get(n))))
-            t = pair.pop(k)
-            if not pair:
-                del self.done[n]
-        return t if out is None else out.copy_(t)
+# %% ../nbs/03c_refit.ipynb #60ce7f72
+@patch
+def get(self: _Requantized, k, out=None):
+    n = self.base.get(k)
+    if n is None:
+        return self.src.get(k, out=out)
+    u = self.kept[n]
+    if self.touched is not None:  # a dry read: the incoming name recorded, nothing computed
+        self.src.get(n)
+        t = torch.empty(u.keys[k][0], dtype=u.keys[k][1], device='meta')
+    elif k in u.fixed and n not in self.live:
+        t = u.fixed[k]
+    else:  # made once; each stored tensor dropped once taken
+        made = self.done.get(n) or self.done.setdefault(n, dict(u.quantize(self.src.get(n))))
+        t = made.pop(k)
+        if not made:
+            del self.done[n]
+    return t if out is None else out.copy_(t)
+
+# %% ../nbs/03c_refit.ipynb #5c0a9e1c
+def _stored_as(quantize, keys: dict, spec: dict, target: str, t: torch.Tensor) -> dict:
+    "{stored key: tensor} that `quantize` makes of `t`, in the stored shapes; `ValueError` naming a key it lacks."
+    got, out = quantize(t), {}
+    for s, k in keys.items():  # keys: {suffix: stored key}; spec: {stored key: (shape, dtype)}
+        if s not in got:
+            raise ValueError(f'refit: re-quantizing {target!r} made no {k!r} (it made suffixes {sorted(got)})')
+        v, shape = got[s], spec[k][0]
+        out[k] = v.reshape(shape) if tuple(v.shape) != shape and v.numel() == math.prod(shape) else v
+    return out
 
 # %% ../nbs/03c_refit.ipynb #2978d0ef
 def _qconfig(model) -> dict | None:
@@ -148,30 +274,43 @@ def _qconfig(model) -> dict | None:
     qc = getattr(model.config, 'quantization_config', None)
     return qc if qc is None or isinstance(qc, dict) else qc.to_dict()
 
+# %% ../nbs/03c_refit.ipynb #0e6b3ea4
+def _refused(what: str, fmt: str, key: str) -> ValueError:
+    "The refusal of a kept format with no reference quantizer, naming it, incoming `key` and the fix."
+    known = ', '.join(REQUANTIZERS)
+    return ValueError(
+        f"refit of {what}: the model keeps {fmt} codes (quantized='keep'), and refit has no quantizer of that "
+        f"format to re-quantize incoming {key!r} as the checkpoint stores it (it re-quantizes {known}); load the "
+        "model with quantized='dequantize' to refit it"
+    )
+
 # %% ../nbs/03c_refit.ipynb #0e6b3ea5
-def _requantized(raw: _Incoming, model, what: str) -> Source:
-    "`raw` with the tensors `model`'s checkpoint keeps in fp8 re-quantized; `ValueError` for another kept format."
+def _requantized(raw: _Incoming, model, built, what: str) -> Source:
+    "`raw` with the tensors `model`'s checkpoint keeps quantized re-quantized; `ValueError` for a format without one."
     ck, qc = Path(model.load_checkpoint), _qconfig(model) or {}
-    fmt = 'GGUF' if ck.suffix == '.gguf' else qc.get('quant_method')
-    if fmt != 'fp8':
-        key = next(iter(raw.keys()), '(none)')
-        raise ValueError(
-            f"refit of {what}: the model keeps {fmt} codes (quantized='keep'), and refit has no quantizer of that "
-            f"format to re-quantize incoming {key!r} as the checkpoint stores it; load the model with "
-            "quantized='dequantize' to refit it"
-        )
+    if ck.suffix == '.gguf':
+        raise _refused(what, 'GGUF', next(iter(raw.keys()), '(none)'))
     src = checkpoint_source(ck)
     try:
-        stored = [k.removesuffix('_scale_inv') for k in src.keys() if k.endswith('_scale_inv')]  # noqa: SIM118
+        names = checkpoint_renames(built, src.keys()) if model.load_options.renames else {}
+        dtype = model_dtype(model.config, ck, model.load_options.dtype)
+        kept = {}
+        for u in quantized_tensors(src, model.config, dtype, names):
+            fmt, group = kept_format(qc, u, built, names)
+            if fmt not in REQUANTIZERS:
+                raise _refused(what, fmt, u.target)
+            if u.target not in raw:
+                continue  # a partial refit: not sent
+            q, keys = REQUANTIZERS[fmt](qc, u, group), dict(zip(u.op.suffixes, u.sources, strict=True))
+            spec = {k: (tuple(s), d) for k, s, d in zip(u.sources, u.shapes, u.dtypes, strict=True)}
+            fixed = {k: src.get(k) for k in u.sources if k.endswith('_shape')}
+            by = "transformers' Fp8Quantize" if fmt == 'fp8' else "compressed-tensors' compressor"
+            kept[u.target] = _Kept(
+                spec, functools.partial(_stored_as, q, keys, spec, u.target), f'requantize {fmt} ({by})', fixed
+            )
     finally:
         src.close()
-    block = qc.get('weight_block_size')
-    return _Requantized(
-        raw,
-        {n: n + '_scale_inv' for n in stored if n in raw},
-        fp8_requantizer(qc),
-        f'requantize fp8 block {block} (transformers Fp8Quantize)',
-    )
+    return _Requantized(raw, kept)
 
 # %% ../nbs/03c_refit.ipynb #a0cfc4e3
 class _Stack(NamedTuple):
@@ -191,9 +330,9 @@ def _model_stack(model, raw: _Incoming, what: str) -> _Stack:
     config, built, quantized = copy.copy(model.config), model, 'dequantize'
     config.quantization_config = None  # the trainer's tensors are not a quantized checkpoint's
     if opts.quantized == 'keep' and (_qconfig(model) or Path(model.load_checkpoint).suffix == '.gguf'):
-        bottom, config, quantized = _requantized(raw, model, what), model.config, 'keep'
         dtype = model_dtype(model.config, Path(model.load_checkpoint), opts.dtype)
         built = build_on_meta(model.config, type(model), dtype)  # the kept path swaps modules: a copy's
+        bottom, config, quantized = _requantized(raw, model, built, what), model.config, 'keep'
     whole = model_source(None, config, built, conv=opts.conv, renames=opts.renames, quantized=quantized, raw=bottom)
     sharding = getattr(model, 'tp_sharding', None)
     src = whole if sharding is None else ShardedSource(whole, sharding, what)
@@ -610,7 +749,7 @@ def differing(
 
 # %% ../nbs/03c_refit.ipynb #7640ad36
 def _saved(model, sent: dict, plan: RefitPlan) -> Path:
-    "A checkpoint folder of the weights `sent` with the served checkpoint's config.json, kept fp8 re-quantized."
+    "A checkpoint folder of the weights `sent` with the served checkpoint's config.json, kept formats re-quantized."
     from safetensors.torch import save_file
 
     out, ck = Path(tempfile.mkdtemp(prefix='refit-verify-')), Path(model.load_checkpoint)
@@ -619,7 +758,7 @@ def _saved(model, sent: dict, plan: RefitPlan) -> Path:
     if isinstance(bottom, _Requantized):
         inc = _Incoming(incoming_spec(sent))
         inc.live.update(sent)
-        req = _Requantized(inc, {n: s for n, s in bottom.scale_of.items() if n in sent}, bottom.quantize, bottom.how)
+        req = _Requantized(inc, {n: u for n, u in bottom.kept.items() if n in sent})
         sent = {k: req.get(k) for k in req.keys()}  # noqa: SIM118
     else:
         cfg.pop('quantization_config', None)
@@ -651,7 +790,7 @@ def _verify(target, sent: dict, before: dict, plan: RefitPlan):
 
 # %% ../nbs/03c_refit.ipynb #26e216bf
 def refit(
-    target,  # a model `load_model` built, or a list of ModuleAndPrefix
+    target,  # a model `load_model` built (kept codes: the formats of `REQUANTIZERS`), or a list of ModuleAndPrefix
     tensors,  # (name, tensor) pairs, or buckets of them (lists or dicts), in any order; or one dict
     plan: RefitPlan | None = None,  # from `refit_plan`; None: made from `tensors`, which must then be a dict
     verify: bool = False,  # check against a fresh `load_model` of the same weights, bit for bit, storage unchanged

@@ -227,21 +227,32 @@ def test_mla_absorbed_weights_rebuilt_in_place(tmp_path):
     assert any('process_weights_after_loading' in s for s in plan.lands_in(prefix + 'kv_b_proj.weight')[0].stale)
 
 
-def fp8_reference(model, dest, block):
-    "`model` saved with its projections quantized by transformers' own fine-grained fp8 quantizer (`Fp8Quantize`)."
+def fp8_reference(model, dest, block, per_channel=False):
+    """`model` saved with its projections quantized by transformers' own fine-grained fp8 quantizer (`Fp8Quantize`):
+    with `block`, or per channel (a block of one row, no `weight_block_size` in the config)."""
     from mstar_utils.upstream import fp8_quantize_op
 
-    op = fp8_quantize_op(weight_block_size=list(block))
     model.save_pretrained(dest)
     out = {}
     for k, v in weights(dest).items():
+        op = fp8_quantize_op(weight_block_size=[1, v.shape[-1]] if per_channel else list(block))
         out.update(op.convert({k: v}) if '_proj.weight' in k else {k: v})
     cfg = json.loads((dest / 'config.json').read_text())
-    cfg['quantization_config'] = {'quant_method': 'fp8', 'weight_block_size': list(block)}
+    cfg['quantization_config'] = {'quant_method': 'fp8', **({} if per_channel else {'weight_block_size': list(block)})}
     (dest / 'config.json').write_text(json.dumps(cfg))
     (dest / 'model.safetensors').unlink()
     save_file(out, str(dest / 'model.safetensors'), metadata={'format': 'pt'})
     return dest
+
+
+def check_kept_refit(a, b, trainer: dict, **kw):
+    "Load A keeping its codes, refit with the trainer's tensors: equal to load_model(B) keeping its codes, none moved."
+    served = load_model(a, quantized='keep', **kw)
+    before = storage(served)
+    plan = refit(served, trainer)
+    fresh = load_model(b, quantized='keep', **kw)
+    assert differing(served, fresh) == [] and moved(before, served) == []
+    return served, plan
 
 
 @pytest.mark.parametrize('kw', [{}, pytest.param(dict(rank=1, world_size=2), marks=SLOW)])
@@ -250,20 +261,78 @@ def test_kept_fp8_requantized_as_transformers_does(tmp_path, kw):
     a = write_fp8_checkpoint(tiny_model('qwen2', seed=0), tmp_path / 'a', block=(16, 16))
     trainer = tiny_model('qwen2', dtype=torch.bfloat16, seed=1)
     b = fp8_reference(trainer, tmp_path / 'b', (16, 16))
-    served = load_model(a, quantized='keep', **kw)
-    before = storage(served)
-    refit(served, trainer.state_dict())
-    fresh = load_model(b, quantized='keep', **kw)
-    assert differing(served, fresh) == [] and moved(before, served) == []
+    served, _ = check_kept_refit(a, b, trainer.state_dict(), **kw)
     assert served.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn
+
+
+def test_kept_per_channel_fp8(tmp_path):
+    "Per-channel fp8 (one scale a row): re-quantized by transformers' Fp8Quantize with a block of one row."
+    a = fp8_reference(tiny_model('qwen2', dtype=torch.bfloat16, seed=0), tmp_path / 'a', None, per_channel=True)
+    trainer = tiny_model('qwen2', dtype=torch.bfloat16, seed=1)
+    b = fp8_reference(trainer, tmp_path / 'b', None, per_channel=True)
+    served, plan = check_kept_refit(a, b, trainer.state_dict())
+    scale = served.model.layers[0].mlp.up_proj.weight_scale_inv
+    assert scale.shape == (served.config.intermediate_size, 1)
+    assert any('Fp8Quantize' in s for s in plan.lands_in('model.layers.0.mlp.up_proj.weight')[0].steps)
+
+
+CT_PRESETS = {'nvfp4': 'NVFP4A16', 'mxfp8': 'MXFP8A16', 'w4a16': 'W4A16', 'fp8_dynamic': 'FP8_DYNAMIC'}
+
+
+def ct_checkpoint(fmt: str, dest, seed: int) -> tuple:
+    "(folder, weights): a tiny Qwen3 quantized and saved by compressed-tensors, and its bf16 weights before that."
+    from transformers import AutoModelForCausalLM
+
+    from mstar_utils.testing import (
+        CT_FLOAT_GROUPS,
+        CT_PACK_GROUPS,
+        formats_config,
+        quantized_configs,
+        write_compressed_tensors_checkpoint,
+        write_ct_preset_checkpoint,
+    )
+
+    cfg = formats_config() if fmt in CT_PRESETS else quantized_configs()[fmt]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    if fmt in CT_PRESETS:
+        return write_ct_preset_checkpoint(model, dest, CT_PRESETS[fmt]), sd
+    groups = {'ct_float': CT_FLOAT_GROUPS, 'ct_pack': CT_PACK_GROUPS}[fmt]
+    return write_compressed_tensors_checkpoint(model, dest, groups), sd
+
+
+@pytest.mark.parametrize(
+    'fmt,kw',
+    [
+        ('ct_float', {}),  # fp8 per channel, per tensor, per 64 x 64 block
+        ('ct_pack', {}),  # int4 per channel, asymmetric int4 per group of 32 (packed zero points), int8 per channel
+        ('nvfp4', {}),
+        ('mxfp8', {}),
+        pytest.param('w4a16', {}, marks=SLOW),
+        pytest.param('fp8_dynamic', {}, marks=SLOW),
+        pytest.param('ct_pack', dict(rank=1, world_size=2), marks=SLOW),
+        pytest.param('ct_float', dict(rank=0, world_size=2), marks=SLOW),
+        pytest.param('nvfp4', dict(rank=1, world_size=2), marks=SLOW),
+        pytest.param('mxfp8', dict(rank=1, world_size=2), marks=SLOW),
+    ],
+)
+def test_kept_compressed_tensors_requantized_as_it_does(tmp_path, fmt, kw):
+    """Kept compressed-tensors codes: the refit equals load_model(keep) of B quantized and saved by compressed-tensors,
+    every code, scale, zero point and global scale."""
+    a, _ = ct_checkpoint(fmt, tmp_path / 'a', 0)
+    b, trainer = ct_checkpoint(fmt, tmp_path / 'b', 1)
+    served, plan = check_kept_refit(a, b, trainer, **kw)
+    (route,) = [r for r in plan.lands_in('model.layers.0.mlp.up_proj.weight') if r.target.endswith('.weight_scale')]
+    assert any("compressed-tensors' compressor" in s for s in route.steps)
 
 
 def test_formats_without_a_quantizer_are_refused(tmp_path):
     from mstar_utils.testing import write_quantized_checkpoint
 
-    ct = load_model(write_quantized_checkpoint('ct_pack', tmp_path / 'ct'), quantized='keep')
-    with pytest.raises(ValueError, match='keeps compressed-tensors codes.*quantized=.dequantize'):
-        refit_plan(ct, {'model.norm.weight': torch.zeros(1)})
+    mx = load_model(write_quantized_checkpoint('mxfp4', tmp_path / 'mx'), quantized='keep')
+    with pytest.raises(ValueError, match="keeps mxfp4 codes.*experts.*quantized=.dequantize"):
+        refit_plan(mx, {'model.norm.weight': torch.zeros(1)})
 
 
 def test_plan_needed_to_stream(ckpts):
