@@ -12,7 +12,7 @@ import json
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, asdict, astuple
 from pathlib import Path
 from typing import NamedTuple
 
@@ -1297,26 +1297,46 @@ class CheckpointDiff:
 def _rank(d: TensorDiff) -> tuple:
     return (d.equal, d.identical, -(d.rel_l2 if math.isfinite(d.rel_l2) else math.inf), -d.max_abs, d.key)
 
+# %% ../nbs/12b_explore.ipynb #5c0a4201
+def _diff_path(p) -> Path:
+    "A GGUF file `p` is or holds (`gguf_file`), else `p` as a safetensors checkpoint folder."
+    from mstar_utils.gguf import gguf_file
+
+    return gguf_file(p) or checkpoint_dir_(p)
+
+# %% ../nbs/12b_explore.ipynb #5c0a4202
+def _diff_side(p: Path, findings: list) -> tuple:
+    "(values source, its float keys, {key: `Stored`}, {target: `QuantizedTensor`}) of a folder or a GGUF file."
+    if p.suffix == '.gguf':
+        src, tensors = _gguf_opened(p)[2:]
+        return src, set(src.keys()), tensors, {}  # GGUF values are float32, under the model's names
+    config = _parse_json(p / 'config.json')[0] or {}
+    tensors = stored_tensors(p, findings)
+    src, _, units = value_source(p, config, tensors, values_dtype(p, config))
+    floats = {k for k in src.keys() if src.dtype(k).is_floating_point}  # noqa: SIM118 (a source has no __iter__)
+    return src, floats, tensors, {u.target: u for u in units}
+
+# %% ../nbs/12b_explore.ipynb #5c0a4203
+def _gguf_opened(f: Path) -> tuple:
+    "(config, meta model, `GGUFSource`, {key: `Stored`}) of GGUF file `f`, as `load_model` builds them."
+    # a Stored's dtype is the GGUF type's name ('Q4_K'; 'Q4_K+Q5_0' for joined experts)
+    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_model_class, read_gguf
+    from mstar_utils.model import build_on_meta
+
+    h = read_gguf(f)
+    config = gguf_config(f, h)
+    model = build_on_meta(config, gguf_model_class(config), torch.float32)
+    src = GGUFSource(f, model, config, h)
+    return config, model, src, {k: Stored(f.name, q, shape, n) for k, (q, shape, n) in src.stored().items()}
+
 # %% ../nbs/12b_explore.ipynb #34446645
 def diff_checkpoints(
     a,  # the base checkpoint folder
     b,  # the checkpoint compared with it (a fine-tune, a requantization, ...)
 ) -> CheckpointDiff:
     "Compare two checkpoints a tensor at a time, dequantized: structure, then hashes and numbers."
-    A, B, findings = checkpoint_dir_(a), checkpoint_dir_(b), []  # FileNotFoundError saying what a path is instead
-    side = []
-    for p in (A, B):
-        config = _parse_json(p / 'config.json')[0] or {}
-        tensors = stored_tensors(p, findings)
-        src, _, units = value_source(p, config, tensors, values_dtype(p, config))
-        side.append(
-            (
-                src,
-                {k for k in src.keys() if src.dtype(k).is_floating_point},  # noqa: SIM118 (a source has no __iter__)
-                tensors,
-                {u.target: u for u in units},
-            )
-        )
+    A, B, findings = _diff_path(a), _diff_path(b), []  # FileNotFoundError saying what a path is instead
+    side = [_diff_side(p, findings) for p in (A, B)]
     (sa, ka, ta, ua), (sb, kb, _, _) = side
     common = sorted(ka & kb, key=lambda k: _order_key(ta, ua, k))
     reshaped = [(k, tuple(sa.shape(k)), tuple(sb.shape(k))) for k in common if tuple(sa.shape(k)) != tuple(sb.shape(k))]
@@ -1873,13 +1893,52 @@ def _unbuilt(findings: list) -> tuple:
     )
     return None, None
 
+# %% ../nbs/12b_explore.ipynb #5c0a4204
+def _gguf_of(path) -> Path | None:
+    "The GGUF file `path` is or holds; None when it holds none, or several (a finding of the folder's then)."
+    from mstar_utils.gguf import gguf_file
+
+    try:
+        return gguf_file(path)
+    except ValueError:
+        return None
+
+# %% ../nbs/12b_explore.ipynb #5c0a4205
+def _explore_gguf(f: Path, stats: bool, base) -> Exploration:
+    "`explore` of GGUF file `f`: its tensors under the model's names, their block types, load, ranks, KV cache."
+    from mstar_utils.gguf import describe_gguf_type
+
+    findings, tensors, formats, ranks, plots = [], {}, [], [], {}
+    try:
+        config, model, src, tensors = _gguf_opened(f)
+    except (ValueError, NotImplementedError, KeyError, OSError) as e:
+        findings.append(Finding('load', 'error', f.name, f'load_model refuses it: {e}', 'as the message says'))
+    else:
+        try:
+            _key_findings(model, src, findings)
+        finally:
+            src.close()
+        skip = 'no tensor of the model takes it: load_model leaves it, as from_pretrained(gguf_file=...) does'
+        findings += [Finding('load', 'note', n, skip, '') for n in src.unmapped]
+        fams = format_families(tensors, [])
+        formats = [FormatFamily(x.family, describe_gguf_type(x.format), *astuple(x)[2:]) for x in fams]
+        ranks, rf = rank_table(f, config, model)
+        findings += rf
+    kv, kv_lines, plots['kv'] = kv_section(f, findings)
+    if stats:
+        findings.append(Finding('stats', 'note', f.name, 'weight statistics are computed for safetensors only', ''))
+    diff = diff_checkpoints(base, f) if base is not None else None
+    return Exploration(f.name, findings, module_tree(tensors), formats, ranks, kv, kv_lines, None, diff, plots)
+
 # %% ../nbs/12b_explore.ipynb #7df7f1ea
 def explore(
-    checkpoint_dir,  # an HF checkpoint folder
+    checkpoint_dir,  # an HF checkpoint folder, a GGUF file, or a folder of one
     stats: bool = True,  # read every weight for section 6 (statistics); False: headers and config only
     base=None,  # a checkpoint folder to diff against (section 7), e.g. the base of a fine-tune
 ) -> Exploration:
-    "Everything about a checkpoint folder; what cannot be parsed is a finding."
+    "Everything about a checkpoint folder or a GGUF file; what cannot be parsed is a finding."
+    if (f := _gguf_of(checkpoint_dir)) is not None:
+        return _explore_gguf(f, stats, base)
     findings = []
     ckpt = _folder(checkpoint_dir, findings)
     weightless = bool(findings)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,8 +25,8 @@ from .io import populate_pages
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'dequantize_gguf', 'gguf_file', 'unpermute_rows', 'GGUFTensor', 'gguf_names', 'Skipped', 'GGUFHeader',
-           'read_gguf', 'gguf_config', 'gguf_model_class', 'GGUFSource', 'GGUFDequantize', 'keep_gguf', 'GGUFStored',
-           'GGUFTree']
+           'read_gguf', 'gguf_config', 'gguf_model_class', 'GGUFSource', 'describe_gguf_type', 'GGUFDequantize',
+           'keep_gguf', 'GGUFStored', 'GGUFTree', 'GGUFJoin']
 
 # %% ../nbs/06b_gguf.ipynb #fmtg005
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -480,12 +481,27 @@ def _arch_of(model_type: str) -> int | None:
     name = spelt.get(model_type, model_type)
     return next((a for a, n in MODEL_ARCH_NAMES.items() if n == name), None)
 
+# %% ../nbs/06b_gguf.ipynb #7c1e0a02
+_STACKED = ('qwen2moe', 'qwen3moe')  # the GGUF architectures whose stacked experts transformers joins
+_EXPERTS = re.compile(r'model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)')
+
+
+def _stacked_names(keys, arch: str) -> dict:
+    "{GGUF name: the model's key} of the stacked experts: gate, then up, both the key's fused `gate_up_proj`."
+    out = {}
+    for k in keys if arch in _STACKED else ():
+        if m := _EXPERTS.fullmatch(k):
+            for w in ('gate', 'up') if m[2] == 'gate_up_proj' else ('down',):
+                out[f'blk.{m[1]}.ffn_{w}_exps.weight'] = k
+    return out
+
 # %% ../nbs/06b_gguf.ipynb #fmtg018
 def gguf_names(
     model: torch.nn.Module,  # the model to fill (a meta-built one will do)
     config,  # its transformers config
 ) -> dict:
     "{GGUF tensor name: the model's name} by gguf-py's tensor-name map, on each name and its tails."
+    import gguf
     from gguf import get_tensor_name_map
 
     arch = _arch_of(config.model_type)
@@ -498,7 +514,7 @@ def gguf_names(
         hit = next((g for i in range(len(parts)) if (g := tmap.get_name('.'.join(parts[i:]))) is not None), None)
         if hit is not None:
             out.setdefault(hit + dot + suffix, name)
-    return out
+    return out | _stacked_names(model.state_dict(), gguf.MODEL_ARCH_NAMES[arch])
 
 # %% ../nbs/06b_gguf.ipynb #fmtg020
 # GGUF value types
@@ -668,9 +684,8 @@ def gguf_model_class(config) -> type:
 # %% ../nbs/06b_gguf.ipynb #fmtg026
 # architectures whose tensors transformers reshapes or rescales beyond renaming: not read here
 _RESHAPED = (
-    'qwen2moe',
-    'qwen3moe',
     'gpt-oss',
+    'gpt_oss',
     'bloom',
     't5',
     't5encoder',
@@ -682,6 +697,8 @@ _RESHAPED = (
     'lfm2',
     'minimax-m2',
 )
+# {architecture: (a part of a tensor's name, the dim transformers inserts)}: a 1-d file tensor read with one more dim
+_UNSQUEEZED = {'qwen2moe': ('ffn_gate_inp_shexp', 0), 'qwen3moe': ('ffn_gate_inp_shexp', 0)}
 
 
 def _rows(t: GGUFTensor) -> tuple:
@@ -712,38 +729,64 @@ class GGUFSource(Source):
                 'reshapes its tensors); read: the others gguf-py maps'
             )
         names, self.config = gguf_names(model, config), config
-        self.tensors = {names[n]: t for n, t in header.tensors.items() if n in names}
+        parts = {}  # the model's key: its GGUF tensors, in the map's order (gate before up)
+        for g, k in names.items():
+            if g in header.tensors:
+                parts.setdefault(k, []).append(header.tensors[g])
+        self.tensors = {k: ts[0] for k, ts in parts.items() if len(ts) == 1}
+        self.joined = {k: ts for k, ts in parts.items() if len(ts) > 1}  # stacked experts' gate and up, along dim 1
         self.unmapped = [n for n in header.tensors if n not in names]  # what transformers skips too (e.g. rope_freqs)
+        self.shapes = _model_shapes(self.arch, self.tensors, self.joined)
         self.kept = set()  # keys read as their stored blocks, uint8 [rows, row bytes] (`keep_gguf`)
-        # the stored bytes, uint8 [rows, row bytes] under the same keys: read, sliced and counted as safetensors are
-        infos = {
-            k: TensorInfo(torch.uint8, _rows(t), t.offset, t.offset + t.data.numel()) for k, t in self.tensors.items()
-        }
+        # the stored bytes, uint8 [rows, row bytes] under the same keys (a joined key's parts: their GGUF names): read,
+        # sliced and counted as safetensors are
+        stored = {**self.tensors, **{t.name: t for ts in self.joined.values() for t in ts}}
+        infos = {k: TensorInfo(torch.uint8, _rows(t), t.offset, t.offset + t.data.numel()) for k, t in stored.items()}
         self.raw = tensor_file_source(self.path, infos, mmap=not dry, dry=dry)
 
     bytes_read = property(lambda self: self.raw.bytes_read)
 
     def keys(self):
-        return self.tensors.keys()
+        return [*self.tensors, *self.joined]
 
     def __contains__(self, k):
-        return k in self.tensors
+        return k in self.tensors or k in self.joined
 
     def shape(self, k):
-        return _rows(self.tensors[k]) if k in self.kept else self.tensors[k].shape
+        return _rows(self.tensors[k]) if k in self.kept else self.shapes.get(k) or self.tensors[k].shape
 
     def dtype(self, k):
         return torch.uint8 if k in self.kept else torch.float32
 
     def where(self, k):
-        return f'{self.path.name} ({self.tensors[k].name}, {self.tensors[k].qtype.name})'
+        ts = self.joined.get(k) or [self.tensors[k]]
+        return f'{self.path.name} ({" + ".join(t.name for t in ts)}, {"/".join(t.qtype.name for t in ts)})'
 
     def borrowed(self, k):
         return False
 
     def close(self):
-        self.tensors = None
+        self.tensors = self.joined = None
         self.raw.close()
+
+# %% ../nbs/06b_gguf.ipynb #7c1e0a04
+def _model_shapes(arch: str, tensors: dict, joined: dict) -> dict:
+    "{key: shape} of the keys whose model shape is not the file's: unsqueezed as transformers does, or joined."
+    part, dim = _UNSQUEEZED.get(arch, (None, 0))
+    out = {k: (*t.shape[:dim], 1, *t.shape[dim:]) for k, t in tensors.items() if part and part in t.name}
+    for k, ts in joined.items():
+        out[k] = (ts[0].shape[0], sum(t.shape[1] for t in ts), *ts[0].shape[2:])
+    return out
+
+# %% ../nbs/06b_gguf.ipynb #7c1e0a05
+def _decoded(path: Path, t: GGUFTensor) -> GGUFTensor:
+    "`t`, once its type is one `dequantize_gguf` decodes; else `NotImplementedError` naming file and tensor."
+    if t.qtype not in GGUF_TYPES:
+        raise NotImplementedError(
+            f'{path.name}: tensor {t.name!r} is {t.qtype.name}, not decoded (decoded: '
+            f'{", ".join(q.name for q in GGUF_TYPES)})'
+        )
+    return t
 
 # %% ../nbs/06b_gguf.ipynb #fmtg027
 @patch
@@ -755,20 +798,18 @@ def read_many(
 ):
     "Fill each `dest` by `dequantize_gguf`, in cache-sized pieces on torch's threads."
     for k, d in pairs:
-        t = self.tensors[k]
-        if t.qtype not in GGUF_TYPES:
-            raise NotImplementedError(
-                f'{self.path.name}: tensor {t.name!r} is {t.qtype.name}, not decoded (decoded: '
-                f'{", ".join(q.name for q in GGUF_TYPES)})'
-            )
         dest = d if d.is_contiguous() else torch.empty(d.shape, dtype=d.dtype, device=d.device)
-        rows = self.raw.get(k)  # a view of the mapped file (a meta tensor on a dry run)
-        if rows.is_meta:
-            pass
-        elif k in self.kept:
-            dest.copy_(rows)
+        if k in self.joined:
+            self._read_joined(k, dest)
         else:
-            dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
+            t = _decoded(self.path, self.tensors[k])
+            rows = self.raw.get(k)  # a view of the mapped file (a meta tensor on a dry run)
+            if rows.is_meta:
+                pass
+            elif k in self.kept:
+                dest.copy_(rows)
+            else:
+                dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
         if dest is not d:
             d.copy_(dest)
         if progress:
@@ -778,11 +819,16 @@ def read_many(
 @patch
 def resolve(self: GGUFSource, k: str):
     "(bytes source, dequantizing tree) of key `k`, so a slice reads only its blocks; None: read whole."
+    if k in self.joined:  # stacked experts: their parts read whole, joined, then cut
+        ts = self.joined[k]
+        op = GGUFJoin(tuple(int(t.qtype) for t in ts), tuple(t.shape for t in ts))
+        kids = [GGUFStored(t.name, _rows(t), torch.uint8) for t in ts]
+        return self.raw, GGUFTree(op, kids, self.shapes[k], torch.float32)
     t = self.tensors[k]
     if k in self.kept:
         return self.raw, k  # the stored bytes as they are: a rank reads its rows or whole blocks
-    if len(t.shape) != 2:
-        return None  # a 1-d tensor is read whole, then cut
+    if len(t.shape) != 2 or k in self.shapes:
+        return None  # a 1-d or 3-d tensor, or one reshaped, is read whole, then cut
     op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
     return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
 
@@ -800,6 +846,43 @@ def get(self: GGUFSource, k: str, out: torch.Tensor | None = None) -> torch.Tens
     "Tensor `k` in torch's shape, float32 (or into `out`), Llama's q/k rows in transformers' order."
     out = torch.empty(self.shape(k), dtype=self.dtype(k)) if out is None else out
     self.read_many([(k, out)])
+    return out
+
+# %% ../nbs/06b_gguf.ipynb #7c1e0a06
+@patch
+def _read_joined(self: GGUFSource, k: str, dest: torch.Tensor) -> None:
+    "Stacked experts' parts into `dest` [experts, rows, cols]: each part's rows after the last's, expert by expert."
+    at = 0
+    for t in self.joined[k]:
+        _decoded(self.path, t)
+        rows, n = self.raw.get(t.name), t.shape[1]  # [experts × n, row bytes]
+        for e in range(t.shape[0] if not rows.is_meta else 0):
+            dequantize_gguf(rows[e * n : (e + 1) * n], t.qtype, dest[e, at : at + n])
+        at += n
+
+# %% ../nbs/06b_gguf.ipynb #7c1e0a21
+def describe_gguf_type(
+    name: str,  # a GGML type's name ('Q4_K'), or joined experts' ('Q4_K+Q5_0')
+) -> str:
+    "One line for GGUF block type(s) `name`: how many weights a block holds, in how many bytes."
+    parts = []
+    for n in name.split('+'):
+        block, size = GGML_QUANT_SIZES[T[n]]
+        parts.append(n if T[n] in _PLAIN else f'{n}, {block} weights in {size} bytes a block')
+    return 'GGUF ' + ' + '.join(parts)
+
+# %% ../nbs/06b_gguf.ipynb #7c1e0a23
+@patch
+def stored(self: GGUFSource) -> dict:
+    "{key: (GGUF type names, the values' shape, stored bytes)}, a joined key's parts together."
+    out = {}
+    for k in self.keys():
+        ts = self.joined.get(k) or [self.tensors[k]]
+        out[k] = (
+            '+'.join(dict.fromkeys(t.qtype.name for t in ts)),
+            tuple(self.shape(k)),
+            sum(t.data.numel() for t in ts),
+        )
     return out
 
 # %% ../nbs/06b_gguf.ipynb #fmtgk01
@@ -855,10 +938,23 @@ class GGUFStored(NamedTuple):
 class GGUFTree(NamedTuple):
     "The values of a GGUF tensor as the slicing step sees them: `op` over the stored bytes `kids`."
 
-    op: object  # a `GGUFDequantize`
+    op: object  # a `GGUFDequantize`, or a `GGUFJoin`
     kids: list  # [`GGUFStored`]
     shape: tuple  # the values' shape
     dtype: torch.dtype
+
+# %% ../nbs/06b_gguf.ipynb #7c1e0a11
+@dataclass(frozen=True)
+class GGUFJoin:
+    "(each part's blocks, uint8 [experts × rows, row bytes]) → their values joined on dim 1."
+
+    qtypes: tuple  # each part's GGML type
+    shapes: tuple  # each part's values' shape [experts, rows, cols]
+
+    def apply(self, tensors: list) -> torch.Tensor:
+        return torch.cat(
+            [dequantize_gguf(b, q).view(s) for b, q, s in zip(tensors, self.qtypes, self.shapes, strict=True)], 1
+        )
 
 # %% ../nbs/06b_gguf.ipynb #acbc4030
 @patch

@@ -221,8 +221,7 @@ def _not_a_checkpoint(p: Path) -> str | None:
         )
     ggufs = sorted(x.name for x in p.glob('*.gguf'))
     hint = (
-        f'; it holds GGUF {ggufs[0]}, which load_model, load_plan, inspect and TextOutput read '
-        '(explore and diff read safetensors)'
+        f'; it holds GGUF {ggufs[0]}, which load_model, load_plan, inspect, explore, diff and TextOutput read'
         if ggufs
         else ''
     )

@@ -27,8 +27,8 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint',
            'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
            'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference',
-           'tiny_llama_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint',
-           'write_bnb_checkpoint', 'RankReads', 'rank_reads']
+           'tiny_llama_gguf_config', 'tiny_moe_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize',
+           'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -1085,58 +1085,104 @@ def tiny_llama_gguf_config(**kw):
     )
     return tf.LlamaConfig(**{**base, **kw})
 
+# %% ../nbs/98_testing.ipynb #fmtu003
+def tiny_moe_gguf_config(
+    model_type: str = 'qwen3_moe',  # 'qwen2_moe' or 'qwen3_moe'
+    **kw,  # config entries to change
+):
+    "A tiny Qwen MoE: hidden size of whole K-quant blocks, experts' widths transformers' defaults."
+    # transformers' GGUF config tables read no expert widths: a file loads with from_pretrained only at the defaults
+    from transformers import CONFIG_MAPPING
+
+    base = dict(
+        vocab_size=333,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    return CONFIG_MAPPING[model_type](**{**base, **kw})
+
 # %% ../nbs/98_testing.ipynb #c98c013
 def _gguf_header(w, config):
-    "Write a Llama `config`'s metadata to gguf-py writer `w`, as llama.cpp's converter does."
-    w.add_name('tiny-llama')
+    "Write a Llama's or a Qwen MoE's `config` metadata to gguf-py writer `w`, as llama.cpp's converter does."
+    w.add_name(f'tiny-{config.model_type}')
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
     w.add_block_count(config.num_hidden_layers)
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
-    w.add_rope_dimension_count(config.head_dim)
+    head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(config.rope_parameters['rope_theta'])
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
+    if getattr(config, 'num_experts', None):
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, 'shared_expert_intermediate_size', None):
+        w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if config.model_type == 'qwen3_moe':
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
 
 # %% ../nbs/98_testing.ipynb #c98c014
-def write_gguf_checkpoint(
-    dest,  # the .gguf file to write
-    qtypes,  # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
-    default='Q8_0',  # the type of 2-d weights no entry matches
-    config=None,  # a LlamaConfig; None: `tiny_llama_gguf_config()`
-    seed: int = 0,  # the random init's and the random codes' seed
-) -> Path:
-    "A tiny random Llama written by gguf-py as llama.cpp writes one."
-    import gguf
+def _gguf_tensors(model, config) -> list:
+    "(GGUF name, float32 array) of each tensor llama.cpp's converter writes for `model`, in its layout."
     import numpy as np
-    from transformers import LlamaForCausalLM
     from mstar_utils.gguf import gguf_names
 
-    config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    names = {v: k for k, v in gguf_names(model, config).items()}
-    w = gguf.GGUFWriter(str(dest), 'llama')
-    _gguf_header(w, config)
+    names, out = {v: k for k, v in gguf_names(model, config).items()}, []
     for k, t in model.state_dict().items():
+        x = t.float().numpy()
+        if m := re.fullmatch(r'model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)', k):
+            # stacked experts [experts, rows, cols]: gate and up apart, as llama.cpp stores them
+            parts = (
+                zip(('gate', 'up'), np.split(x, 2, axis=1), strict=True) if m[2] == 'gate_up_proj' else [('down', x)]
+            )
+            out += [(f'blk.{m[1]}.ffn_{p}_exps.weight', np.ascontiguousarray(v)) for p, v in parts]
+            continue
         g = names.get(k)
         if g is None or (g == 'output.weight' and config.tie_word_embeddings):
             continue
-        x = t.float().numpy()
-        if '.attn_q.' in g:
-            x = _llamacpp_permute(x, config.num_attention_heads)
-        if '.attn_k.' in g:
-            x = _llamacpp_permute(x, config.num_key_value_heads)
-        qt = (
-            gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)]
-            if x.ndim == 2
-            else gguf.GGMLQuantizationType.F32
-        )
-        w.add_tensor(
-            g, np.ascontiguousarray(x) if qt == gguf.GGMLQuantizationType.F32 else _gguf_codes(x, qt, rng), raw_dtype=qt
-        )
+        if config.model_type == 'llama' and ('.attn_q.' in g or '.attn_k.' in g):
+            x = _llamacpp_permute(x, config.num_attention_heads if '.attn_q.' in g else config.num_key_value_heads)
+        out.append((g, x.reshape(-1) if '.ffn_gate_inp_shexp.' in g else x))  # a [1, hidden] gate stored 1-d
+    return out
+
+# %% ../nbs/98_testing.ipynb #c98c014-1
+def write_gguf_checkpoint(
+    dest,  # the .gguf file to write
+    qtypes,  # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
+    default='Q8_0',  # the type of 2-d and 3-d weights no entry matches
+    config=None,  # a LlamaConfig or a Qwen MoE config; None: `tiny_llama_gguf_config()`
+    seed: int = 0,  # the random init's and the random codes' seed
+) -> Path:
+    "A tiny random Llama or Qwen MoE written by gguf-py as llama.cpp writes one."
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    arch = {'qwen2_moe': 'qwen2moe', 'qwen3_moe': 'qwen3moe'}.get(config.model_type, config.model_type)
+    w = gguf.GGUFWriter(str(dest), arch)
+    _gguf_header(w, config)
+    for g, x in _gguf_tensors(model, config):
+        qt = gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)]
+        if x.ndim == 1:
+            w.add_tensor(g, x, raw_dtype=gguf.GGMLQuantizationType.F32)
+            continue
+        codes = _gguf_codes(x.reshape(-1, x.shape[-1]), qt, rng)  # experts' rows one after another
+        w.add_tensor(g, codes.reshape(*x.shape[:-1], -1), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -14,7 +14,7 @@ __all__ = ['transformers_version', 'UpstreamChanged', 'reach', 'config_tp_plan',
            'decode_special_floats', 'set_expert_parallel', 'detect_timestamp_from_logprob', 'checkpoint_conversions',
            'model_renamings', 'rename_key', 'weight_ops', 'cache_classes', 'output_cache', 'cache_arg',
            'fp8_dequantize_reference', 'fp8_grid_dequantize', 'fp8_quantize_op', 'mxfp4_dequantize_reference',
-           'fp4_values', 'gguf_config_mappings', 'gguf_reverse_permute']
+           'fp4_values', 'gguf_config_mappings', 'gguf_reverse_permute', 'gguf_tensor_processors']
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0006
 def transformers_version() -> str:
@@ -238,3 +238,8 @@ def gguf_config_mappings() -> tuple:
 def gguf_reverse_permute(w, n_head: int, n_kv: int | None = None):
     "numpy `w` with llama.cpp's q/k row permutation undone by transformers' `LlamaTensorProcessor`."
     return reach('modeling_gguf_pytorch_utils.LlamaTensorProcessor')()._reverse_permute_weights(w, n_head, n_kv)
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0046
+def gguf_tensor_processors() -> dict:
+    "{GGUF architecture: transformers' TensorProcessor} of the architectures whose tensors it reworks."
+    return dict(reach('modeling_gguf_pytorch_utils.TENSOR_PROCESSORS'))

@@ -2,6 +2,7 @@
 from_pretrained(gguf_file=...), SmolLM2's real Q4_1 file, refusals."""
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -22,6 +23,7 @@ from mstar_utils.testing import (
     assert_state_dict_equal,
     assert_tensors_equal,
     tiny_llama_gguf_config,
+    tiny_moe_gguf_config,
     write_gguf_checkpoint,
 )
 
@@ -418,12 +420,13 @@ def test_keep_under_tensor_parallelism_gives_the_logits(tmp_path):
 
 
 def test_a_gguf_folder_is_named_where_only_safetensors_are_read(tmp_path):
-    "explore and diff read safetensors: a folder of one GGUF file says so, naming the file and what reads it."
+    "A folder of one GGUF file, where a safetensors folder is wanted, says so, naming the file and what reads it."
     from mstar_utils.sources import checkpoint_dir
 
     write_gguf_checkpoint(tmp_path / 'tiny.gguf', {})
     with pytest.raises(
-        FileNotFoundError, match=r'holds GGUF tiny\.gguf, which load_model, load_plan, inspect and TextOutput read'
+        FileNotFoundError,
+        match=r'holds GGUF tiny\.gguf, which load_model, load_plan, inspect, explore, diff and TextOutput read',
     ):
         checkpoint_dir(tmp_path)
 
@@ -537,3 +540,134 @@ def test_inspect_takes_a_gguf_folder(capsys):
     assert inspect(str(f.parent)) == 0
     out = capsys.readouterr().out
     assert f'  {f.name}' in out and 'Q4_1 (210 tensors)' in out and 'byte-level BPE, vocab size 49152' in out
+
+
+# ---- MoE files with stacked experts: gate and up joined into gate_up_proj, as transformers' Qwen2MoeTensorProcessor
+
+MOE_TYPES = {'ffn_gate_exps': 'Q4_K', 'ffn_up_exps': 'Q5_0', 'ffn_down_exps': 'Q8_0', 'shexp': 'Q6_K', 'attn': 'Q4_1'}
+
+
+@pytest.fixture(scope='module')
+def moe(tmp_path_factory):
+    out = {}
+    for mt in ('qwen2_moe', 'qwen3_moe'):
+        d = tmp_path_factory.mktemp(mt)
+        out[mt] = write_gguf_checkpoint(d / 'moe.gguf', MOE_TYPES, config=tiny_moe_gguf_config(mt))
+    return out
+
+
+@pytest.mark.parametrize('mt', ['qwen2_moe', 'qwen3_moe'])
+def test_moe_files_load_as_from_pretrained(mt, moe):
+    "Every parameter, stacked experts and Qwen2-MoE's 1-d shared-expert gate included, and the logits, exactly."
+    f = moe[mt]
+    assert {'blk.0.ffn_gate_exps.weight', 'blk.0.ffn_up_exps.weight'} <= set(read_gguf(f).tensors)
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).eval()
+    assert ref.config.model_type == mt
+    for m in (load_model(f), load_model(f.parent)):
+        assert_state_dict_equal(m, ref)
+        assert_tensors_equal(logits(m), logits(ref))
+    assert m.bytes_read == sum(t.data.numel() for t in read_gguf(f).tensors.values())
+
+
+@pytest.mark.parametrize('mt', ['qwen2_moe', 'qwen3_moe'])
+def test_moe_bfloat16_and_keep(mt, moe):
+    "bfloat16: one rounding of the float32 load; keep: the Linear layers hold blocks, the experts their values."
+    from mstar_utils.quantized import QuantizedLinear
+
+    f = moe[mt]
+    full = load_model(f).state_dict()
+    half = load_model(f, dtype=torch.bfloat16).state_dict()
+    for k in full:
+        assert_tensors_equal(half[k], full[k].to(torch.bfloat16))
+    kept = load_model(f, quantized='keep')
+    assert isinstance(kept.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    assert_tensors_equal(kept.model.layers[0].mlp.experts.gate_up_proj, full['model.layers.0.mlp.experts.gate_up_proj'])
+
+
+@pytest.mark.parametrize('mt', ['qwen2_moe', 'qwen3_moe'])
+def test_moe_ranks_are_slices_of_the_full_load(mt, moe):
+    "At 2 ranks each tensor is the plan's slice of the whole load, and the plan counts the bytes the load reads."
+    from mstar_utils.model import load_plan
+    from mstar_utils.tensor_parallel import Sharding, take
+
+    f = moe[mt]
+    fsd = load_model(f).state_dict()
+    for r in range(2):
+        m = load_model(f, rank=r, world_size=2)
+        values = Sharding(m.tp_sharding.plan, r, 2)
+        for k, t in m.state_dict().items():
+            assert_tensors_equal(t, take(fsd[k], values.slice_for(k, fsd[k].shape)))
+        plan = load_plan(f, r, 2)
+        assert m.tp_bytes_read == plan.total_bytes
+        gu = next(t for t in plan.tensors if t.name == 'model.layers.0.mlp.experts.gate_up_proj')
+        assert gu.keys == ['blk.0.ffn_gate_exps.weight', 'blk.0.ffn_up_exps.weight']
+
+
+def test_every_architecture_transformers_reworks_is_read_or_refused():
+    "Each architecture with its own TensorProcessor in transformers: read here (Llama, the Qwen MoEs) or refused."
+    from mstar_utils.gguf import _RESHAPED, _STACKED
+    from mstar_utils.upstream import gguf_tensor_processors
+
+    assert set(gguf_tensor_processors()) <= {'llama', *_STACKED, *_RESHAPED}
+    assert not set(_STACKED) & set(_RESHAPED)
+
+
+# ---- explore, inspect --stats and diff on a GGUF file: tensors under the model's names, their block types
+
+
+def test_explore_a_gguf_file_against_gguf_py(moe):
+    "Structure, formats and bytes from gguf-py's reader; no load error; rank 1 reads every tensor's bytes."
+    from mstar_utils.explore import explore
+
+    for f in (smollm2_gguf(), moe['qwen2_moe']):
+        r = gguf.GGUFReader(f)
+        e = explore(f, stats=False)
+        assert e.checkpoint == f.name and not [x for x in e.findings if x.level == 'error']
+        assert e.tree.params == sum(int(np.prod(t.shape)) for t in r.tensors)
+        assert sum(x.stored_bytes for x in e.formats) == sum(int(t.n_bytes) for t in r.tensors)
+        named = {n for x in e.formats for n in re.findall(r'(?:GGUF | \+ )(\w+)', x.format)}
+        assert named == {T(t.tensor_type).name for t in r.tensors}
+        assert e.ranks[0].world_size == 1 and e.ranks[0].read_bytes == [sum(int(t.n_bytes) for t in r.tensors)]
+    gu = next(x for x in e.formats if x.family.endswith('experts.gate_up_proj'))
+    assert gu.format.startswith('GGUF Q4_K, 256 weights in 144 bytes a block + Q5_0')
+
+
+def test_diff_of_a_gguf_and_its_bfloat16_folder_equals_torch():
+    "SmolLM2's bfloat16 folder is transformers' load of the Q4_1 file rounded: diff's numbers, recomputed in torch."
+    from safetensors.torch import load_file
+    from mstar_utils.checkpoints import smollm2_checkpoint
+    from mstar_utils.explore import diff_checkpoints
+
+    f, folder = smollm2_gguf(), smollm2_checkpoint()
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).state_dict()
+    sb = {k: v for shard in sorted(folder.glob('*.safetensors')) for k, v in load_file(shard).items()}
+    d = diff_checkpoints(f, folder)
+    equal = sorted(
+        k for k in sb if torch.equal(ref[k].to(torch.bfloat16), sb[k]) and torch.equal(ref[k], sb[k].float())
+    )
+    assert sorted(t.key for t in d.retyped) == equal
+    for t in d.changed[:5]:
+        assert t.max_abs == pytest.approx((ref[t.key] - sb[t.key].float()).abs().max().item(), rel=1e-6)
+    assert d.added == [] and d.removed == []
+
+
+def test_cli_inspect_stats_and_diff_take_a_gguf_file(capsys):
+    from mstar_utils.checkpoints import smollm2_checkpoint
+    from mstar_utils.cli import diff, inspect
+
+    f = smollm2_gguf()
+    assert inspect(str(f), stats=True) == 0
+    out = capsys.readouterr().out
+    assert 'GGUF Q4_1, 32 weights in 20 bytes a block' in out and '4. Bytes per rank' in out
+    assert diff(str(f), str(smollm2_checkpoint())) == 0
+    assert f'{f.name} → ' in capsys.readouterr().out
+
+
+def test_explore_a_folder_of_two_ggufs_is_a_finding(tmp_path):
+    f = smollm2_gguf()
+    for n in ('a.gguf', 'b.gguf'):
+        (tmp_path / n).symlink_to(f)
+    from mstar_utils.explore import explore
+
+    e = explore(tmp_path, stats=False)
+    assert any('a.gguf' in x.what for x in e.of('files'))
