@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -780,7 +781,11 @@ def _verify(target, sent: dict, before: dict, plan: RefitPlan):
     if plan.partial:
         raise ValueError(f'refit of {plan.what}: verify=True needs every tensor; a partial plan sends only some')
     dtype = model_dtype(target.config, Path(target.load_checkpoint), opts.dtype)
-    ref = load_model(_saved(target, sent, plan), **{**opts.kwargs(), 'dtype': dtype})
+    folder = _saved(target, sent, plan)
+    try:
+        ref = load_model(folder, **{**opts.kwargs(), 'dtype': dtype})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # a trainer verifies step after step: no copy is left behind
     bad = differing(target, ref)
     if bad:
         raise AssertionError(

@@ -19,16 +19,28 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'PrintHandler',
-           'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal', 'tiny_configs', 'tiny_model', 'save_tiny',
-           'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config', 'tiny_kv_config',
-           'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer', 'clip_tokenizer_folder',
-           'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'quantized_configs', 'fp8_block_quantize',
-           'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint',
-           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
-           'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference',
-           'tiny_llama_gguf_config', 'tiny_moe_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize',
-           'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'scratch_dir',
+           'PrintHandler', 'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal', 'tiny_configs',
+           'tiny_model', 'save_tiny', 'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config',
+           'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer',
+           'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'quantized_configs',
+           'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint',
+           'write_compressed_tensors_checkpoint', 'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks',
+           'tp_logits', 'tp_jobs', 'tp_cells', 'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint',
+           'ct_nvfp4_reference', 'ct_preset_reference', 'tiny_llama_gguf_config', 'tiny_moe_gguf_config',
+           'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint', 'write_bnb_checkpoint',
+           'RankReads', 'rank_reads']
+
+# %% ../nbs/98_testing.ipynb #6994d434
+def scratch_dir(
+    prefix: str = 'mstar-',  # the folder name's start
+) -> Path:
+    "A new empty folder under the system's temp dir, removed with everything in it when the process exits."
+    import atexit
+
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 # %% ../nbs/98_testing.ipynb #7564cca9
 class PrintHandler(logging.Handler):
@@ -829,6 +841,7 @@ def run_ranks(
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(os.path.dirname(store), ignore_errors=True)
     return [got[r] for r in range(world_size)]
 
 # %% ../nbs/98_testing.ipynb #f7a15f5c

@@ -46,11 +46,18 @@ def pages():
 
 
 @pytest.mark.parametrize('nb', pages())
-def test_visible_cells_run_in_a_fresh_kernel(nb):
+def test_visible_cells_run_in_a_fresh_kernel(nb, tmp_path):
     import torch
 
     skip = ([] if torch.cuda.is_available() else ['gpu']) + ([] if os.environ.get('MSTAR_SLOW') else ['slow'])
-    env = {**os.environ, 'HF_HUB_OFFLINE': '1', 'TOKENIZERS_PARALLELISM': 'false', 'MPLBACKEND': 'Agg'}
+    # TMPDIR: the page's scratch folders land in pytest's own temporary folder, which pytest prunes
+    env = {
+        **os.environ,
+        'HF_HUB_OFFLINE': '1',
+        'TOKENIZERS_PARALLELISM': 'false',
+        'MPLBACKEND': 'Agg',
+        'TMPDIR': str(tmp_path),
+    }
     r = subprocess.run(
         [sys.executable, '-c', RUNNER, str(NBS / nb), *skip],
         cwd=NBS,
