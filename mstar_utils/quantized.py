@@ -638,6 +638,39 @@ def _value(src, k: str) -> torch.Tensor:
     with safe_open(str(src.k2f[k]), 'pt') as f:
         return f.get_tensor(k)
 
+# %% ../nbs/06_quantized.ipynb #ctg001
+def _ct_g_idx(
+    src,  # the checkpoint's source
+    key: str,  # a module's `weight_g_idx`
+    shape: tuple,  # the weight's (R, C), as its `weight_shape` holds
+    block: tuple,  # the (rows, cols) one scale covers
+    what: str,  # the checkpoint, for messages
+) -> bool:
+    "Whether the op takes stored `key`: False without one or in column order; `ValueError` when malformed."
+    if key not in src:
+        return False
+    C, n = shape[1], block[1]
+    if block[0] != 1 or n is None or n >= C:
+        raise ValueError(
+            f"{what}: {key!r}: activation-ordered groups need weight strategy 'group' with several groups a row, but "
+            f'one scale covers {list(_block(block, shape))} of the [{shape[0]}, {C}] weight; drop the g_idx or fix '
+            'the config group'
+        )
+    g = _value(src, key)
+    if tuple(g.shape) != (C,) or g.is_floating_point():
+        raise ValueError(
+            f'{what}: {key!r} is {g.dtype} {list(g.shape)}; a g_idx holds one integer group per column: [{C}]'
+        )
+    g, plain = g.long(), torch.arange(C) // n
+    if (g == -1).any() or torch.equal(g, plain):  # compressed-tensors reads a g_idx holding -1 (unset) in column order
+        return False
+    if C % n or g.min() < 0 or not torch.equal(torch.bincount(g, minlength=C // n), torch.bincount(plain)):
+        raise ValueError(
+            f'{what}: {key!r} does not put {n} columns (group_size) in each of the {C // n} groups of {C} columns; '
+            'compressed-tensors sorts the columns by g_idx and dequantizes them group_size at a time'
+        )
+    return True
+
 # %% ../nbs/06_quantized.ipynb #36a6e4c4
 _CT_FLOAT = ('float-quantized', 'int-quantized', 'naive-quantized')
 # builders (src, qc, g, module, dtype, what) -> op or None, tried first: the formats of "More formats" below
@@ -671,39 +704,6 @@ def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
             'unquantized, or quantize it without actorder "group"'
         )
     return op
-
-# %% ../nbs/06_quantized.ipynb #ctg001
-def _ct_g_idx(
-    src,  # the checkpoint's source
-    key: str,  # a module's `weight_g_idx`
-    shape: tuple,  # the weight's (R, C), as its `weight_shape` holds
-    block: tuple,  # the (rows, cols) one scale covers
-    what: str,  # the checkpoint, for messages
-) -> bool:
-    "Whether the op takes stored `key`: False without one or in column order; `ValueError` when malformed."
-    if key not in src:
-        return False
-    C, n = shape[1], block[1]
-    if block[0] != 1 or n is None or n >= C:
-        raise ValueError(
-            f"{what}: {key!r}: activation-ordered groups need weight strategy 'group' with several groups a row, but "
-            f'one scale covers {list(_block(block, shape))} of the [{shape[0]}, {C}] weight; drop the g_idx or fix '
-            'the config group'
-        )
-    g = _value(src, key)
-    if tuple(g.shape) != (C,) or g.is_floating_point():
-        raise ValueError(
-            f'{what}: {key!r} is {g.dtype} {list(g.shape)}; a g_idx holds one integer group per column: [{C}]'
-        )
-    g, plain = g.long(), torch.arange(C) // n
-    if (g == -1).any() or torch.equal(g, plain):  # compressed-tensors reads a g_idx holding -1 (unset) in column order
-        return False
-    if C % n or g.min() < 0 or not torch.equal(torch.bincount(g, minlength=C // n), torch.bincount(plain)):
-        raise ValueError(
-            f'{what}: {key!r} does not put {n} columns (group_size) in each of the {C // n} groups of {C} columns; '
-            'compressed-tensors sorts the columns by g_idx and dequantizes them group_size at a time'
-        )
-    return True
 
 # %% ../nbs/06_quantized.ipynb #f7671dfb
 def _model_name(module: str, names: dict) -> str:

@@ -712,7 +712,7 @@ def write_ct_actorder_checkpoint(
     symmetric: bool = False,  # False: zero points, packed down the rows
     seed: int = 0,  # seeds each module's order of columns
 ) -> Path:
-    "`model` in int4 groups, packed by compressed-tensors, its columns reordered with a `weight_g_idx` (actorder)."
+    "`model` in int4 groups packed by compressed-tensors, its columns reordered under a `weight_g_idx`."
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
     w = {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': group_size, 'symmetric': symmetric}
@@ -735,7 +735,7 @@ def ct_actorder_reference(
     dest,  # where to write the dequantized copy
     dtype=torch.float32,  # the dequantized weights' dtype
 ) -> Path:
-    "`folder` dequantized as compressed-tensors 0.17 does: columns sorted by `g_idx` around its `dequantize`."
+    "`folder` dequantized as compressed-tensors 0.17 does: columns sorted by `g_idx` around `dequantize`."
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize
