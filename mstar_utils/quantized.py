@@ -296,21 +296,22 @@ class PackQuantizedDequantize(Dequantize):
     "(`weight_packed`, `weight_scale`, `weight_shape` [, `weight_zero_point`]) → (codes − zero) × scale."
 
     # compressed-tensors' pack-quantized format: `weight_packed` int32 [R, ⌈C·b/32⌉], `weight_zero_point` int32 packed
-    # down
-    # the rows; `block` as in `FloatQuantizedDequantize`, `weight_shape` the (R, C) the checkpoint's `weight_shape`
-    # holds.
+    # down the rows; `block` as in `FloatQuantizedDequantize`, `weight_shape` the (R, C) the checkpoint's
+    # `weight_shape` holds; under activation order (`g_idx`), `weight_g_idx` int [C] names each column's group.
     num_bits: int = 4
     block: tuple = (1, 128)
     weight_shape: tuple = None
     symmetric: bool = True
     target_dtype: torch.dtype = torch.bfloat16
     stored_shape: tuple = None  # what `weight_shape` holds when this op dequantizes a cut of it; None: `weight_shape`
+    g_idx: bool = False  # the op takes the stored `weight_g_idx`: activation-ordered groups (actorder 'group')
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
 
     @property
     def suffixes(self):
-        return ('_packed', '_scale', '_shape') + (() if self.symmetric else ('_zero_point',))
+        zero_point = () if self.symmetric else ('_zero_point',)
+        return ('_packed', '_scale', '_shape') + zero_point + (('_g_idx',) if self.g_idx else ())
 
     def out_shape(self, shapes: list) -> tuple:
         return tuple(self.weight_shape)
@@ -321,12 +322,19 @@ def mismatch(self: PackQuantizedDequantize, shapes: list):
     "(0, j, rule) when input j's shape does not fit `weight_shape`, `num_bits` and `block`, else None."
     R, C = self.weight_shape
     grid = scale_grid((R, C), self.block)
-    want = [(R, -(-C * self.num_bits // 32)), grid, (2,), (-(-R * self.num_bits // 32), grid[1])]
-    for j, (s, w) in enumerate(zip(shapes, want, strict=False)):
+    want = dict(
+        _packed=(R, -(-C * self.num_bits // 32)),
+        _scale=grid,
+        _shape=(2,),
+        _zero_point=(-(-R * self.num_bits // 32), grid[1]),
+        _g_idx=(C,),
+    )
+    for j, (s, k) in enumerate(zip(shapes, self.suffixes, strict=False)):
+        w = want[k]
         if tuple(s) != w and not (j == 1 and _numel(s) == 1 == _numel(w)):
             blk = list(_block(self.block, (R, C)))
-            want = f'{self.num_bits}-bit codes of a [{R}, {C}] weight, one scale per block of {blk}: {list(w)}'
-            return 0 if j else 1, j, want
+            rule = f'{self.num_bits}-bit codes of a [{R}, {C}] weight, one scale per block of {blk}: {list(w)}'
+            return 0 if j else 1, j, f'one group index per column: [{C}]' if k == '_g_idx' else rule
     return None
 
 # %% ../nbs/06_quantized.ipynb #d4ed5fbf-1
@@ -339,8 +347,14 @@ def _one(self: PackQuantizedDequantize, ts: list) -> torch.Tensor:
             f'{type(self).__name__}: weight_shape holds {ts[2].tolist()}, the recipe was made for {list(want)}'
         )
     x = unpack_int32(ts[0], self.num_bits, C).float()
-    if not self.symmetric:
-        per_block_(x, unpack_int32(ts[3].T, self.num_bits, R).T, self.block, torch.Tensor.sub_)
+    zp = None if self.symmetric else unpack_int32(ts[3].T, self.num_bits, R).T
+    if self.g_idx:  # column k in group g_idx[k]: compressed-tensors sorts the columns by it, the values are the same
+        g = ts[-1].long()
+        if zp is not None:
+            x.sub_(zp[:, g].to(x.dtype))
+        return x.mul_(ts[1].float()[:, g])
+    if zp is not None:
+        per_block_(x, zp, self.block, torch.Tensor.sub_)
     return per_block_(x, ts[1].reshape(scale_grid((R, C), self.block)).float(), self.block)
 
 # %% ../nbs/06_quantized.ipynb #071ad3f9
@@ -433,21 +447,22 @@ def cut(
 @patch
 def cut(self: PackQuantizedDequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut | None:
     "Whole int32 words and scale groups around [start, stop): rows, with zero points packed down them"
-    # or packed columns.
+    # or packed columns; under activation order columns take their `g_idx` and every group's scales and zero points.
     (R, C), per = self.weight_shape, 32 // self.num_bits
     dim %= 2
     n, size = _block(self.block, (R, C))[dim], (R, C)[dim]
     if dim == 0 and not self.symmetric and n != 1:
         return None  # zero points are packed one a row
-    grouped = n < size
+    grouped = n < size and not (dim == 1 and self.g_idx)  # activation order: a column's group is anywhere
     unit = math.lcm(n if grouped else 1, per if dim == 1 or not self.symmetric else 1)
     lo, hi = _widen(start, stop, unit, size)
     scale = (dim, lo // n, -(-hi // n)) if grouped else None
     words = (dim, lo // per, -(-hi // per))
     parts = ((0, lo, hi), scale, None, words) if dim == 0 else (words, scale, None, scale)
+    g_idx = ((0, lo, hi) if dim == 1 else None,) if self.g_idx else ()
     shape = (hi - lo, C) if dim == 0 else (R, hi - lo)
     op = dataclasses.replace(self, weight_shape=shape, stored_shape=self.stored_shape or (R, C))
-    return StoredCut(parts[: len(shapes)], op, _trim(dim, start, stop, lo, hi))
+    return StoredCut(parts[: 3 + (not self.symmetric)] + g_idx, op, _trim(dim, start, stop, lo, hi))
 
 # %% ../nbs/06_quantized.ipynb #dac9d6b0-1
 @patch
@@ -611,6 +626,51 @@ def _ct_scheme(qc: dict, module: str) -> dict | None:
     hit = next((t for t in order if named(t)), None) or next((t for t in order if _CLASS_NAME.fullmatch(t)), None)
     return group[hit] if hit else None
 
+# %% ../nbs/06_quantized.ipynb #gab014
+def _value(src, k: str) -> torch.Tensor:
+    "Tensor `k` of `src`"
+    # read even from a dry source (a load plan's, which counts the bytes as a load does): `g_idx`, a quant state.
+    t = src.get(k)
+    if not t.is_meta:
+        return t
+    from safetensors import safe_open
+
+    with safe_open(str(src.k2f[k]), 'pt') as f:
+        return f.get_tensor(k)
+
+# %% ../nbs/06_quantized.ipynb #ctg001
+def _ct_g_idx(
+    src,  # the checkpoint's source
+    key: str,  # a module's `weight_g_idx`
+    shape: tuple,  # the weight's (R, C), as its `weight_shape` holds
+    block: tuple,  # the (rows, cols) one scale covers
+    what: str,  # the checkpoint, for messages
+) -> bool:
+    "Whether the op takes stored `key`: False without one or in column order; `ValueError` when malformed."
+    if key not in src:
+        return False
+    C, n = shape[1], block[1]
+    if block[0] != 1 or n is None or n >= C:
+        raise ValueError(
+            f"{what}: {key!r}: activation-ordered groups need weight strategy 'group' with several groups a row, but "
+            f'one scale covers {list(_block(block, shape))} of the [{shape[0]}, {C}] weight; drop the g_idx or fix '
+            'the config group'
+        )
+    g = _value(src, key)
+    if tuple(g.shape) != (C,) or g.is_floating_point():
+        raise ValueError(
+            f'{what}: {key!r} is {g.dtype} {list(g.shape)}; a g_idx holds one integer group per column: [{C}]'
+        )
+    g, plain = g.long(), torch.arange(C) // n
+    if (g == -1).any() or torch.equal(g, plain):  # compressed-tensors reads a g_idx holding -1 (unset) in column order
+        return False
+    if C % n or g.min() < 0 or not torch.equal(torch.bincount(g, minlength=C // n), torch.bincount(plain)):
+        raise ValueError(
+            f'{what}: {key!r} does not put {n} columns (group_size) in each of the {C // n} groups of {C} columns; '
+            'compressed-tensors sorts the columns by g_idx and dequantizes them group_size at a time'
+        )
+    return True
+
 # %% ../nbs/06_quantized.ipynb #36a6e4c4
 _CT_FLOAT = ('float-quantized', 'int-quantized', 'naive-quantized')
 # builders (src, qc, g, module, dtype, what) -> op or None, tried first: the formats of "More formats" below
@@ -619,26 +679,31 @@ _CT_OPS: list = []
 
 def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
     "The operation for `module` under config group `g`."
-    fmt, w = g.get('format') or qc.get('format'), g.get('weights') or {}
-    if (op := next((o for b in _CT_OPS if (o := b(src, qc, g, module, dtype, what)) is not None), None)) is not None:
-        return op
-    block, sym = _ct_block(w, f'{what}: {module!r}'), w.get('symmetric', True)
-    if module + '.weight_g_idx' in src:
-        raise NotImplementedError(f'{what}: {module + ".weight_g_idx"!r}: activation-ordered groups are not supported')
-    if fmt == 'pack-quantized':
+    fmt, w, gk = g.get('format') or qc.get('format'), g.get('weights') or {}, module + '.weight_g_idx'
+    op = next((o for b in _CT_OPS if (o := b(src, qc, g, module, dtype, what)) is not None), None)
+    if op is None and fmt == 'pack-quantized':
         if module + '.weight_shape' not in src:
             raise ValueError(
                 f'{what}: {module + ".weight_packed"!r} (int32) is pack-quantized but its '
                 f'{module + ".weight_shape"!r} is missing'
             )
-        shape = tuple(src.get(module + '.weight_shape').tolist())
-        return PackQuantizedDequantize(w.get('num_bits', 4), block, shape, sym, dtype)
-    if fmt in _CT_FLOAT:
-        return FloatQuantizedDequantize(block, dtype, sym)
-    raise NotImplementedError(
-        f'{what}: compressed-tensors format {fmt!r} of {module!r} is not supported '
-        f'({", ".join(("pack-quantized",) + _CT_FLOAT)} are)'
-    )
+        block, shape = _ct_block(w, f'{what}: {module!r}'), tuple(src.get(module + '.weight_shape').tolist())
+        g_idx = _ct_g_idx(src, gk, shape, block, what)
+        op = PackQuantizedDequantize(w.get('num_bits', 4), block, shape, w.get('symmetric', True), dtype, g_idx=g_idx)
+    elif op is None and fmt in _CT_FLOAT:
+        op = FloatQuantizedDequantize(_ct_block(w, f'{what}: {module!r}'), dtype, w.get('symmetric', True))
+    elif op is None:
+        raise NotImplementedError(
+            f'{what}: compressed-tensors format {fmt!r} of {module!r} is not supported '
+            f'({", ".join(("pack-quantized",) + _CT_FLOAT)} are)'
+        )
+    if gk in src and not isinstance(op, PackQuantizedDequantize):
+        raise NotImplementedError(
+            f'{what}: {gk!r}: activation-ordered groups are read for pack-quantized codes (weight_packed) only, '
+            f'and {module!r} is stored {type(op).__name__}; dequantize it with compressed-tensors 0.17 and save it '
+            'unquantized, or quantize it without actorder "group"'
+        )
+    return op
 
 # %% ../nbs/06_quantized.ipynb #f7671dfb
 def _model_name(module: str, names: dict) -> str:
@@ -668,7 +733,9 @@ def _ct_tensors(src, qc: dict, dtype, what: str, names: dict | None = None) -> l
             raise ValueError(
                 f'{what}: {m!r} has quantization parameters, but no config group of quantization_config targets it'
             )
-        units.append(_unit(src, m + '.weight', _ct_op(src, qc, g, m, dtype, what), what))
+        op, gk = _ct_op(src, qc, g, m, dtype, what), m + '.weight_g_idx'
+        # a g_idx in column order, read by `_ct_g_idx`, is left out of the load
+        units.append(_unit(src, m + '.weight', op, what, (gk,) if gk in src and op.suffixes[-1] != '_g_idx' else ()))
     return units
 
 # %% ../nbs/06_quantized.ipynb #2f15eaa8
@@ -1452,18 +1519,6 @@ class AWQDequantize(Dequantize):
         q, z = _unpack_cols(ts[0], 4, AWQ_ORDER)[:, :N], _unpack_cols(ts[1], 4, AWQ_ORDER)[:, :N]
         g = _groups(K, ts[2].shape[0], self.group_size, None, q.device)
         return ((q - z[g]).float() * ts[2].float()[g]).T
-
-# %% ../nbs/06_quantized.ipynb #gab014
-def _value(src, k: str) -> torch.Tensor:
-    "Tensor `k` of `src`"
-    # read even from a dry source (a load plan's, which counts the bytes as a load does): `g_idx`, a quant state.
-    t = src.get(k)
-    if not t.is_meta:
-        return t
-    from safetensors import safe_open
-
-    with safe_open(str(src.k2f[k]), 'pt') as f:
-        return f.get_tensor(k)
 
 # %% ../nbs/06_quantized.ipynb #gab014-1
 def _gptq_tensors(src, qc: dict, dtype, what: str) -> list:

@@ -25,11 +25,11 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer',
            'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'quantized_configs',
            'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint',
-           'write_compressed_tensors_checkpoint', 'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks',
-           'tp_logits', 'tp_jobs', 'tp_cells', 'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint',
-           'ct_nvfp4_reference', 'ct_preset_reference', 'tiny_llama_gguf_config', 'tiny_moe_gguf_config',
-           'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint', 'write_bnb_checkpoint',
-           'RankReads', 'rank_reads']
+           'write_compressed_tensors_checkpoint', 'write_ct_actorder_checkpoint', 'ct_actorder_reference',
+           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
+           'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference',
+           'tiny_llama_gguf_config', 'tiny_moe_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize',
+           'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
 # %% ../nbs/98_testing.ipynb #6994d434
 def scratch_dir(
@@ -714,6 +714,58 @@ def write_compressed_tensors_checkpoint(
     dest, _ = _saved(model, dest)
     comp.update_config(str(dest))
     return dest
+
+# %% ../nbs/98_testing.ipynb #ao1002
+def write_ct_actorder_checkpoint(
+    model,  # a transformers model, quantized in place
+    dest,  # the checkpoint folder to write
+    group_size: int = 32,  # columns a group
+    symmetric: bool = False,  # False: zero points, packed down the rows
+    seed: int = 0,  # seeds each module's order of columns
+) -> Path:
+    "`model` in int4 groups packed by compressed-tensors, its columns reordered under a `weight_g_idx`."
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    w = {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': group_size, 'symmetric': symmetric}
+    dest = write_compressed_tensors_checkpoint(model, dest, {'group_0': {'targets': ['Linear'], 'weights': w}})
+    sd, gen = load_file(str(dest / 'model.safetensors')), torch.Generator().manual_seed(seed)
+    for m in sorted(k[: -len('.weight_packed')] for k in sd if k.endswith('.weight_packed')):
+        R, C = sd[m + '.weight_shape'].tolist()
+        perm = torch.randperm(C, generator=gen)
+        sd[m + '.weight_packed'] = pack_to_int32(unpack_from_int32(sd[m + '.weight_packed'], 4, (R, C))[:, perm], 4)
+        sd[m + '.weight_g_idx'] = (perm // group_size).to(torch.int32)
+    cfg = json.loads((dest / 'config.json').read_text(encoding='utf-8'))
+    cfg['quantization_config']['config_groups']['group_0']['weights']['actorder'] = 'group'
+    (dest / 'config.json').write_text(json.dumps(cfg, indent=2), encoding='utf-8')
+    save_file(sd, str(dest / 'model.safetensors'), metadata={'format': 'pt'})
+    return dest
+
+# %% ../nbs/98_testing.ipynb #ao1003
+def ct_actorder_reference(
+    folder,  # a checkpoint of `write_ct_actorder_checkpoint`
+    dest,  # where to write the dequantized copy
+    dtype=torch.float32,  # the dequantized weights' dtype
+) -> Path:
+    "`folder` dequantized as compressed-tensors 0.17 does: columns sorted by `g_idx` around `dequantize`."
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    folder, dest = Path(folder), Path(dest)
+    cfg = json.loads((folder / 'config.json').read_text(encoding='utf-8'))
+    w = dict(cfg['quantization_config']['config_groups']['group_0']['weights'])
+    args, sd = QuantizationArgs(**{**w, 'actorder': None}), load_file(str(folder / 'model.safetensors'))
+    out = {k: v for k, v in sd.items() if k.rpartition('.')[2] not in ('weight_packed', 'weight_shape')}
+    for m in sorted(k[: -len('.weight_g_idx')] for k in sd if k.endswith('.weight_g_idx')):
+        R, C = sd[m + '.weight_shape'].tolist()
+        s, order = out.pop(m + '.weight_scale').to(dtype), out.pop(m + '.weight_g_idx').argsort()
+        zp = out.pop(m + '.weight_zero_point', None)
+        zp = None if zp is None else unpack_from_int32(zp, args.num_bits, (R, s.shape[1]), packed_dim=0)
+        q = unpack_from_int32(sd[m + '.weight_packed'], args.num_bits, (R, C))[:, order]
+        out[m + '.weight'] = dequantize(q, s, zp, args)[:, order.argsort()]
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(folder / 'config.json', dest / 'config.json')
+    return _rewrite(dest, {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}, None, dtype)
 
 # %% ../nbs/98_testing.ipynb #8a331775
 def write_quantized_checkpoint(

@@ -154,6 +154,52 @@ def test_pack_quantized_matches_compressed_tensors(bits, strategy, g, sym, R, C)
     assert_tensors_equal(op.apply(ins), PackedQuantizationCompressor.decompress(packed, sc)['weight'])
 
 
+# activation-ordered groups (actorder "group"): num_bits, group_size, symmetric, R, C, dtype
+AO_CASES = [
+    (4, 16, False, 6, 64, torch.bfloat16),
+    (4, 32, True, 13, 128, torch.bfloat16),
+    (8, 16, False, 5, 48, torch.float16),
+    (2, 16, True, 3, 64, torch.float32),
+]
+
+
+@pytest.mark.parametrize('bits,n,sym,R,C,dtype', AO_CASES)
+def test_pack_quantized_actorder_matches_compressed_tensors(bits, n, sym, R, C, dtype):
+    """`weight_g_idx` groups, whole and cut along both dims, equal compressed-tensors' decompression bit for bit.
+
+    compressed-tensors 0.20.1 refuses actorder "group", so the codes come from its `quantize` in activation order and
+    the reference is the sort its earlier releases (0.17.0) wrap around `dequantize`: columns sorted by g_idx,
+    dequantized group_size at a time, put back. The same cases equal 0.17.0's own compressor and decompression."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from mstar_utils.quantized import dequantize_cut
+
+    torch.manual_seed(bits * C + R)
+    args = QuantizationArgs(num_bits=bits, strategy='group', group_size=n, symmetric=sym)
+    perm = torch.randperm(C)  # perm[i]: the column quantized i-th
+    w = torch.randn(R, C, dtype=dtype)[:, perm]
+    s = (torch.rand(R, C // n) * 0.1 + 0.01).to(dtype)
+    z = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), s.shape, dtype=torch.int8) if not sym else None
+    q = quantize(w, s, z, args, dtype=torch.int8)[:, perm.argsort()]
+    g_idx = (perm.argsort() // n).int()
+    stored = [pack_to_int32(q, bits), s, torch.tensor([R, C])]
+    stored += ([] if sym else [pack_to_int32(z, bits, packed_dim=0)]) + [g_idx]
+    order = g_idx.argsort()
+    want = dequantize(unpack_from_int32(stored[0], bits, torch.Size([R, C]))[:, order], s, z, args)[:, order.argsort()]
+    op = PackQuantizedDequantize(bits, (1, n), (R, C), sym, dtype, g_idx=True)
+    assert op.mismatch([t.shape for t in stored]) is None
+    assert_tensors_equal(op.apply(stored), want)
+    assert not torch.equal(PackQuantizedDequantize(bits, (1, n), (R, C), sym, dtype).apply(stored[:-1]), want)
+    for dim in (0, 1):
+        L = (R, C)[dim]
+        for a, b in [(0, L // 2), (L // 2, L), (L // 4, 3 * L // 4)]:
+            c = op.cut([t.shape for t in stored], dim, a, b)
+            parts = [
+                t if p is None else t.narrow(p[0], p[1], p[2] - p[1]) for t, p in zip(stored, c.parts, strict=True)
+            ]
+            assert_tensors_equal(dequantize_cut(c, parts), want.narrow(dim, a, b - a), f'dim {dim} [{a}, {b})')
+
+
 @pytest.mark.parametrize(
     'kind,strategy,arg,sym',
     [
@@ -668,3 +714,56 @@ def test_compressed_tensors_targets_name_the_models_modules_not_the_checkpoints(
         {k[len(router) :]: v for k, v in sd.items() if k.startswith(router)}, sc
     )['weight']
     assert_tensors_equal(ours.model.layers[0].mlp.router.weight.detach(), want.to(ours.dtype))
+
+
+# ---- activation-ordered groups in a checkpoint
+
+
+@pytest.fixture(scope='module')
+def actorder(tmp_path_factory):
+    "(checkpoint with `weight_g_idx`, its reference folder dequantized as compressed-tensors does, in float32)."
+    from mstar_utils.testing import ct_actorder_reference, write_ct_actorder_checkpoint
+
+    root = tmp_path_factory.mktemp('actorder')
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(quantized_configs()['ct_pack'], dtype=torch.float32)
+    d = write_ct_actorder_checkpoint(model.to(torch.bfloat16), root / 'ao', group_size=4)  # down_proj: 100 inputs
+    return d, ct_actorder_reference(d, root / 'ref')
+
+
+def test_actorder_checkpoint_loads_as_compressed_tensors_decompresses(actorder):
+    """Dequantized and kept, a checkpoint with activation-ordered groups computes the logits of the reference's weights;
+    transformers with compressed-tensors 0.20.1 refuses the checkpoint, so it cannot be the reference."""
+    d, ref_dir = actorder
+    sd = load_file(str(d / 'model.safetensors'))
+    g = sd['model.layers.0.mlp.down_proj.weight_g_idx'].long()
+    assert not torch.equal(g, torch.arange(len(g)) // 4)  # groups gather columns from all over the row
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    m = load_model(d, dtype=torch.float32)
+    k = 'model.layers.0.mlp.down_proj.weight'
+    assert_tensors_equal(m.get_parameter(k), ref.get_parameter(k))
+    assert_tensors_equal(logits(m), logits(ref))
+    kept = load_model(d, dtype=torch.float32, quantized='keep')
+    assert kept.get_submodule('model.layers.0.mlp.down_proj').weight_g_idx.dtype == torch.int32
+    assert_tensors_equal(logits(kept), logits(ref))
+    with pytest.raises(ValueError, match='actorder'):
+        AutoModelForCausalLM.from_pretrained(d)
+
+
+def test_actorder_refusals_name_the_key(actorder):
+    d, _ = actorder
+    k = 'model.layers.0.mlp.down_proj.weight_g_idx'
+    sd = load_file(str(d / 'model.safetensors'))
+    uneven = sd[k].clone()
+    uneven[0] = (uneven[0] + 1) % int(uneven.max() + 1)  # one group gains a column, another loses one
+    with pytest.raises(ValueError, match=rf"'{k}' does not put 4 columns \(group_size\) in each"):
+        quantized_tensors(DictSource({**sd, k: uneven}), config_of(d))
+    with pytest.raises(ValueError, match=rf"'{k}' is torch.int32 \[7\]; a g_idx holds one integer group per column"):
+        quantized_tensors(DictSource({**sd, k: sd[k][:7]}), config_of(d))
+    cfg = config_of(d)
+    cfg['quantization_config']['config_groups']['group_0']['weights'].update(strategy='channel', group_size=None)
+    with pytest.raises(ValueError, match=rf"'{k}': activation-ordered groups need weight strategy 'group'"):
+        quantized_tensors(DictSource(sd), cfg)
+    unset = {**sd, k: torch.full_like(sd[k], -1)}  # compressed-tensors reads a g_idx of -1s in column order
+    (u,) = [u for u in quantized_tensors(DictSource(unset), config_of(d)) if u.target == k[: -len('_g_idx')]]
+    assert not u.op.g_idx and u.dropped == (k,)

@@ -31,6 +31,8 @@ from mstar_utils.testing import (
     write_fp8_checkpoint,
     write_mxfp4_checkpoint,
     write_compressed_tensors_checkpoint,
+    write_ct_actorder_checkpoint,
+    ct_actorder_reference,
     dequantized_reference,
     CT_FLOAT_GROUPS,
     CT_PACK_GROUPS,
@@ -43,6 +45,7 @@ UNIT = {
     'fp8': FP8_BLOCK[0],
     'ct_float': 64,
     'ct_pack': 8,
+    'ct_actorder': 8,
     'mxfp4': 1,
 }  # stored indices a cut may widen to, per format
 
@@ -101,7 +104,7 @@ def configs() -> dict:
 
 
 FORMATS = {
-    'llama': ['bf16', 'fp8', 'ct_float', 'ct_pack'],
+    'llama': ['bf16', 'fp8', 'ct_float', 'ct_pack', 'ct_actorder'],
     'qwen3_moe': ['bf16', 'fp8'],
     'olmoe': ['bf16', 'fp8'],
     'deepseek_v3': ['bf16', 'fp8'],
@@ -121,6 +124,8 @@ FAST = [
     ('llama', 'fp8', 'dequantize', 2, False),
     ('llama', 'fp8', 'keep', 2, False),
     ('llama', 'ct_pack', 'keep', 2, False),
+    ('llama', 'ct_actorder', 'keep', 2, False),  # weight_g_idx: a column cut reads every group's scales
+    ('llama', 'ct_actorder', 'dequantize', 2, False),
     ('qwen3_moe', 'fp8', 'dequantize', 2, True),
     ('qwen3_moe', 'fp8', 'dequantize', 2, False),  # experts split by rows: transformers 5.25's plan names none
     ('olmoe', 'fp8', 'keep', 1, True),
@@ -154,6 +159,8 @@ def write(name: str, fmt: str, dest: Path) -> Path:
         return write_fp8_checkpoint(model, dest, FP8_BLOCK)
     if fmt == 'mxfp4':
         return write_mxfp4_checkpoint(model, dest)
+    if fmt == 'ct_actorder':
+        return write_ct_actorder_checkpoint(model.to(torch.bfloat16), dest)
     if fmt in ('ct_float', 'ct_pack'):
         return write_compressed_tensors_checkpoint(
             model.to(torch.bfloat16), dest, CT_FLOAT_GROUPS if fmt == 'ct_float' else CT_PACK_GROUPS
@@ -179,6 +186,8 @@ def reference(name: str, folder: Path, fmt: str, tmp: Path):
 
     if fmt == 'bf16':
         ref = folder
+    elif fmt == 'ct_actorder':
+        ref = ct_actorder_reference(folder, tmp / f'{folder.name}-ref')
     elif fmt.startswith('ct_'):
         ref = ct_reference(folder, tmp / f'{folder.name}-ref')
     else:
@@ -217,7 +226,7 @@ def model_key(k: str) -> str:
     k = re.sub(r'\.experts\.\d+\.(gate|up)_proj\.weight.*$', '.experts.gate_up_proj', k)
     k = re.sub(r'\.experts\.\d+\.down_proj\.weight.*$', '.experts.down_proj', k)
     k = re.sub(r'(_blocks|_scales)$', '', k)
-    return re.sub(r'\.weight(_scale_inv|_scale|_packed|_shape|_zero_point)$', '.weight', k)
+    return re.sub(r'\.weight(_scale_inv|_scale|_packed|_shape|_zero_point|_g_idx)$', '.weight', k)
 
 
 _LLAVA = [
@@ -264,7 +273,9 @@ def byte_bound(folder: Path, fmt: str, sharding: Sharding) -> tuple:
         hit = sharding.style_of(mk)
         style = TP_STYLES[hit[1]] if hit else None
         dim = _dim_for(style, mk.rpartition('.')[2], max(len(shape), 2)) if style else None
-        if dim is None or n <= 16:
+        # activation order: a column cut reads every group's scales and zero points, and a row cut every g_idx
+        whole = fmt == 'ct_actorder' and k.endswith(('_scale', '_zero_point', '_g_idx'))
+        if dim is None or n <= 16 or whole:
             repl += n
             if '.experts.' in mk and not mk.endswith('down_proj_bias') and n > 16:  # gpt-oss: added on rank 0 alone
                 copied.append(k)
@@ -363,7 +374,9 @@ def test_cell(matrix, cell):
     )
     if ws == 1:  # every byte once, but pack-quantized `weight_shape`s twice: read to build the op, then loaded
         again = sum(
-            _BYTES[dt] * int(torch.Size(sh).numel()) for k, (sh, dt) in stored(ckpt).items() if k.endswith('_shape')
+            _BYTES[dt] * int(torch.Size(sh).numel())
+            for k, (sh, dt) in stored(ckpt).items()
+            if k.endswith(('_shape', '_g_idx'))  # a g_idx too: read to check its groups
         )
         assert read == total + again, f'one device read {read} bytes of a {total}-byte checkpoint ({again} read twice)'
 
