@@ -18,16 +18,6 @@ from pathlib import Path
 import torch
 
 
-def weights(folder) -> dict:
-    from mstar_utils.sources import checkpoint_source
-
-    src = checkpoint_source(folder)
-    try:
-        return {k: src.get(k).clone() for k in src.keys()}  # noqa: SIM118 (a source has no __iter__)
-    finally:
-        src.close()
-
-
 def best(fn, n: int = 3) -> float:
     "The fastest of `n` runs of `fn`, in seconds."
     return min(best_of({'fn': fn}, n)['fn'])
@@ -62,13 +52,14 @@ def routing(root: Path) -> dict:
 
     from mstar_utils.model import load_model
     from mstar_utils.refit import refit, refit_plan
+    from mstar_utils.testing import checkpoint_tensors
 
     cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2222, num_attention_heads=1)
     cfg.update(num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(0)
     folder = root / 'llama20k'
     LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(folder)
-    model, sent = load_model(folder), weights(folder)
+    model, sent = load_model(folder), checkpoint_tensors(folder)
     n = len(sent)
     t = time.perf_counter()
     plan = refit_plan(model, sent)
@@ -82,9 +73,10 @@ def bf16(root: Path) -> dict:
     from mstar_utils.checkpoints import smollm2_checkpoint
     from mstar_utils.model import load_model
     from mstar_utils.refit import refit, refit_plan
+    from mstar_utils.testing import checkpoint_tensors
 
     ck = smollm2_checkpoint()
-    model, sent = load_model(ck), weights(ck)
+    model, sent = load_model(ck), checkpoint_tensors(ck)
     sent = {k: v * 1.01 for k, v in sent.items()}  # new values, the same bytes
     plan = refit_plan(model, sent)
     nbytes = sum(v.numel() * v.element_size() for v in sent.values())
@@ -98,6 +90,7 @@ def moe(root: Path) -> dict:
 
     from mstar_utils.model import load_model
     from mstar_utils.refit import refit, refit_plan
+    from mstar_utils.testing import checkpoint_tensors
 
     cfg = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, moe_intermediate_size=256)
     cfg.update(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=48, num_experts=64)
@@ -105,7 +98,7 @@ def moe(root: Path) -> dict:
     torch.manual_seed(0)
     folder = root / 'moe64x8'
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).to(torch.bfloat16).save_pretrained(folder, max_shard_size='100MB')
-    sent, model = weights(folder), load_model(folder)
+    sent, model = checkpoint_tensors(folder), load_model(folder)
     t = time.perf_counter()
     plan = refit_plan(model, sent)
     t_plan = time.perf_counter() - t
