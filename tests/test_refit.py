@@ -371,6 +371,32 @@ def test_kept_compressed_tensors_requantized_as_it_does(tmp_path, fmt, kw):
     assert any("compressed-tensors' compressor" in s for s in route.steps)
 
 
+def test_no_layer_left_in_the_checkpoints_mxfp8(tmp_path):
+    """vLLM (https://github.com/vllm-project/vllm/issues/55684):
+    after a weight update one branch left a layer in the checkpoint's MXFP8 format. A copy by name of the trainer's
+    tensors into a model keeping MXFP8 codes casts them into the codes and leaves every layer's E8M0 scales as
+    checkpoint A stored them; refit re-quantizes every kept layer as compressed-tensors' MXFP8 compressor does."""
+    a, _ = ct_checkpoint('mxfp8', tmp_path / 'a', 0)
+    b, trainer = ct_checkpoint('mxfp8', tmp_path / 'b', 1)
+    fresh = load_model(b, quantized='keep')
+    scales = sorted(n for n, _ in fresh.named_parameters() if n.endswith('.weight_scale'))
+    assert scales and all(fresh.get_parameter(n).dtype == torch.uint8 for n in scales)  # E8M0 exponents
+    naive = load_model(a, quantized='keep')
+    sd = naive.state_dict()
+    with torch.no_grad():
+        for k, v in trainer.items():
+            if k in sd and sd[k].shape == v.shape:
+                sd[k].copy_(v)  # a bf16 weight cast into fp8 codes, its scale untouched
+    stale = differing(naive, fresh)
+    assert set(scales) <= set(stale)  # every MXFP8 layer still holds checkpoint A's scales
+    served = load_model(a, quantized='keep')
+    before = storage(served)
+    plan = refit(served, trainer)
+    assert differing(served, fresh) == [] and moved(before, served) == []
+    requantized = sorted(r.target for r in plan.routes if any('mxfp8-quantized' in s for s in r.steps))
+    assert [n for n in requantized if n.endswith('.weight_scale')] == scales  # no layer skipped
+
+
 @pytest.mark.parametrize('kw', [{}, dict(rank=1, world_size=2, expert_parallel=True)])
 def test_kept_mxfp4_is_refused(ckpts, kw):
     """gpt-oss keeping its MXFP4 experts: refit has no MXFP4 quantizer, so it refuses before writing anything, naming
