@@ -6,6 +6,9 @@ in the same run.
 - bf16: SmolLM2-135M; GB/s of `refit` against `copy_` of the same bytes into the same parameters.
 - MoE: a Qwen3-MoE with 64 experts a layer and 8 layers, sent per expert and fused on the way; `refit` time against
   a `load_model` of the same weights.
+- --gpu (tools/gpu-check): the bf16 rows on CUDA, SmolLM2 and the 2.2 GB synthetic Llama of bench_load.py, the trainer's
+  tensors already on the device; GB/s of `refit` against a device-to-device `copy_` of the same bytes into the same
+  parameters (target: >= 0.8x). Without CUDA it says so and exits 0.
 
 Run: python benchmarks/bench_refit.py   (about two minutes on 2 cores; it writes its checkpoints to a temp folder)"""
 
@@ -23,13 +26,17 @@ def best(fn, n: int = 3) -> float:
     return min(best_of({'fn': fn}, n)['fn'])
 
 
-def best_of(fns: dict, n: int = 5) -> dict:
-    "{name: [seconds of each run]} of `n` rounds, the functions interleaved, so the machine's load hits each alike."
+def best_of(fns: dict, n: int = 5, cuda: bool = False) -> dict:
+    """{name: [seconds of each run]} of `n` rounds, the functions interleaved, so the machine's load hits each alike;
+    `cuda`: each run timed from an idle device to the end of the work it queued."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = {k: [] for k in fns}
     for _ in range(n):
         for k, fn in fns.items():
+            sync()
             t = time.perf_counter()
             fn()
+            sync()
             out[k].append(time.perf_counter() - t)
     return out
 
@@ -69,20 +76,43 @@ def routing(root: Path) -> dict:
     return dict(tensors=n, plan_us=t_plan / n * 1e6, refit_us=t_refit / n * 1e6, copy_us=t_copy / n * 1e6)
 
 
-def bf16(root: Path) -> dict:
+def bf16(root: Path, ck: Path | None = None, device: str = 'cpu', n: int = 9) -> dict:
+    """GB/s of a bf16 refit of checkpoint `ck` (None: SmolLM2) on `device`, and of `copy_` of the same bytes, the
+    trainer's tensors on `device` too."""
     from mstar_utils.checkpoints import smollm2_checkpoint
     from mstar_utils.model import load_model
     from mstar_utils.refit import refit, refit_plan
     from mstar_utils.testing import checkpoint_tensors
 
-    ck = smollm2_checkpoint()
-    model, sent = load_model(ck), checkpoint_tensors(ck)
-    sent = {k: v * 1.01 for k, v in sent.items()}  # new values, the same bytes
+    ck = ck or smollm2_checkpoint()
+    model, sent = load_model(ck, device=device), checkpoint_tensors(ck)
+    sent = {k: v.to(device) * 1.01 for k, v in sent.items()}  # new values, the same bytes
     plan = refit_plan(model, sent)
     nbytes = sum(v.numel() * v.element_size() for v in sent.values())
-    runs = best_of({'refit': lambda: refit(model, sent, plan), 'copy': plain_copy(model, plan, sent)}, 9)
+    runs = best_of(
+        {'refit': lambda: refit(model, sent, plan), 'copy': plain_copy(model, plan, sent)}, n, device != 'cpu'
+    )
     t_refit, t_copy = min(runs['refit']), min(runs['copy'])
     return dict(bytes=nbytes, refit_gbs=nbytes / t_refit / 1e9, copy_gbs=nbytes / t_copy / 1e9)
+
+
+def gpu_rows(root: Path):
+    "The CUDA rows: bf16 refit GB/s beside a device-to-device copy_ of the same bytes, SmolLM2 and the 2.2 GB Llama."
+    if not torch.cuda.is_available():
+        print('refit on CUDA: skipped (no CUDA device); GPU figures unmeasured')
+        return
+    from bench_load import synth_checkpoint
+
+    print(f'CUDA: {torch.cuda.get_device_name()}')
+    for name, ck in (('SmolLM2', None), ('synthetic Llama', synth_checkpoint())):
+        r = bf16(root, ck, 'cuda', 5)
+        ratio = r['refit_gbs'] / r['copy_gbs']
+        verdict = 'met' if ratio >= 0.8 else 'MISSED'
+        print(
+            f'bf16 {name} on CUDA ({r["bytes"] / 1e9:.2f} GB): refit {r["refit_gbs"]:.1f} GB/s, device-to-device '
+            f'copy_ {r["copy_gbs"]:.1f} GB/s, ratio {ratio:.2f}x (target >= 0.8x: {verdict})'
+        )
+        torch.cuda.empty_cache()
 
 
 def moe(root: Path) -> dict:
@@ -119,6 +149,7 @@ def moe(root: Path) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--only', choices=['routing', 'bf16', 'moe'], default=None)
+    p.add_argument('--gpu', action='store_true', help='only the CUDA rows (tools/gpu-check); skipped without CUDA')
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -126,6 +157,9 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     root = Path(tempfile.mkdtemp(prefix='bench-refit-'))
     print(f'torch threads: {torch.get_num_threads()}')
+    if args.gpu:
+        gpu_rows(root)
+        return
     if args.only in (None, 'routing'):
         r = routing(root)
         print(
