@@ -925,7 +925,7 @@ TP_VISION = dict(image_size=28, patch_size=14)  # 4 patches of a 28 x 28 image
 
 # %% ../nbs/98_testing.ipynb #059322ac
 def tp_configs() -> dict:
-    "Tiny configs by model name, dims that divide by 4 where plans cut them but most not multiples of blocks."
+    "Tiny configs by model name: dims that 4 ranks can cut, most of them not multiples of the blocks."
     import transformers as tf
 
     llama = _dims(128, 160, 2, 4, vocab_size=256, num_key_value_heads=2, head_dim=32)
@@ -987,7 +987,7 @@ def tp_model(
 def tp_inputs(
     name: str,  # a key of `tp_configs()`
 ) -> dict:
-    "A prompt for `tp_model(name)`: 10 token ids; Llava's holds an image (its 4 patch tokens) and its pixels."
+    "A prompt for `tp_model(name)`: 10 token ids; Llava's holds an image (4 patch tokens) and its pixels."
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 250, (1, 10), generator=g)
     if name != 'llava':
