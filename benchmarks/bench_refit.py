@@ -6,6 +6,9 @@ in the same run.
 - bf16: SmolLM2-135M; GB/s of `refit` against `copy_` of the same bytes into the same parameters.
 - MoE: a Qwen3-MoE with 64 experts a layer and 8 layers, sent per expert and fused on the way; `refit` time against
   a `load_model` of the same weights.
+- --gpu (tools/gpu-check): the bf16 rows on CUDA, SmolLM2 and the 2.2 GB synthetic Llama of bench_load.py, the trainer's
+  tensors already on the device; GB/s of `refit` against a device-to-device `copy_` of the same bytes into the same
+  parameters (target: >= 0.8x). Without CUDA it says so and exits 0.
 
 Run: python benchmarks/bench_refit.py   (about two minutes on 2 cores; it writes its checkpoints to a temp folder)"""
 
@@ -18,28 +21,22 @@ from pathlib import Path
 import torch
 
 
-def weights(folder) -> dict:
-    from mstar_utils.sources import checkpoint_source
-
-    src = checkpoint_source(folder)
-    try:
-        return {k: src.get(k).clone() for k in src.keys()}  # noqa: SIM118 (a source has no __iter__)
-    finally:
-        src.close()
-
-
 def best(fn, n: int = 3) -> float:
     "The fastest of `n` runs of `fn`, in seconds."
     return min(best_of({'fn': fn}, n)['fn'])
 
 
-def best_of(fns: dict, n: int = 5) -> dict:
-    "{name: [seconds of each run]} of `n` rounds, the functions interleaved, so the machine's load hits each alike."
+def best_of(fns: dict, n: int = 5, cuda: bool = False) -> dict:
+    """{name: [seconds of each run]} of `n` rounds, the functions interleaved, so the machine's load hits each alike;
+    `cuda`: each run timed from an idle device to the end of the work it queued."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = {k: [] for k in fns}
     for _ in range(n):
         for k, fn in fns.items():
+            sync()
             t = time.perf_counter()
             fn()
+            sync()
             out[k].append(time.perf_counter() - t)
     return out
 
@@ -62,13 +59,14 @@ def routing(root: Path) -> dict:
 
     from mstar_utils.model import load_model
     from mstar_utils.refit import refit, refit_plan
+    from mstar_utils.testing import checkpoint_tensors
 
     cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2222, num_attention_heads=1)
     cfg.update(num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(0)
     folder = root / 'llama20k'
     LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(folder)
-    model, sent = load_model(folder), weights(folder)
+    model, sent = load_model(folder), checkpoint_tensors(folder)
     n = len(sent)
     t = time.perf_counter()
     plan = refit_plan(model, sent)
@@ -78,19 +76,43 @@ def routing(root: Path) -> dict:
     return dict(tensors=n, plan_us=t_plan / n * 1e6, refit_us=t_refit / n * 1e6, copy_us=t_copy / n * 1e6)
 
 
-def bf16(root: Path) -> dict:
+def bf16(root: Path, ck: Path | None = None, device: str = 'cpu', n: int = 9) -> dict:
+    """GB/s of a bf16 refit of checkpoint `ck` (None: SmolLM2) on `device`, and of `copy_` of the same bytes, the
+    trainer's tensors on `device` too."""
     from mstar_utils.checkpoints import smollm2_checkpoint
     from mstar_utils.model import load_model
     from mstar_utils.refit import refit, refit_plan
+    from mstar_utils.testing import checkpoint_tensors
 
-    ck = smollm2_checkpoint()
-    model, sent = load_model(ck), weights(ck)
-    sent = {k: v * 1.01 for k, v in sent.items()}  # new values, the same bytes
+    ck = ck or smollm2_checkpoint()
+    model, sent = load_model(ck, device=device), checkpoint_tensors(ck)
+    sent = {k: v.to(device) * 1.01 for k, v in sent.items()}  # new values, the same bytes
     plan = refit_plan(model, sent)
     nbytes = sum(v.numel() * v.element_size() for v in sent.values())
-    runs = best_of({'refit': lambda: refit(model, sent, plan), 'copy': plain_copy(model, plan, sent)}, 9)
+    runs = best_of(
+        {'refit': lambda: refit(model, sent, plan), 'copy': plain_copy(model, plan, sent)}, n, device != 'cpu'
+    )
     t_refit, t_copy = min(runs['refit']), min(runs['copy'])
     return dict(bytes=nbytes, refit_gbs=nbytes / t_refit / 1e9, copy_gbs=nbytes / t_copy / 1e9)
+
+
+def gpu_rows(root: Path):
+    "The CUDA rows: bf16 refit GB/s beside a device-to-device copy_ of the same bytes, SmolLM2 and the 2.2 GB Llama."
+    if not torch.cuda.is_available():
+        print('refit on CUDA: skipped (no CUDA device); GPU figures unmeasured')
+        return
+    from bench_load import synth_checkpoint
+
+    print(f'CUDA: {torch.cuda.get_device_name()}')
+    for name, ck in (('SmolLM2', None), ('synthetic Llama', synth_checkpoint())):
+        r = bf16(root, ck, 'cuda', 5)
+        ratio = r['refit_gbs'] / r['copy_gbs']
+        verdict = 'met' if ratio >= 0.8 else 'MISSED'
+        print(
+            f'bf16 {name} on CUDA ({r["bytes"] / 1e9:.2f} GB): refit {r["refit_gbs"]:.1f} GB/s, device-to-device '
+            f'copy_ {r["copy_gbs"]:.1f} GB/s, ratio {ratio:.2f}x (target >= 0.8x: {verdict})'
+        )
+        torch.cuda.empty_cache()
 
 
 def moe(root: Path) -> dict:
@@ -98,6 +120,7 @@ def moe(root: Path) -> dict:
 
     from mstar_utils.model import load_model
     from mstar_utils.refit import refit, refit_plan
+    from mstar_utils.testing import checkpoint_tensors
 
     cfg = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, moe_intermediate_size=256)
     cfg.update(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=48, num_experts=64)
@@ -105,7 +128,7 @@ def moe(root: Path) -> dict:
     torch.manual_seed(0)
     folder = root / 'moe64x8'
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).to(torch.bfloat16).save_pretrained(folder, max_shard_size='100MB')
-    sent, model = weights(folder), load_model(folder)
+    sent, model = checkpoint_tensors(folder), load_model(folder)
     t = time.perf_counter()
     plan = refit_plan(model, sent)
     t_plan = time.perf_counter() - t
@@ -126,6 +149,7 @@ def moe(root: Path) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--only', choices=['routing', 'bf16', 'moe'], default=None)
+    p.add_argument('--gpu', action='store_true', help='only the CUDA rows (tools/gpu-check); skipped without CUDA')
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -133,6 +157,9 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     root = Path(tempfile.mkdtemp(prefix='bench-refit-'))
     print(f'torch threads: {torch.get_num_threads()}')
+    if args.gpu:
+        gpu_rows(root)
+        return
     if args.only in (None, 'routing'):
         r = routing(root)
         print(

@@ -19,23 +19,24 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'scratch_dir',
-           'PrintHandler', 'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal', 'tiny_configs',
-           'tiny_model', 'save_tiny', 'save_mla_checkpoint', 'released_kv_config', 'gemma3_4b_it_config',
-           'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated', 'metaspace_tokenizer',
-           'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer', 'quantized_configs',
-           'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint', 'write_mxfp4_checkpoint',
-           'write_compressed_tensors_checkpoint', 'write_ct_actorder_checkpoint', 'ct_actorder_reference',
-           'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits', 'tp_jobs', 'tp_cells',
-           'jfk_resampled', 'formats_config', 'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference',
-           'tiny_llama_gguf_config', 'tiny_moe_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize',
-           'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'TP_VISION',
+           'scratch_dir', 'PrintHandler', 'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal',
+           'tiny_configs', 'tiny_model', 'save_tiny', 'checkpoint_tensors', 'save_mla_checkpoint', 'released_kv_config',
+           'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
+           'metaspace_tokenizer', 'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer',
+           'quantized_configs', 'fp8_block_quantize', 'mxfp4_quantize', 'write_fp8_checkpoint',
+           'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'write_ct_actorder_checkpoint',
+           'ct_actorder_reference', 'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits',
+           'tp_jobs', 'tp_cells', 'tp_configs', 'tp_model', 'tp_inputs', 'jfk_resampled', 'formats_config',
+           'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference', 'tiny_llama_gguf_config',
+           'tiny_moe_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint',
+           'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
 # %% ../nbs/98_testing.ipynb #6994d434
 def scratch_dir(
     prefix: str = 'mstar-',  # the folder name's start
 ) -> Path:
-    "A new empty folder under the system's temp dir, removed with everything in it when the process exits."
+    "A new empty folder under the system's temp dir, removed with all it holds when the process exits."
     import atexit
 
     path = Path(tempfile.mkdtemp(prefix=prefix))
@@ -203,6 +204,19 @@ def save_tiny(
     finally:
         hf_logging.set_verbosity(level)
     return Path(folder)
+
+# %% ../nbs/98_testing.ipynb #3f238526
+def checkpoint_tensors(
+    folder,  # a checkpoint folder or file that `checkpoint_source` reads
+) -> dict:
+    "Every tensor of checkpoint `folder` under its stored name, cloned into memory: what a trainer sends."
+    from mstar_utils.sources import checkpoint_source
+
+    src = checkpoint_source(folder)
+    try:
+        return {k: src.get(k).clone() for k in src.keys()}  # noqa: SIM118 (a source has no __iter__)
+    finally:
+        src.close()
 
 # %% ../nbs/98_testing.ipynb #3e8902e5
 MLA_CONFIG = dict(
@@ -965,6 +979,86 @@ def tp_cells(
         )
         out.append(buf.getvalue())
     return out
+
+# %% ../nbs/98_testing.ipynb #6bcdbb29
+def _dims(hidden: int, inter: int, layers: int, heads: int, **kw) -> dict:
+    "A tiny config's sizes under transformers' common names; `kw` adds the rest."
+    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads, **kw)
+
+
+TP_VISION = dict(image_size=28, patch_size=14)  # 4 patches of a 28 x 28 image
+
+# %% ../nbs/98_testing.ipynb #059322ac
+def tp_configs() -> dict:
+    "Tiny configs by model name: dims that 4 ranks can cut, most of them not multiples of the blocks."
+    import transformers as tf
+
+    llama = _dims(128, 160, 2, 4, vocab_size=256, num_key_value_heads=2, head_dim=32)
+    moe = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2)
+    return {
+        'llama': tf.LlamaConfig(**llama),
+        'qwen3_moe': tf.Qwen3MoeConfig(
+            **moe, intermediate_size=96, moe_intermediate_size=48, num_experts=6, num_key_value_heads=2, head_dim=16
+        ),
+        'olmoe': tf.OlmoeConfig(**moe, intermediate_size=48, num_experts=6, num_key_value_heads=4),
+        'deepseek_v3': tf.DeepseekV3Config(
+            **_dims(160, 200, 2, 2, vocab_size=256, num_key_value_heads=2),
+            moe_intermediate_size=96,  # 24 a rank at TP 4: grouped_mm wants rows of whole 16 bytes
+            first_k_dense_replace=1,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=136,
+            kv_lora_rank=144,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=24,
+            max_position_embeddings=64,
+        ),
+        'gpt_oss': tf.GptOssConfig(
+            **_dims(64, 96, 2, 2, vocab_size=256, num_key_value_heads=1, head_dim=32),
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=['sliding_attention', 'full_attention'],
+        ),
+        'llava': tf.LlavaConfig(
+            text_config=tf.LlamaConfig(
+                **{**llama, 'vocab_size': 320, 'hidden_size': 64, 'intermediate_size': 96, 'head_dim': 16}
+            ),
+            vision_config=tf.CLIPVisionConfig(**_dims(32, 48, 2, 2, **TP_VISION)),
+            image_token_index=319,
+        ),
+    }
+
+# %% ../nbs/98_testing.ipynb #e5316d8a
+def tp_model(
+    name: str,  # a key of `tp_configs()`
+    dtype=torch.float32,  # the parameters' dtype
+    seed: int = 0,  # torch.manual_seed before the random init
+):
+    "transformers' model of `tp_configs()[name]` with seeded random weights: a causal LM, or Llava."
+    import transformers as tf
+    from mstar_utils.upstream import build_model
+
+    torch.manual_seed(seed)
+    if name == 'llava':
+        return build_model(tf.LlavaForConditionalGeneration, tp_configs()[name], dtype)
+    return tf.AutoModelForCausalLM.from_config(tp_configs()[name], dtype=dtype)
+
+# %% ../nbs/98_testing.ipynb #7f2ba940
+def tp_inputs(
+    name: str,  # a key of `tp_configs()`
+) -> dict:
+    "A prompt for `tp_model(name)`: 10 token ids; Llava's holds an image (4 patch tokens) and its pixels."
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 250, (1, 10), generator=g)
+    if name != 'llava':
+        return {'input_ids': ids}
+    ids[0, 2:6] = tp_configs()['llava'].image_token_index
+    return {'input_ids': ids, 'pixel_values': torch.randn(1, 3, 28, 28, generator=g)}
 
 # %% ../nbs/98_testing.ipynb #67165d01
 def jfk_resampled(

@@ -2,8 +2,11 @@
 tensor, with its logits, and no tensor changes storage; public refit bugs as small tests. MSTAR_UTILS_SLOW=1 runs
 the bigger matrix (SmolLM2, more architectures and ranks)."""
 
+import contextlib
+import io
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -14,18 +17,20 @@ from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards
 from mstar_utils.mla import MLAAttention
 from mstar_utils.model import load_model
 from mstar_utils.refit import differing, moved, refit, refit_plan, storage
-from mstar_utils.sources import checkpoint_source
-from mstar_utils.testing import MLA_CONFIG, save_mla_checkpoint, save_tiny, tiny_model, write_fp8_checkpoint
+from mstar_utils.testing import (
+    MLA_CONFIG,
+    checkpoint_tensors,
+    dequantized_reference,
+    save_mla_checkpoint,
+    save_tiny,
+    tiny_model,
+    tp_inputs,
+    tp_model,
+    write_fp8_checkpoint,
+    write_mxfp4_checkpoint,
+)
 
 SLOW = pytest.mark.skipif(not os.environ.get('MSTAR_UTILS_SLOW'), reason='bigger refit matrix: set MSTAR_UTILS_SLOW=1')
-
-
-def weights(folder) -> dict:
-    src = checkpoint_source(folder)
-    try:
-        return {k: src.get(k).clone() for k in src.keys()}  # noqa: SIM118 (a source has no __iter__)
-    finally:
-        src.close()
 
 
 def tiny_llama(folder, seed: int):
@@ -43,31 +48,57 @@ def tiny_llama(folder, seed: int):
     return folder
 
 
+def save_tp_model(name: str, folder, seed: int, fmt: str = 'bf16'):
+    "`tp_model(name)` saved by save_pretrained in bf16, or as gpt-oss releases are (MXFP4 experts)."
+    model = tp_model(name, seed=seed)
+    if fmt == 'mxfp4':
+        return write_mxfp4_checkpoint(model, folder)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope='module')
 def ckpts(tmp_path_factory):
-    "Checkpoint pairs (A, B) of tiny real architectures: two seeds, as two training steps."
+    """Checkpoint pairs (A, B) of tiny real architectures: two seeds, as two training steps; gpt-oss's MXFP4 pair
+    also holds B dequantized by transformers' own gpt-oss dequantizer (what its trainer sends)."""
     root = tmp_path_factory.mktemp('refit')
     out = {'llama': (tiny_llama(root / 'llama_a', 0), tiny_llama(root / 'llama_b', 1))}
     for name in ('qwen2', 'qwen3_moe', 'olmoe'):
         out[name] = tuple(save_tiny(name, root / f'{name}_{s}', seed=s) for s in (0, 1))
+    for name in ('gpt_oss', 'llava'):
+        out[name] = tuple(save_tp_model(name, root / f'{name}_{s}', s) for s in (0, 1))
+    a, b = (save_tp_model('gpt_oss', root / f'gpt_oss_mxfp4_{s}', s, 'mxfp4') for s in (0, 1))
+    out['gpt_oss_mxfp4'] = (a, b, dequantized_reference(b, root / 'gpt_oss_mxfp4_1_bf16'))
     return out
 
 
-def check_refit(a, b, **kw):
-    "Load A (at a rank), refit with B's tensors, compare with load_model(B): every tensor, storage, logits."
+def check_refit(a, b, sent=None, inputs=None, **kw):
+    """Load A (at a rank), refit with the trainer's tensors (`sent`, default B's), compare with load_model(B): every
+    tensor, storage, logits on `inputs` (default five token ids)."""
     served = load_model(a, **kw)
     before = storage(served)
-    plan = refit_plan(served, weights(b))
-    items = list(weights(b).items())[::-1]  # any order, buckets of three
+    sent = checkpoint_tensors(b) if sent is None else sent
+    plan = refit_plan(served, sent)
+    items = list(sent.items())[::-1]  # any order, buckets of three
     refit(served, [items[i : i + 3] for i in range(0, len(items), 3)], plan)
     fresh = load_model(b, **kw)
     assert differing(served, fresh) == []
     assert moved(before, served) == []
     if kw.get('world_size', 1) == 1:
-        x = torch.tensor([[1, 2, 3, 4, 5]])
+        x = {'input_ids': torch.tensor([[1, 2, 3, 4, 5]])} if inputs is None else inputs
         with torch.no_grad():
-            assert torch.equal(served(x).logits, fresh(x).logits)
+            assert torch.equal(served(**x).logits, fresh(**x).logits)
     return served, plan
+
+
+def check_cell(ckpts, name: str, kw: dict):
+    "`check_refit` of the pair `name`: gpt-oss's MXFP4 pair loaded dequantized and sent B's dequantized weights."
+    if name == 'gpt_oss_mxfp4':
+        a, b, ref = ckpts[name]
+        return check_refit(a, b, checkpoint_tensors(ref), tp_inputs('gpt_oss'), quantized='dequantize', **kw)
+    a, b = ckpts[name]
+    return check_refit(a, b, inputs=tp_inputs(name) if name in ('gpt_oss', 'llava') else None, **kw)
 
 
 @pytest.mark.parametrize(
@@ -78,10 +109,16 @@ def check_refit(a, b, **kw):
         ('qwen3_moe', {}),
         ('qwen3_moe', dict(rank=1, world_size=2, expert_parallel=True)),
         ('olmoe', {}),
+        ('gpt_oss', {}),
+        ('gpt_oss', dict(rank=1, world_size=2, expert_parallel=True)),
+        ('gpt_oss_mxfp4', {}),
+        ('gpt_oss_mxfp4', dict(rank=1, world_size=2, expert_parallel=True)),
+        ('llava', {}),
+        ('llava', dict(rank=1, world_size=2)),
     ],
 )
 def test_refit_equals_a_fresh_load(ckpts, name, kw):
-    check_refit(*ckpts[name], **kw)
+    check_cell(ckpts, name, kw)
 
 
 @SLOW
@@ -96,17 +133,24 @@ def test_refit_equals_a_fresh_load(ckpts, name, kw):
         ('olmoe', dict(rank=1, world_size=2)),
         ('olmoe', dict(rank=2, world_size=4, expert_parallel=True)),
         ('llama', dict(dtype=torch.float32)),
+        ('gpt_oss', dict(rank=0, world_size=2, expert_parallel=True)),
+        ('gpt_oss', dict(rank=3, world_size=4, expert_parallel=True)),
+        ('gpt_oss', dict(rank=1, world_size=2)),  # experts cut by columns, not by expert
+        ('gpt_oss_mxfp4', dict(rank=0, world_size=2, expert_parallel=True)),
+        ('gpt_oss_mxfp4', dict(rank=2, world_size=4, expert_parallel=True)),
+        ('llava', dict(rank=0, world_size=2)),
+        ('llava', dict(rank=3, world_size=4)),
     ],
 )
 def test_refit_matrix(ckpts, name, kw):
-    check_refit(*ckpts[name], **kw)
+    check_cell(ckpts, name, kw)
 
 
 @SLOW
 @pytest.mark.parametrize('kw', [{}, dict(rank=1, world_size=2)])
 def test_smollm2_refit(smol_ckpt, tmp_path, kw):
     "SmolLM2, refit with its weights moved as by a training step, equals a fresh load of those weights."
-    new = {k: (v.float() * 1.01 + 1e-3).to(v.dtype) for k, v in weights(smol_ckpt).items()}
+    new = {k: (v.float() * 1.01 + 1e-3).to(v.dtype) for k, v in checkpoint_tensors(smol_ckpt).items()}
     b = tmp_path / 'b'
     b.mkdir()
     (b / 'config.json').write_text((smol_ckpt / 'config.json').read_text())
@@ -117,13 +161,13 @@ def test_smollm2_refit(smol_ckpt, tmp_path, kw):
 def test_verify_checks_against_a_fresh_load(ckpts):
     a, b = ckpts['qwen2']
     served = load_model(a)
-    refit(served, weights(b), verify=True)
+    refit(served, checkpoint_tensors(b), verify=True)
     assert differing(served, load_model(b)) == []
 
 
 def test_plan_dumps_json_and_names_steps(ckpts):
     a, b = ckpts['qwen3_moe']
-    plan = refit_plan(load_model(a, rank=1, world_size=2, expert_parallel=True), weights(b))
+    plan = refit_plan(load_model(a, rank=1, world_size=2, expert_parallel=True), checkpoint_tensors(b))
     d = json.loads(plan.to_json())
     gu = next(r for r in d['routes'] if r['target'] == 'model.layers.0.mlp.experts.gate_up_proj')
     assert gu['slice'] == {'dim': 0, 'ranges': [[8, 16]]} and any(s.startswith('fuse') for s in gu['steps'])
@@ -136,7 +180,7 @@ def test_fused_parts_written_not_zero(ckpts):
     """prime-rl (https://github.com/PrimeIntellect-ai/prime-rl/issues/3451):
     fused tensors written as zeros. A copy by name leaves the fused experts stale; refit fills them."""
     a, b = ckpts['qwen3_moe']
-    naive, new = load_model(a), weights(b)
+    naive, new = load_model(a), checkpoint_tensors(b)
     sd = naive.state_dict()
     with torch.no_grad():
         for k, v in new.items():
@@ -154,7 +198,7 @@ def test_stacked_experts_accepted(ckpts, tmp_path):
     a trainer that sends experts stacked 3-D, under the model's fused names, is taken, at every rank."""
     a, b = ckpts['olmoe']
     fused = load_model(b).state_dict()  # the stacked experts, as the model holds them
-    sent = {k: v for k, v in fused.items() if k != 'lm_head.weight' or 'lm_head.weight' in weights(b)}
+    sent = {k: v for k, v in fused.items() if k != 'lm_head.weight' or 'lm_head.weight' in checkpoint_tensors(b)}
     for kw in ({}, dict(rank=1, world_size=2)):
         served = load_model(a, **kw)
         refit(served, sent)
@@ -165,7 +209,7 @@ def test_unknown_name_is_an_error(ckpts):
     """verl-omni (https://github.com/verl-project/verl-omni/issues/636):
     a name the receiver cannot place is an error listing it, not a warning; nothing moves."""
     a, b = ckpts['llama']
-    served, new = load_model(a), weights(b)
+    served, new = load_model(a), checkpoint_tensors(b)
     before = storage(served)
     with pytest.raises(KeyError, match='model.layers.7.mlp.up_proj.weight'):
         refit_plan(served, {**new, 'model.layers.7.mlp.up_proj.weight': new['model.norm.weight']})
@@ -179,7 +223,7 @@ def test_unknown_name_is_an_error(ckpts):
 
 def test_partial_update(ckpts):
     a, b = ckpts['qwen3_moe']
-    served, new = load_model(a), weights(b)
+    served, new = load_model(a), checkpoint_tensors(b)
     experts = {k: v for k, v in new.items() if '.experts.' in k}
     refit(served, experts, partial=True)
     fresh, old = load_model(b), load_model(a)
@@ -210,7 +254,7 @@ def test_mla_absorbed_weights_rebuilt_in_place(tmp_path):
     att = mla()
     load_weights_from_hf_shards(a, [ModuleAndPrefix(att, prefix)])
     att.process_weights_after_loading('cpu')
-    sent = {k: v * 1.5 for k, v in weights(a).items() if k.startswith(prefix)}
+    sent = {k: v * 1.5 for k, v in checkpoint_tensors(a).items() if k.startswith(prefix)}
     ref = mla()
     ref.load_state_dict({k.removeprefix(prefix): v for k, v in sent.items()})
     ref.process_weights_after_loading('cpu')
@@ -234,7 +278,7 @@ def fp8_reference(model, dest, block, per_channel=False):
 
     model.save_pretrained(dest)
     out = {}
-    for k, v in weights(dest).items():
+    for k, v in checkpoint_tensors(dest).items():
         op = fp8_quantize_op(weight_block_size=[1, v.shape[-1]] if per_channel else list(block))
         out.update(op.convert({k: v}) if '_proj.weight' in k else {k: v})
     cfg = json.loads((dest / 'config.json').read_text())
@@ -327,18 +371,49 @@ def test_kept_compressed_tensors_requantized_as_it_does(tmp_path, fmt, kw):
     assert any("compressed-tensors' compressor" in s for s in route.steps)
 
 
-def test_formats_without_a_quantizer_are_refused(tmp_path):
-    from mstar_utils.testing import write_quantized_checkpoint
+def test_no_layer_left_in_the_checkpoints_mxfp8(tmp_path):
+    """vLLM (https://github.com/vllm-project/vllm/issues/55684):
+    after a weight update one branch left a layer in the checkpoint's MXFP8 format. A copy by name of the trainer's
+    tensors into a model keeping MXFP8 codes casts them into the codes and leaves every layer's E8M0 scales as
+    checkpoint A stored them; refit re-quantizes every kept layer as compressed-tensors' MXFP8 compressor does."""
+    a, _ = ct_checkpoint('mxfp8', tmp_path / 'a', 0)
+    b, trainer = ct_checkpoint('mxfp8', tmp_path / 'b', 1)
+    fresh = load_model(b, quantized='keep')
+    scales = sorted(n for n, _ in fresh.named_parameters() if n.endswith('.weight_scale'))
+    assert scales and all(fresh.get_parameter(n).dtype == torch.uint8 for n in scales)  # E8M0 exponents
+    naive = load_model(a, quantized='keep')
+    sd = naive.state_dict()
+    with torch.no_grad():
+        for k, v in trainer.items():
+            if k in sd and sd[k].shape == v.shape:
+                sd[k].copy_(v)  # a bf16 weight cast into fp8 codes, its scale untouched
+    stale = differing(naive, fresh)
+    assert set(scales) <= set(stale)  # every MXFP8 layer still holds checkpoint A's scales
+    served = load_model(a, quantized='keep')
+    before = storage(served)
+    plan = refit(served, trainer)
+    assert differing(served, fresh) == [] and moved(before, served) == []
+    requantized = sorted(r.target for r in plan.routes if any('mxfp8-quantized' in s for s in r.steps))
+    assert [n for n in requantized if n.endswith('.weight_scale')] == scales  # no layer skipped
 
-    mx = load_model(write_quantized_checkpoint('mxfp4', tmp_path / 'mx'), quantized='keep')
-    with pytest.raises(ValueError, match="keeps mxfp4 codes.*experts.*quantized=.dequantize"):
-        refit_plan(mx, {'model.norm.weight': torch.zeros(1)})
+
+@pytest.mark.parametrize('kw', [{}, dict(rank=1, world_size=2, expert_parallel=True)])
+def test_kept_mxfp4_is_refused(ckpts, kw):
+    """gpt-oss keeping its MXFP4 experts: refit has no MXFP4 quantizer, so it refuses before writing anything, naming
+    the format, the first expert tensor it cannot re-quantize and the fix; dequantized, the same tensors refit."""
+    a, _, ref = ckpts['gpt_oss_mxfp4']
+    served, sent = load_model(a, quantized='keep', **kw), checkpoint_tensors(ref)
+    before = storage(served)
+    key = re.escape("'model.layers.0.mlp.experts.down_proj'")
+    with pytest.raises(ValueError, match=f"keeps mxfp4 codes.*incoming {key}.*quantized='dequantize' to refit it"):
+        refit(served, sent)
+    assert moved(before, served) == []
 
 
 def test_plan_needed_to_stream(ckpts):
     a, b = ckpts['llama']
     with pytest.raises(TypeError, match='pass plan=refit_plan'):
-        refit(load_model(a), iter(weights(b).items()))
+        refit(load_model(a), iter(checkpoint_tensors(b).items()))
 
 
 def test_gguf(tmp_path):

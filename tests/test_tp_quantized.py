@@ -23,11 +23,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mstar_utils.tensor_parallel import Sharding, Slice, take, _dim_for, TP_STYLES, WHOLE
-from mstar_utils.upstream import build_model
 from mstar_utils.testing import (
     assert_tensors_equal,
     run_ranks,
+    TP_VISION,
     tp_cells,
+    tp_inputs as inputs,
+    tp_model,
     write_fp8_checkpoint,
     write_mxfp4_checkpoint,
     write_compressed_tensors_checkpoint,
@@ -48,59 +50,6 @@ UNIT = {
     'ct_actorder': 8,
     'mxfp4': 1,
 }  # stored indices a cut may widen to, per format
-
-
-def dims(hidden: int, inter: int, layers: int, heads: int, **kw) -> dict:
-    "A tiny config's sizes under transformers' common names; `kw` adds the rest."
-    return dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads, **kw)
-
-
-VISION = dict(image_size=28, patch_size=14)  # 4 patches of a 28 x 28 image
-
-
-def configs() -> dict:
-    "Tiny configs by model name: dims that divide by 4 where the plan cuts them, but most not multiples of the blocks."
-    import transformers as tf
-
-    llama = dims(128, 160, 2, 4, vocab_size=256, num_key_value_heads=2, head_dim=32)
-    moe = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2)
-    return {
-        'llama': tf.LlamaConfig(**llama),
-        'qwen3_moe': tf.Qwen3MoeConfig(
-            **moe, intermediate_size=96, moe_intermediate_size=48, num_experts=6, num_key_value_heads=2, head_dim=16
-        ),
-        'olmoe': tf.OlmoeConfig(**moe, intermediate_size=48, num_experts=6, num_key_value_heads=4),
-        'deepseek_v3': tf.DeepseekV3Config(
-            **dims(160, 200, 2, 2, vocab_size=256, num_key_value_heads=2),
-            moe_intermediate_size=96,  # 24 a rank at TP 4: grouped_mm wants rows of whole 16 bytes
-            first_k_dense_replace=1,
-            n_routed_experts=6,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            q_lora_rank=136,
-            kv_lora_rank=144,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=24,
-            max_position_embeddings=64,
-        ),
-        'gpt_oss': tf.GptOssConfig(
-            **dims(64, 96, 2, 2, vocab_size=256, num_key_value_heads=1, head_dim=32),
-            num_local_experts=6,
-            num_experts_per_tok=2,
-            sliding_window=8,
-            layer_types=['sliding_attention', 'full_attention'],
-        ),
-        'llava': tf.LlavaConfig(
-            text_config=tf.LlamaConfig(
-                **{**llama, 'vocab_size': 320, 'hidden_size': 64, 'intermediate_size': 96, 'head_dim': 16}
-            ),
-            vision_config=tf.CLIPVisionConfig(**dims(32, 48, 2, 2, **VISION)),
-            image_token_index=319,
-        ),
-    }
 
 
 FORMATS = {
@@ -142,19 +91,9 @@ if ONLY:
     CELLS = [c for c in CELLS if re.search(ONLY, '-'.join(map(str, c)))]
 
 
-def _model(name: str):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cls = tf.LlavaForConditionalGeneration if name == 'llava' else tf.AutoModelForCausalLM
-    if name == 'llava':
-        return build_model(cls, configs()[name], torch.float32)
-    return cls.from_config(configs()[name], dtype=torch.float32)
-
-
 def write(name: str, fmt: str, dest: Path) -> Path:
     "The tiny `name` checkpoint in format `fmt`, by the format's writer (compressed-tensors' compressors for ct_*)."
-    model = _model(name)
+    model = tp_model(name)
     if fmt == 'fp8':
         return write_fp8_checkpoint(model, dest, FP8_BLOCK)
     if fmt == 'mxfp4':
@@ -168,16 +107,6 @@ def write(name: str, fmt: str, dest: Path) -> Path:
     with contextlib.redirect_stderr(io.StringIO()):
         model.to(torch.bfloat16).save_pretrained(dest)
     return Path(dest)
-
-
-def inputs(name: str) -> dict:
-    "A prompt; Llava's holds an image (its 4 patch tokens) and its pixels."
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 250, (1, 10), generator=g)
-    if name != 'llava':
-        return {'input_ids': ids}
-    ids[0, 2:6] = configs()['llava'].image_token_index
-    return {'input_ids': ids, 'pixel_values': torch.randn(1, 3, 28, 28, generator=g)}
 
 
 def reference(name: str, folder: Path, fmt: str, tmp: Path):
@@ -439,8 +368,9 @@ def _fp32_model(name: str):
         return tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4)
         )
-    vision = dims(32, 48, 1, 2, **VISION)
-    qformer = dims(32, 48, 1, 2, vocab_size=64, encoder_hidden_size=32)
+    small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2)
+    vision = dict(small, **TP_VISION)
+    qformer = dict(small, vocab_size=64, encoder_hidden_size=32)
     text = tf.OPTConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=48, word_embed_proj_dim=32
     )
