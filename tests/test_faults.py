@@ -313,7 +313,7 @@ class Fault:
 INDEX = re.escape(INDEX_FILE)
 FOLDER_FAULTS = {
     'index_not_json': Fault(
-        lambda d: _set_index(d, (d / INDEX_FILE).read_text()[:-20]), ValueError, rf'{INDEX}: invalid JSON'
+        lambda d: _set_index(d, (d / INDEX_FILE).read_text()[:-20]), ValueError, rf'{INDEX}: not valid JSON'
     ),
     'index_without_weight_map': Fault(
         lambda d: _set_index(d, json.dumps({'metadata': _index(d)['metadata']})),
