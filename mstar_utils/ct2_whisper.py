@@ -4,7 +4,6 @@
 
 # %% ../nbs/00b_ct2_whisper.ipynb #0b7c2a04
 from __future__ import annotations
-import json
 import math
 import re
 import shutil
@@ -191,11 +190,9 @@ def whisper_tokenizer(
     "transformers' `WhisperTokenizer` from `folder` (tokenizer.json), its special tokens registered."
     from transformers import WhisperFeatureExtractor, WhisperTokenizer
 
-    specials = [
-        t['content']
-        for t in json.loads((folder / 'tokenizer.json').read_text(encoding='utf-8'))['added_tokens']
-        if t['special']
-    ]
+    from mstar_utils.sources import read_json  # here: importing sources imports torch
+
+    specials = [t['content'] for t in read_json(folder / 'tokenizer.json')['added_tokens'] if t['special']]
     tok = WhisperTokenizer.from_pretrained(
         folder, extra_special_tokens=[t for t in specials if t != '<|endoftext|>'], pad_token='<|endoftext|>'
     )
@@ -314,10 +311,12 @@ def write_hf_whisper(
     from transformers import WhisperFeatureExtractor
     from transformers.utils import logging as hf_logging
 
+    from mstar_utils.sources import read_json
+
     hf_logging.disable_progress_bar()
     src, out = Path(src), Path(out)
     ct2 = read_ctranslate2(src / 'model.bin')
-    ct2_config = json.loads((src / 'config.json').read_text(encoding='utf-8'))
+    ct2_config = read_json(src / 'config.json')
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tmp)
         shutil.copy(src / 'tokenizer.json', tok_dir / 'tokenizer.json')

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 from fastcore.basics import patch
 
+from .sources import read_json
+
 # %% auto #0
 __all__ = ['ByteLevelDetokenizer', 'SentencePieceDetokenizer', 'TextChunkDetokenizer', 'drop_stop_tokens', 'TextOutput',
            'TextStream', 'generation_eos_ids', 'Reply']
@@ -959,18 +961,7 @@ def generation_eos_ids(
     path = folder / 'generation_config.json'
     if not path.exists():
         path = folder / 'config.json'
-    if not path.exists():
-        return []
-    try:
-        cfg = json.loads(path.read_text(encoding='utf-8'))
-    except UnicodeDecodeError as e:
-        raise ValueError(f'{path} is not UTF-8 text: {e}') from None
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f'{path} is not a JSON object: {e}') from None
-    except OSError as e:
-        raise ValueError(f'cannot read {path}: {e}') from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f'{path} is not a JSON object: it holds a JSON {type(cfg).__name__}')
+    cfg = read_json(path, missing={})
     eos = cfg.get('eos_token_id')
     # from_model_config: the first sub-config present, then its eos_token_id
     if eos is None and path.name == 'config.json':

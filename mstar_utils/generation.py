@@ -5,7 +5,6 @@
 # %% ../nbs/10_generation.ipynb #4fc9b39a
 from __future__ import annotations
 import functools
-import json
 import logging
 import math
 import reprlib
@@ -37,25 +36,14 @@ def _generation_config_path(checkpoint_dir: str | Path) -> Path:
 
 # %% ../nbs/10_generation.ipynb #5a1c0002-1
 def _read_generation_config(path: Path) -> dict:
-    "The JSON object in `path`; `{}` when there is none, `{}` and a warning when it cannot be read or is not an object."
+    "The JSON object in `path`: `{}` when there is none, `{}` and a warning when `read_json` cannot read one."
+    from mstar_utils.sources import JSONFileError, read_json  # here: importing sources imports torch
+
     try:
-        text = path.read_text(encoding='utf-8')
-    except (FileNotFoundError, NotADirectoryError):
+        return read_json(path, missing={})
+    except JSONFileError as e:
+        _log.warning(f'{e}; using no generation defaults from it')
         return {}
-    except (OSError, UnicodeDecodeError) as e:
-        _log.warning(f'cannot read {path} ({e}); using no generation defaults from it')
-        return {}
-    try:
-        cfg = json.loads(text)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, an int past Python's digit limit, nesting too deep
-        _log.warning(f'{path} is not valid JSON ({e}); using no generation defaults from it')
-        return {}
-    if not isinstance(cfg, dict):
-        _log.warning(
-            f'{path} holds a JSON {type(cfg).__name__}, expected an object; using no generation defaults from it'
-        )
-        return {}
-    return cfg
 
 # %% ../nbs/10_generation.ipynb #5a1c0011
 def _number(value, kind: type):

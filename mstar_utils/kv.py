@@ -4,7 +4,6 @@
 
 # %% ../nbs/09_kv.ipynb #81ac17fa
 from __future__ import annotations
-import json
 import logging
 import operator
 from collections import Counter
@@ -331,6 +330,8 @@ def read_model_config(
     "`config` as transformers' config object of its `model_type`."
     from transformers import PretrainedConfig
 
+    from mstar_utils.sources import read_json  # here: importing sources imports torch
+
     if isinstance(config, PretrainedConfig):
         return config
     if isinstance(config, dict):
@@ -343,13 +344,7 @@ def read_model_config(
             return gguf_config(f, read_gguf(f))
     if path.is_dir():
         path = path / 'config.json'
-    try:
-        d = json.loads(path.read_text(encoding='utf-8'))
-    except FileNotFoundError:
-        raise FileNotFoundError(f'no model config at {path}') from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f'cannot read {path}: {e}') from None
-    return _config_from_dict(d, str(path))
+    return _config_from_dict(read_json(path), str(path))
 
 # %% ../nbs/09_kv.ipynb #3b4c5d6e
 def _need(cfg, key: str, minimum: int = 1) -> int:

@@ -24,6 +24,7 @@ from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, listed
 from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header, FileSource, ReadAhead
+from .sources import JSONFileError, read_json
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter, DEEPSEEK_V2_CONVERSIONS
 from .quantized import quantized_source
@@ -539,11 +540,11 @@ def _json_dtype(cfg: dict):
 def _reads_before_config(ckpt: Path, opts: LoadOptions) -> FileSource:
     "`start_reads` from config.json's JSON alone (our recipes by model type), before transformers is imported."
     try:
-        cfg = json.loads((ckpt / 'config.json').read_text(encoding='utf-8'))
-    except (OSError, ValueError):
+        cfg = read_json(ckpt / 'config.json')
+    except JSONFileError:
         cfg = None  # transformers' AutoConfig says what is wrong with it
     src = checkpoint_source(ckpt, mmap=opts.mmap)
-    if not isinstance(cfg, dict) or torch.device(opts.device).type != 'cpu' or cfg.get('quantization_config'):
+    if cfg is None or torch.device(opts.device).type != 'cpu' or cfg.get('quantization_config'):
         return src
     types = dict.fromkeys([cfg.get('model_type'), *(v.get('model_type') for v in cfg.values() if isinstance(v, dict))])
     ours = [c for t in types if t in CONVERSIONS_BY_MODEL_TYPE for c in CONVERSIONS_BY_MODEL_TYPE[t]]

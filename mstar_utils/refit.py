@@ -30,7 +30,7 @@ from mstar_utils.model import (
     model_source,
 )
 from .quantized import quantized_tensors
-from .sources import Source, checkpoint_source
+from .sources import Source, checkpoint_source, read_json
 from .tensor_parallel import ShardedSource, Slice
 
 # %% auto #0
@@ -754,7 +754,7 @@ def _saved(model, sent: dict, plan: RefitPlan) -> Path:
     from safetensors.torch import save_file
 
     out, ck = Path(tempfile.mkdtemp(prefix='refit-verify-')), Path(model.load_checkpoint)
-    cfg = json.loads((ck / 'config.json').read_text(encoding='utf-8')) if ck.is_dir() else model.config.to_dict()
+    cfg = read_json(ck / 'config.json') if ck.is_dir() else model.config.to_dict()
     bottom = plan.stack.bottom
     if isinstance(bottom, _Requantized):
         inc = _Incoming(incoming_spec(sent))

@@ -4,12 +4,11 @@
 
 # %% ../nbs/12_report.ipynb #1ba84434
 from __future__ import annotations
-import json
 import re
 from collections import Counter
 from pathlib import Path
 
-from .sources import read_header, read_weight_map, checkpoint_dir, INDEX_FILE
+from .sources import read_header, read_weight_map, read_json, checkpoint_dir, INDEX_FILE
 from .generation import load_generation_defaults
 
 # %% auto #0
@@ -115,21 +114,6 @@ def _report_stop_ids(ckpt: Path) -> list[int]:
     except ValueError:
         return []
 
-# %% ../nbs/12_report.ipynb #d6e6bc1e
-def _read_json(path: Path) -> dict:
-    "The JSON object in `path`; `ValueError` naming the file when it is not UTF-8, not JSON, or not an object."
-    try:
-        d = json.loads(path.read_text(encoding='utf-8'))
-    except FileNotFoundError:
-        raise ValueError(f'{path}: missing') from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f'{path}: not UTF-8 text ({e})') from None
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f'{path}: not valid JSON ({e}); the file is cut short or was edited by hand') from None
-    if not isinstance(d, dict):
-        raise ValueError(f'{path}: holds a JSON {type(d).__name__}, expected an object')
-    return d
-
 # %% ../nbs/12_report.ipynb #d98ef192
 def _part(
     problems: list,  # receives {'file', 'message'} when `fn` fails, once per file
@@ -166,7 +150,7 @@ def _tokenizer_summary(path: Path) -> dict:
     from tokenizers import Tokenizer
 
     return {
-        'kind': tokenizer_kind(_read_json(path)),
+        'kind': tokenizer_kind(read_json(path)),
         'vocab_size': Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True),
     }
 
@@ -180,13 +164,13 @@ def checkpoint_report(
     if (f := gguf_file(checkpoint_dir)) is not None:
         return _gguf_report(f)
     ckpt, problems = _report_folder(checkpoint_dir), []
-    config = _part(problems, 'config.json', lambda: _read_json(ckpt / 'config.json'), {})
+    config = _part(problems, 'config.json', lambda: read_json(ckpt / 'config.json'), {})
     wm, tok, gc = _weight_map(ckpt, problems), None, ckpt / 'generation_config.json'
     counts = _count_tensors(wm, problems)
     if (ckpt / 'tokenizer.json').is_file():
         tok = _part(problems, 'tokenizer.json', lambda: _tokenizer_summary(ckpt / 'tokenizer.json'))
     stop = _part(problems, 'tokenizer.json', lambda: _report_stop_ids(ckpt), [])
-    gen = _part(problems, gc.name, lambda: _read_json(gc)) if gc.is_file() else None
+    gen = _part(problems, gc.name, lambda: read_json(gc)) if gc.is_file() else None
     return {
         'checkpoint': str(ckpt),
         'architectures': config.get('architectures', []),

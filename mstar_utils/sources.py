@@ -22,8 +22,9 @@ from .io import Reads, Span, copier_for, populate_pages, read_at, read_direct, r
 
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
-           'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'as_source', 'default_threads', 'FileSource',
-           'checkpoint_source', 'file_source', 'tensor_file_source', 'ReadAhead', 'RenamedSource']
+           'JSONFileError', 'MissingJSONFile', 'read_json', 'read_weight_map', 'Source', 'WrappedSource', 'DictSource',
+           'as_source', 'default_threads', 'FileSource', 'checkpoint_source', 'file_source', 'tensor_file_source',
+           'ReadAhead', 'RenamedSource']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {
@@ -236,6 +237,56 @@ def checkpoint_dir(path: str | Path) -> Path:
         raise FileNotFoundError(problem)
     return p
 
+# %% ../nbs/01_safetensors.ipynb #7a1d0e02
+class JSONFileError(ValueError):
+    "A JSON file of a checkpoint that cannot be used; its message is `'{path}: {reason}'`."
+
+    def __init__(
+        self,
+        path: str | Path,  # the file
+        reason: str,  # what is wrong with it, one of `read_json`'s reasons
+    ):
+        super().__init__(f'{path}: {reason}')
+        self.path, self.reason = Path(path), reason
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason)
+
+# %% ../nbs/01_safetensors.ipynb #7a1d0e04
+class MissingJSONFile(JSONFileError, FileNotFoundError):
+    "A JSON file that does not exist: both a `JSONFileError` and a `FileNotFoundError`."
+
+# %% ../nbs/01_safetensors.ipynb #7a1d0e06
+def read_json(
+    path: str | Path,  # a JSON file: config.json, generation_config.json, tokenizer.json, the index, ...
+    missing=...,  # returned when the file does not exist; `...`: raise `MissingJSONFile`
+    object_pairs_hook=None,  # as `json.loads`'s: builds each object from its (key, value) pairs
+) -> dict:
+    "The JSON object in `path`; a `JSONFileError` naming the file and what is wrong when there is none."
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: a file stands where a folder should be
+        if missing is ...:
+            raise MissingJSONFile(p, 'missing') from None
+        return missing
+    except OSError as e:
+        raise JSONFileError(p, f'cannot be read ({e.strerror or e})') from None
+    try:
+        text = raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise JSONFileError(p, f'not UTF-8 text ({e})') from None
+    if not text.strip():
+        raise JSONFileError(p, 'empty (0 bytes of JSON)')
+    try:
+        d = json.loads(text, object_pairs_hook=object_pairs_hook)
+    except (ValueError, RecursionError) as e:  # also an int past Python's digit limit, nesting too deep
+        raise JSONFileError(p, f'not valid JSON ({e}); the file is cut short or was edited by hand') from None
+    if not isinstance(d, dict):
+        kind = {list: 'array', str: 'string', bool: 'boolean', type(None): 'null'}.get(type(d), 'number')
+        raise JSONFileError(p, f'holds a JSON {kind}, expected an object')
+    return d
+
 # %% ../nbs/01_safetensors.ipynb #484fc4e8
 class _Object(dict):
     "A JSON object that records the keys it met twice with different values, in `clashes`."
@@ -272,11 +323,8 @@ def _shard_path(index: Path, root: Path, key: str, shard) -> Path:
 # %% ../nbs/01_safetensors.ipynb #4ee286a1
 def _read_index(index: Path) -> dict:
     "The `weight_map` of an index file, after checking the JSON and that no key is listed twice."
-    try:
-        data = json.loads(index.read_text(encoding='utf-8'), object_pairs_hook=_Object)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f'{index}: invalid JSON ({type(e).__name__}: {e})') from None
-    wm = data.get('weight_map') if isinstance(data, dict) else None
+    data = read_json(index, object_pairs_hook=_Object)
+    wm = data.get('weight_map')
     if not isinstance(wm, dict):
         raise ValueError(f'{index}: no "weight_map" object mapping tensor names to shard files')
     if any(k == 'weight_map' for k, *_ in data.clashes):

@@ -4,7 +4,6 @@
 
 # %% ../nbs/11_speech.ipynb #b83f9725
 from __future__ import annotations
-import json
 import math
 import queue
 import threading
@@ -17,6 +16,8 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from fastcore.meta import delegates
+
+from .sources import JSONFileError, read_json
 
 # %% auto #0
 __all__ = ['whisper_config_json', 'whisper_report', 'read_audio', 'audio_blocks', 'log_mel', 'generate_stream', 'timestamp_ids',
@@ -39,18 +40,14 @@ def _count_lists(d: dict, longest: int = 8) -> dict:
 # %% ../nbs/11_speech.ipynb #3ba5947a
 def whisper_config_json(checkpoint_dir) -> dict:
     "The parsed config.json of a Whisper checkpoint folder; a `ValueError` names any other folder."
-    path = Path(checkpoint_dir) / 'config.json'
     try:
-        cfg = json.loads(path.read_text(encoding='utf-8'))
-    except (OSError, ValueError) as e:
+        cfg = read_json(Path(checkpoint_dir) / 'config.json')
+    except JSONFileError as e:  # the same type: a missing file stays a FileNotFoundError too
+        raise type(e)(e.path, f'{e.reason}; expected a Whisper checkpoint folder') from None
+    if cfg.get('model_type') != 'whisper':
         raise ValueError(
-            f'{Path(checkpoint_dir).name}: cannot read config.json ({e}); expected a Whisper checkpoint folder'
-        ) from None
-    if not isinstance(cfg, dict) or cfg.get('model_type') != 'whisper':
-        kind = cfg.get('model_type') if isinstance(cfg, dict) else None
-        raise ValueError(
-            f'{Path(checkpoint_dir).name} holds a {kind!r} model (config.json model_type), not Whisper: '
-            'speech needs a Whisper checkpoint'
+            f"{Path(checkpoint_dir).name} holds a {cfg.get('model_type')!r} model (config.json model_type), "
+            'not Whisper: speech needs a Whisper checkpoint'
         )
     return cfg
 
@@ -60,7 +57,7 @@ def whisper_report(checkpoint_dir) -> dict:
     d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
 
     def read(f):
-        return json.loads((d / f).read_text(encoding='utf-8')) if (d / f).exists() else {}
+        return read_json(d / f, missing={})
 
     gen, pre = read('generation_config.json'), read('preprocessor_config.json')
 
@@ -233,8 +230,7 @@ def timestamp_ids(checkpoint_dir) -> range:
     cfg = whisper_config_json(d)
     if 'vocab_size' not in cfg:
         raise ValueError(f'{d.name}/config.json has no vocab_size')
-    gen_file = d / 'generation_config.json'
-    gen = json.loads(gen_file.read_text(encoding='utf-8')) if gen_file.is_file() else {}
+    gen = read_json(d / 'generation_config.json', missing={})
     first = gen.get('no_timestamps_token_id')
     if first is None:
         first = whisper_decoding_config(d, warn=False).no_timestamps_token_id

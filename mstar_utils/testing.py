@@ -587,7 +587,9 @@ def mxfp4_quantize(
 def _rewrite(dest: Path, tensors: dict, qc: dict | None, dtype) -> Path:
     "Replace `dest`'s model.safetensors by `tensors`; set its config's `quantization_config` and `dtype`."
     # `qc=None` drops `quantization_config`.
-    cfg = json.loads((dest / 'config.json').read_text(encoding='utf-8'))
+    from mstar_utils.sources import read_json
+
+    cfg = read_json(dest / 'config.json')
     cfg.pop('quantization_config', None)
     if qc:
         cfg['quantization_config'] = qc
@@ -806,8 +808,10 @@ def dequantized_reference(
     dtype=torch.bfloat16,  # the dequantized weights' dtype
 ) -> Path:
     "`folder` dequantized by independent code and saved without `quantization_config`."
+    from mstar_utils.sources import read_json
+
     folder, dest = Path(folder), Path(dest)
-    qc = json.loads((folder / 'config.json').read_text(encoding='utf-8'))['quantization_config']
+    qc = read_json(folder / 'config.json')['quantization_config']
     sd = load_file(str(folder / 'model.safetensors'))
     if qc['quant_method'] == 'fp8':
         from mstar_utils.upstream import fp8_dequantize_reference

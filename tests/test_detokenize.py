@@ -700,8 +700,8 @@ def test_from_checkpoint(toks, tmp_path):
             ({'eos_token_id': [2, None]}, 'eos_token_id must be an int'),
             ({'eos_token_id': True}, 'eos_token_id must be an int'),
             ({'eos_token_id': 10**9}, 'eos_token_id is 1000000000, outside .*vocabulary size 151646'),
-            ('{not json', 'is not a JSON object'),
-            ('[1, 2]', 'is not a JSON object'),
+            ('{not json', 'generation_config.json: not valid JSON'),
+            ('[1, 2]', 'generation_config.json: holds a JSON array, expected an object'),
         ]
     ):
         with pytest.raises(ValueError, match=msg) as e:

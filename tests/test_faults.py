@@ -33,7 +33,7 @@ from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, token
 from mstar_utils.detokenize import ByteLevelDetokenizer, SentencePieceDetokenizer
 from mstar_utils.generation import load_generation_defaults
 from mstar_utils.loading import ModuleAndPrefix, load_weights, load_weights_from_file, load_weights_from_hf_shards
-from mstar_utils.sources import INDEX_FILE, SINGLE_FILE, read_weight_map
+from mstar_utils.sources import INDEX_FILE, SINGLE_FILE, JSONFileError, read_weight_map
 
 SMOL, MINI = smollm2_checkpoint(), minilm_checkpoint()
 SMOL_CFG, MINI_CFG = AutoConfig.from_pretrained(SMOL), AutoConfig.from_pretrained(MINI)
@@ -313,7 +313,7 @@ class Fault:
 INDEX = re.escape(INDEX_FILE)
 FOLDER_FAULTS = {
     'index_not_json': Fault(
-        lambda d: _set_index(d, (d / INDEX_FILE).read_text()[:-20]), ValueError, rf'{INDEX}: invalid JSON'
+        lambda d: _set_index(d, (d / INDEX_FILE).read_text()[:-20]), JSONFileError, rf'{INDEX}: not valid JSON'
     ),
     'index_without_weight_map': Fault(
         lambda d: _set_index(d, json.dumps({'metadata': _index(d)['metadata']})),

@@ -125,10 +125,10 @@ def test_no_file_gives_nothing(tmp_path, caplog):
     'content,why',
     [
         ('{"temperature": 0.7,', 'not valid JSON'),
-        ('', 'not valid JSON'),
-        ('[0.7]', 'JSON list'),
-        ('0.7', 'JSON float'),
-        (b'{"temperature": 0.7, "x": "\xff"}', 'cannot read'),
+        ('', 'empty (0 bytes of JSON)'),
+        ('[0.7]', 'holds a JSON array, expected an object'),
+        ('0.7', 'holds a JSON number, expected an object'),
+        (b'{"temperature": 0.7, "x": "\xff"}', 'not UTF-8 text'),
     ],
 )
 def test_broken_file_warns(tmp_path, caplog, content, why):
@@ -435,11 +435,11 @@ def test_config_json_text_config_eos_as_transformers(tmp_path):
 @pytest.mark.parametrize(
     'content,why',
     [
-        (b'\xff\xfe{\x00}\x00', 'is not UTF-8 text'),
-        (b'{"eos_token_id": 2, "x": "\xe9"}', 'is not UTF-8 text'),
-        (b'{"eos_token_id": 2', 'is not a JSON object'),
-        (b'[2]', 'is not a JSON object'),
-        (b'{"eos_token_id": ' + b'9' * 5000 + b'}', 'is not a JSON object'),
+        (b'\xff\xfe{\x00}\x00', ': not UTF-8 text'),
+        (b'{"eos_token_id": 2, "x": "\xe9"}', ': not UTF-8 text'),
+        (b'{"eos_token_id": 2', ': not valid JSON'),
+        (b'[2]', ': holds a JSON array, expected an object'),
+        (b'{"eos_token_id": ' + b'9' * 5000 + b'}', ': not valid JSON'),
     ],
     ids=['utf16', 'latin1', 'cut_short', 'list', '5000_digits'],
 )

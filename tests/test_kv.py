@@ -569,7 +569,7 @@ def test_geometry_errors(tmp_path):
     with pytest.raises(ValueError, match='config.json'):
         kv_geometry(tmp_path)
     (tmp_path / 'config.json').write_text('[]')
-    with pytest.raises(ValueError, match='JSON list'):
+    with pytest.raises(ValueError, match='holds a JSON array, expected an object'):
         kv_geometry(tmp_path)
     (tmp_path / 'config.json').write_text('{"num_hidden_layers": 2}')
     with pytest.raises(ValueError, match='config.json has no model_type'):

@@ -77,14 +77,77 @@ def test_the_cli_only_formats():
 
 
 def test_one_concept_rooms_stand_in_layers():
-    """The rooms split out of a larger one sit below or beside it, never above: the CTranslate2 converter and the
-    language codes stand on their own, the checkpoint cache builds on the converter, the KV figures on the KV
-    planner."""
+    """The rooms split out of a larger one sit below or beside it, never above: the language codes stand on their
+    own, the CTranslate2 converter on the safetensors room alone (for `read_json`), the checkpoint cache builds on the
+    converter, the KV figures on the KV planner."""
     g = graph()
-    assert g['ct2_whisper'] == set() and g['languages'] == set(), (g['ct2_whisper'], g['languages'])
+    assert g['ct2_whisper'] == {'sources'} and g['languages'] == set(), (g['ct2_whisper'], g['languages'])
     assert g['checkpoints'] == {'ct2_whisper'}, g['checkpoints']
     assert g['kv_figures'] == {'kv'} and 'kv_figures' not in g['kv'], (g['kv_figures'], g['kv'])
     assert not {'languages', 'kv_figures'} & g['generation'], g['generation']
+
+
+# explore.py's `_parse_json` still reads its files itself; the lead converts it to `read_json` (issue 43, item 3).
+JSON_READERS = {('sources', 'read_json'), ('explore', '_parse_json')}
+
+
+def own_nodes(fn):
+    "The nodes of function `fn`, without those of the functions defined inside it."
+    todo = list(ast.iter_child_nodes(fn))
+    while todo:
+        n = todo.pop()
+        yield n
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo += ast.iter_child_nodes(n)
+
+
+def reads_a_file(node) -> bool:
+    "Whether expression `node` reads a file: `.read_text()`, `.read_bytes()` or `open()`."
+    return node is not None and any(
+        isinstance(c, ast.Call)
+        and (
+            isinstance(c.func, ast.Attribute)
+            and c.func.attr in ('read_text', 'read_bytes')
+            or ast.unparse(c.func) == 'open'
+        )
+        for c in ast.walk(node)
+    )
+
+
+def from_file(node, read: set) -> bool:
+    "Whether expression `node` reads a file, or uses a name in `read` (one that holds what a file read gave)."
+    return reads_a_file(node) or any(isinstance(x, ast.Name) and x.id in read for x in ast.walk(node))
+
+
+def json_file_parses(path: Path) -> list[tuple[str, int]]:
+    "(function, line) of each `json.load` in `path`, and each `json.loads` of what a file read gave in that function."
+    out = []
+    for fn in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        nodes = sorted((n for n in own_nodes(fn) if hasattr(n, 'lineno')), key=lambda n: (n.lineno, n.col_offset))
+        read = set()  # the names holding a file's contents, or what was made of them (`raw.decode()`)
+        for n in nodes:
+            if isinstance(n, ast.Assign) and from_file(n.value, read):
+                read |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+            parse = isinstance(n, ast.Call) and ast.unparse(n.func) in ('json.load', 'json.loads')
+            if parse and (n.func.attr == 'load' or (n.args and from_file(n.args[0], read))):
+                out.append((getattr(fn, 'name', '<lambda>'), n.lineno))
+    return out
+
+
+def test_a_checkpoints_json_files_are_read_by_read_json():
+    """No module parses a JSON file it reads itself: config, generation, tokenizer and index files all go through
+    `sources.read_json`, so a broken one is named with the same reasons wherever it is read."""
+    bad = [
+        f'{p.name}:{line} ({fn})'
+        for p in sorted(PKG.glob('*.py'))
+        if p.stem != '_modidx'
+        for fn, line in json_file_parses(p)
+        if (p.stem, fn) not in JSON_READERS
+    ]
+    assert bad == [], bad
+    assert [fn for fn, _ in json_file_parses(PKG / 'sources.py')] == ['read_json']  # the check sees the one reader
 
 
 INTERNAL = re.compile(
