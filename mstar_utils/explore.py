@@ -21,7 +21,15 @@ from fastcore.basics import patch
 import torch
 import xxhash
 
-from .sources import read_header, read_weight_map, FileSource, INDEX_FILE, SINGLE_FILE
+from mstar_utils.sources import (
+    read_header,
+    read_weight_map,
+    read_json,
+    FileSource,
+    JSONFileError,
+    INDEX_FILE,
+    SINGLE_FILE,
+)
 from .sources import checkpoint_dir as checkpoint_dir_
 from .quantized import quantized_tensors, quantized_source
 from .tensor_parallel import plans_for, tp_plan
@@ -66,19 +74,11 @@ _NO_CONFIG = (
 
 
 def _parse_json(path: Path) -> tuple:
-    "(the JSON object in `path`, None), or (None, the parser's message)."
+    "(the JSON object in `path`, None), or (None, the reason `read_json` gives)."
     try:
-        text = path.read_text(encoding='utf-8')
-        d = json.loads(text)
-    except FileNotFoundError:
-        return None, 'missing'
-    except OSError as e:
-        return None, f'cannot be read ({e.strerror})'
-    except UnicodeDecodeError as e:
-        return None, f'not UTF-8 text ({e})'
-    except (ValueError, RecursionError) as e:
-        return None, 'empty (0 bytes of JSON)' if not text.strip() else f'not valid JSON ({e})'
-    return (d, None) if isinstance(d, dict) else (None, f'holds a JSON {type(d).__name__}, expected an object')
+        return read_json(path), None
+    except JSONFileError as e:
+        return None, e.reason
 
 # %% ../nbs/12b_explore.ipynb #b3d09515-1
 def _version(pkg: str) -> str:

@@ -740,6 +740,8 @@ def write_ct_actorder_checkpoint(
     seed: int = 0,  # seeds each module's order of columns
 ) -> Path:
     "`model` in int4 groups packed by compressed-tensors, its columns reordered under a `weight_g_idx`."
+    from mstar_utils.sources import read_json
+
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
     w = {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': group_size, 'symmetric': symmetric}
@@ -750,7 +752,7 @@ def write_ct_actorder_checkpoint(
         perm = torch.randperm(C, generator=gen)
         sd[m + '.weight_packed'] = pack_to_int32(unpack_from_int32(sd[m + '.weight_packed'], 4, (R, C))[:, perm], 4)
         sd[m + '.weight_g_idx'] = (perm // group_size).to(torch.int32)
-    cfg = json.loads((dest / 'config.json').read_text(encoding='utf-8'))
+    cfg = read_json(dest / 'config.json')
     cfg['quantization_config']['config_groups']['group_0']['weights']['actorder'] = 'group'
     (dest / 'config.json').write_text(json.dumps(cfg, indent=2), encoding='utf-8')
     save_file(sd, str(dest / 'model.safetensors'), metadata={'format': 'pt'})
@@ -763,12 +765,14 @@ def ct_actorder_reference(
     dtype=torch.float32,  # the dequantized weights' dtype
 ) -> Path:
     "`folder` dequantized as compressed-tensors 0.17 does: columns sorted by `g_idx` around `dequantize`."
+    from mstar_utils.sources import read_json
+
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 
     folder, dest = Path(folder), Path(dest)
-    cfg = json.loads((folder / 'config.json').read_text(encoding='utf-8'))
+    cfg = read_json(folder / 'config.json')
     w = dict(cfg['quantization_config']['config_groups']['group_0']['weights'])
     args, sd = QuantizationArgs(**{**w, 'actorder': None}), load_file(str(folder / 'model.safetensors'))
     out = {k: v for k, v in sd.items() if k.rpartition('.')[2] not in ('weight_packed', 'weight_shape')}

@@ -87,8 +87,8 @@ def test_one_concept_rooms_stand_in_layers():
     assert not {'languages', 'kv_figures'} & g['generation'], g['generation']
 
 
-# explore.py's `_parse_json` still reads its files itself; the lead converts it to `read_json` (issue 43, item 3).
-JSON_READERS = {('sources', 'read_json'), ('explore', '_parse_json')}
+# the one function that parses a checkpoint's JSON files
+JSON_READERS = {('sources', 'read_json')}
 
 
 def own_nodes(fn):
