@@ -770,7 +770,7 @@ def held_names(
     op,  # a dequantizing op: its `suffixes`, and `module_keys` where they name tensors of the weight's module
     p: str = 'weight',  # the parameter the op makes
 ) -> list:
-    "The names a kept module holds `op`'s stored tensors under: each key's part after the module, dots as `_`."
+    "The names a kept module holds `op`'s stored tensors under: each key after the module, dots as `_`."
     return [s if getattr(op, 'module_keys', False) else (p + s).replace('.', '_') for s in op.suffixes]
 
 # %% ../nbs/06_quantized.ipynb #0e2e96bd
@@ -1546,7 +1546,7 @@ _FORMATS.update(gptq=_gptq_tensors, awq=_awq_tensors)
 # %% ../nbs/06_quantized.ipynb #gabk001
 @patch
 def kept(self: GPTQDequantize, src, u: QuantizedTensor) -> QuantizedTensor:
-    "`u` with the `g_idx` it dropped taken back: an op over all four stored tensors, reading the groups from it."
+    "`u` with the `g_idx` it dropped taken back: the kept op reads the groups from it."
     if self.g_idx or not u.dropped:
         return u
     op = dataclasses.replace(self, g_idx=True, inputs=0, order=None, order_key='')
