@@ -447,3 +447,23 @@ def test_explore_lists_only_the_tp_sizes_load_accepts(name, ckpts):
             load_model(d, rank=r.world_size - 1, world_size=r.world_size)
     summary = _ranks(explore(d, stats=False))[0]
     assert summary.split(';')[0] == 'TP ' + ', '.join(map(str, sorted(listed))), summary
+
+
+def test_a_format_keep_cannot_hold_is_still_refused_by_key():
+    "An op that sets `keepable = False` is refused by its codes' key, with what keep holds and the fix."
+    import dataclasses
+    from typing import ClassVar
+
+    from mstar_utils.quantized import FP8BlockDequantize
+
+    @dataclasses.dataclass(frozen=True)
+    class Unkept(FP8BlockDequantize):
+        keepable: ClassVar[bool] = False
+        format_name: ClassVar[str] = 'a new format'
+
+    u = QuantizedTensor('0.weight', ['0.weight', '0.weight_scale_inv'], Unkept(), [(2, 2), (1, 1)], [torch.uint8] * 2)
+    with pytest.raises(NotImplementedError) as e:
+        keep_quantized(torch.nn.Sequential(torch.nn.Linear(2, 2)), [u])
+    msg = str(e.value)
+    assert msg.startswith("'0.weight': quantized='keep' holds no a new format codes (Unkept)"), msg
+    assert 'GPTQ, AWQ, bitsandbytes NF4, FP4 and int8' in msg and msg.endswith("quantized='dequantize'"), msg
