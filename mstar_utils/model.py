@@ -997,7 +997,8 @@ def _touches(raw, key: str, merged: dict) -> bool:
 
 # %% ../nbs/03_load_model.ipynb #bf47dc50
 _STORED_CODES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.uint8, torch.int8}
-_SCALES = ('_scale_inv', '_scale', '_zero_point', '_scales', '_shape')
+# the scales' and zero points' key ends: compressed-tensors' and fp8's, GPTQ's and AWQ's, bitsandbytes' kept ones
+_SCALES = ('_scale_inv', '_scale', '_zero_point', '_scales', '_shape', '.scales', '.SCB', '_absmax', '_quant_map')
 
 
 def _planned(prep: _Prepared, k: str, quantized) -> PlannedTensor:

@@ -20,16 +20,16 @@ from fastcore.basics import patch
 from torch import nn
 
 from .convert import ConversionOp, WeightConverter, convert_state_dict, converted_source
-from .sources import WrappedSource
+from .sources import RenamedSource, WrappedSource
 from .io import populate_pages
 
 # %% auto #0
 __all__ = ['FP4_E2M1', 'AWQ_ORDER', 'unpack_fp4', 'e8m0_to_float', 'unpack_int32', 'scale_grid', 'per_block_', 'in_threads',
            'scratch', 'Dequantize', 'FP8BlockDequantize', 'FloatQuantizedDequantize', 'PackQuantizedDequantize',
            'MXFP4Dequantize', 'StoredCut', 'dequantize_cut', 'QuantizedTensor', 'quantized_tensors',
-           'quantized_conversions', 'QuantizedLinear', 'QuantizedExperts', 'keep_quantized', 'quantized_source',
-           'block_slice', 'DenseQuantized', 'NVFP4Dequantize', 'nvfp4_table', 'GPTQDequantize', 'AWQDequantize',
-           'BnB4bitDequantize', 'BnBInt8Dequantize', 'stored_layout', 'layout_bits', 'draw_layout']
+           'quantized_conversions', 'held_names', 'QuantizedLinear', 'QuantizedExperts', 'keep_quantized',
+           'quantized_source', 'block_slice', 'DenseQuantized', 'NVFP4Dequantize', 'nvfp4_table', 'GPTQDequantize',
+           'AWQDequantize', 'BnB4bitDequantize', 'BnBInt8Dequantize', 'stored_layout', 'layout_bits', 'draw_layout']
 
 # %% ../nbs/06_quantized.ipynb #47664196
 # E2M1 value by code 0..15
@@ -818,6 +818,12 @@ def _place(model: nn.Module, u: QuantizedTensor, path: str, lin: list, whole: di
         lin.append((path, m, u))
         return
     if m is not None and p in m._parameters:
+        if getattr(u.op, 'module_keys', False):  # GPTQ's, AWQ's, int8's codes belong to a Linear layer
+            raise NotImplementedError(
+                f"{u.sources[0]!r}: quantized='keep' holds {getattr(u.op, 'format_name', type(u.op).__name__)} "
+                f"codes only in place of an nn.Linear, and {path!r} is a {type(m).__name__}; "
+                "load it with quantized='dequantize'"
+            )
         whole.setdefault(path, {})[p] = u
         return
     parts = path.split('.')
@@ -826,18 +832,26 @@ def _place(model: nn.Module, u: QuantizedTensor, path: str, lin: list, whole: di
         raise ValueError(f'{u.sources[0]!r}: no module of {type(model).__name__} holds {path + "." + p!r}')
     per.setdefault('.'.join(parts[:i]), {})['.'.join(parts[i:])] = u
 
+# %% ../nbs/06_quantized.ipynb #held0001
+def held_names(
+    op,  # a dequantizing op: its `suffixes`, and `module_keys` where they name tensors of the weight's module
+    p: str = 'weight',  # the parameter the op makes
+) -> list:
+    "The names a kept module holds `op`'s stored tensors under: each key after the module, dots as `_`."
+    return [s if getattr(op, 'module_keys', False) else (p + s).replace('.', '_') for s in op.suffixes]
+
 # %% ../nbs/06_quantized.ipynb #0e2e96bd
 def _stored(m: nn.Module, u: QuantizedTensor, name: str, device) -> None:
-    "Register `u`'s stored tensors on `m` as `name` + suffix, empty"
+    "Register `u`'s stored tensors on `m` under `held_names(u.op, name)`, empty"
     # in the checkpoint's shapes and dtypes, frozen.
-    for s, shape, dt in zip(u.op.suffixes, u.shapes, u.dtypes, strict=True):
-        m.register_parameter(name + s, nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False))
+    for n, shape, dt in zip(held_names(u.op, name), u.shapes, u.dtypes, strict=True):
+        m.register_parameter(n, nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False))
 
 # %% ../nbs/06_quantized.ipynb #0e2e96bd-1
 class QuantizedLinear(nn.Module):
     "A linear layer holding its weight as the checkpoint does"
 
-    # `weight` + `u.op.suffixes` (e.g. `weight`, `weight_scale_inv`), in the checkpoint's shapes and dtypes. `forward`
+    # `held_names(u.op)` (e.g. `weight`, `weight_scale_inv`), in the checkpoint's shapes and dtypes. `forward`
     # dequantizes with `u.op`, then multiplies: a CPU reference for kernels that read the same parameters.
     def __init__(
         self, in_features: int, out_features: int, u: QuantizedTensor, bias: bool = True, device=None, dtype=None
@@ -859,7 +873,7 @@ class QuantizedLinear(nn.Module):
 @patch
 def dequantized_weight(self: QuantizedLinear) -> torch.Tensor:
     "The weight [out_features, in_features] in the op's `target_dtype` (a tensor-parallel cut's `trim`)."
-    return _trimmed(self.op.apply([getattr(self, 'weight' + s) for s in self.op.suffixes]), self.trim)
+    return _trimmed(self.op.apply([getattr(self, n) for n in held_names(self.op)]), self.trim)
 
 # %% ../nbs/06_quantized.ipynb #a4a2480d-1
 @patch
@@ -940,7 +954,7 @@ def dequantized(self: QuantizedExperts) -> dict:
     "`inner`'s parameters by name: the quantized ones dequantized (and fused by `conv`)"
     # the others as held.
     out = {
-        p: _trimmed(op.apply([getattr(self, p + s) for s in op.suffixes]), self.trims.get(p))
+        p: _trimmed(op.apply([getattr(self, n) for n in held_names(op, p)]), self.trims.get(p))
         for p, op in self.ops.items()
     }
     lin = {
@@ -972,7 +986,7 @@ def extra_repr(self: QuantizedExperts) -> str:
 # %% ../nbs/06_quantized.ipynb #45ae8d91
 _KEPT = (
     'fp8 with block scales, compressed-tensors float-, pack-quantized and dense, NVFP4 (compressed-tensors and '
-    "ModelOpt), MXFP8, MXFP4 and GGUF's block types"
+    "ModelOpt), MXFP8, MXFP4, GPTQ, AWQ, bitsandbytes NF4, FP4 and int8, and GGUF's block types"
 )
 
 
@@ -1037,6 +1051,26 @@ class _Without(WrappedSource):
         self.hidden = hidden
         self.own_keys(k for k in self.src.keys() if k not in hidden)  # noqa: SIM118
 
+# %% ../nbs/06_quantized.ipynb #kept0001
+@patch
+def kept(self: Dequantize, src, u: QuantizedTensor) -> QuantizedTensor:
+    "`u` as `quantized='keep'` holds it: as detected (GPTQ takes back the `g_idx` it drops)."
+    return u
+
+# %% ../nbs/06_quantized.ipynb #kept0002
+def _kept_source(src, units: list):
+    "`src` as a kept load reads it: keys read only to build an op hidden, keys held under other names renamed."
+    taken = {k for u in units for k in u.sources}
+    hidden = {k for u in units for k in u.dropped if k not in taken}
+    renames = {}
+    for u in units:
+        module, _, p = u.target.rpartition('.')
+        for k, n in zip(u.sources, held_names(u.op, p), strict=True):
+            if k != (new := f'{module}.{n}' if module else n):
+                renames[k] = new
+    src = _Without(src, hidden) if hidden else src
+    return RenamedSource(src, renames) if renames else src
+
 # %% ../nbs/06_quantized.ipynb #28decb80-1
 def quantized_source(
     src,  # the checkpoint's source
@@ -1053,7 +1087,8 @@ def quantized_source(
     if not units:
         return src, conv
     if keep:
-        return src, keep_quantized(model, units, conv, names=names)
+        units = [u.op.kept(src, u) for u in units]
+        return _kept_source(src, units), keep_quantized(model, units, conv, names=names)
     hidden = {k for u in units for k in u.dropped}
     src = _Without(src, hidden) if hidden else src
     recipes = [WeightConverter(p, t, [op]) for p, t, op in _fragments(units, src.keys())]
@@ -1444,8 +1479,7 @@ class GPTQDequantize(Dequantize):
     order: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
     order_key: str = ''  # the stored key `order` came from: the ops of two modules differ
     module_keys: ClassVar[bool] = True  # suffixes name tensors of the weight's module
-    keepable: ClassVar[bool] = False
-    format_name: ClassVar[str] = 'GPTQ'  # named when quantized='keep' refuses it
+    format_name: ClassVar[str] = 'GPTQ'  # named when quantized='keep' refuses a layout
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
 
@@ -1495,8 +1529,7 @@ class AWQDequantize(Dequantize):
     target_dtype: torch.dtype = torch.bfloat16
     suffixes: ClassVar[tuple] = ('qweight', 'qzeros', 'scales')
     module_keys: ClassVar[bool] = True
-    keepable: ClassVar[bool] = False
-    format_name: ClassVar[str] = 'AWQ'  # named when quantized='keep' refuses it
+    format_name: ClassVar[str] = 'AWQ'  # named when quantized='keep' refuses a layout
     codes: ClassVar[tuple] = (torch.int32,)
     _stackable: ClassVar[bool] = False
 
@@ -1565,6 +1598,15 @@ def _awq_tensors(src, qc: dict, dtype, what: str) -> list:
 
 _FORMATS.update(gptq=_gptq_tensors, awq=_awq_tensors)
 
+# %% ../nbs/06_quantized.ipynb #gabk001
+@patch
+def kept(self: GPTQDequantize, src, u: QuantizedTensor) -> QuantizedTensor:
+    "`u` with the `g_idx` it dropped taken back: the kept op reads the groups from it."
+    if self.g_idx or not u.dropped:
+        return u
+    op = dataclasses.replace(self, g_idx=True, inputs=0, order=None, order_key='')
+    return _unit(src, u.target, op, Path(src.what).name)
+
 # %% ../nbs/06_quantized.ipynb #gab018
 @patch
 def cut(self: GPTQDequantize, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
@@ -1630,8 +1672,7 @@ class BnB4bitDequantize(Dequantize):
     nested_offset: float = 0.0
     target_dtype: torch.dtype = torch.bfloat16
     quant_storage: torch.dtype = torch.uint8  # the dtype the packed bytes are stored as
-    keepable: ClassVar[bool] = False
-    format_name: ClassVar[str] = 'bitsandbytes 4-bit (NF4, FP4)'  # named when quantized='keep' refuses it
+    format_name: ClassVar[str] = 'bitsandbytes 4-bit (NF4, FP4)'  # named when quantized='keep' refuses a layout
     codes_at: ClassVar[int] = -1  # the codes' place in `suffixes`, named in errors
     codes: ClassVar[tuple] = (torch.uint8, torch.bfloat16, torch.float16, torch.float32)
     _stackable: ClassVar[bool] = False
@@ -1679,8 +1720,7 @@ class BnBInt8Dequantize(Dequantize):
     target_dtype: torch.dtype = torch.bfloat16
     weight_format: bool = True  # a `weight_format` is stored (and dropped)
     module_keys: ClassVar[bool] = True
-    keepable: ClassVar[bool] = False
-    format_name: ClassVar[str] = 'bitsandbytes int8'  # named when quantized='keep' refuses it
+    format_name: ClassVar[str] = 'bitsandbytes int8'  # named when quantized='keep' refuses a layout
     codes: ClassVar[tuple] = (torch.int8,)
 
     @property

@@ -26,7 +26,7 @@ from mstar_utils.loading import (
     named_tensors,
     norm_prefix,
 )
-from .quantized import QuantizedLinear, QuantizedExperts, dequantize_cut
+from .quantized import QuantizedLinear, QuantizedExperts, dequantize_cut, held_names
 
 # %% auto #0
 __all__ = ['WHOLE', 'TP_STYLES', 'PLANS', 'SLICE_ROUTES', 'REPLICATED_SHARE', 'FORWARDS', 'Slice', 'slice_shape', 'take',
@@ -630,6 +630,15 @@ def _pin_per_expert(m, path: str, sharding: Sharding):
     sharding.elsewhere += [f'{path}.{k}.' for k in gone]  # their keys are other ranks': not unused here
     m.expert_offset, m.tp_slice = lo, next(iter(split.values()))
 
+# %% ../nbs/07_tensor_parallel.ipynb #keptcut1
+def _kept_cut(op, stored: list, sl: Slice, key: str):
+    "`op.cut` of kept tensors `stored` to slice `sl`; a layout it cannot cut (act-order inputs, 4-bit blocks) by `key`."
+    ((a, b),) = sl.ranges
+    try:
+        return op.cut(stored, sl.dim, a, b)
+    except ValueError as e:
+        raise ValueError(f'{key!r}: {e}') from None
+
 # %% ../nbs/07_tensor_parallel.ipynb #418cbe0f
 def _pin_kept(m, path: str, sharding: Sharding):
     "Pin the slices of kept module `m`'s codes and scales to what its weight's slice is made from; its op cut to match."
@@ -639,27 +648,27 @@ def _pin_kept(m, path: str, sharding: Sharding):
         return _pin_per_expert(m, path, sharding)
     ops = {'weight': m.op} if isinstance(m, QuantizedLinear) else dict(m.ops)
     for p, op in ops.items():
-        stored = [tuple(getattr(m, p + s).shape) for s in op.suffixes]
+        held = held_names(op, p)
+        stored = [tuple(getattr(m, n).shape) for n in held]
         shape = tuple(op.out_shape(stored))
         sl = sharding.slice_for(f'{path}.{p}', shape)
         if sl.dim is None:
-            for s in op.suffixes:
-                sharding.pinned[f'{path}.{p}{s}'] = WHOLE
+            for n in held:
+                sharding.pinned[f'{path}.{n}'] = WHOLE
             continue
         if len(sl.ranges) != 1:
             raise NotImplementedError(
                 f'{path}.{p}: a packed plan style cuts it in {len(sl.ranges)} ranges; '
                 'kept quantized weights are cut in one'
             )
-        ((a, b),) = sl.ranges
-        c = op.cut(stored, sl.dim, a, b)
+        c = _kept_cut(op, stored, sl, f'{path}.{held[getattr(op, "codes_at", 0)]}')
         if c is None:
             raise ValueError(
                 f'{path}.{p}: {type(op).__name__} cannot cut its scales along dim {sl.dim}; '
                 'load it with quantized="dequantize"'
             )
-        for s, part in zip(op.suffixes, c.parts, strict=True):
-            sharding.pinned[f'{path}.{p}{s}'] = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
+        for n, part in zip(held, c.parts, strict=True):
+            sharding.pinned[f'{path}.{n}'] = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
         m.tp_slice = sl  # the weight's slice: what the collectives cut inputs by
         if isinstance(m, QuantizedLinear):
             m.op, m.trim = c.op, c.trim

@@ -21,9 +21,13 @@ from mstar_utils.quantized import (
     AWQ_ORDER,
     AWQDequantize,
     GPTQDequantize,
+    QuantizedLinear,
+    QuantizedTensor,
     _unpack_cols,
     _unpack_rows,
     dequantize_cut,
+    held_names,
+    keep_quantized,
     quantized_tensors,
 )
 from mstar_utils.sources import checkpoint_source
@@ -204,25 +208,54 @@ def test_logits_equal_the_dequantized_reference(name, ckpts, tmp_path):
         assert_tensors_equal(logits(load_model(d, dtype=torch.bfloat16)), logits(ref16))
 
 
-@pytest.mark.parametrize(
-    'name,key,fmt',
-    [
-        ('gptq', 'model.layers.0.mlp.down_proj.qweight', 'GPTQ codes (GPTQDequantize)'),
-        ('awq', 'model.layers.0.mlp.down_proj.qweight', 'AWQ codes (AWQDequantize)'),
-        ('nf4_nested', 'model.layers.0.mlp.down_proj.weight', 'bitsandbytes 4-bit (NF4, FP4) codes'),
-        ('nf4_nested_bf16', 'model.layers.0.mlp.down_proj.weight', 'bitsandbytes 4-bit (NF4, FP4) codes'),
-        ('int8', 'model.layers.0.mlp.down_proj.weight', 'bitsandbytes int8 codes (BnBInt8Dequantize)'),
-    ],
-)
-def test_keep_is_refused_by_key_format_and_fix(ckpts, name, key, fmt):
-    "quantized='keep' holds no GPTQ, AWQ or bitsandbytes codes: the refusal names the codes' key, the format, the fix."
-    d, _ = ckpts[name]
+@pytest.mark.parametrize('name', list(CKPTS) + list(BNB))
+def test_keep_holds_the_stored_tensors_and_forwards_as_the_reference(name, ckpts, tmp_path):
+    """quantized='keep': each quantized layer a QuantizedLinear holding the file's tensors as stored; its weight the
+    reference's (the packed integers, bitsandbytes.functional), its logits from_pretrained's of the dequantized file."""
+    d, weights = weights_of(ckpts, name)
+    sd = load_file(str(d / 'model.safetensors'))
+    kept = load_model(d, dtype=torch.float32, quantized='keep')
+    units = quantized_tensors(checkpoint_source(d), config_of(d), torch.float32)
+    assert len(units) == 14
+    for u in units:
+        m = kept.get_submodule(u.target.rpartition('.')[0])
+        assert isinstance(m, QuantizedLinear), u.target
+        held = dict(m.named_parameters())
+        if isinstance(u.op, GPTQDequantize) and u.dropped:  # the g_idx the dequantizing load drops: held when kept
+            assert_tensors_equal(held.pop('g_idx'), sd[u.dropped[0]], u.target)
+        assert sorted(held) == sorted(held_names(u.op)), (u.target, sorted(held))
+        for n, k in zip(held_names(u.op), u.sources, strict=True):  # the very bytes (bfloat16-stored codes hold NaNs)
+            same = torch.equal(held[n].reshape(-1).view(torch.uint8), sd[k].reshape(-1).view(torch.uint8))
+            assert held[n].dtype == sd[k].dtype and held[n].shape == sd[k].shape and same, (u.target, n, k)
+        assert_tensors_equal(m.dequantized_weight(), weights[u.target], u.target)
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir(d, weights, tmp_path / 'ref'), dtype=torch.float32).eval()
+    assert_tensors_equal(logits(kept), logits(ref), atol=1e-4)
+    assert_tensors_equal(logits(kept), logits(load_model(d, dtype=torch.float32)))  # as the dequantized load
+
+
+def test_readme_names_the_formats_keep_holds():
+    "The README's keep sentence names GPTQ, AWQ and bitsandbytes, which the test above loads kept."
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / 'README.md').read_text(encoding='utf-8')
+    kept = re.search(r"kept quantized \(`quantized='keep'`: ([^)]*)\)", readme)
+    assert kept, 'README.md: no "kept quantized (`quantized=\'keep\'`: ...)" sentence'
+    named = set(re.split(r', | and ', kept[1]))
+    assert {'GPTQ', 'AWQ', 'bitsandbytes'} <= named, named
+
+
+def test_keep_refuses_codes_of_a_linear_elsewhere_by_key():
+    "GPTQ codes on a module that is not an nn.Linear (an Embedding) have no kept layout: refused by key, with the fix."
+    t, _ = gptq_quantize(torch.randn(8, 64), 4, 32)
+    keys = [f'0.{k}' for k in GPTQ_KEYS]
+    u = QuantizedTensor(
+        '0.weight', keys, GPTQDequantize(4, 32, True, False), [t[k].shape for k in GPTQ_KEYS], [torch.int32] * 4
+    )
     with pytest.raises(NotImplementedError) as e:
-        load_model(d, quantized='keep')
+        keep_quantized(torch.nn.Sequential(torch.nn.Embedding(8, 64)), [u])
     msg = str(e.value)
-    assert msg.startswith(f"{key!r}: quantized='keep' holds no {fmt}"), msg
-    assert msg.endswith("Load this checkpoint with quantized='dequantize'") and 'MXFP4' in msg
-    load_model(d, quantized='dequantize')  # the fix it names loads it
+    assert msg.startswith("'0.qweight': quantized='keep' holds GPTQ codes only in place of an nn.Linear"), msg
+    assert msg.endswith("load it with quantized='dequantize'"), msg
 
 
 def test_contradictions_are_named(ckpts, tmp_path):
@@ -294,11 +327,33 @@ def test_ranks_are_slices_of_the_full_load(name, ws, ckpts):
     assert sum(r.per_rank) <= r.bound(), (sum(r.per_rank), r.bound(), r)
 
 
-def test_row_parallel_act_order_and_bnb_4bit_are_refused_by_key(ckpts):
+@pytest.mark.parametrize('quantized', ['dequantize', 'keep'])
+def test_row_parallel_act_order_and_bnb_4bit_are_refused_by_key(ckpts, quantized):
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.qweight': act-order g_idx"):
-        load_model(ckpts['gptq_act'][0], rank=0, world_size=2)
+        load_model(ckpts['gptq_act'][0], rank=0, world_size=2, quantized=quantized)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight': bitsandbytes nf4 stores"):
-        load_model(ckpts['nf4_nested'][0], rank=0, world_size=2)
+        load_model(ckpts['nf4_nested'][0], rank=0, world_size=2, quantized=quantized)
+
+
+@pytest.mark.parametrize('name', ['gptq', 'gptq8_v2', 'awq', 'awq_one_group', 'int8'])
+@pytest.mark.parametrize('ws', [2, 4])
+def test_kept_ranks_hold_slices_of_the_reference(name, ws, ckpts):
+    """Kept under TP: each rank holds the full keep's codes, scales and zero points cut where its plan pins them, reads
+    what its load_plan says, and its kept layers dequantize to its slice of the reference weight."""
+    d, weights = weights_of(ckpts, name)
+    r = rank_reads(d, ws, whole_keys(name), dtype=torch.float32, quantized='keep')
+    # detection reads each g_idx whole (act-order or plain groups?) before the load reads the rank's part of it
+    g_idx = sum(t.nbytes for k, t in load_file(str(d / 'model.safetensors')).items() if k.endswith('.g_idx'))
+    assert r.full == r.checkpoint + g_idx, r
+    assert sum(r.per_rank) <= r.bound() + ws * g_idx, (sum(r.per_rank), r.bound(), r)
+    for rank in range(ws):
+        m = load_model(d, rank=rank, world_size=ws, dtype=torch.float32, quantized='keep')
+        kept = {n: q for n, q in m.named_modules() if isinstance(q, QuantizedLinear)}
+        assert len(kept) == 14
+        for n, q in kept.items():
+            w, sl = weights[n + '.weight'], q.tp_slice
+            ((a, b),) = sl.ranges
+            assert_tensors_equal(q.dequantized_weight(), w.narrow(sl.dim, a, b - a), f'rank {rank}: {n}')
 
 
 @pytest.mark.parametrize('fmt', ['gptq', 'gptq_no_g_idx', 'awq'])
@@ -333,18 +388,20 @@ def test_cuts_read_whole_words_and_groups(fmt, dim):
 
 @pytest.mark.skipif(not os.environ.get('MSTAR_UTILS_SLOW'), reason='spawns two ranks (40 s): set MSTAR_UTILS_SLOW=1')
 def test_tp_logits_equal_the_dequantized_reference(ckpts, tmp_path):
-    "Two ranks with their collectives: each rank's logits equal from_pretrained of the dequantized checkpoint."
+    "Two ranks with their collectives, dequantized and kept: each rank's logits equal from_pretrained of the reference."
     from mstar_utils.testing import run_ranks, tp_cells
 
-    names = ['gptq', 'awq', 'int8']
-    jobs = [(ckpts[n][0], {'input_ids': IDS}, False, 'dequantize') for n in names]
+    cells = [(n, q) for n in ['gptq', 'awq', 'int8'] for q in ('dequantize', 'keep')]
+    jobs = [(ckpts[n][0], {'input_ids': IDS}, False, q) for n, q in cells]
     per_rank = run_ranks(tp_cells, 2, jobs, timeout=600)
-    for i, n in enumerate(names):
+    for i, (n, q) in enumerate(cells):
         d, weights = weights_of(ckpts, n)
-        ref = AutoModelForCausalLM.from_pretrained(reference_dir(d, weights, tmp_path / n), dtype=torch.float32).eval()
+        ref_dir = tmp_path / n
+        ref_dir = ref_dir if ref_dir.exists() else reference_dir(d, weights, ref_dir)
+        ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
         for r, res in enumerate(per_rank):
             got = torch.load(io.BytesIO(res[i]), weights_only=False)['logits']
-            assert_tensors_equal(got, logits(ref), f'{n} rank {r}', atol=1e-4)
+            assert_tensors_equal(got, logits(ref), f'{n} {q} rank {r}', atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -390,3 +447,23 @@ def test_explore_lists_only_the_tp_sizes_load_accepts(name, ckpts):
             load_model(d, rank=r.world_size - 1, world_size=r.world_size)
     summary = _ranks(explore(d, stats=False))[0]
     assert summary.split(';')[0] == 'TP ' + ', '.join(map(str, sorted(listed))), summary
+
+
+def test_a_format_keep_cannot_hold_is_still_refused_by_key():
+    "An op that sets `keepable = False` is refused by its codes' key, with what keep holds and the fix."
+    import dataclasses
+    from typing import ClassVar
+
+    from mstar_utils.quantized import FP8BlockDequantize
+
+    @dataclasses.dataclass(frozen=True)
+    class Unkept(FP8BlockDequantize):
+        keepable: ClassVar[bool] = False
+        format_name: ClassVar[str] = 'a new format'
+
+    u = QuantizedTensor('0.weight', ['0.weight', '0.weight_scale_inv'], Unkept(), [(2, 2), (1, 1)], [torch.uint8] * 2)
+    with pytest.raises(NotImplementedError) as e:
+        keep_quantized(torch.nn.Sequential(torch.nn.Linear(2, 2)), [u])
+    msg = str(e.value)
+    assert msg.startswith("'0.weight': quantized='keep' holds no a new format codes (Unkept)"), msg
+    assert 'GPTQ, AWQ, bitsandbytes NF4, FP4 and int8' in msg and msg.endswith("quantized='dequantize'"), msg
