@@ -298,6 +298,8 @@ def _requantized(raw: _Incoming, model, built, what: str) -> Source:
         kept = {}
         for u in quantized_tensors(src, model.config, dtype, names):
             fmt, group = kept_format(qc, u, built, names)
+            if any(k.endswith('_g_idx') for k in u.sources):  # the column order is the quantizer's choice
+                raise _refused(what, f'{fmt} (activation-order groups)', u.target)
             if fmt not in REQUANTIZERS:
                 raise _refused(what, fmt, u.target)
             if u.target not in raw:

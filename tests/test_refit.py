@@ -442,3 +442,20 @@ def test_a_layout_the_model_does_not_hold_is_refused(ckpts):
     with pytest.raises(ValueError, match="make 'model.layers.0.mlp.experts.down_proj'.*the layout save_pretrained"):
         refit(served, bad)
     assert moved(before, served) == [] and differing(served, load_model(a)) == []
+
+
+def test_kept_activation_order_is_refused(tmp_path):
+    """compressed-tensors pack-quantized with activation-order groups (`weight_g_idx`): the column order is the
+    quantizer's choice, which refit cannot repeat, so keeping it is refused naming the format and a key."""
+    from transformers import AutoModelForCausalLM
+
+    from mstar_utils.testing import quantized_configs, write_ct_actorder_checkpoint
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(quantized_configs()['ct_pack'], dtype=torch.float32)
+    d = write_ct_actorder_checkpoint(model.to(torch.bfloat16), tmp_path / 'ao', group_size=4)
+    served = load_model(d, quantized='keep')
+    before = storage(served)
+    with pytest.raises(ValueError, match=r'pack-quantized \(activation-order groups\) codes.*incoming \'model\.'):
+        refit(served, {k: v.float() for k, v in model.state_dict().items()})
+    assert moved(before, served) == []
