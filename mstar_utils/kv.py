@@ -8,7 +8,7 @@ import json
 import logging
 import operator
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # %% auto #0
@@ -381,7 +381,6 @@ _LEGACY_KINDS = {'mamba': 'linear_attention', 'attention': 'full_attention'}
 _RECURRENT_ONLY = {
     'rwkv': "RWKV's time-mix and channel-mix states",
     'xlstm': "xLSTM's matrix-memory states",
-    'recurrent_gemma': "RecurrentGemma's RG-LRU states",
     'dory': "Dory's looped layers, cached once per loop,",
 }
 
@@ -392,6 +391,9 @@ def _layer_kinds(text) -> list[str | None]:
     if text.model_type in _RECURRENT_ONLY:
         raise ValueError(f'{text.model_type} config: {_RECURRENT_ONLY[text.model_type]} are not counted here')
     n, kinds = _need(text, 'num_hidden_layers'), getattr(text, 'layer_types', None)
+    blocks = getattr(text, 'layers_block_type', None)  # RecurrentGemma before transformers 5.25: no layer_types
+    if kinds is None and blocks and 'recurrent' in blocks:
+        kinds = ['linear_attention' if b == 'recurrent' else 'sliding_attention' for b in blocks]
     if kinds is None:
         kinds = n * [
             'sliding_attention'
@@ -461,20 +463,29 @@ def _convention(convention) -> str:
 class StateShape:
     "A recurrent layer's state per request"
 
-    family: str  # mamba1, mamba2, gated_deltanet, kda, short_conv or lightning
+    family: str  # mamba1, mamba2, gated_deltanet, kda, short_conv, lightning, cca, rg_lru or short_convs
     conv_channels: int = 0  # channels of the causal convolution's window
     # the convolution's width; the window keeps kernel - 1 (vLLM) or kernel (transformers) positions
     conv_kernel: int = 0
     ssm_elements: int = 0  # elements of the recurrent (SSM, delta-rule or linear-attention) state
     ssm_float32: bool = True  # transformers keeps the recurrent state in float32
     vllm_ssm_float32: bool = False  # vLLM keeps it in float32 whatever the model dtype (KDA)
+    keeps_kernel: bool = True  # transformers keeps `conv_kernel` positions; False: kernel - 1 (RG-LRU, CCA)
+    conv_float32: bool = False  # transformers keeps the window in float32 whatever the model dtype (Inkling)
+    vllm_refused: str = ''  # why vLLM's layout of this state is not counted here; '' when it is
 
     def bytes(self, nbytes: int, ssm_nbytes: int, convention: str) -> int:
         "Bytes of the state: the window in elements of `nbytes`"
-        positions = self.conv_kernel - 1 if convention == 'vllm' else self.conv_kernel
+        if convention == 'vllm' and self.vllm_refused:
+            raise ValueError(
+                f"{self.vllm_refused}, so its layout there is not counted; pass convention='transformers' for the "
+                "bytes transformers' cache holds"
+            )
+        positions = self.conv_kernel - (convention == 'vllm' or not self.keeps_kernel)
+        conv = 4 if self.conv_float32 and convention == 'transformers' else nbytes
         fp32 = self.vllm_ssm_float32 if convention == 'vllm' else self.ssm_float32
         ssm = 4 if fp32 else ssm_nbytes if convention == 'vllm' else nbytes
-        return self.conv_channels * positions * nbytes + self.ssm_elements * ssm
+        return self.conv_channels * positions * conv + self.ssm_elements * ssm
 
 # %% ../nbs/09_kv.ipynb #9c4de1ca
 def _mamba2(t) -> StateShape:
@@ -549,6 +560,55 @@ def _lightning(t) -> StateShape:
     dim = _first(t, 'head_dim') or _need(t, 'hidden_size') // heads
     return StateShape('lightning', ssm_elements=heads * dim * dim, ssm_float32=False)
 
+# %% ../nbs/09_kv.ipynb #529601cc
+def _cca(t) -> StateShape:
+    "ZAYA's CCA: a window over queries and keys, and the previous token's delayed value halves."
+    # Two stacked convolutions of widths t0 and t1 are one of width t0 + t1 - 1, whose window keeps t0 + t1 - 2.
+    d = _needs(
+        t,
+        'CCA',
+        heads=('num_attention_heads',),
+        kv=('num_key_value_heads',),
+        dim=('head_dim',),
+        t0=('cca_time0',),
+        t1=('cca_time1',),
+    )
+    return StateShape(
+        'cca',
+        (d['heads'] + d['kv']) * d['dim'],
+        d['t0'] + d['t1'] - 1,
+        d['kv'] * d['dim'] // 2,
+        ssm_float32=False,
+        keeps_kernel=False,
+        vllm_refused=f'{t.model_type} config: vLLM 0.32 does not serve ZAYA',
+    )
+
+# %% ../nbs/09_kv.ipynb #28d052f8
+def _rg_lru(t) -> StateShape:
+    "RecurrentGemma's RG-LRU: a window over `lru_width` channels and a `lru_width` state."
+    d = _needs(t, 'RG-LRU', width=('lru_width',), kernel=('conv1d_width',))
+    return StateShape(
+        'rg_lru',
+        d['width'],
+        d['kernel'],
+        d['width'],
+        keeps_kernel=False,
+        vllm_refused=f'{t.model_type} config: vLLM 0.32 does not serve RecurrentGemma',
+    )
+
+# %% ../nbs/09_kv.ipynb #601535e0
+def _short_convs(t, sliding: bool) -> StateShape:
+    "Inkling's four short convolutions: keys, values, attention and MLP outputs, each window in float32."
+    kv = _need(t, 'swa_num_key_value_heads' if sliding else 'num_key_value_heads')
+    dim = _need(t, 'swa_head_dim' if sliding else 'head_dim')
+    return StateShape(
+        'short_convs',
+        2 * kv * dim + 2 * _need(t, 'hidden_size'),
+        _need(t, 'conv_kernel_size'),
+        conv_float32=True,
+        vllm_refused=f"{t.model_type} config: vLLM 0.32 packs Inkling's short-convolution windows in a cache of its own",
+    )
+
 # %% ../nbs/09_kv.ipynb #d4197e8b
 _STATE_FAMILIES = (  # (family, the config keys that mark it), tried in order
     (_gated_deltanet, ('linear_num_key_heads',)),
@@ -556,6 +616,8 @@ _STATE_FAMILIES = (  # (family, the config keys that mark it), tried in order
     (_mamba2, ('mamba_n_groups', 'mamba_ngroups', 'n_groups')),
     (_mamba1, ('mamba_d_state', 'state_size')),
     (_lightning, ('linear_attn_alpha_factor',)),
+    (_cca, ('cca_time0',)),
+    (_rg_lru, ('lru_width',)),
 )
 
 
@@ -564,12 +626,14 @@ def _state_shape(t, kind: str) -> StateShape:
     # `ValueError` when no family's keys are there.
     if kind == 'conv':
         return _short_conv(t)
+    if getattr(t, 'swa_head_dim', None) is not None:  # Inkling: its window's channels follow the layer's heads
+        return _short_convs(t, kind == 'hybrid_sliding')
     for family, marks in _STATE_FAMILIES:
         if any(getattr(t, k, None) is not None for k in marks):
             return family(t)
     raise ValueError(
         f'{t.model_type} config: its {kind} layers keep a state of a kind not counted here (Mamba-1, Mamba-2, '
-        'Gated DeltaNet, Kimi Delta Attention, short convolutions and lightning attention are)'
+        'Gated DeltaNet, Kimi Delta Attention, short convolutions, lightning attention, CCA and RG-LRU are)'
     )
 
 # %% ../nbs/09_kv.ipynb #7879b3ad
@@ -648,6 +712,8 @@ def _layer_cache(
         shape = _state_shape(text, kind)
         state = shape.bytes(state_nbytes, ssm_nbytes or state_nbytes, convention)
         token = _attention_token_bytes(text, nbytes) if kind.startswith('hybrid') else 0
+        if kind == 'hybrid_sliding' and getattr(text, 'swa_num_key_value_heads', None):  # Inkling's own heads
+            token = 2 * _need(text, 'swa_num_key_value_heads') * _need(text, 'swa_head_dim') * nbytes
         return KVLayer(i, kind, token, window, state, shape.family)
     what = _NOT_COUNTED.get(kind, f'{kind!r}')
     raise ValueError(
@@ -733,6 +799,17 @@ class KVGeometry:
         "How many layer caches of each kind."
         return dict(Counter(layer.kind for layer in self.layers))
 
+# %% ../nbs/09_kv.ipynb #ab8aeb73
+def _loop_copies(text, layers: list[KVLayer]) -> list[KVLayer]:
+    "The caches a looped model adds: each looped layer's once more per pass after the first."
+    passes = getattr(text, 'loop_num_passes', None)
+    if not passes:
+        return []
+    start, end = _need(text, 'loop_layer_index_start', 0), _need(text, 'loop_layer_index_end')
+    looped = [layer for layer in layers if start <= layer.layer < end] * (checked_count(passes, 'loop_num_passes', 1) - 1)
+    n = _need(text, 'num_hidden_layers')
+    return [replace(layer, layer=n + k) for k, layer in enumerate(looped)]
+
 # %% ../nbs/09_kv.ipynb #9f0a1b2c
 def kv_geometry(
     config,  # a transformers config, a config.json dict, or a checkpoint folder (see `read_model_config`)
@@ -760,6 +837,7 @@ def kv_geometry(
         for i, kind in enumerate(_layer_kinds(text))
         if kind is not None
     ]
+    layers += _loop_copies(text, layers)
     return KVGeometry(config.model_type, name, seq, tuple(layers + _cross_attention(config, text, nbytes)), convention)
 
 # %% ../nbs/09_kv.ipynb #0a1b2c3e
