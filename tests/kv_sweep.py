@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from mstar_utils.upstream import output_cache
+from mstar_utils.upstream import cache_arg, output_cache
 from mstar_utils.kv import kv_geometry
 
 # Released defaults that transformers' own model cannot run as they stand, and the smallest change that lets it:
@@ -64,6 +64,11 @@ def _windows(text) -> int:
     return max([getattr(text, k, None) or 0 for k in ('sliding_window', 'attention_chunk_size')] + [0])
 
 
+def _module_states(model) -> list:
+    "Tensors `model`'s modules keep as plain attributes (not parameters or buffers)."
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+
+
 def _filled(model, config, tokens: int):
     """transformers' cache after one forward of `tokens` tokens through `model` (on meta: shapes and dtypes, no
     arithmetic)."""
@@ -71,17 +76,32 @@ def _filled(model, config, tokens: int):
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
     cache = output_cache(out)
-    if cache is None:
+    if cache is not None:
+        return cache
+    # RecurrentGemma returns no cache: its forward builds one for the attention layers and keeps the RG-LRU states on
+    # its modules. Hand it the cache, and count what its modules hold after the forward that they did not before.
+    from transformers import DynamicCache
+
+    held = _module_states(model)  # kept alive, so no new tensor takes one of their ids
+    before = {id(t) for t in held}
+    cache = DynamicCache(config=config)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_arg(model): cache})
+    except TypeError:
+        raise LookupError('its forward returns no cache and takes none') from None
+    states = [t for t in _module_states(model) if id(t) not in before]
+    if not states and not cache_bytes(cache):
         raise LookupError('its forward returns no cache')
-    return cache
+    return cache, states
 
 
-def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = False):
-    """`model_type`'s config class with its defaults (and FIXUPS), in `dtype`, long enough for `tokens`, as a decoder
-    if asked."""
+def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = False, overrides=None):
+    """`model_type`'s config class with its defaults (and FIXUPS, then `overrides`), in `dtype`, long enough for
+    `tokens`, as a decoder if asked."""
     from transformers import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type](**FIXUPS.get(model_type, {}))
+    config = CONFIG_MAPPING[model_type](**{**FIXUPS.get(model_type, {}), **(overrides or {})})
     config.dtype = dtype
     text = config.get_text_config(decoder=True)
     if decoder:
@@ -91,19 +111,20 @@ def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = F
     return config
 
 
-def sweep_one(model_type: str, dtype=torch.bfloat16) -> SweepResult:
-    "Build `model_type`'s causal LM from its config class's defaults on meta, fill its cache at two lengths, compare."
+def sweep_one(model_type: str, dtype=torch.bfloat16, overrides: dict | None = None) -> SweepResult:
+    """Build `model_type`'s causal LM from its config class's defaults (or `overrides` of them) on meta, fill its cache
+    at two lengths, compare."""
     from transformers import AutoModelForCausalLM
 
     try:
-        text = _config(model_type, dtype).get_text_config(decoder=True)
+        text = _config(model_type, dtype, overrides=overrides).get_text_config(decoder=True)
     except Exception as e:
         return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
     t1 = max(_windows(text) + 1, 3)
     t2 = t1 + 4
     for decoder in (False, True):
         try:
-            config = _config(model_type, dtype, t2, decoder)
+            config = _config(model_type, dtype, t2, decoder, overrides)
         except Exception as e:
             return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
         try:
