@@ -606,7 +606,7 @@ def _short_convs(t, sliding: bool) -> StateShape:
         2 * kv * dim + 2 * _need(t, 'hidden_size'),
         _need(t, 'conv_kernel_size'),
         conv_float32=True,
-        vllm_refused=f"{t.model_type} config: vLLM 0.32 packs Inkling's short-convolution windows in a cache of its own",
+        vllm_refused=f"{t.model_type} config: vLLM 0.32 packs Inkling's convolution windows in a cache of its own",
     )
 
 # %% ../nbs/09_kv.ipynb #d4197e8b
@@ -806,7 +806,8 @@ def _loop_copies(text, layers: list[KVLayer]) -> list[KVLayer]:
     if not passes:
         return []
     start, end = _need(text, 'loop_layer_index_start', 0), _need(text, 'loop_layer_index_end')
-    looped = [layer for layer in layers if start <= layer.layer < end] * (checked_count(passes, 'loop_num_passes', 1) - 1)
+    extra = checked_count(passes, 'loop_num_passes', 1) - 1
+    looped = [layer for layer in layers if start <= layer.layer < end] * extra
     n = _need(text, 'num_hidden_layers')
     return [replace(layer, layer=n + k) for k, layer in enumerate(looped)]
 
