@@ -644,7 +644,16 @@ _FP32_INDEXER_KEYS = {'dots3_note', 'dots3_note_text'}
 
 def _indexer_token_bytes(t, nbytes: int, convention: str) -> int:
     "Bytes per token of an indexer key: vLLM's fp8 with a float32 scale per 128, or transformers' dtype."
-    # transformers' is `nbytes` (or its float32).
+    # transformers' is `nbytes` (or its float32). Qwen4-Exp's QSA indexer names its key `indexer_head_dim`, with
+    # `indexer_kv_heads` of them; vLLM keeps those keys compressed in a cache of its own, not counted here.
+    if getattr(t, 'indexer_head_dim', None) is not None:
+        if convention == 'vllm':
+            raise ValueError(
+                f"{t.model_type} config: vLLM 0.32 keeps the QSA indexer's keys compressed in a cache of its own, so "
+                "its layout there is not counted; pass convention='transformers' for the bytes transformers' cache "
+                'holds'
+            )
+        return _need(t, 'indexer_kv_heads') * _need(t, 'indexer_head_dim') * nbytes
     dim = _need(t, 'index_head_dim')
     if convention == 'vllm':
         return dim + dim // 128 * 4
@@ -669,6 +678,19 @@ class KVLayer:
     def fixed_bytes(self) -> int:
         "Bytes per request that do not grow with the sequence."
         return self.state_bytes + (0 if self.tokens is None else self.tokens * self.token_bytes)
+
+# %% ../nbs/09_kv.ipynb #9c8ad559
+def _ple_state_bytes(t, i: int, nbytes: int, convention: str) -> int:
+    "Bytes of the PLE window layer `i` keeps (Qwen4-Exp), 0 for a layer without PLE."
+    if i + 1 not in (getattr(t, 'ple_layer_ids', None) or ()):
+        return 0
+    if convention == 'vllm':
+        raise ValueError(
+            f"{t.model_type} config: vLLM 0.32 keeps the PLE layers' state in a layout of its own, so it is not "
+            "counted; pass convention='transformers' for the bytes transformers' cache holds"
+        )
+    positions = (_need(t, 'ple_conv_kernel_size') - 1) * _need(t, 'ngram_size')
+    return _need(t, 'hc_count') * _need(t, 'hidden_size') * positions * nbytes
 
 # %% ../nbs/09_kv.ipynb #27b283d9
 _NOT_COUNTED = {
@@ -711,6 +733,7 @@ def _layer_cache(
     if kind in ('linear_attention', 'conv', 'hybrid', 'hybrid_sliding'):
         shape = _state_shape(text, kind)
         state = shape.bytes(state_nbytes, ssm_nbytes or state_nbytes, convention)
+        state += _ple_state_bytes(text, i, state_nbytes, convention)
         token = _attention_token_bytes(text, nbytes) if kind.startswith('hybrid') else 0
         if kind == 'hybrid_sliding' and getattr(text, 'swa_num_key_value_heads', None):  # Inkling's own heads
             token = 2 * _need(text, 'swa_num_key_value_heads') * _need(text, 'swa_head_dim') * nbytes

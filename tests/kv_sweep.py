@@ -69,10 +69,10 @@ def _module_states(model) -> list:
     return [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
 
 
-def _filled(model, config, tokens: int):
+def _filled(model, config, tokens: int, device: str = 'meta'):
     """transformers' cache after one forward of `tokens` tokens through `model` (on meta: shapes and dtypes, no
     arithmetic)."""
-    ids = torch.zeros(1, tokens, dtype=torch.long, device='meta')
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
     cache = output_cache(out)
@@ -111,9 +111,11 @@ def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = F
     return config
 
 
-def sweep_one(model_type: str, dtype=torch.bfloat16, overrides: dict | None = None) -> SweepResult:
+def sweep_one(
+    model_type: str, dtype=torch.bfloat16, overrides: dict | None = None, device: str = 'meta'
+) -> SweepResult:
     """Build `model_type`'s causal LM from its config class's defaults (or `overrides` of them) on meta, fill its cache
-    at two lengths, compare."""
+    at two lengths, compare. A tiny config whose forward meta cannot run (`nonzero`) runs on `device='cpu'`."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -132,19 +134,19 @@ def sweep_one(model_type: str, dtype=torch.bfloat16, overrides: dict | None = No
         except ValueError as e:
             return SweepResult(model_type, 'skipped', f'not counted: {str(e)[:160]}')
         try:
-            with warnings.catch_warnings(), torch.device('meta'):
+            with warnings.catch_warnings(), torch.device(device):
                 warnings.simplefilter('ignore')
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         except Exception as e:
             return SweepResult(model_type, 'skipped', f'model build: {type(e).__name__}: {str(e)[:120]}')
         try:
-            b1, b2 = (cache_bytes(_filled(model, config, t)) for t in (t1, t2))
+            b1, b2 = (cache_bytes(_filled(model, config, t, device)) for t in (t1, t2))
         except LookupError as e:
             if not decoder and hasattr(config, 'is_decoder'):
                 continue
-            return SweepResult(model_type, 'skipped', f'forward on meta: {e}')
+            return SweepResult(model_type, 'skipped', f'forward on {device}: {e}')
         except Exception as e:
-            return SweepResult(model_type, 'skipped', f'forward on meta: {type(e).__name__}: {str(e)[:120]}')
+            return SweepResult(model_type, 'skipped', f'forward on {device}: {type(e).__name__}: {str(e)[:120]}')
         break
     if b1 == 0 and b2 == 0:
         return SweepResult(model_type, 'skipped', 'its cache holds no tensors')
