@@ -654,6 +654,10 @@ def _indexer_token_bytes(t, nbytes: int, convention: str) -> int:
                 'holds'
             )
         return _need(t, 'indexer_kv_heads') * _need(t, 'indexer_head_dim') * nbytes
+    if getattr(t, 'index_head_dim', None) is None:
+        raise ValueError(
+            f'{t.model_type} config has indexed_attention layers but no index_head_dim or indexer_head_dim'
+        )
     dim = _need(t, 'index_head_dim')
     if convention == 'vllm':
         return dim + dim // 128 * 4
