@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # %% auto #0
@@ -376,7 +376,6 @@ _LEGACY_KINDS = {'mamba': 'linear_attention', 'attention': 'full_attention'}
 _RECURRENT_ONLY = {
     'rwkv': "RWKV's time-mix and channel-mix states",
     'xlstm': "xLSTM's matrix-memory states",
-    'recurrent_gemma': "RecurrentGemma's RG-LRU states",
     'dory': "Dory's looped layers, cached once per loop,",
 }
 
@@ -387,6 +386,9 @@ def _layer_kinds(text) -> list[str | None]:
     if text.model_type in _RECURRENT_ONLY:
         raise ValueError(f'{text.model_type} config: {_RECURRENT_ONLY[text.model_type]} are not counted here')
     n, kinds = _need(text, 'num_hidden_layers'), getattr(text, 'layer_types', None)
+    blocks = getattr(text, 'layers_block_type', None)  # RecurrentGemma before transformers 5.25: no layer_types
+    if kinds is None and blocks and 'recurrent' in blocks:
+        kinds = ['linear_attention' if b == 'recurrent' else 'sliding_attention' for b in blocks]
     if kinds is None:
         kinds = n * [
             'sliding_attention'
@@ -456,20 +458,29 @@ def _convention(convention) -> str:
 class StateShape:
     "A recurrent layer's state per request"
 
-    family: str  # mamba1, mamba2, gated_deltanet, kda, short_conv or lightning
+    family: str  # mamba1, mamba2, gated_deltanet, kda, short_conv, lightning, cca, rg_lru or short_convs
     conv_channels: int = 0  # channels of the causal convolution's window
     # the convolution's width; the window keeps kernel - 1 (vLLM) or kernel (transformers) positions
     conv_kernel: int = 0
     ssm_elements: int = 0  # elements of the recurrent (SSM, delta-rule or linear-attention) state
     ssm_float32: bool = True  # transformers keeps the recurrent state in float32
     vllm_ssm_float32: bool = False  # vLLM keeps it in float32 whatever the model dtype (KDA)
+    keeps_kernel: bool = True  # transformers keeps `conv_kernel` positions; False: kernel - 1 (RG-LRU, CCA)
+    conv_float32: bool = False  # transformers keeps the window in float32 whatever the model dtype (Inkling)
+    vllm_refused: str = ''  # why vLLM's layout of this state is not counted here; '' when it is
 
     def bytes(self, nbytes: int, ssm_nbytes: int, convention: str) -> int:
         "Bytes of the state: the window in elements of `nbytes`"
-        positions = self.conv_kernel - 1 if convention == 'vllm' else self.conv_kernel
+        if convention == 'vllm' and self.vllm_refused:
+            raise ValueError(
+                f"{self.vllm_refused}, so its layout there is not counted; pass convention='transformers' for the "
+                "bytes transformers' cache holds"
+            )
+        positions = self.conv_kernel - (convention == 'vllm' or not self.keeps_kernel)
+        conv = 4 if self.conv_float32 and convention == 'transformers' else nbytes
         fp32 = self.vllm_ssm_float32 if convention == 'vllm' else self.ssm_float32
         ssm = 4 if fp32 else ssm_nbytes if convention == 'vllm' else nbytes
-        return self.conv_channels * positions * nbytes + self.ssm_elements * ssm
+        return self.conv_channels * positions * conv + self.ssm_elements * ssm
 
 # %% ../nbs/09_kv.ipynb #9c4de1ca
 def _mamba2(t) -> StateShape:
@@ -544,6 +555,55 @@ def _lightning(t) -> StateShape:
     dim = _first(t, 'head_dim') or _need(t, 'hidden_size') // heads
     return StateShape('lightning', ssm_elements=heads * dim * dim, ssm_float32=False)
 
+# %% ../nbs/09_kv.ipynb #529601cc
+def _cca(t) -> StateShape:
+    "ZAYA's CCA: a window over queries and keys, and the previous token's delayed value halves."
+    # Two stacked convolutions of widths t0 and t1 are one of width t0 + t1 - 1, whose window keeps t0 + t1 - 2.
+    d = _needs(
+        t,
+        'CCA',
+        heads=('num_attention_heads',),
+        kv=('num_key_value_heads',),
+        dim=('head_dim',),
+        t0=('cca_time0',),
+        t1=('cca_time1',),
+    )
+    return StateShape(
+        'cca',
+        (d['heads'] + d['kv']) * d['dim'],
+        d['t0'] + d['t1'] - 1,
+        d['kv'] * d['dim'] // 2,
+        ssm_float32=False,
+        keeps_kernel=False,
+        vllm_refused=f'{t.model_type} config: vLLM 0.32 does not serve ZAYA',
+    )
+
+# %% ../nbs/09_kv.ipynb #28d052f8
+def _rg_lru(t) -> StateShape:
+    "RecurrentGemma's RG-LRU: a window over `lru_width` channels and a `lru_width` state."
+    d = _needs(t, 'RG-LRU', width=('lru_width',), kernel=('conv1d_width',))
+    return StateShape(
+        'rg_lru',
+        d['width'],
+        d['kernel'],
+        d['width'],
+        keeps_kernel=False,
+        vllm_refused=f'{t.model_type} config: vLLM 0.32 does not serve RecurrentGemma',
+    )
+
+# %% ../nbs/09_kv.ipynb #601535e0
+def _short_convs(t, sliding: bool) -> StateShape:
+    "Inkling's four short convolutions: keys, values, attention and MLP outputs, each window in float32."
+    kv = _need(t, 'swa_num_key_value_heads' if sliding else 'num_key_value_heads')
+    dim = _need(t, 'swa_head_dim' if sliding else 'head_dim')
+    return StateShape(
+        'short_convs',
+        2 * kv * dim + 2 * _need(t, 'hidden_size'),
+        _need(t, 'conv_kernel_size'),
+        conv_float32=True,
+        vllm_refused=f"{t.model_type} config: vLLM 0.32 packs Inkling's convolution windows in a cache of its own",
+    )
+
 # %% ../nbs/09_kv.ipynb #d4197e8b
 _STATE_FAMILIES = (  # (family, the config keys that mark it), tried in order
     (_gated_deltanet, ('linear_num_key_heads',)),
@@ -551,6 +611,8 @@ _STATE_FAMILIES = (  # (family, the config keys that mark it), tried in order
     (_mamba2, ('mamba_n_groups', 'mamba_ngroups', 'n_groups')),
     (_mamba1, ('mamba_d_state', 'state_size')),
     (_lightning, ('linear_attn_alpha_factor',)),
+    (_cca, ('cca_time0',)),
+    (_rg_lru, ('lru_width',)),
 )
 
 
@@ -559,12 +621,14 @@ def _state_shape(t, kind: str) -> StateShape:
     # `ValueError` when no family's keys are there.
     if kind == 'conv':
         return _short_conv(t)
+    if getattr(t, 'swa_head_dim', None) is not None:  # Inkling: its window's channels follow the layer's heads
+        return _short_convs(t, kind == 'hybrid_sliding')
     for family, marks in _STATE_FAMILIES:
         if any(getattr(t, k, None) is not None for k in marks):
             return family(t)
     raise ValueError(
         f'{t.model_type} config: its {kind} layers keep a state of a kind not counted here (Mamba-1, Mamba-2, '
-        'Gated DeltaNet, Kimi Delta Attention, short convolutions and lightning attention are)'
+        'Gated DeltaNet, Kimi Delta Attention, short convolutions, lightning attention, CCA and RG-LRU are)'
     )
 
 # %% ../nbs/09_kv.ipynb #7879b3ad
@@ -575,7 +639,20 @@ _FP32_INDEXER_KEYS = {'dots3_note', 'dots3_note_text'}
 
 def _indexer_token_bytes(t, nbytes: int, convention: str) -> int:
     "Bytes per token of an indexer key: vLLM's fp8 with a float32 scale per 128, or transformers' dtype."
-    # transformers' is `nbytes` (or its float32).
+    # transformers' is `nbytes` (or its float32). Qwen4-Exp's QSA indexer names its key `indexer_head_dim`, with
+    # `indexer_kv_heads` of them; vLLM keeps those keys compressed in a cache of its own, not counted here.
+    if getattr(t, 'indexer_head_dim', None) is not None:
+        if convention == 'vllm':
+            raise ValueError(
+                f"{t.model_type} config: vLLM 0.32 keeps the QSA indexer's keys compressed in a cache of its own, so "
+                "its layout there is not counted; pass convention='transformers' for the bytes transformers' cache "
+                'holds'
+            )
+        return _need(t, 'indexer_kv_heads') * _need(t, 'indexer_head_dim') * nbytes
+    if getattr(t, 'index_head_dim', None) is None:
+        raise ValueError(
+            f'{t.model_type} config has indexed_attention layers but no index_head_dim or indexer_head_dim'
+        )
     dim = _need(t, 'index_head_dim')
     if convention == 'vllm':
         return dim + dim // 128 * 4
@@ -600,6 +677,19 @@ class KVLayer:
     def fixed_bytes(self) -> int:
         "Bytes per request that do not grow with the sequence."
         return self.state_bytes + (0 if self.tokens is None else self.tokens * self.token_bytes)
+
+# %% ../nbs/09_kv.ipynb #9c8ad559
+def _ple_state_bytes(t, i: int, nbytes: int, convention: str) -> int:
+    "Bytes of the PLE window layer `i` keeps (Qwen4-Exp), 0 for a layer without PLE."
+    if i + 1 not in (getattr(t, 'ple_layer_ids', None) or ()):
+        return 0
+    if convention == 'vllm':
+        raise ValueError(
+            f"{t.model_type} config: vLLM 0.32 keeps the PLE layers' state in a layout of its own, so it is not "
+            "counted; pass convention='transformers' for the bytes transformers' cache holds"
+        )
+    positions = (_need(t, 'ple_conv_kernel_size') - 1) * _need(t, 'ngram_size')
+    return _need(t, 'hc_count') * _need(t, 'hidden_size') * positions * nbytes
 
 # %% ../nbs/09_kv.ipynb #27b283d9
 _NOT_COUNTED = {
@@ -642,7 +732,10 @@ def _layer_cache(
     if kind in ('linear_attention', 'conv', 'hybrid', 'hybrid_sliding'):
         shape = _state_shape(text, kind)
         state = shape.bytes(state_nbytes, ssm_nbytes or state_nbytes, convention)
+        state += _ple_state_bytes(text, i, state_nbytes, convention)
         token = _attention_token_bytes(text, nbytes) if kind.startswith('hybrid') else 0
+        if kind == 'hybrid_sliding' and getattr(text, 'swa_num_key_value_heads', None):  # Inkling's own heads
+            token = 2 * _need(text, 'swa_num_key_value_heads') * _need(text, 'swa_head_dim') * nbytes
         return KVLayer(i, kind, token, window, state, shape.family)
     what = _NOT_COUNTED.get(kind, f'{kind!r}')
     raise ValueError(
@@ -728,6 +821,18 @@ class KVGeometry:
         "How many layer caches of each kind."
         return dict(Counter(layer.kind for layer in self.layers))
 
+# %% ../nbs/09_kv.ipynb #ab8aeb73
+def _loop_copies(text, layers: list[KVLayer]) -> list[KVLayer]:
+    "The caches a looped model adds: each looped layer's once more per pass after the first."
+    passes = getattr(text, 'loop_num_passes', None)
+    if not passes:
+        return []
+    start, end = _need(text, 'loop_layer_index_start', 0), _need(text, 'loop_layer_index_end')
+    extra = checked_count(passes, 'loop_num_passes', 1) - 1
+    looped = [layer for layer in layers if start <= layer.layer < end] * extra
+    n = _need(text, 'num_hidden_layers')
+    return [replace(layer, layer=n + k) for k, layer in enumerate(looped)]
+
 # %% ../nbs/09_kv.ipynb #9f0a1b2c
 def kv_geometry(
     config,  # a transformers config, a config.json dict, or a checkpoint folder (see `read_model_config`)
@@ -755,6 +860,7 @@ def kv_geometry(
         for i, kind in enumerate(_layer_kinds(text))
         if kind is not None
     ]
+    layers += _loop_copies(text, layers)
     return KVGeometry(config.model_type, name, seq, tuple(layers + _cross_attention(config, text, nbytes)), convention)
 
 # %% ../nbs/09_kv.ipynb #0a1b2c3e

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from mstar_utils.upstream import output_cache
+from mstar_utils.upstream import cache_arg, output_cache
 from mstar_utils.kv import kv_geometry
 
 # Released defaults that transformers' own model cannot run as they stand, and the smallest change that lets it:
@@ -64,24 +64,44 @@ def _windows(text) -> int:
     return max([getattr(text, k, None) or 0 for k in ('sliding_window', 'attention_chunk_size')] + [0])
 
 
-def _filled(model, config, tokens: int):
+def _module_states(model) -> list:
+    "Tensors `model`'s modules keep as plain attributes (not parameters or buffers)."
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+
+
+def _filled(model, config, tokens: int, device: str = 'meta'):
     """transformers' cache after one forward of `tokens` tokens through `model` (on meta: shapes and dtypes, no
     arithmetic)."""
-    ids = torch.zeros(1, tokens, dtype=torch.long, device='meta')
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
     cache = output_cache(out)
-    if cache is None:
+    if cache is not None:
+        return cache
+    # RecurrentGemma returns no cache: its forward builds one for the attention layers and keeps the RG-LRU states on
+    # its modules. Hand it the cache, and count what its modules hold after the forward that they did not before.
+    from transformers import DynamicCache
+
+    held = _module_states(model)  # kept alive, so no new tensor takes one of their ids
+    before = {id(t) for t in held}
+    cache = DynamicCache(config=config)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_arg(model): cache})
+    except TypeError:
+        raise LookupError('its forward returns no cache and takes none') from None
+    states = [t for t in _module_states(model) if id(t) not in before]
+    if not states and not cache_bytes(cache):
         raise LookupError('its forward returns no cache')
-    return cache
+    return cache, states
 
 
-def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = False):
-    """`model_type`'s config class with its defaults (and FIXUPS), in `dtype`, long enough for `tokens`, as a decoder
-    if asked."""
+def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = False, overrides=None):
+    """`model_type`'s config class with its defaults (and FIXUPS, then `overrides`), in `dtype`, long enough for
+    `tokens`, as a decoder if asked."""
     from transformers import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type](**FIXUPS.get(model_type, {}))
+    config = CONFIG_MAPPING[model_type](**{**FIXUPS.get(model_type, {}), **(overrides or {})})
     config.dtype = dtype
     text = config.get_text_config(decoder=True)
     if decoder:
@@ -91,19 +111,22 @@ def _config(model_type: str, dtype, tokens: int | None = None, decoder: bool = F
     return config
 
 
-def sweep_one(model_type: str, dtype=torch.bfloat16) -> SweepResult:
-    "Build `model_type`'s causal LM from its config class's defaults on meta, fill its cache at two lengths, compare."
+def sweep_one(
+    model_type: str, dtype=torch.bfloat16, overrides: dict | None = None, device: str = 'meta'
+) -> SweepResult:
+    """Build `model_type`'s causal LM from its config class's defaults (or `overrides` of them) on meta, fill its cache
+    at two lengths, compare. A tiny config whose forward meta cannot run (`nonzero`) runs on `device='cpu'`."""
     from transformers import AutoModelForCausalLM
 
     try:
-        text = _config(model_type, dtype).get_text_config(decoder=True)
+        text = _config(model_type, dtype, overrides=overrides).get_text_config(decoder=True)
     except Exception as e:
         return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
     t1 = max(_windows(text) + 1, 3)
     t2 = t1 + 4
     for decoder in (False, True):
         try:
-            config = _config(model_type, dtype, t2, decoder)
+            config = _config(model_type, dtype, t2, decoder, overrides)
         except Exception as e:
             return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
         try:
@@ -111,19 +134,19 @@ def sweep_one(model_type: str, dtype=torch.bfloat16) -> SweepResult:
         except ValueError as e:
             return SweepResult(model_type, 'skipped', f'not counted: {str(e)[:160]}')
         try:
-            with warnings.catch_warnings(), torch.device('meta'):
+            with warnings.catch_warnings(), torch.device(device):
                 warnings.simplefilter('ignore')
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         except Exception as e:
             return SweepResult(model_type, 'skipped', f'model build: {type(e).__name__}: {str(e)[:120]}')
         try:
-            b1, b2 = (cache_bytes(_filled(model, config, t)) for t in (t1, t2))
+            b1, b2 = (cache_bytes(_filled(model, config, t, device)) for t in (t1, t2))
         except LookupError as e:
             if not decoder and hasattr(config, 'is_decoder'):
                 continue
-            return SweepResult(model_type, 'skipped', f'forward on meta: {e}')
+            return SweepResult(model_type, 'skipped', f'forward on {device}: {e}')
         except Exception as e:
-            return SweepResult(model_type, 'skipped', f'forward on meta: {type(e).__name__}: {str(e)[:120]}')
+            return SweepResult(model_type, 'skipped', f'forward on {device}: {type(e).__name__}: {str(e)[:120]}')
         break
     if b1 == 0 and b2 == 0:
         return SweepResult(model_type, 'skipped', 'its cache holds no tensors')

@@ -43,6 +43,90 @@ def test_released_shape_matches_transformers_cache(model_type):
     assert r.status == 'matched', r
 
 
+_T = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128
+)
+_INKLING = dict(
+    _T,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=4,  # sliding layers with other heads than the full ones, as Inkling's release has
+    swa_head_dim=8,
+    sliding_window_size=4,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    conv_kernel_size=3,
+    rel_extent=8,
+    d_rel=4,
+)
+_QWEN4_EXP = dict(
+    _T,
+    num_hidden_layers=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    hc_lowrank=8,
+    ple_layer_ids=[1, 3],  # 1-based, linear-attention layers only
+    ple_embed_dim=32,
+    ngram_vocab_size_base=1000,
+    split_ngram_parts=4,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=16,
+    indexer_budget=8,
+    indexer_compress_ratio=4,
+    eos_token_id=1,
+)
+# Tiny configs of the classes whose layer kinds were named but refused until issue 41: ZAYA's CCA, Inkling's short
+# convolutions (and Inkling2-Loop's per-pass caches), RecurrentGemma's RG-LRU, Qwen4-Exp's QSA indexer and PLE
+# windows. Their released shapes run in the slow sweep where meta can run them; these run in seconds.
+TINY = {
+    'zaya': dict(
+        _T,
+        moe_intermediate_size=32,
+        num_experts=2,
+        router_hidden_size=16,
+        cca_time0=2,
+        cca_time1=3,
+        sliding_window=4,
+        layer_types=['hybrid', 'hybrid_sliding'],
+    ),
+    'inkling_text': dict(_INKLING, intermediate_size=64, n_shared_experts=1, local_layer_ids=[0]),
+    'inkling2_text': dict(_INKLING, layer_types=['hybrid_sliding', 'hybrid'], n_layers_per_attn_res_block=1),
+    'inkling2_loop_text': dict(
+        _INKLING,
+        num_hidden_layers=3,
+        layer_types=['hybrid_sliding', 'hybrid', 'hybrid_sliding'],
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=2,
+        loop_num_passes=3,
+        loop_gate_rank=8,
+    ),
+    'recurrent_gemma': dict(
+        _T, num_hidden_layers=3, lru_width=64, intermediate_size=96, attention_window_size=6, conv1d_width=3
+    ),
+    'qwen4_exp_text': _QWEN4_EXP,
+    'qwen4_exp': dict(text_config=_QWEN4_EXP),
+}
+# Qwen4-Exp's QSA indexer selects tokens with `nonzero`, which meta cannot run: its tiny model runs on the CPU
+DEVICE = {'qwen4_exp_text': 'cpu', 'qwen4_exp': 'cpu'}
+
+
+@pytest.mark.parametrize('model_type', TINY)
+def test_tiny_hybrid_matches_transformers_cache(model_type):
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f'transformers {transformers.__version__} has no model type {model_type!r}')
+    r = sweep_one(model_type, overrides=TINY[model_type], device=DEVICE.get(model_type, 'meta'))
+    assert r.status == 'matched', r
+    assert r.fixed > 0, r  # a state or window was counted, not skipped
+
+
 @pytest.mark.skipif(
     not os.environ.get('MSTAR_UTILS_SLOW'), reason='every causal-LM class (about 7 min): set MSTAR_UTILS_SLOW=1'
 )
