@@ -112,10 +112,10 @@ def run(reply, steps):
 
 
 def check_contract(t, reply, steps, stop, include, min_tokens, stop_ids):
-    "Every step: emitted is a prefix of the final reply, and holds back at most the longest stop string less one byte."
+    "Every step: emitted is a prefix of the final reply, holding back at most the longest stop less a byte (none if kept)."
     ids = [i for s in steps for i in s]
     final, reason, _ = reference(t, ids, stop, include, min_tokens, stop_ids)
-    hold = max((len(s.encode()) for s in stop), default=1) - 1
+    hold = 0 if include else max((len(s.encode()) for s in stop), default=1) - 1  # a kept stop: nothing held, as vLLM
     out, seen = b'', []
     for s in steps:
         out += reply.step(torch.tensor(s))

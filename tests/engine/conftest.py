@@ -5,6 +5,7 @@ importing vLLM, with the message below. One engine on SmolLM2 (float32, dummy-fr
 reply and logit tests.
 """
 
+import functools
 import importlib.util
 import os
 
@@ -45,3 +46,20 @@ def smol_engine():
     )
     yield llm
     llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope='session')
+def smol_cases(smol_engine):
+    "(SamplingParams, vLLM's RequestOutput) for each seeded random request on SmolLM2, generated in one batch."
+    from engine.cases import make_cases
+
+    return make_cases(smol_engine)
+
+
+@pytest.fixture(scope='session')
+def smol_text_output():
+    "Our `TextOutput` for SmolLM2, keeping special tokens' text or not: `smol_text_output(keep_special)`."
+    from mstar_utils.checkpoints import smollm2_checkpoint
+    from mstar_utils.detokenize import TextOutput
+
+    return functools.cache(lambda keep: TextOutput.from_checkpoint(smollm2_checkpoint(), keep_special=keep))
