@@ -2,7 +2,10 @@
 settings, and our `Reply` fed the same ids."""
 
 import codecs
+import json
+import os
 import random
+import shutil
 
 PROMPTS = [
     'The capital of France is',
@@ -12,6 +15,32 @@ PROMPTS = [
     'Emoji for a party: 🎉 and for thumbs up:',
     'def fibonacci(n):',
 ]
+MISTRAL_PROMPTS = [
+    'The capital of France is',
+    'Write one sentence in Chinese about Tokyo: 東京は',
+    '[INST] Say hello in Japanese. [/INST]',
+    'Emoji for a party: 🎉 and for thumbs up:',
+    'def fibonacci(n):',
+]
+MISTRAL_CONFIG = dict(  # Mistral's architecture at toy size; the vocabulary is the tokenizer's, 32,768
+    architectures=['MistralForCausalLM'],
+    model_type='mistral',
+    vocab_size=32768,
+    hidden_size=128,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # the CPU attention backend takes no head_dim 16
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
 CASES = 120  # requests, each with its own random stop settings
 MAX_TOKENS = 40
 
@@ -163,3 +192,48 @@ def check_stream(text_output, p, ro, deltas) -> dict:
     if not hold:
         assert n['equal'] == n['deltas'], (p, n)
     return n
+
+
+def smol_llm():
+    "vLLM's engine on SmolLM2-135M-Instruct in float32 (its real weights), in this process."
+    os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
+    from vllm import LLM
+
+    from mstar_utils.checkpoints import smollm2_checkpoint
+
+    return LLM(
+        str(smollm2_checkpoint()),
+        dtype='float32',
+        max_model_len=512,
+        enforce_eager=True,
+        kv_cache_memory_bytes=2**28,
+        max_num_seqs=64,
+        seed=0,
+    )
+
+
+def write_mistral_folder(out):
+    "`out` as a checkpoint folder without weights: `MISTRAL_CONFIG` and Mistral's tokenizer files (mistral-v3)."
+    from mstar_utils.checkpoints import tokenizer_folder
+
+    for name in ('tokenizer.json', 'tokenizer_config.json'):
+        shutil.copy(tokenizer_folder('mistral-v3') / name, out / name)
+    (out / 'config.json').write_text(json.dumps(MISTRAL_CONFIG), encoding='utf-8')
+    return out
+
+
+def mistral_llm(folder):
+    "vLLM's engine on the tiny Mistral in `folder`, its weights dummy (vLLM's random ones, seeded)."
+    os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
+    from vllm import LLM
+
+    return LLM(
+        str(folder),
+        load_format='dummy',
+        dtype='float32',
+        max_model_len=512,
+        enforce_eager=True,
+        kv_cache_memory_bytes=2**27,
+        max_num_seqs=64,
+        seed=0,
+    )

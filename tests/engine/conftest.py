@@ -7,7 +7,6 @@ reply and logit tests.
 
 import functools
 import importlib.util
-import os
 
 import pytest
 
@@ -30,20 +29,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope='session')
 def smol_engine():
     "vLLM's engine on SmolLM2-135M-Instruct in float32, in this process."
-    os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
-    from vllm import LLM
+    from engine.cases import smol_llm
 
-    from mstar_utils.checkpoints import smollm2_checkpoint
-
-    llm = LLM(
-        str(smollm2_checkpoint()),
-        dtype='float32',
-        max_model_len=512,
-        enforce_eager=True,
-        kv_cache_memory_bytes=2**28,
-        max_num_seqs=64,
-        seed=0,
-    )
+    llm = smol_llm()
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

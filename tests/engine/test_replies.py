@@ -5,9 +5,26 @@ decoding. The text, finish reason and stop reason must equal vLLM's, byte for by
 One difference is by design: a reply that ends (a length cut, a stop id) inside a character. vLLM's text holds only
 whole characters, its incremental detokenizer keeping a partial one back; `Reply` streams bytes and leaves the partial
 character's bytes to the client's incremental UTF-8 decoder, which holds them back too. So the text compared is what
-that decoder shows, and the bytes past vLLM's text must be exactly one unfinished character."""
+that decoder shows, and the bytes past vLLM's text must be exactly one unfinished character.
 
-from engine.cases import CASES, check_replies
+Streamed, the same requests re-run through vLLM's `LLMEngine` with `RequestOutputKind.DELTA`, one engine step at a
+time, each step's delta fed to a `Reply`. The deltas join to vLLM's final text, and to ours, byte for byte. Step by
+step, where each side holds text back:
+
+- stop strings cut from the output (`include_stop_str_in_output=False`): vLLM holds back the last
+  `max(map(len, stop)) - 1` characters of its text, whatever they are (its detokenizer's `stop_buffer_length`), until
+  the request finishes. `Reply` holds back only an end of the text that starts some stop string (in bytes), so it
+  lets out as much or more: at every step vLLM's text so far is a prefix of ours;
+- no stop strings, or stop strings kept: neither holds anything back, and each step's delta equals ours;
+- a character split across tokens: vLLM's incremental detokenizer (tokenizers' `DecodeStream`) shows it with the token
+  that completes it. `Reply` lets its bytes out as they come (within `min_tokens`, with the completing token), and a
+  client's incremental UTF-8 decoder shows the character at the same step as vLLM. So what is compared per step is
+  what that decoder shows of our bytes.
+
+These tests use the session's SmolLM2 engine, so they run before test_replies_sentencepiece.py: an engine's shutdown
+takes down vLLM's process-wide parallel groups, and an engine started before it cannot run after it."""
+
+from engine.cases import CASES, check_replies, check_stream, stream
 
 
 def test_replies_equal_vllm(smol_cases, smol_text_output):
@@ -31,3 +48,17 @@ def test_cases_cover_the_rules(smol_cases):
         if isinstance(o.stop_reason, str) and any(s != o.stop_reason and o.stop_reason.endswith(s) for s in p.stop)
     ]
     assert tied, 'no case stopped where a tie was possible'
+
+
+def test_deltas_equal_ours(smol_engine, smol_cases, smol_text_output):
+    streams = stream(smol_engine, smol_cases)
+    total = {'deltas': 0, 'equal': 0, 'held': 0}
+    for (p, ro), deltas in zip(smol_cases, streams, strict=True):
+        assert [i for d in deltas for i in d.token_ids] == list(ro.outputs[0].token_ids), p  # the same generation
+        for k, v in check_stream(smol_text_output, p, ro, deltas).items():
+            total[k] += v
+    print(
+        f"{len(streams)} streamed replies, {total['deltas']} deltas: {total['equal']} equal to ours step for step; "
+        f"at {total['held']} vLLM had let out less than us"
+    )
+    assert total['held'] and total['equal'] < total['deltas']  # the cases do exercise vLLM's wider holdback

@@ -7,70 +7,33 @@ over prompts of this vocabulary; vLLM's text, finish reason and stop reason must
 vLLM primes its detokenizer with the prompt, so the reply's first space is kept (`" Paris"`, where `decode` of the
 reply alone gives `"Paris"`): `Reply` is given the prompt's ids."""
 
-import json
-import os
-import shutil
-
 import pytest
 
-from engine.cases import CASES, check_replies, check_stream, make_cases, stream
-
-PROMPTS = [
-    'The capital of France is',
-    'Write one sentence in Chinese about Tokyo: 東京は',
-    '[INST] Say hello in Japanese. [/INST]',
-    'Emoji for a party: 🎉 and for thumbs up:',
-    'def fibonacci(n):',
-]
-CONFIG = dict(  # Mistral's architecture at toy size; the vocabulary is the tokenizer's, 32,768
-    architectures=['MistralForCausalLM'],
-    model_type='mistral',
-    vocab_size=32768,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
+from engine.cases import (
+    CASES,
+    MISTRAL_PROMPTS,
+    check_replies,
+    check_stream,
+    make_cases,
+    mistral_llm,
+    ours,
+    stream,
+    write_mistral_folder,
 )
 
 
 @pytest.fixture(scope='module')
 def mistral_folder(tmp_path_factory):
     "A checkpoint folder without weights: the tiny config and Mistral's tokenizer files."
-    from mstar_utils.checkpoints import tokenizer_folder
-
-    out = tmp_path_factory.mktemp('mistral-tiny')
-    for name in ('tokenizer.json', 'tokenizer_config.json'):
-        shutil.copy(tokenizer_folder('mistral-v3') / name, out / name)
-    (out / 'config.json').write_text(json.dumps(CONFIG), encoding='utf-8')
-    return out
+    return write_mistral_folder(tmp_path_factory.mktemp('mistral-tiny'))
 
 
 @pytest.fixture(scope='module')
 def mistral_cases(mistral_folder):
-    "The seeded random requests on the dummy-weight model, and its engine for the streamed run."
-    os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
-    from vllm import LLM
-
-    llm = LLM(
-        str(mistral_folder),
-        load_format='dummy',
-        dtype='float32',
-        max_model_len=512,
-        enforce_eager=True,
-        kv_cache_memory_bytes=2**27,
-        max_num_seqs=64,
-        seed=0,
-    )
+    "The seeded random requests on the dummy-weight model, and their streamed run."
+    llm = mistral_llm(mistral_folder)
     try:
-        cases = make_cases(llm, PROMPTS)
+        cases = make_cases(llm, MISTRAL_PROMPTS)
         yield cases, stream(llm, cases)
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -112,3 +75,14 @@ def test_sentencepiece_cases_cover_the_rules(mistral_cases):
     assert any(isinstance(r, str) for r in reasons) and any(isinstance(r, int) for r in reasons)
     assert any(ro.outputs[0].finish_reason == 'length' for _, ro in cases)
     assert any(ro.outputs[0].text.startswith(' ') for _, ro in cases)
+
+
+def test_sentencepiece_prompt_matters(mistral_cases, mistral_text_output):
+    "Without the prompt's ids some replies differ from vLLM's: the first space, which `decode` of the reply drops."
+    cases, _ = mistral_cases
+    alone = [ours(mistral_text_output, p, list(ro.outputs[0].token_ids))[0] for p, ro in cases]
+    differ = [
+        (a, ro.outputs[0].text) for a, (_, ro) in zip(alone, cases, strict=True) if a != ro.outputs[0].text.encode()
+    ]
+    print(f'{len(differ)} of {len(cases)} replies differ from vLLM without prompt_ids, e.g. {differ[:2]}')
+    assert differ and all(t.startswith(' ') for _, t in differ)
