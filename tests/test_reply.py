@@ -9,10 +9,12 @@ fallback (Mistral v1), Metaspace, WordPiece (MiniLM), CTC (wav2vec2's character 
 without tokenizer.json. `MSTAR_SLOW=1` runs more examples.
 """
 
+import codecs
 import functools
 import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +114,7 @@ def run(reply, steps):
 
 
 def check_contract(t, reply, steps, stop, include, min_tokens, stop_ids):
-    "Every step: emitted is a prefix of the final reply, holding back at most the longest stop less a byte (none if kept)."
+    "Each step's output prefixes the final reply; it holds back less than the longest stop, none if kept."
     ids = [i for s in steps for i in s]
     final, reason, _ = reference(t, ids, stop, include, min_tokens, stop_ids)
     hold = 0 if include else max((len(s.encode()) for s in stop), default=1) - 1  # a kept stop: nothing held, as vLLM
@@ -400,3 +402,44 @@ def test_published_reply_figures():
     assert all(res['results'][k]['byte_exact'] for k in ('reply', 'reply_stop4'))
     ours = [v for k, v in res['targets'].items() if 'reply' in k or 'stop strings' in k]
     assert len(ours) == 3 and ('All three targets met' in sec) == all(ours)
+
+
+# ---------------------------------------------------------------- vLLM's own streams, recorded by the engine tier
+
+VLLM_STREAMS = json.loads(
+    (Path(__file__).parent / 'engine' / 'reply_figures.json').read_text(encoding='utf-8')
+)  # tools/engine --collect-replies: vLLM 0.32's streamed (DELTA) replies, token ids and text per step
+
+
+@functools.cache
+def vllm_text_output(model, keep_special):
+    "Our text output for a recorded model: SmolLM2's checkpoint, or Mistral's v3 vocabulary (eos </s>, as its config)."
+    if model == 'smollm2':
+        return TextOutput.from_checkpoint(smollm2_checkpoint(), keep_special=keep_special)
+    t = AutoTokenizer.from_pretrained(tokenizer_folder('mistral-v3'))
+    return TextOutput(TextChunkDetokenizer(t, keep_special=keep_special), frozenset({t.eos_token_id}))
+
+
+@pytest.mark.parametrize('rec', VLLM_STREAMS, ids=lambda r: f"{r['model']}-{'-'.join(r['stop'])[:20]}")
+def test_vllm_streams(rec):
+    "Each step's ids through `Reply`: vLLM's deltas, one for one where vLLM holds nothing back, and its whole reply."
+    # vLLM holds back the longest stop string less a character while it cuts stop strings from the output; Reply only
+    # a stop string's start, so there vLLM's text so far is a prefix of ours. Characters: what a UTF-8 decoder shows.
+    to = vllm_text_output(rec['model'], not rec['skip_special_tokens'])
+    r = to.reply(
+        stop=rec['stop'],
+        include_stop_str_in_output=rec['include_stop_str_in_output'],
+        min_tokens=rec['min_tokens'],
+        ignore_eos=rec['ignore_eos'],
+        stop_token_ids=rec['stop_token_ids'],
+        prompt_ids=rec['prompt_ids'],
+    )
+    holds = rec['stop'] and not rec['include_stop_str_in_output']
+    dec, mine, theirs = codecs.getincrementaldecoder('utf-8')(), '', ''
+    for ids, text in rec['steps']:
+        step = dec.decode(r.step(ids))
+        mine, theirs = mine + step, theirs + text
+        assert step == text if not holds else mine.startswith(theirs), (ids, step, text)
+    mine += dec.decode(r.finish())
+    reason = None if r.stop_reason == to.detokenizer.tokenizer.eos_token_id and not rec['ignore_eos'] else r.stop_reason
+    assert (mine, 'stop' if r.stopped else 'length', reason) == (rec['text'], rec['finish_reason'], rec['stop_reason'])
