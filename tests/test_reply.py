@@ -25,6 +25,8 @@ from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, token
 from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
 from mstar_utils.testing import ctc_tokenizer, metaspace_tokenizer, sentencepiece_model_tokenizer
 
+from engine.cases import vllm_text_so_far  # tests/engine: vLLM's holding rules, in plain Python
+
 SLOW = bool(os.environ.get('MSTAR_SLOW'))
 EXAMPLES = 120 if SLOW else 12
 PROPERTY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -422,9 +424,9 @@ def vllm_text_output(model, keep_special):
 
 @pytest.mark.parametrize('rec', VLLM_STREAMS, ids=lambda r: f"{r['model']}-{'-'.join(r['stop'])[:20]}")
 def test_vllm_streams(rec):
-    "Each step's ids through `Reply`: vLLM's deltas, one for one where vLLM holds nothing back, and its whole reply."
-    # vLLM holds back the longest stop string less a character while it cuts stop strings from the output; Reply only
-    # a stop string's start, so there vLLM's text so far is a prefix of ours. Characters: what a UTF-8 decoder shows.
+    "Each step's ids through `Reply`: ours shows all vLLM showed so far, and the whole reply equals vLLM's."
+    # vLLM's text so far is what its holding rules leave of the ids' text (tests/engine/test_replies.py says which);
+    # ours, what a client's UTF-8 decoder shows of our bytes.
     to = vllm_text_output(rec['model'], not rec['skip_special_tokens'])
     r = to.reply(
         stop=rec['stop'],
@@ -434,12 +436,11 @@ def test_vllm_streams(rec):
         stop_token_ids=rec['stop_token_ids'],
         prompt_ids=rec['prompt_ids'],
     )
-    holds = rec['stop'] and not rec['include_stop_str_in_output']
-    dec, mine, theirs = codecs.getincrementaldecoder('utf-8')(), '', ''
-    for ids, text in rec['steps']:
-        step = dec.decode(r.step(ids))
-        mine, theirs = mine + step, theirs + text
-        assert step == text if not holds else mine.startswith(theirs), (ids, step, text)
-    mine += dec.decode(r.finish())
+    hold = max(map(len, rec['stop'])) - 1 if rec['stop'] and not rec['include_stop_str_in_output'] else 0
+    dec, mine, theirs, seen = codecs.getincrementaldecoder('utf-8')(), '', '', []
+    for ids, text in rec['steps'][:-1]:
+        mine, theirs, seen = mine + dec.decode(r.step(ids)), theirs + text, seen + ids
+        assert mine.startswith(theirs) and theirs == vllm_text_so_far(to.detokenizer, seen, hold), (ids, mine, text)
+    mine += dec.decode(r.step(rec['steps'][-1][0]) + r.finish())
     reason = None if r.stop_reason == to.detokenizer.tokenizer.eos_token_id and not rec['ignore_eos'] else r.stop_reason
     assert (mine, 'stop' if r.stopped else 'length', reason) == (rec['text'], rec['finish_reason'], rec['stop_reason'])

@@ -167,10 +167,22 @@ def vllm_hold(p) -> int:
     return max(map(len, p.stop)) - 1 if p.stop and not p.include_stop_str_in_output else 0
 
 
+def vllm_text_so_far(det, ids, hold: int) -> str:
+    "What vLLM has let out of a running request after `ids`: the text to its last whole character, less `hold` chars."
+    # tokenizers' DecodeStream shows nothing of a token whose text ends inside a character (the text before the split
+    # character included) until a later token completes it; the detokenizer then holds back `hold` characters
+    for j in range(len(ids), -1, -1):
+        b = det.to_bytes(ids[:j])
+        if shown(b) == b:
+            break
+    t = b.decode()
+    return t[: max(0, len(t) - hold)]
+
+
 def check_stream(text_output, p, ro, deltas) -> dict:
     "Our `Reply` fed each delta's ids against vLLM's deltas; counts of the deltas equal to ours and held by vLLM."
-    # vLLM's text so far must be a prefix of what a client's decoder shows of ours; where vLLM holds nothing back,
-    # equal at every step; where it holds back, equal to its rule applied to the text of the ids so far.
+    # vLLM's text so far must be a prefix of what a client's decoder shows of ours, and equal to its holding rules
+    # (`vllm_text_so_far`) applied to the text of the ids so far.
     r, dec = our_reply(text_output, p, ro.prompt_token_ids), codecs.getincrementaldecoder('utf-8')()
     det, hold = text_output(not p.skip_special_tokens).detokenizer, vllm_hold(p)
     mine, theirs, seen, n = '', '', [], {'deltas': 0, 'equal': 0, 'held': 0}
@@ -182,15 +194,12 @@ def check_stream(text_output, p, ro, deltas) -> dict:
         mine, theirs, seen = mine + step, theirs + d.text, seen + list(d.token_ids)
         assert mine.startswith(theirs), (p, mine, theirs)
         if not last:
-            full = shown(det.to_bytes(seen)).decode()
-            assert theirs == full[: max(0, len(full) - hold)], (p, theirs, full, hold)
+            assert theirs == vllm_text_so_far(det, seen, hold), (p, theirs, hold)
         n['deltas'] += 1
         n['equal'] += step == d.text
         n['held'] += mine != theirs
     assert mine == theirs == ro.outputs[0].text, (p, mine, theirs, ro.outputs[0].text)
     assert (d.finish_reason, d.stop_reason) == (ro.outputs[0].finish_reason, ro.outputs[0].stop_reason)
-    if not hold:
-        assert n['equal'] == n['deltas'], (p, n)
     return n
 
 

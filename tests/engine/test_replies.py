@@ -15,11 +15,13 @@ step, where each side holds text back:
   `max(map(len, stop)) - 1` characters of its text, whatever they are (its detokenizer's `stop_buffer_length`), until
   the request finishes. `Reply` holds back only an end of the text that starts some stop string (in bytes), so it
   lets out as much or more: at every step vLLM's text so far is a prefix of ours;
-- no stop strings, or stop strings kept: neither holds anything back, and each step's delta equals ours;
-- a character split across tokens: vLLM's incremental detokenizer (tokenizers' `DecodeStream`) shows it with the token
-  that completes it. `Reply` lets its bytes out as they come (within `min_tokens`, with the completing token), and a
-  client's incremental UTF-8 decoder shows the character at the same step as vLLM. So what is compared per step is
-  what that decoder shows of our bytes.
+- no stop strings, or stop strings kept: vLLM holds back no characters, and neither does `Reply`;
+- a character split across tokens: vLLM's incremental detokenizer (tokenizers' `DecodeStream`) shows nothing of a
+  token whose text ends inside a character, the text before that character included, until a later token completes
+  it. `Reply` lets the bytes out as they come (within `min_tokens` it waits as vLLM does, since stop strings count
+  from the completing token on), and a client's incremental UTF-8 decoder shows the split character at the same step
+  as vLLM and the text before it a step sooner. So what is compared is what that decoder shows of our bytes, and
+  vLLM's text so far must be its holding rules applied to the ids so far (`engine.cases.vllm_text_so_far`).
 
 These tests use the session's SmolLM2 engine, so they run before test_replies_sentencepiece.py: an engine's shutdown
 takes down vLLM's process-wide parallel groups, and an engine started before it cannot run after it."""
@@ -59,6 +61,6 @@ def test_deltas_equal_ours(smol_engine, smol_cases, smol_text_output):
             total[k] += v
     print(
         f"{len(streams)} streamed replies, {total['deltas']} deltas: {total['equal']} equal to ours step for step; "
-        f"at {total['held']} vLLM had let out less than us"
+        f"after {total['held']} vLLM had let out less than us"
     )
     assert total['held'] and total['equal'] < total['deltas']  # the cases do exercise vLLM's wider holdback
