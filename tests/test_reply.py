@@ -25,7 +25,7 @@ from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, token
 from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
 from mstar_utils.testing import ctc_tokenizer, metaspace_tokenizer, sentencepiece_model_tokenizer
 
-from engine.cases import vllm_text_so_far  # tests/engine: vLLM's holding rules, in plain Python
+from engine.cases import mistral_text_output, vllm_text_so_far  # tests/engine: vLLM's holding rules, in plain Python
 
 SLOW = bool(os.environ.get('MSTAR_SLOW'))
 EXAMPLES = 120 if SLOW else 12
@@ -418,8 +418,7 @@ def vllm_text_output(model, keep_special):
     "Our text output for a recorded model: SmolLM2's checkpoint, or Mistral's v3 vocabulary (eos </s>, as its config)."
     if model == 'smollm2':
         return TextOutput.from_checkpoint(smollm2_checkpoint(), keep_special=keep_special)
-    t = AutoTokenizer.from_pretrained(tokenizer_folder('mistral-v3'))
-    return TextOutput(TextChunkDetokenizer(t, keep_special=keep_special), frozenset({t.eos_token_id}))
+    return mistral_text_output(keep_special)
 
 
 @pytest.mark.parametrize('rec', VLLM_STREAMS, ids=lambda r: f"{r['model']}-{'-'.join(r['stop'])[:20]}")

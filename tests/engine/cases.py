@@ -221,23 +221,28 @@ def smol_llm():
     )
 
 
-def write_mistral_folder(out):
-    "`out` as a checkpoint folder without weights: `MISTRAL_CONFIG` and Mistral's tokenizer files (mistral-v3)."
-    from mstar_utils.checkpoints import tokenizer_folder
+def write_mistral_folder(out, mode: str = 'auto'):
+    "`out` as a checkpoint folder without weights: `MISTRAL_CONFIG` and Mistral's v3 vocabulary for `tokenizer_mode`."
+    # 'auto': transformers' tokenizer.json conversion; 'mistral': mistral-common's own tokenizer.model.v3
+    from mstar_utils.checkpoints import TOKENIZERS, extract_member, tokenizer_folder
 
-    for name in ('tokenizer.json', 'tokenizer_config.json'):
-        shutil.copy(tokenizer_folder('mistral-v3') / name, out / name)
+    if mode == 'mistral':
+        extract_member(TOKENIZERS['mistral-v3'].package, TOKENIZERS['mistral-v3'].member, out / 'tokenizer.model.v3')
+    else:
+        for name in ('tokenizer.json', 'tokenizer_config.json'):
+            shutil.copy(tokenizer_folder('mistral-v3') / name, out / name)
     (out / 'config.json').write_text(json.dumps(MISTRAL_CONFIG), encoding='utf-8')
     return out
 
 
-def mistral_llm(folder):
+def mistral_llm(folder, mode: str = 'auto'):
     "vLLM's engine on the tiny Mistral in `folder`, its weights dummy (vLLM's random ones, seeded)."
     os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
     from vllm import LLM
 
     return LLM(
         str(folder),
+        tokenizer_mode=mode,
         load_format='dummy',
         dtype='float32',
         max_model_len=512,
@@ -246,3 +251,14 @@ def mistral_llm(folder):
         max_num_seqs=64,
         seed=0,
     )
+
+
+def mistral_text_output(keep_special: bool):
+    "Our text output for Mistral's v3 vocabulary: transformers' tokenizer.json conversion, eos </s> as in the config."
+    from transformers import AutoTokenizer
+
+    from mstar_utils.checkpoints import tokenizer_folder
+    from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
+
+    t = AutoTokenizer.from_pretrained(tokenizer_folder('mistral-v3'))
+    return TextOutput(TextChunkDetokenizer(t, keep_special=keep_special), frozenset({MISTRAL_CONFIG['eos_token_id']}))
