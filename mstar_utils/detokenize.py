@@ -1083,6 +1083,7 @@ def advance(
     "The chunk's effect: the stop string ending first in it (of two ending together, the first listed)"
     held = self.prefixes[state]
     buf = held + chunk
+    sent = len(held) if self.include else 0  # a kept stop: the prefix went out already, it is only matched
     if active:
         best = None
         for s, b in self.stops:  # in the request's order: a tie keeps the one listed first, as vLLM does
@@ -1091,12 +1092,12 @@ def advance(
                 best = (j + len(b), j, s)
         if best is not None:
             end, j, s = best
-            return _Advance(0, buf[: end if self.include else j], s)
+            return _Advance(0, buf[sent : end if self.include else j], s)
     for k in range(min(len(buf), self.longest - 1), 0, -1):
         new = self._index.get(buf[-k:])
         if new is not None:
-            return _Advance(new, buf[:-k])
-    return _Advance(0, buf)
+            return _Advance(new, chunk if self.include else buf[:-k])
+    return _Advance(0, buf[sent:])
 
 # %% ../nbs/08_detokenize.ipynb #rp000009
 class _DecodeWindow:
@@ -1171,6 +1172,13 @@ def _shared(det, stop: tuple[str, ...], include: bool, stop_ids: frozenset) -> t
     matcher = _StopMatcher(stop, include) if stop else None
     return matcher, [{None: k} for k in range(len(matcher.prefixes) if matcher else 1)]  # a row's own state under None
 
+# %% ../nbs/08_detokenize.ipynb #pr000002
+def _has_text(det, prompt_ids) -> bool:
+    "Whether `decode` gives the prompt any text, less the ids the detokenizer skips: a reply after it starts mid-text."
+    ids = [i for i in _token_ids(prompt_ids) if i not in det._skip]
+    # text from the last ids means text from the whole prompt (a start rule takes only its first space)
+    return any(det.tokenizer.decode(part, skip_special_tokens=False) for part in (ids[-8:], ids) if part)
+
 # %% ../nbs/08_detokenize.ipynb #rp000012
 class Reply:
     "One request's reply, streamed: `step(ids)` gives the bytes that may go out now, `finish()` the rest"
@@ -1183,6 +1191,7 @@ class Reply:
         min_tokens: int = 0,  # no stop id before this many tokens; stop strings count only in text after them
         ignore_eos: bool = False,  # the model's stop ids (`text_output.stop_token_ids`) don't end the reply
         stop_token_ids: Iterable[int] = (),  # the request's own stop ids, which end it even under `ignore_eos`
+        prompt_ids=(),  # the prompt's ids: a reply after a prompt with text starts mid-text, as vLLM shows it
     ):
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         _check_reply_args(stop, min_tokens, stop_token_ids)
@@ -1191,17 +1200,18 @@ class Reply:
         model_ids = frozenset() if ignore_eos else frozenset(text_output.stop_token_ids)
         self.stop_ids = model_ids | frozenset(stop_token_ids)
         self.stopped, self.finished, self.stop_reason, self._seen = False, False, None, 0
-        self._setup(stop)
+        self._setup(stop, prompt_ids)
 
 # %% ../nbs/08_detokenize.ipynb #rp000014
 @patch
-def _setup(self: Reply, stop: list[str]):
+def _setup(self: Reply, stop: list[str], prompt_ids=()):
     "The matcher and memo (shared by the requests with the same stop strings), and the chunk source for the mode."
     det = self.text_output.detokenizer
     self._matcher, self._memo = _shared(det, tuple(dict.fromkeys(stop)), self.include_stop_str_in_output, self.stop_ids)
     self._state, self._defer = 0, b''  # _defer: a start of the reply before min_tokens, ending inside a character
     self._window = _DecodeWindow(det) if getattr(det, 'mode', None) == 'decode' else None
-    self._begun = not getattr(det, 'edges', ()) or self._window is not None  # False: decode treats the start apart
+    # False: decode treats the start apart, unless the reply continues a prompt's text
+    self._begun = not getattr(det, 'edges', ()) or self._window is not None or _has_text(det, prompt_ids)
     self._start_ids = []
     self._row = None  # the memo's row for the held prefix, once the warm path may run
     self._open()
@@ -1260,8 +1270,8 @@ def _match(self: Reply, chunk: bytes, active: bool) -> bytes:
 # %% ../nbs/08_detokenize.ipynb #rp000020-2
 @patch
 def _release(self: Reply) -> bytes:
-    "The held prefix, given up at the end of the reply."
-    held = self._matcher.prefixes[self._state] if self._matcher else b''
+    "The held prefix, given up at the end of the reply (b'' with the stop string kept, where none is held)."
+    held = self._matcher.prefixes[self._state] if self._matcher and not self._matcher.include else b''
     self._state = 0
     return held
 
@@ -1380,6 +1390,7 @@ def reply(
     min_tokens: int = 0,  # no stop id before this many tokens; stop strings count only in text after them
     ignore_eos: bool = False,  # the model's stop ids don't end the reply
     stop_token_ids: Iterable[int] = (),  # the request's own stop ids, which end it even under `ignore_eos`
+    prompt_ids=(),  # the prompt's ids: a reply after a prompt with text starts mid-text, as vLLM shows it
 ) -> Reply:
     "A `Reply`: one request's stream of this model's text, with vLLM's stop parameters."
-    return Reply(self, stop, include_stop_str_in_output, min_tokens, ignore_eos, stop_token_ids)
+    return Reply(self, stop, include_stop_str_in_output, min_tokens, ignore_eos, stop_token_ids, prompt_ids)

@@ -9,10 +9,12 @@ fallback (Mistral v1), Metaspace, WordPiece (MiniLM), CTC (wav2vec2's character 
 without tokenizer.json. `MSTAR_SLOW=1` runs more examples.
 """
 
+import codecs
 import functools
 import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,8 @@ from transformers import AutoTokenizer
 from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, tokenizer_folder
 from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
 from mstar_utils.testing import ctc_tokenizer, metaspace_tokenizer, sentencepiece_model_tokenizer
+
+from engine.cases import mistral_text_output, vllm_text_so_far  # tests/engine: vLLM's holding rules, in plain Python
 
 SLOW = bool(os.environ.get('MSTAR_SLOW'))
 EXAMPLES = 120 if SLOW else 12
@@ -112,10 +116,10 @@ def run(reply, steps):
 
 
 def check_contract(t, reply, steps, stop, include, min_tokens, stop_ids):
-    "Every step: emitted is a prefix of the final reply, and holds back at most the longest stop string less one byte."
+    "Each step's output prefixes the final reply; it holds back less than the longest stop, none if kept."
     ids = [i for s in steps for i in s]
     final, reason, _ = reference(t, ids, stop, include, min_tokens, stop_ids)
-    hold = max((len(s.encode()) for s in stop), default=1) - 1
+    hold = 0 if include else max((len(s.encode()) for s in stop), default=1) - 1  # a kept stop: nothing held, as vLLM
     out, seen = b'', []
     for s in steps:
         out += reply.step(torch.tensor(s))
@@ -400,3 +404,42 @@ def test_published_reply_figures():
     assert all(res['results'][k]['byte_exact'] for k in ('reply', 'reply_stop4'))
     ours = [v for k, v in res['targets'].items() if 'reply' in k or 'stop strings' in k]
     assert len(ours) == 3 and ('All three targets met' in sec) == all(ours)
+
+
+# ---------------------------------------------------------------- vLLM's own streams, recorded by the engine tier
+
+VLLM_STREAMS = json.loads(
+    (Path(__file__).parent / 'engine' / 'reply_figures.json').read_text(encoding='utf-8')
+)  # tools/engine --collect-replies: vLLM 0.32's streamed (DELTA) replies, token ids and text per step
+
+
+@functools.cache
+def vllm_text_output(model, keep_special):
+    "Our text output for a recorded model: SmolLM2's checkpoint, or Mistral's v3 vocabulary (eos </s>, as its config)."
+    if model == 'smollm2':
+        return TextOutput.from_checkpoint(smollm2_checkpoint(), keep_special=keep_special)
+    return mistral_text_output(keep_special)
+
+
+@pytest.mark.parametrize('rec', VLLM_STREAMS, ids=lambda r: f"{r['model']}-{'-'.join(r['stop'])[:20]}")
+def test_vllm_streams(rec):
+    "Each step's ids through `Reply`: ours shows all vLLM showed so far, and the whole reply equals vLLM's."
+    # vLLM's text so far is what its holding rules leave of the ids' text (tests/engine/test_replies.py says which);
+    # ours, what a client's UTF-8 decoder shows of our bytes.
+    to = vllm_text_output(rec['model'], not rec['skip_special_tokens'])
+    r = to.reply(
+        stop=rec['stop'],
+        include_stop_str_in_output=rec['include_stop_str_in_output'],
+        min_tokens=rec['min_tokens'],
+        ignore_eos=rec['ignore_eos'],
+        stop_token_ids=rec['stop_token_ids'],
+        prompt_ids=rec['prompt_ids'],
+    )
+    hold = max(map(len, rec['stop'])) - 1 if rec['stop'] and not rec['include_stop_str_in_output'] else 0
+    dec, mine, theirs, seen = codecs.getincrementaldecoder('utf-8')(), '', '', []
+    for ids, text in rec['steps'][:-1]:
+        mine, theirs, seen = mine + dec.decode(r.step(ids)), theirs + text, seen + ids
+        assert mine.startswith(theirs) and theirs == vllm_text_so_far(to.detokenizer, seen, hold), (ids, mine, text)
+    mine += dec.decode(r.step(rec['steps'][-1][0]) + r.finish())
+    reason = None if r.stop_reason == to.detokenizer.tokenizer.eos_token_id and not rec['ignore_eos'] else r.stop_reason
+    assert (mine, 'stop' if r.stopped else 'length', reason) == (rec['text'], rec['finish_reason'], rec['stop_reason'])

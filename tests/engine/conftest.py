@@ -5,8 +5,8 @@ importing vLLM, with the message below. One engine on SmolLM2 (float32, dummy-fr
 reply and logit tests.
 """
 
+import functools
 import importlib.util
-import os
 
 import pytest
 
@@ -29,19 +29,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope='session')
 def smol_engine():
     "vLLM's engine on SmolLM2-135M-Instruct in float32, in this process."
-    os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')
-    from vllm import LLM
+    from engine.cases import smol_llm
 
-    from mstar_utils.checkpoints import smollm2_checkpoint
-
-    llm = LLM(
-        str(smollm2_checkpoint()),
-        dtype='float32',
-        max_model_len=512,
-        enforce_eager=True,
-        kv_cache_memory_bytes=2**28,
-        max_num_seqs=64,
-        seed=0,
-    )
+    llm = smol_llm()
     yield llm
     llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope='session')
+def smol_cases(smol_engine):
+    "(SamplingParams, vLLM's RequestOutput) for each seeded random request on SmolLM2, generated in one batch."
+    from engine.cases import make_cases
+
+    return make_cases(smol_engine)
+
+
+@pytest.fixture(scope='session')
+def smol_text_output():
+    "Our `TextOutput` for SmolLM2, keeping special tokens' text or not: `smol_text_output(keep_special)`."
+    from mstar_utils.checkpoints import smollm2_checkpoint
+    from mstar_utils.detokenize import TextOutput
+
+    return functools.cache(lambda keep: TextOutput.from_checkpoint(smollm2_checkpoint(), keep_special=keep))
