@@ -117,3 +117,26 @@ def test_no_docstring_is_continued_in_a_comment():
                 if after.startswith('#') and not after.startswith('#|') and not SENTENCE_END.search(doc):
                     bad.append(f'{nb.name} cell {i}: {name}: {doc!r} / {after[:60]!r}')
     assert bad == [], '\n'.join(bad)
+
+
+def test_no_shown_cell_uses_a_name_only_a_hidden_cell_defines():
+    """A reader runs the cells the page shows; a name defined in a hidden cell (`#| hide`, `#| exporti`) is not
+    defined for them, so a shown cell that uses one, or a shown function that calls one, fails in a fresh kernel
+    (tests/test_visible_cells runs them). A helper a shown cell needs is shown (`#| export`)."""
+    hidden_cell = re.compile(r'^\s*#\|\s*(hide|exporti)\b', re.M)
+    bad = []
+    for nb in notebooks():
+        code = [src(c) for c in cells(nb) if c['cell_type'] == 'code']
+        hidden = set()
+        for s in filter(hidden_cell.search, code):
+            for n in ast.parse(s).body:
+                if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+                    hidden.add(n.name)
+                elif isinstance(n, ast.Assign):
+                    hidden |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        for s in code:
+            if hidden_cell.search(s):
+                continue
+            used = {n.id for n in ast.walk(ast.parse(s)) if isinstance(n, ast.Name)}
+            bad += [f'{nb.name}: {n}' for n in sorted(used & hidden)]
+    assert bad == [], bad

@@ -8,8 +8,10 @@ another."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,26 +48,31 @@ def pages():
 
 
 @pytest.mark.parametrize('nb', pages())
-def test_visible_cells_run_in_a_fresh_kernel(nb, tmp_path):
+def test_visible_cells_run_in_a_fresh_kernel(nb):
     import torch
 
     skip = ([] if torch.cuda.is_available() else ['gpu']) + ([] if os.environ.get('MSTAR_SLOW') else ['slow'])
-    # TMPDIR: the page's scratch folders land in pytest's own temporary folder, which pytest prunes
+    # TMPDIR: the page's scratch folders go with the test. A short path (not pytest's tmp_path), since
+    # multiprocessing puts its AF_UNIX sockets there and a socket's path is at most 107 bytes.
+    scratch = tempfile.mkdtemp(prefix='vc-')
     env = {
         **os.environ,
         'HF_HUB_OFFLINE': '1',
         'TOKENIZERS_PARALLELISM': 'false',
         'MPLBACKEND': 'Agg',
-        'TMPDIR': str(tmp_path),
+        'TMPDIR': scratch,
     }
-    r = subprocess.run(
-        [sys.executable, '-c', RUNNER, str(NBS / nb), *skip],
-        cwd=NBS,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    try:
+        r = subprocess.run(
+            [sys.executable, '-c', RUNNER, str(NBS / nb), *skip],
+            cwd=NBS,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-4000:]
 
 
