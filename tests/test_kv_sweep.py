@@ -82,7 +82,7 @@ _QWEN4_EXP = dict(
     indexer_compress_ratio=4,
     eos_token_id=1,
 )
-# Tiny configs of the classes whose layer kinds were named but refused until issue 41: ZAYA's CCA, Inkling's short
+# Tiny configs of the classes whose layer kinds were once named but refused: ZAYA's CCA, Inkling's short
 # convolutions (and Inkling2-Loop's per-pass caches), RecurrentGemma's RG-LRU, Qwen4-Exp's QSA indexer and PLE
 # windows. Their released shapes run in the slow sweep where meta can run them; these run in seconds.
 TINY = {
