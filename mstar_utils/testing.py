@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'TP_VISION',
-           'scratch_dir', 'PrintHandler', 'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal',
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'DSV3_TINY', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS',
+           'TP_VISION', 'scratch_dir', 'PrintHandler', 'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal',
            'tiny_configs', 'tiny_model', 'save_tiny', 'checkpoint_tensors', 'save_mla_checkpoint', 'released_kv_config',
            'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
            'metaspace_tokenizer', 'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer',
@@ -507,6 +507,21 @@ def sentencepiece_model_tokenizer(
     return BertGenerationTokenizer(vocab_file=str(folder / 'tokenizer.model'))
 
 # %% ../nbs/98_testing.ipynb #a9ad5d25
+# DeepSeek-V3's tiny MLA and routing: one dense layer, then experts with one shared; q/kv ranks, nope/rope/v head dims
+DSV3_TINY = dict(
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=136,
+    kv_lora_rank=144,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    max_position_embeddings=64,
+)
+
+
 def quantized_configs() -> dict:
     "Tiny configs of the architectures each format ships for, by format."
     import transformers as tf
@@ -526,20 +541,11 @@ def quantized_configs() -> dict:
         intermediate_size=200,
         moe_intermediate_size=72,
         num_hidden_layers=2,
-        first_k_dense_replace=1,
         n_routed_experts=3,
         num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        q_lora_rank=136,
-        kv_lora_rank=144,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=24,
-        max_position_embeddings=64,
+        **DSV3_TINY,
     )
     gpt_oss = tf.GptOssConfig(
         vocab_size=256,
@@ -1012,18 +1018,9 @@ def tp_configs() -> dict:
         'deepseek_v3': tf.DeepseekV3Config(
             **_dims(160, 200, 2, 2, vocab_size=256, num_key_value_heads=2),
             moe_intermediate_size=96,  # 24 a rank at TP 4: grouped_mm wants rows of whole 16 bytes
-            first_k_dense_replace=1,
             n_routed_experts=6,
             num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            q_lora_rank=136,
-            kv_lora_rank=144,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=24,
-            max_position_embeddings=64,
+            **DSV3_TINY,
         ),
         'gpt_oss': tf.GptOssConfig(
             **_dims(64, 96, 2, 2, vocab_size=256, num_key_value_heads=1, head_dim=32),
