@@ -173,3 +173,22 @@ def test_few_markdown_cells_run_past_150_words():
         if n > LONG_PROSE_WORDS
     ]
     assert len(long) <= LONG_PROSE_CELLS, '\n'.join(long)
+
+
+def test_cell_ids_are_unique_in_each_notebook():
+    "nbdev marks each exported cell by its notebook's cell id, and tools/nbtext refuses a page that repeats one."
+    import collections
+    import json
+
+    repeated = {
+        nb.name: ids
+        for nb in notebooks()
+        if (
+            ids := [
+                k
+                for k, n in collections.Counter(c.get('id') for c in json.loads(nb.read_text())['cells']).items()
+                if n > 1
+            ]
+        )
+    }
+    assert repeated == {}, repeated
