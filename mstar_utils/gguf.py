@@ -688,6 +688,8 @@ def gguf_model_class(config) -> type:
     try:
         return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
+        if config.model_type in ('t5', 'umt5'):
+            raise NotImplementedError(f'GGUF: a {config.model_type} file is not read: {_REFUSED["t5"]}') from None
         raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026
@@ -698,8 +700,14 @@ _REFUSED = {
         'unloaded, newly initialized: there is no load to equal; load the safetensors release'
     ),
     'gpt_oss': "not llama.cpp's name for gpt-oss (its files say 'gpt-oss'), whose experts transformers leaves unloaded",
-    't5': 'an encoder-decoder, which AutoModelForCausalLM does not build; load it with T5ForConditionalGeneration',
-    't5encoder': 'an encoder alone, which AutoModelForCausalLM does not build; load it with T5EncoderModel',
+    't5': (
+        'an encoder-decoder, where load_model reads causal LMs; transformers loads it with '
+        'T5ForConditionalGeneration.from_pretrained(gguf_file=...)'
+    ),
+    't5encoder': (
+        'an encoder alone, where load_model reads causal LMs; transformers loads it with '
+        'T5EncoderModel.from_pretrained(gguf_file=...)'
+    ),
 }
 # {architecture: (a part of a tensor's name, the dim transformers inserts)}: a 1-d file tensor read with one more dim
 _UNSQUEEZED = {'qwen2moe': ('ffn_gate_inp_shexp', 0), 'qwen3moe': ('ffn_gate_inp_shexp', 0)}
@@ -762,7 +770,9 @@ class GGUFSource(Source):
         header = header or read_gguf(self.path)
         self.arch = header.metadata.get('general.architecture')
         if self.arch in _REFUSED:
-            raise NotImplementedError(f'{self.path.name}: GGUF architecture {self.arch!r} is not read: {_REFUSED[self.arch]}')
+            raise NotImplementedError(
+                f'{self.path.name}: GGUF architecture {self.arch!r} is not read: {_REFUSED[self.arch]}'
+            )
         names, self.config = gguf_names(model, config), config
         parts = {}  # the model's key: its GGUF tensors, in the map's order (gate before up)
         for g, k in names.items():
@@ -774,7 +784,11 @@ class GGUFSource(Source):
         self.reworked = {k: fns for k, t in self.tensors.items() if (fns := _reworks(self.arch, t.name))}
         self.shapes = _model_shapes(self.arch, self.tensors, self.joined)
         for k, fns in self.reworked.items():  # the shape transformers' rework gives
-            self.shapes[k] = tuple(functools.reduce(lambda x, fn: fn(x, config), fns, torch.empty(self.tensors[k].shape, device='meta')).shape)
+            self.shapes[k] = tuple(
+                functools.reduce(
+                    lambda x, fn: fn(x, config), fns, torch.empty(self.tensors[k].shape, device='meta')
+                ).shape
+            )
         self.kept = set()  # keys read as their stored blocks, uint8 [rows, row bytes] (`keep_gguf`)
         # the stored bytes, uint8 [rows, row bytes] under the same keys (a joined key's parts: their GGUF names): read,
         # sliced and counted as safetensors are

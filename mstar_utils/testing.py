@@ -1397,7 +1397,9 @@ def _gguf_tensors(model, config) -> list:
     names, out = {v: k for k, v in gguf_names(model, config).items()}, []
     for k, t in model.state_dict().items():
         x = t.float().numpy()
-        if m := re.fullmatch(r'model\.layers\.(\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)(_bias)?|e_score_correction_bias)', k):
+        if m := re.fullmatch(
+            r'model\.layers\.(\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)(_bias)?|e_score_correction_bias)', k
+        ):
             out += _stacked_experts(m[1], m[2], x, config)
             continue
         g = names.get(k)
@@ -1420,10 +1422,7 @@ def _stacked_experts(
         return [(f'blk.{layer}.exp_probs_b.bias', x)]
     suffix = '.bias' if what.endswith('_bias') else '.weight'
     if config.model_type == 'gpt_oss':  # gate and up interleaved on the last dim, weights [experts, in, out]
-        if 'gate_up' in what:
-            parts = [('gate', x[..., ::2]), ('up', x[..., 1::2])]
-        else:
-            parts = [('down', x)]
+        parts = [('gate', x[..., ::2]), ('up', x[..., 1::2])] if 'gate_up' in what else [('down', x)]
         parts = [(p, v if suffix == '.bias' else v.swapaxes(1, 2)) for p, v in parts]
     else:  # [experts, 2 × rows, hidden]: gate rows, then up rows
         parts = list(zip(('gate', 'up'), np.split(x, 2, axis=1), strict=True)) if 'gate_up' in what else [('down', x)]
