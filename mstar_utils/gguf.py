@@ -970,7 +970,7 @@ def keep_gguf(
     src: GGUFSource,  # the file's source over `model`; its kept keys then read as stored bytes
     dtype: torch.dtype = torch.float32,  # what `forward` dequantizes to
 ) -> list:
-    "Swap each `nn.Linear` stored in a block type and not reworked by transformers for a `QuantizedLinear`; the kept keys."
+    "Swap each block-type `nn.Linear` that transformers leaves as stored for a `QuantizedLinear`."
     units = []
     for k, t in src.tensors.items():
         m = model.get_submodule(k[: -len('.weight')]) if k.endswith('.weight') else None

@@ -1278,6 +1278,14 @@ def tiny_moe_gguf_config(
 # %% ../nbs/98_testing.ipynb #tgac001
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
 _EXPERTS4 = dict(num_local_experts=4, num_experts_per_tok=2)
+# llama.cpp's architecture names, where not transformers' model type
+_LLAMACPP_ARCH = {
+    'qwen2_moe': 'qwen2moe',
+    'qwen3_moe': 'qwen3moe',
+    'gemma3_text': 'gemma3',
+    'minimax_m2': 'minimax-m2',
+    'gpt_oss': 'gpt-oss',
+}
 # what transformers' GGUF config tables leave at the class default is left there: GPT-2's n_positions (the file's
 # context length goes to n_ctx), Mamba's expand, Gemma's soft-capping and query scale, the MoEs' expert widths
 _TINY_GGUF = {
@@ -1294,10 +1302,10 @@ _TINY_GGUF = {
 
 
 def tiny_gguf_config(
-    model_type: str,  # one of `_TINY_GGUF`'s: gemma2, gemma3_text, nemotron, gpt2, bloom, mamba, lfm2, minimax_m2, gpt_oss
+    model_type: str,  # a key of `_TINY_GGUF`: gemma2, gemma3_text, nemotron, gpt2, bloom, mamba, lfm2, ...
     **kw,  # config entries to change
 ):
-    "A tiny config of `model_type` whose GGUF file transformers reads back whole: hidden size 256, 2 layers."
+    "A tiny config of `model_type` whose GGUF file transformers reads back whole: hidden size 256."
     from transformers import CONFIG_MAPPING
 
     base = dict(vocab_size=333, hidden_size=256, num_hidden_layers=2, tie_word_embeddings=False)
@@ -1415,7 +1423,7 @@ def _stacked_experts(
     x,  # the tensor as transformers holds it, float32 numpy
     config,
 ) -> list:
-    "(GGUF name, array) of a MoE layer's stacked experts as llama.cpp stores them: gate and up apart, [experts, out, in]."
+    "(GGUF name, array) of a MoE layer's stacked experts as llama.cpp stores them: gate and up apart."
     import numpy as np
 
     if what == 'e_score_correction_bias':
@@ -1444,9 +1452,7 @@ def write_gguf_checkpoint(
     config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    from mstar_utils.gguf import _arch_of
-
-    w = gguf.GGUFWriter(str(dest), gguf.MODEL_ARCH_NAMES[_arch_of(config.model_type)])
+    w = gguf.GGUFWriter(str(dest), _LLAMACPP_ARCH.get(config.model_type, config.model_type))
     _gguf_header(w, config)
     for g, x in _gguf_tensors(model, config):
         qt = gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)]
