@@ -700,6 +700,11 @@ _REFUSED = {
         'unloaded, newly initialized: there is no load to equal; load the safetensors release'
     ),
     'gpt_oss': "not llama.cpp's name for gpt-oss (its files say 'gpt-oss'), whose experts transformers leaves unloaded",
+    'qwen35': (
+        'transformers reads it through its newer GGUF conversion path (norms offset, value heads regrouped), '
+        'not mirrored here; load it with from_pretrained(gguf_file=...)'
+    ),
+    'qwen35moe': 'as qwen35: transformers regroups its value heads and offsets its norms on load, not mirrored here',
     't5': (
         'an encoder-decoder, where load_model reads causal LMs; transformers loads it with '
         'T5ForConditionalGeneration.from_pretrained(gguf_file=...)'
