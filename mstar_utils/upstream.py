@@ -247,7 +247,7 @@ def gguf_tensor_processors() -> dict:
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0049
 def gguf_converted_archs() -> tuple:
-    "The GGUF architectures transformers reads through its newer weight-conversion path; () where it has none."
+    "The GGUF architectures transformers reads through its newer conversion path; () where it has none."
     try:
         return tuple(reach('integrations.gguf.gguf_conversion_mapping.GGUF_ARCHS'))
     except UpstreamChanged:  # before 5.25 every GGUF goes through `modeling_gguf_pytorch_utils`
