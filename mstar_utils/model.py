@@ -20,6 +20,13 @@ import torch
 import torch.distributed as dist
 from fastcore.basics import patch
 
+# %% auto #0
+__all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
+           'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
+           'model_dtype', 'TPOptions', 'LoadOptions', 'start_reads', 'model_source', 'load_model', 'load_model_sharded',
+           'load_gguf_model', 'PlannedTensor', 'FileReads', 'LoadPlan', 'lineage', 'load_plan']
+
+# %% ../nbs/03_load_model.ipynb #4236b782-1
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, listed
@@ -49,12 +56,6 @@ from mstar_utils.upstream import (
     unexpected_key_patterns,
     weight_ops,
 )
-
-# %% auto #0
-__all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
-           'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
-           'model_dtype', 'TPOptions', 'LoadOptions', 'start_reads', 'model_source', 'load_model', 'load_model_sharded',
-           'load_gguf_model', 'PlannedTensor', 'FileReads', 'LoadPlan', 'lineage', 'load_plan']
 
 # %% ../nbs/03_load_model.ipynb #916c77a3
 def model_class_for(config) -> type:
@@ -752,6 +753,21 @@ def _finish(prep: _Prepared, res, kept: list, opts: LoadOptions) -> torch.nn.Mod
             _log.warning(f'{name}: {warning}')
     return model.eval()
 
+# %% ../nbs/03_load_model.ipynb #b1f7fc72
+def _load(
+    checkpoint_dir: str | Path,  # an HF checkpoint folder, or a .gguf file
+    opts: LoadOptions,  # what `load_model` was asked
+) -> torch.nn.Module:
+    "The model `opts` describes, prepared, read and finished; its source closed however the read ends."
+    prep = _prepare(checkpoint_dir, opts)
+    try:
+        res, kept = _read_weights(prep, opts.device)
+    except KeyError as e:
+        raise _with_skipped_rules(e, prep.config, opts.conv) from None
+    finally:
+        prep.source.close()
+    return _finish(prep, res, kept, opts)
+
 # %% ../nbs/03_load_model.ipynb #512231b4
 def load_model(
     checkpoint_dir: str | Path,  # an HF checkpoint folder (config.json, safetensors), or a .gguf file
@@ -788,14 +804,7 @@ def load_model(
         rules=rules,
         mmap=mmap,
     )
-    prep = _prepare(checkpoint_dir, opts)
-    try:
-        res, kept = _read_weights(prep, device)
-    except KeyError as e:
-        raise _with_skipped_rules(e, prep.config, conv) from None
-    finally:
-        prep.source.close()
-    return _finish(prep, res, kept, opts)
+    return _load(checkpoint_dir, opts)
 
 # %% ../nbs/03_load_model.ipynb #0a1b2c05
 def load_model_sharded(
@@ -1026,6 +1035,14 @@ def _planned(prep: _Prepared, k: str, quantized) -> PlannedTensor:
         ranges=[(f, a, b) for f, rs in merged.items() for a, b in rs],
     )
 
+# %% ../nbs/03_load_model.ipynb #bf47dc51
+def _file_reads(reads: list) -> list:
+    "The `FileReads` of reads [(path, offset, bytes)], file by file: the merged ranges and the bytes read."
+    by_file = {}
+    for path, rs in _by_path(reads).values():
+        by_file[_name(path)] = by_file.get(_name(path), 0) + sum(n for _, n in rs)
+    return [FileReads(f, [tuple(r) for r in rs], by_file[f]) for f, rs in sorted(_merged(reads).items())]
+
 # %% ../nbs/03_load_model.ipynb #0a1b2c16
 def load_plan(
     checkpoint_dir: str | Path,  # an HF checkpoint folder
@@ -1046,26 +1063,19 @@ def load_plan(
         except KeyError as e:
             raise _with_skipped_rules(e, prep.config, opts.conv) from None
         total, reads = raw.bytes_read, list(raw.reads)
-        quantized = opts.quantized == 'keep' and getattr(prep.config, 'quantization_config', None)
-        tensors, unused = [], set(res.unexpected_keys)
-        held = held_bytes(prep.model)
+        qc = opts.quantized == 'keep' and getattr(prep.config, 'quantization_config', None)  # codes kept
+        unused, held = set(res.unexpected_keys), held_bytes(prep.model)
         repl = tuple(prep.sharding.replicated) if prep.sharding is not None else ()
-        for k in [k for k in src.keys() if k not in unused] if detail else []:  # noqa: SIM118
-            tensors.append(_planned(prep, k, quantized))
+        tensors = [_planned(prep, k, qc) for k in src.keys() if k not in unused] if detail else []  # noqa: SIM118
         ck = sum(raw.info(k)[2].end - raw.info(k)[2].begin for k in raw.keys())  # noqa: SIM118
     finally:
         src.close()
-    files, by_file = [], {}
-    if detail:
-        for path, rs in _by_path(reads).values():
-            by_file[_name(path)] = by_file.get(_name(path), 0) + sum(n for _, n in rs)
-        files = [FileReads(f, [tuple(r) for r in rs], by_file[f]) for f, rs in sorted(_merged(reads).items())]
     return LoadPlan(
         str(prep.ckpt),
         rank,
         world_size,
         tensors,
-        files=files,
+        files=_file_reads(reads) if detail else [],
         total_bytes=total,
         checkpoint_bytes=ck,
         options=dict(kw),

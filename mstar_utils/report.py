@@ -268,36 +268,21 @@ def _prompt_ids(tok, prompt: str):
         return enc['input_ids']
     return tok(prompt, return_tensors='pt')['input_ids']
 
-# %% ../nbs/12_report.ipynb #8682a7bb
-def generate_reply(
-    checkpoint_dir,  # a causal LM checkpoint folder with a tokenizer, a GGUF file, or a folder of one
-    prompt: str,  # the user's message
-    max_new_tokens: int = 64,  # most tokens to generate
+# %% ../nbs/12_report.ipynb #349c4c6d
+def _greedy_reply(
+    model,  # a loaded causal LM
+    step_in,  # the prompt's [1, T] ids
+    text_out,  # the checkpoint's `TextOutput`: each step's bytes and the stop ids
+    max_new_tokens: int,  # most tokens to generate
     out=None,  # a binary stream that receives each step's bytes as they come
-    log=None,  # a text stream for progress lines (None: silent)
 ) -> list[int]:
-    "Greedy-decode a reply to `prompt` with `load_model` and a KV cache, streaming bytes to `out`"
+    "Greedy ids after `step_in` with a KV cache, up to a stop id (left out), each step's bytes to `out`."
     import torch
-    from transformers import AutoTokenizer, DynamicCache
-    from mstar_utils.detokenize import TextOutput
-    from mstar_utils.model import load_model
-    from mstar_utils.gguf import gguf_file
+    from transformers import DynamicCache
     from mstar_utils.upstream import cache_arg
 
-    f = gguf_file(checkpoint_dir)
-    ckpt = _require_checkpoint(checkpoint_dir) if f is None else f
-    check_can_answer(ckpt)
-    if log:
-        print(f'loading {ckpt.name} with mstar_utils.load_model ...', file=log, flush=True)
-    tok = (
-        AutoTokenizer.from_pretrained(ckpt) if f is None else AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
-    )
-    model = load_model(ckpt)
-    text_out = TextOutput.from_checkpoint(ckpt, tokenizer=tok)
-    step_in, cache, new = _prompt_ids(tok, prompt), DynamicCache(config=model.config), []
+    cache, new = DynamicCache(config=model.config), []
     step_bytes = text_out.step_fn()  # the decode loop's function: what text_out.step_bytes gives
-    if log:
-        print(f'generating up to {max_new_tokens} tokens ...', file=log, flush=True)
     with torch.no_grad():
         for _ in range(max_new_tokens):
             nxt = (
@@ -314,3 +299,31 @@ def generate_reply(
             new.append(int(nxt))
             step_in = nxt.reshape(1, 1)
     return new
+
+# %% ../nbs/12_report.ipynb #8682a7bb
+def generate_reply(
+    checkpoint_dir,  # a causal LM checkpoint folder with a tokenizer, a GGUF file, or a folder of one
+    prompt: str,  # the user's message
+    max_new_tokens: int = 64,  # most tokens to generate
+    out=None,  # a binary stream that receives each step's bytes as they come
+    log=None,  # a text stream for progress lines (None: silent)
+) -> list[int]:
+    "Greedy-decode a reply to `prompt` with `load_model` and a KV cache, streaming bytes to `out`"
+    from transformers import AutoTokenizer
+    from mstar_utils.detokenize import TextOutput
+    from mstar_utils.model import load_model
+    from mstar_utils.gguf import gguf_file
+
+    f = gguf_file(checkpoint_dir)
+    ckpt = _require_checkpoint(checkpoint_dir) if f is None else f
+    check_can_answer(ckpt)
+    if log:
+        print(f'loading {ckpt.name} with mstar_utils.load_model ...', file=log, flush=True)
+    tok = (
+        AutoTokenizer.from_pretrained(ckpt) if f is None else AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
+    )
+    model = load_model(ckpt)
+    text_out = TextOutput.from_checkpoint(ckpt, tokenizer=tok)
+    if log:
+        print(f'generating up to {max_new_tokens} tokens ...', file=log, flush=True)
+    return _greedy_reply(model, _prompt_ids(tok, prompt), text_out, max_new_tokens, out)

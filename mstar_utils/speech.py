@@ -260,6 +260,35 @@ def _multilingual_settings(
         derived.append("task='transcribe' (OpenAI's default)")
     return derived
 
+# %% ../nbs/11_speech.ipynb #f9d0f0d7
+def _special_ids(
+    gc,  # a Whisper `GenerationConfig`, filled in place
+    cfg: dict,  # the folder's config.json
+    added: dict,  # its tokenizer's added vocabulary, token -> id
+    where: str,  # the generation config's file, for the error: 'folder/generation_config.json'
+) -> list[str]:
+    "Fill in the start, end and no-timestamps ids `gc` lacks, from config.json or the tokenizer."
+    derived = []
+    for key, token in (
+        ('decoder_start_token_id', '<|startoftranscript|>'),
+        ('eos_token_id', '<|endoftext|>'),
+        ('no_timestamps_token_id', '<|notimestamps|>'),
+    ):
+        if getattr(gc, key, None) is not None:
+            continue
+        if cfg.get(key) is not None:
+            setattr(gc, key, cfg[key])
+            derived.append(f'{key}={cfg[key]} (config.json)')
+        elif token in added:
+            setattr(gc, key, added[token])
+            derived.append(f'{key}={added[token]} ({token})')
+        else:
+            raise ValueError(
+                f'{where} has no {key} and its tokenizer has no {token} token: '
+                f'Whisper cannot be decoded without it; add "{key}" to generation_config.json'
+            )
+    return derived
+
 # %% ../nbs/11_speech.ipynb #f9d0f0d8
 _WARNED: set = set()
 
@@ -278,25 +307,8 @@ def whisper_decoding_config(
     legacy = {} if has_file else dict(config_file_name='config.json', _from_model_config=True)
     gc = GenerationConfig.from_pretrained(d, **legacy)
     added = (tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(d)).get_added_vocab()
-    where, derived = 'generation_config.json' + ('' if has_file else ' (absent)'), []
-    for key, token in (
-        ('decoder_start_token_id', '<|startoftranscript|>'),
-        ('eos_token_id', '<|endoftext|>'),
-        ('no_timestamps_token_id', '<|notimestamps|>'),
-    ):
-        if getattr(gc, key, None) is not None:
-            continue
-        if cfg.get(key) is not None:
-            setattr(gc, key, cfg[key])
-            derived.append(f'{key}={cfg[key]} (config.json)')
-        elif token in added:
-            setattr(gc, key, added[token])
-            derived.append(f'{key}={added[token]} ({token})')
-        else:
-            raise ValueError(
-                f'{d.name}/{where} has no {key} and its tokenizer has no {token} token: '
-                f'Whisper cannot be decoded without it; add "{key}" to generation_config.json'
-            )
+    where = 'generation_config.json' + ('' if has_file else ' (absent)')
+    derived = _special_ids(gc, cfg, added, f'{d.name}/{where}')
     if getattr(gc, 'is_multilingual', None) is None:
         gc.is_multilingual = cfg['vocab_size'] >= OPENAI_MULTILINGUAL_VOCAB
         derived.append(f"is_multilingual={gc.is_multilingual} (vocab_size {cfg['vocab_size']})")
@@ -628,12 +640,36 @@ def _detect_language(model, gc, encoded: torch.Tensor, start: int) -> Language:
     probs = logits[ids].softmax(-1)
     return Language(codes[int(probs.argmax())][2:-2], float(probs.max()))
 
+# %% ../nbs/11_speech.ipynb #5a66aa89
+def _window_end(
+    toks: list,  # the window's ids, eos left out
+    out: int,  # how many of them went out already
+    cut: int,  # where the open segment starts in `toks`
+    pairs: bool,  # whether the window held a segment boundary (two timestamps in a row)
+    timestamps: bool,  # whether timestamps were decoded
+    tb: int,  # the first timestamp id, `<|0.00|>`
+    offset: float,  # the window's start in seconds
+    n: int,  # the window's mel frames
+    stride: int,  # mel frames a timestamp step, the encoder's convolution stride
+) -> tuple:
+    "(the window's last `_Window`, or None, frames to seek on): what the end of a window releases."
+    tp, tpf = 0.02, 0.01  # s a timestamp, s a frame
+    if not timestamps:
+        return _Window([], (offset, offset + n * tpf)), n
+    if pairs and [t >= tb for t in toks[-2:]] == [False, True]:  # ends on one timestamp: speech ends there
+        return _Window(toks[out:], (offset + (toks[cut] - tb) * tp, offset + (toks[-1] - tb) * tp)), n
+    if pairs:
+        return None, max((toks[cut - 1] - tb) * stride, 1)  # drop the cut-off segment, seek to the last end
+    stamps = [t for t in toks if t >= tb]  # no boundary: the whole window is one segment, to its last timestamp or end
+    end = stamps[-1] - tb if stamps and stamps[-1] != tb else int(n * tpf / tp)
+    return _Window(toks[out:], (offset, offset + end * tp)), n
+
 # %% ../nbs/11_speech.ipynb #5a66aa8a
 def _longform(model, gc, name, frames: int, window, language, task, timestamps: bool, max_new_tokens):
     "Long-form decoding as `generate`: the detected `Language`, then `_Window`s; the final eos last."
     enc = model.model.encoder
     stride = enc.conv1.stride[0] * enc.conv2.stride[0]
-    size, tp, tpf = stride * model.config.max_source_positions, 0.02, 0.01  # frames a window, s a timestamp, s a frame
+    size, tp = stride * model.config.max_source_positions, 0.02  # frames a window, s a timestamp
     prompt, detect = _prompt(gc, name, language, task, timestamps)
     tb, eos = gc.no_timestamps_token_id + 1, gc.eos_token_id
     eos = eos[0] if isinstance(eos, (list, tuple)) else eos
@@ -661,19 +697,10 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
             elif not pairs:
                 yield _Window([t], None)
                 out = len(toks)
-        if not timestamps:
-            yield _Window([], (offset, offset + n * tpf))
-            seek += n
-        elif pairs and [t >= tb for t in toks[-2:]] == [False, True]:  # ends on one timestamp: speech ends there
-            yield _Window(toks[out:], (offset + (toks[cut] - tb) * tp, offset + (toks[-1] - tb) * tp))
-            seek += n
-        elif pairs:
-            seek += max((toks[cut - 1] - tb) * stride, 1)  # drop the cut-off segment, seek to the last end
-        else:  # no boundary: the whole window is one segment, to its last timestamp or its end
-            stamps = [t for t in toks if t >= tb]
-            end = stamps[-1] - tb if stamps and stamps[-1] != tb else int(n * tpf / tp)
-            yield _Window(toks[out:], (offset, offset + end * tp))
-            seek += n
+        closing, step = _window_end(toks, out, cut, pairs, timestamps, tb, offset, n, stride)
+        if closing is not None:
+            yield closing
+        seek += step
     if last == eos:
         yield _Window([eos], None)
 
@@ -708,6 +735,41 @@ def _cached(checkpoint_dir, key, build):
         entry[1][key] = build()
     return entry[1][key]
 
+# %% ../nbs/11_speech.ipynb #1ab68f36
+def _use_timestamps(
+    asked: bool | None,  # `return_timestamps` as given; None: not given
+    gc,  # the decoding config (`whisper_decoding_config`)
+    fe,  # the checkpoint's `WhisperFeatureExtractor`
+    samples: int,  # the audio's length in samples at `fe.sampling_rate`
+) -> bool:
+    "Whether audio of `samples` samples is decoded with timestamps, refusing False past one window."
+    if samples > fe.n_samples and asked is False:
+        raise ValueError(
+            f'{samples / fe.sampling_rate:.1f} s of audio is longer than one {fe.chunk_length} s window: long-form '
+            'transcription needs timestamps; drop return_timestamps=False'
+        )
+    if asked is None:
+        asked = getattr(gc, 'return_timestamps', False)
+    return samples > fe.n_samples or bool(asked)
+
+# %% ../nbs/11_speech.ipynb #1ab68f36-2
+def _text_output(
+    checkpoint_dir,  # the Whisper checkpoint folder
+    tok,  # its tokenizer
+    ts: range,  # its timestamp ids
+    keep: bool,  # True: special and timestamp tokens give their text
+):
+    "The folder's cached `TextOutput` for Whisper ids, keeping or skipping special and timestamp tokens."
+    from mstar_utils.detokenize import TextOutput
+
+    return _cached(
+        checkpoint_dir,
+        ('text', keep, ts.stop),
+        lambda: TextOutput.from_checkpoint(
+            checkpoint_dir, tokenizer=tok, keep_special=keep, keep_timestamps=keep, extra_skip_ids=() if keep else ts
+        ),
+    )
+
 # %% ../nbs/11_speech.ipynb #1ab68f37
 class _Token(NamedTuple):
     "One released token: its id and its bytes for the client."
@@ -721,7 +783,6 @@ def _events(
 ) -> Iterator:
     "`Language`, `_Token` and `Segment` records of the transcription of `audio_path`, in order."
     from transformers import AutoTokenizer, WhisperFeatureExtractor
-    from mstar_utils.detokenize import TextOutput
     from mstar_utils.model import load_model
 
     whisper_config_json(checkpoint_dir)
@@ -731,46 +792,17 @@ def _events(
     gc = _cached(checkpoint_dir, 'decoding', lambda: whisper_decoding_config(checkpoint_dir, tokenizer=tok))
     fe = _cached(checkpoint_dir, 'features', lambda: WhisperFeatureExtractor.from_pretrained(checkpoint_dir))
     frames, window, samples = _features(audio_path, fe)
-    seconds, timestamps = samples / fe.sampling_rate, options.get('return_timestamps')
-    if samples > fe.n_samples and timestamps is False:
-        raise ValueError(
-            f'{seconds:.1f} s of audio is longer than one {fe.chunk_length} s window: long-form '
-            'transcription needs timestamps; drop return_timestamps=False'
-        )
-    if timestamps is None:
-        timestamps = getattr(gc, 'return_timestamps', False)
-    timestamps = samples > fe.n_samples or bool(timestamps)
+    seconds = samples / fe.sampling_rate
+    timestamps = _use_timestamps(options.get('return_timestamps'), gc, fe, samples)
     if model is None:
         model = load_model(checkpoint_dir, device=device, dtype=dtype)
     ts = range(gc.no_timestamps_token_id + 1, max(model.config.vocab_size, len(tok)))
-
-    def text(keep):
-        return _cached(
-            checkpoint_dir,
-            ('text', keep, ts.stop),
-            lambda: TextOutput.from_checkpoint(
-                checkpoint_dir,
-                tokenizer=tok,
-                keep_special=keep,
-                keep_timestamps=keep,
-                extra_skip_ids=() if keep else ts,
-            ),
-        )
-
-    out, words = text(keep_special), text(False) if keep_special else None
+    out = _text_output(checkpoint_dir, tok, ts, keep_special)
+    words = _text_output(checkpoint_dir, tok, ts, False) if keep_special else None
+    language, task, most = (options.get(k) for k in ('language', 'task', 'max_new_tokens'))
     said = bytearray()
     with torch.inference_mode():
-        for ev in _longform(
-            model,
-            gc,
-            name,
-            frames,
-            window,
-            options.get('language'),
-            options.get('task'),
-            timestamps,
-            options.get('max_new_tokens'),
-        ):
+        for ev in _longform(model, gc, name, frames, window, language, task, timestamps, most):
             if isinstance(ev, Language):
                 yield ev
                 continue

@@ -245,6 +245,8 @@ _MLA |= {'layers.*.self_attn.kv_a_proj_with_mqa': 'mla_kv_a_proj', 'layers.*.sel
 _OSS_EP = {f'{_EXPERTS}.{p}{b}': 'grouped_gemm' for p in ('gate_up_proj', 'down_proj') for b in ('', '_bias')}
 _OSS_TP = {f'{_EXPERTS}.gate_up_proj{b}': 'experts_colwise_io' for b in ('', '_bias')}
 _OSS_TP |= {f'{_EXPERTS}.down_proj': 'experts_rowwise_io', _EXPERTS: 'moe_tp_experts_bias_once'}
+
+# %% ../nbs/07_tensor_parallel.ipynb #5a1e0c01-1
 PLANS = {  # model type: (tensor-parallel plan, expert-parallel plan laid over it, or None)
     **{t: (_ATTN | _MLP, None) for t in ('llama', 'mistral', 'qwen2')},
     'qwen3': (_ATTN | _QK_NORM | _MLP, None),
