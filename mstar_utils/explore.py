@@ -6,251 +6,101 @@
 from __future__ import annotations
 import base64
 import fnmatch
-import html
 import io
 import json
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, asdict, astuple
+from dataclasses import dataclass, field, astuple
 from pathlib import Path
-from typing import NamedTuple
-
-from fastcore.basics import patch
 
 import torch
-import xxhash
 
-from mstar_utils.sources import (
-    read_header,
-    read_weight_map,
-    read_json,
-    FileSource,
-    JSONFileError,
-    INDEX_FILE,
-    SINGLE_FILE,
-)
+from .sources import FileSource, SINGLE_FILE
 from .sources import checkpoint_dir as checkpoint_dir_
-from .quantized import quantized_tensors, quantized_source
+from .quantized import quantized_tensors
 from .tensor_parallel import plans_for, tp_plan
 from .upstream import unexpected_key_patterns
 from .loading import named_tensors
-from .convert import listed
+from mstar_utils.explore_weights import (
+    OUTLIER_FACTOR,
+    Finding,
+    check_files,
+    Stored,
+    stored_tensors,
+    read_config,
+    TensorStats,
+    reduce_tensor,
+    value_source,
+    layer_of,
+    LayerStats,
+    layer_stats,
+    WeightStats,
+    values_dtype,
+    weight_stats,
+    TensorDiff,
+    compare_tensors,
+    LayerDiff,
+    CheckpointDiff,
+    open_gguf,
+    diff_checkpoints,
+    plot_depth,
+    plot_worst,
+)
+from mstar_utils.explore_render import (
+    tree_html,
+    tree_lines,
+    exploration_html,
+    exploration_text,
+    exploration_dict,
+    diff_dict,
+    diff_html,
+    diff_text,
+)
 
 # %% auto #0
-__all__ = ['OUTLIER_FACTOR', 'Finding', 'check_files', 'Stored', 'stored_tensors', 'TreeNode', 'module_tree', 'FormatFamily',
-           'describe_format', 'format_findings', 'quantized_units', 'format_families', 'load_findings', 'RankBytes',
-           'rank_bytes', 'rank_table', 'kv_section', 'TensorStats', 'reduce_tensor', 'value_source', 'layer_of',
-           'LayerStats', 'layer_stats', 'WeightStats', 'values_dtype', 'weight_stats', 'TensorDiff', 'compare_tensors',
-           'LayerDiff', 'CheckpointDiff', 'diff_checkpoints', 'plot_depth', 'plot_worst', 'tree_html', 'tree_lines',
-           'Exploration', 'diff_dict', 'explore']
+__all__ = ['TreeNode', 'module_tree', 'FormatFamily', 'describe_format', 'format_findings', 'quantized_units', 'format_families',
+           'load_findings', 'RankBytes', 'rank_bytes', 'rank_table', 'kv_section', 'Exploration', 'explore',
+           'OUTLIER_FACTOR', 'Finding', 'check_files', 'Stored', 'stored_tensors', 'read_config', 'TensorStats',
+           'reduce_tensor', 'value_source', 'layer_of', 'LayerStats', 'layer_stats', 'WeightStats', 'values_dtype',
+           'weight_stats', 'TensorDiff', 'compare_tensors', 'LayerDiff', 'CheckpointDiff', 'open_gguf',
+           'diff_checkpoints', 'plot_depth', 'plot_worst', 'tree_html', 'tree_lines', 'exploration_html',
+           'exploration_text', 'exploration_dict', 'diff_dict', 'diff_html', 'diff_text']
 
-# %% ../nbs/12b_explore.ipynb #059b0f5b
-@dataclass
-class Finding:
-    "One thing `explore` found: its section, level, where, what, and the fix."
-
-    section: str  # 'files', 'structure', 'formats', 'load', 'ranks', 'kv', 'stats' or 'diff'
-    # 'error': load_model refuses or a file is broken; 'warning': it loads, but not as the checkpoint meant; 'note'
-    level: str
-    where: str  # the file or checkpoint key it is about
-    what: str  # what is wrong, with the parser's or loader's own message
-    fix: str = ''  # what to do about it
-
-# %% ../nbs/12b_explore.ipynb #b3d09515
-_JSON_FILES = (
-    'config.json',
-    'generation_config.json',
-    'tokenizer.json',
-    'tokenizer_config.json',
-    'special_tokens_map.json',
-    'preprocessor_config.json',
-    INDEX_FILE,
-)
-_NO_CONFIG = (
-    'missing: without it the model cannot be built, so whether it loads, its bytes per rank and its KV cache are not '
-    'checked; the structure and the statistics come from the shards alone'
-)
-
-
-def _parse_json(path: Path) -> tuple:
-    "(the JSON object in `path`, None), or (None, the reason `read_json` gives)."
-    try:
-        return read_json(path), None
-    except JSONFileError as e:
-        return None, e.reason
-
-# %% ../nbs/12b_explore.ipynb #b3d09515-1
-def _version(pkg: str) -> str:
-    from importlib.metadata import version, PackageNotFoundError
-
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return '?'
-
-# %% ../nbs/12b_explore.ipynb #22952a03
-def check_files(
-    ckpt: Path,  # a checkpoint folder
-) -> list[Finding]:
-    "A finding for each file of `ckpt` its parser refuses."
-    out = []
-    for name in _JSON_FILES:
-        p = Path(ckpt) / name
-        if not p.is_file():
-            if name == 'config.json':
-                out.append(
-                    Finding(
-                        'files', 'error', name, _NO_CONFIG, 'copy config.json from the release the weights came with'
-                    )
-                )
-            continue
-        d, err = _parse_json(p)
-        if err:
-            out.append(Finding('files', 'error', name, err, f'restore {name} from the release it came with'))
-            continue
-        if name == 'tokenizer.json':
-            from tokenizers import Tokenizer
-
-            try:
-                Tokenizer.from_file(str(p))
-            except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
-                out.append(
-                    Finding(
-                        'files',
-                        'error',
-                        name,
-                        f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
-                        'upgrade tokenizers to the release that wrote the file, '
-                        'or save the tokenizer again with this one',
-                    )
-                )
-        if name == 'generation_config.json':
-            from transformers import GenerationConfig
-
-            try:
-                GenerationConfig.from_dict(d)
-            except Exception as e:
-                out.append(
-                    Finding(
-                        'files',
-                        'error',
-                        name,
-                        f'transformers cannot read it: {e}',
-                        'fix or remove the setting it names',
-                    )
-                )
-    return out
-
-# %% ../nbs/12b_explore.ipynb #a6444383
-class Stored(NamedTuple):
-    "One tensor as a shard's header describes it."
-
-    shard: str  # the file's name
-    dtype: torch.dtype
-    shape: tuple
-    nbytes: int
-
-# %% ../nbs/12b_explore.ipynb #b352026e
-def _read_failed(ckpt: Path, msg: str, findings: list):
-    "A finding for the weight map's read of `ckpt` failing with `msg`, naming the file the message starts with."
-    m = re.match(r'([\w.-]+\.(?:json|safetensors)):', msg)
-    name = m[1] if m else INDEX_FILE
-    if any(f.section == 'files' and f.where == name for f in findings):
-        return  # check_files named the file already
-    fix = (
-        'regenerate the index from the shards (transformers: from_pretrained, then save_pretrained)'
-        if name == INDEX_FILE
-        else f'{name} is damaged or cut short: fetch it again'
-    )
-    findings.append(Finding('files', 'error', name, msg, fix))
-
-# %% ../nbs/12b_explore.ipynb #b352026f
-def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
-    "({key: shard Path}, {shard Path: header or None}); what cannot be read is a finding."
-    # The key map is the index's, else the one file's, else every shard's.
-    try:
-        wm = read_weight_map(ckpt)
-    except (ValueError, OSError) as e:
-        _read_failed(ckpt, str(e).replace(str(ckpt) + '/', '').replace(str(ckpt), ckpt.name), findings)
-        wm = None
-    files = sorted(set(wm.values()) if wm else ckpt.glob('*.safetensors'))
-    headers = {}
-    for f in files:
-        try:
-            headers[f] = read_header(f)[1]
-        except (ValueError, OSError) as e:
-            headers[f] = None
-            if any(x.section == 'files' and x.where == f.name for x in findings):
-                continue  # the weight map's read named it already
-            findings.append(
-                Finding(
-                    'files',
-                    'error',
-                    f.name,
-                    str(e).replace(str(f), f.name),
-                    f'{f.name} is damaged or cut short: fetch it again',
-                )
-            )
-    if wm is None:
-        wm = {k: f for f, h in headers.items() for k in (h or {})}
-    return wm, headers
-
-# %% ../nbs/12b_explore.ipynb #3582e03b
-def stored_tensors(
-    ckpt: Path,  # a checkpoint folder
-    findings: list | None = None,  # receives a `Finding` for each file or key that disagrees
-) -> dict[str, Stored]:
-    "{key: `Stored`} from the headers alone, keyed as the index lists them."
-    findings = [] if findings is None else findings
-    ckpt = Path(ckpt)
-    wm, headers = _shard_findings(ckpt, findings)
-    out, indexed = {}, (ckpt / INDEX_FILE).is_file()
-    where = {k: f for f, h in headers.items() for k in (h or {})}
-    for k, f in wm.items():
-        h = headers.get(f)
-        if h is None:
-            continue  # its shard is a finding already
-        ti = h.get(k)
-        if ti is None:
-            held = f' ({where[k].name} holds it)' if k in where else ''
-            findings.append(
-                Finding(
-                    'files',
-                    'error',
-                    k,
-                    f'the index assigns it to {f.name}, whose header has no such tensor{held}',
-                    'regenerate model.safetensors.index.json from the shards '
-                    '(transformers: from_pretrained, then save_pretrained)',
-                )
-            )
-            continue
-        out[k] = Stored(f.name, ti.dtype, tuple(ti.shape), ti.end - ti.begin)
-    if indexed:
-        extra = sorted(k for k, f in where.items() if k not in wm)
-        for k in extra:
-            findings.append(
-                Finding(
-                    'files',
-                    'warning',
-                    k,
-                    f'{where[k].name} holds it, but the index does not list it, so no loader reads it',
-                    'add it to the weight_map of model.safetensors.index.json, or drop it from the shard',
-                )
-            )
-        named = {f.name for f in headers}
-        loose = sorted(p.name for p in ckpt.glob('*.safetensors') if p.name not in named)
-        if loose:
-            findings.append(
-                Finding(
-                    'files',
-                    'note',
-                    ', '.join(loose),
-                    'safetensors files the index names no key in',
-                    'left over from another save: remove them',
-                )
-            )
-    return out
+# %% ../nbs/12b_explore.ipynb #ad569b55
+# the names of the weights and rendering pages, importable from here as before the pages split
+_all_ = [
+    'OUTLIER_FACTOR',
+    'Finding',
+    'check_files',
+    'Stored',
+    'stored_tensors',
+    'read_config',
+    'TensorStats',
+    'reduce_tensor',
+    'value_source',
+    'layer_of',
+    'LayerStats',
+    'layer_stats',
+    'WeightStats',
+    'values_dtype',
+    'weight_stats',
+    'TensorDiff',
+    'compare_tensors',
+    'LayerDiff',
+    'CheckpointDiff',
+    'open_gguf',
+    'diff_checkpoints',
+    'plot_depth',
+    'plot_worst',
+    'tree_html',
+    'tree_lines',
+    'exploration_html',
+    'exploration_text',
+    'exploration_dict',
+    'diff_dict',
+    'diff_html',
+    'diff_text',
+]
 
 # %% ../nbs/12b_explore.ipynb #8cbdc51b
 @dataclass
@@ -268,15 +118,14 @@ class TreeNode:
 
 # %% ../nbs/12b_explore.ipynb #e158e2e2
 def _nest(tensors: dict) -> dict:
-    "Checkpoint keys as nested dicts of their dot parts; a tensor is its `Stored`"
-    # one that is also a module's name gets a trailing '/'.
+    "Checkpoint keys as nested dicts of their dot parts, each tensor as its `Stored`."
     root = {}
     for k, st in tensors.items():
         d, *mods, leaf = [root, *k.split('.')]
         for p in mods:
             nxt = d.get(p)
             if isinstance(nxt, Stored):
-                p += '/'
+                p += '/'  # a name both a tensor's and a module's: the module gets a trailing '/'
             d = d.setdefault(p, {})
         d[leaf if not isinstance(d.get(leaf), dict) else leaf + '/'] = st
     return root
@@ -292,8 +141,7 @@ def _order(name: str):
 
 # %% ../nbs/12b_explore.ipynb #4686fbe7
 def _runs(d: dict) -> list:
-    "[(label, subtree, count, whole)]: `d`'s children in order, numbered blocks of equal contents joined"
-    # consecutive blocks join into one run; `whole`: one run is all of `d`.
+    "[(label, subtree, count, whole)] of `d`'s children in order, runs of equal numbered blocks joined."
     out = []  # [first name, last index, subtree, signature, count]
     for k in sorted(d, key=_order):
         v = d[k]
@@ -303,13 +151,13 @@ def _runs(d: dict) -> list:
             out[-1][4] += 1
             continue
         out.append([k, int(k) if s is not None else None, v, s, 1])
+    # whole: the one run is all of `d`
     whole = len(out) == 1 and out[0][3] is not None and out[0][0] == '0'
     return [(k if n == 1 else f'{k}-{last}', v, n, whole) for k, last, v, s, n in out]
 
 # %% ../nbs/12b_explore.ipynb #1849d15f
 def _node(path: str, d, mult: int) -> TreeNode:
-    "The `TreeNode` of subtree `d` at `path`, its totals `mult` times one instance's"
-    # a module with one child is folded into the child's row.
+    "The `TreeNode` of subtree `d` at `path`, with totals `mult` times one instance's."
     if isinstance(d, Stored):
         dt = str(d.dtype).removeprefix('torch.')
         return TreeNode(path, mult, mult * math.prod(d.shape), {dt: mult * d.nbytes}, shape=d.shape, dtype=dt)
@@ -323,7 +171,7 @@ def _node(path: str, d, mult: int) -> TreeNode:
         node.params += kid.params
         for k, b in kid.nbytes.items():
             node.nbytes[k] = node.nbytes.get(k, 0) + b
-    if len(node.children) == 1:
+    if len(node.children) == 1:  # a module with one child is folded into the child's row
         return node.children[0]  # 'layers' + '0-29': one row 'layers.0-29'; 'norm' + 'weight': 'norm.weight'
     return node
 
@@ -404,8 +252,7 @@ def _ignored(module: str, patterns) -> str | None:
 
 # %% ../nbs/12b_explore.ipynb #f6d760cc
 def _fp8_findings(qc: dict, tensors: dict, findings: list):
-    "quant_method fp8: scales whose shape does not fit `weight_block_size`"
-    # and `weight_scale` where `weight_scale_inv` is expected.
+    "Findings of quant_method fp8: scales that misfit `weight_block_size`, `weight_scale` for `_scale_inv`."
     bs = qc.get('weight_block_size')
     for k, st in tensors.items():
         if st.dtype not in _FP8:
@@ -535,8 +382,7 @@ def format_families(
 
 # %% ../nbs/12b_explore.ipynb #2e4f446f
 def _build(ckpt: Path, findings: list):
-    "(transformers config, meta-built model) of `ckpt` as `load_model` builds them"
-    # (config or None, None) and a finding when it cannot.
+    "(config, meta-built model) of `ckpt` as `load_model` builds them; None for each that fails, and a finding."
     from transformers import AutoConfig
     from mstar_utils.model import build_on_meta, model_dtype
 
@@ -594,8 +440,7 @@ def _unexpected_findings(model, src, names: set, findings: list):
 
 # %% ../nbs/12b_explore.ipynb #8b66dd9c
 def _key_findings(model, src, findings: list):
-    "Missing, unexpected and shape-mismatched keys of source `src` against `model`, and its ties"
-    # `src` is keyed by the model's names.
+    "Missing, unexpected and misshapen keys of `src` (keyed by the model's names) against `model`; its ties."
     names = set()
     for ns, t, is_param in _slots(model):
         names.update(ns)
@@ -792,687 +637,6 @@ def kv_section(ckpt: Path, findings: list) -> tuple:
         return None, [], None
     return rep, format_kv_report(rep), _png(plot_kv(ckpt))
 
-# %% ../nbs/12b_explore.ipynb #f60763aa
-OUTLIER_FACTOR = (
-    3.0  # a channel (a row of a weight) is an outlier when its absmax is over this many times the median row's
-)
-_CHUNK = 1 << 18  # elements reduced at a time: 1 MiB of float32, which stays in the CPU's cache
-
-
-class _Moments:
-    "Count, mean and the central moment sums M2, M3, M4 of a stream of chunks, merged exactly"
-
-    # with the pairwise update of Chan and Pébay.
-
-    def __init__(self):
-        self.n, self.mean, self.m2, self.m3, self.m4 = 0, 0.0, 0.0, 0.0, 0.0
-
-    def add(self, n: int, mean: float, m2: float, m3: float, m4: float):
-        na = self.n
-        if na == 0:
-            self.n, self.mean, self.m2, self.m3, self.m4 = n, mean, m2, m3, m4
-            return
-        N = na + n
-        d = mean - self.mean
-        dn = d / N
-        self.m4 += (
-            m4
-            + d**4 * na * n * (na * na - na * n + n * n) / N**3
-            + 6 * dn * dn * (na * na * m2 + n * n * self.m2)
-            + 4 * dn * (na * m3 - n * self.m3)
-        )
-        self.m3 += m3 + d**3 * na * n * (na - n) / N**2 + 3 * dn * (na * m2 - n * self.m2)
-        self.m2 += m2 + d * d * na * n / N
-        self.mean += d * n / N
-        self.n = N
-
-# %% ../nbs/12b_explore.ipynb #34f3481f
-@dataclass
-class TensorStats:
-    "Statistics of one tensor's values, dequantized: moments, outliers, and the scales of quantized ones."
-
-    key: str
-    shape: tuple
-    dtype: str  # the stored dtype, or the quantized format's codes
-    absmax: float
-    mean: float
-    std: float  # with Bessel's correction, as torch.std
-    kurtosis: float  # excess kurtosis (0 for a normal distribution): heavy tails score high
-    nan: int
-    inf: int
-    all_zero: bool
-    outlier_channels: float | None  # fraction of rows whose absmax > OUTLIER_FACTOR x the median row's; None for 1-d
-    scale_min: float | None = None  # quantized tensors: their scales' range
-    scale_max: float | None = None
-    scale_outliers: float | None = None  # fraction of scales > OUTLIER_FACTOR x the median scale
-
-# %% ../nbs/12b_explore.ipynb #c12012
-def _reduce_rows(x2: torch.Tensor, r0: int, r1: int, step: int, hi: torch.Tensor, lo: torch.Tensor) -> tuple:
-    "(`_Moments`, NaN count, Inf count) of rows [r0, r1) of the 2-d `x2`, chunk by chunk"
-    # each row's max and min go into `hi`, `lo`.
-    cols, mom, nan, inf = x2.shape[1], _Moments(), 0, 0
-    buf, sq, tmp = (torch.empty(min(r1 - r0, step) * cols) for _ in range(3))
-    for r in range(r0, r1 if cols else r0, step):
-        c = x2[r : min(r + step, r1)]
-        k, e = c.numel(), min(r + step, r1)
-        x = buf[:k].view(c.shape)
-        x.copy_(c)  # to float32, into memory reused chunk after chunk
-        m = float(x.sum()) / k
-        torch.amax(x, 1, out=hi[r:e])
-        torch.amin(x, 1, out=lo[r:e])
-        d, d2, p = x.sub_(m).view(-1), sq[:k], tmp[:k]
-        torch.mul(d, d, out=d2)
-        # sums, not BLAS dots: torch's cascade sum keeps float32 error near 1e-7
-        m3 = float(torch.mul(d2, d, out=p).sum())
-        mom.add(k, m, float(d2.sum()), m3, float(torch.mul(d2, d2, out=p).sum()))
-        if not math.isfinite(m):
-            nan += int(torch.isnan(c).sum())
-            inf += int(torch.isinf(c).sum())
-    return mom, nan, inf
-
-# %% ../nbs/12b_explore.ipynb #238b55a8
-def reduce_tensor(
-    key: str,  # names the result
-    t: torch.Tensor,  # any float dtype; reduced in float32, `_CHUNK` elements at a time
-    dtype: str | None = None,  # the stored dtype to report; None: `t`'s
-    pool=None,  # a `ThreadPoolExecutor` that reduces the first half of a large tensor's rows meanwhile
-) -> TensorStats:
-    "`TensorStats` of `t` in one pass over cache-sized chunks."
-    x2 = t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, -1)
-    rows, cols = x2.shape
-    hi, lo = torch.zeros(rows), torch.zeros(rows)
-    step = max(1, _CHUNK // max(cols, 1))
-    mid = (rows // 2 // step) * step if pool is not None and t.numel() >= 4 * _CHUNK else 0
-    first = pool.submit(_reduce_rows, x2, 0, mid, step, hi, lo) if mid else None
-    mom, nan, inf = _reduce_rows(x2, mid, rows, step, hi, lo)
-    if first is not None:
-        m0, n0, i0 = first.result()
-        m0.add(mom.n, mom.mean, mom.m2, mom.m3, mom.m4)
-        mom, nan, inf = m0, nan + n0, inf + i0
-    row_max = torch.maximum(hi, lo.neg_())
-    n, absmax = mom.n, float(row_max.max()) if rows and cols else float('nan')
-    med = float(row_max.median()) if rows and cols else float('nan')
-    return TensorStats(
-        key,
-        tuple(t.shape),
-        dtype or str(t.dtype).removeprefix('torch.'),
-        absmax,
-        mom.mean if n else float('nan'),
-        math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
-        n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'),
-        nan,
-        inf,
-        absmax == 0,
-        float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None,
-    )
-
-# %% ../nbs/12b_explore.ipynb #e0069529
-class _Buffers:
-    "Byte buffers reused from tensor to tensor, each grown (never shrunk) to the largest tensor read into it."
-
-    def __init__(self, n: int):
-        self.bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(n)]
-
-    def view(self, j: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        "Buffer `j` as a contiguous tensor of `shape` and `dtype`."
-        n = math.prod(shape) * dtype.itemsize
-        if self.bufs[j].numel() < n:
-            self.bufs[j] = None  # freed before the larger one is allocated
-            self.bufs[j] = torch.empty(n, dtype=torch.uint8)
-        return self.bufs[j][:n].view(dtype).view(shape)
-
-# %% ../nbs/12b_explore.ipynb #e0069529-1
-class _OneThread:
-    "torch's intra-op threads set to one for the block"
-
-    # reductions of cache-sized chunks run on this thread, reads on another core.
-
-    def __enter__(self):
-        self.n = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.n)
-
-# %% ../nbs/12b_explore.ipynb #c12015
-def _each(src, keys: list, fn, failed=None):
-    "`fn(key, tensor)` for each of `keys` in order, the next tensor read on a thread meanwhile"
-    # at most two tensors held; `failed(key, error)` for a read that fails.
-    bufs = _Buffers(2)
-    with ThreadPoolExecutor(1, thread_name_prefix='explore-read') as ex:
-
-        def read(i):  # into buffer i % 2, faulted in once and reused: fresh memory costs more to fault in than the read
-            return ex.submit(src.get, keys[i], bufs.view(i % 2, tuple(src.shape(keys[i])), src.dtype(keys[i])))
-
-        fut = read(0) if keys else None
-        for i, k in enumerate(keys):
-            try:
-                t = fut.result()
-            except (ValueError, OSError, KeyError) as e:
-                t = None
-                if failed is None:
-                    raise
-                failed(k, e)
-            fut = read(i + 1) if i + 1 < len(keys) else None
-            if t is not None:
-                fn(k, t)
-            del t
-
-# %% ../nbs/12b_explore.ipynb #2a2d44f8
-def _scale_key(u) -> str | None:
-    "The key of a `QuantizedTensor`'s scales."
-    return next((k for k in u.sources[1:] if re.search(r'scales?(_inv)?$', k)), None)
-
-# %% ../nbs/12b_explore.ipynb #2a2d44f8-1
-def _scale_stats(raw, u, st: TensorStats):
-    "Fill `st`'s scale range and outlier fraction from quantized tensor `u`'s scales (E8M0 exponents decoded)."
-    k = _scale_key(u)
-    if k is None:
-        return
-    s = raw.get(k)
-    s = torch.exp2(s.float() - 127) if s.dtype in (torch.uint8, getattr(torch, 'float8_e8m0fnu', None)) else s.float()
-    med = float(s.median())
-    st.scale_min, st.scale_max = float(s.min()), float(s.max())
-    st.scale_outliers = float((s > OUTLIER_FACTOR * med).float().mean())
-
-# %% ../nbs/12b_explore.ipynb #853ce6f9
-def value_source(
-    ckpt: Path,  # a checkpoint folder
-    config: dict,  # its config.json
-    tensors: dict,  # {key: `Stored`}: the readable tensors
-    dtype: torch.dtype,  # what quantized weights dequantize to (the model's dtype, as load_model)
-) -> tuple:
-    "(values source by checkpoint key, the raw source, the `QuantizedTensor`s)."
-    raw = FileSource({k: Path(ckpt) / st.shard for k, st in tensors.items()}, Path(ckpt).name)
-    try:
-        units = quantized_tensors(raw, config, dtype) if config.get('quantization_config') else []
-        src, _ = quantized_source(raw, config, None, None, keep=False, dtype=dtype) if units else (raw, None)
-    except BaseException:
-        raw.close()
-        raise
-    return src, raw, units
-
-# %% ../nbs/12b_explore.ipynb #853ce6f9-1
-def _order_key(tensors: dict, units: dict, k: str) -> tuple:
-    "Where key `k`'s bytes lie (shard, offset order by key), so that a pass reads the shards in order."
-    first = units[k].sources[0] if k in units else k
-    st = tensors.get(first)
-    return (st.shard if st else '', first)
-
-# %% ../nbs/12b_explore.ipynb #86523f42
-_LAYER = re.compile(r'^(.*?(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+))\.')
-
-
-def layer_of(key: str) -> tuple:
-    "(layer name, its index) of a checkpoint key, e.g. ('model.layers.3', 3); (None, None) outside."
-    m = _LAYER.match(key)
-    return (m[1], int(m[2])) if m else (None, None)
-
-# %% ../nbs/12b_explore.ipynb #86523f42-1
-@dataclass
-class LayerStats:
-    "A layer's tensors summarized: the worst value of each statistic, and the tensor it comes from."
-
-    layer: str
-    index: int
-    tensors: int
-    absmax: float
-    absmax_key: str
-    kurtosis: float  # the largest of its tensors'
-    kurtosis_key: str
-    nan: int
-    inf: int
-    all_zero: int  # tensors all zero
-    outlier_channels: float  # the largest fraction among its tensors
-
-# %% ../nbs/12b_explore.ipynb #85bc9be0
-def layer_stats(
-    stats: list,  # [`TensorStats`]
-) -> list[LayerStats]:
-    "Per layer, in stack and depth order: worst absmax and kurtosis, NaN, Inf, zeros, outlier channels."
-    groups = {}
-    for s in stats:
-        name, i = layer_of(s.key)
-        if name is not None:
-            groups.setdefault((name.rpartition('.')[0], i, name), []).append(s)
-    out = []
-    for (_, i, name), ss in sorted(groups.items()):
-        big = max(ss, key=lambda s: s.absmax if math.isfinite(s.absmax) else math.inf)
-        fin = [s for s in ss if math.isfinite(s.kurtosis) and len(s.shape) >= 2] or ss  # weights, not norm vectors
-        heavy = max(fin, key=lambda s: s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
-        out.append(
-            LayerStats(
-                name,
-                i,
-                len(ss),
-                big.absmax,
-                big.key,
-                heavy.kurtosis,
-                heavy.key,
-                sum(s.nan for s in ss),
-                sum(s.inf for s in ss),
-                sum(s.all_zero for s in ss),
-                max((s.outlier_channels or 0.0) for s in ss),
-            )
-        )
-    return out
-
-# %% ../nbs/12b_explore.ipynb #144cdd93
-def _histogram(t: torch.Tensor, mean: float, std: float, bins: int = 121) -> tuple:
-    "(bin edges, counts) of `t`'s standardized values (x − mean) / std, chunk by chunk."
-    flat = t.reshape(-1)
-    z_max = 1.0
-    for i in range(0, flat.numel(), _CHUNK):
-        z_max = max(z_max, float(((flat[i : i + _CHUNK].float() - mean).abs().max()) / std))
-    counts = torch.zeros(bins, dtype=torch.float64)
-    for i in range(0, flat.numel(), _CHUNK):
-        counts += torch.histc((flat[i : i + _CHUNK].float() - mean) / std, bins, -z_max, z_max).double()
-    return torch.linspace(-z_max, z_max, bins + 1).tolist(), counts.tolist()
-
-# %% ../nbs/12b_explore.ipynb #709f8b9b
-@dataclass
-class WeightStats:
-    "What `weight_stats` found: each tensor's `TensorStats`, each layer's `LayerStats`, histograms."
-
-    tensors: list
-    layers: list
-    histograms: dict = field(default_factory=dict)  # {layer: (key, bin edges, counts)}: worst layers' heaviest tails
-
-    def worst(self, n: int = 3) -> list:
-        return sorted(self.layers, key=lambda row: -row.kurtosis if math.isfinite(row.kurtosis) else math.inf)[:n]
-
-    def by_key(self) -> dict:
-        return {s.key: s for s in self.tensors}
-
-# %% ../nbs/12b_explore.ipynb #1961d4c6
-def values_dtype(ckpt: Path, config: dict) -> torch.dtype:
-    "The dtype `load_model` gives the weights: config.json's, else the checkpoint's."
-    from mstar_utils.model import checkpoint_dtype
-
-    d = config.get('dtype') or config.get('torch_dtype') or (config.get('text_config') or {}).get('dtype')
-    if isinstance(d, str) and isinstance(getattr(torch, d, None), torch.dtype):
-        return getattr(torch, d)
-    try:
-        return checkpoint_dtype(ckpt) or torch.float32
-    except (ValueError, OSError):  # no readable weights: a finding of section 0 already
-        return torch.float32
-
-# %% ../nbs/12b_explore.ipynb #58785493
-def weight_stats(
-    checkpoint_dir,  # a checkpoint folder
-    findings: list | None = None,  # receives a `Finding` for each tensor that cannot be read
-    worst: int = 3,  # histograms of this many worst layers
-) -> WeightStats:
-    "Statistics of every floating-point tensor, and per layer, read one at a time."
-    ckpt, findings = Path(checkpoint_dir), ([] if findings is None else findings)
-    config = _parse_json(ckpt / 'config.json')[0] or {}
-    tensors = stored_tensors(ckpt, findings)
-    src, raw, units = value_source(ckpt, config, tensors, values_dtype(ckpt, config))
-    by_target = {u.target: u for u in units}
-    keys = sorted(
-        (k for k in src.keys() if src.dtype(k).is_floating_point),  # noqa: SIM118 (a source has no __iter__)
-        key=lambda k: _order_key(tensors, by_target, k),
-    )
-    out = []
-    pool = ThreadPoolExecutor(1, thread_name_prefix='explore-reduce')  # half of each large tensor, on the second core
-
-    def one(k, t):
-        st = reduce_tensor(
-            k, t, str(by_target[k].dtypes[0] if k in by_target else tensors[k].dtype).removeprefix('torch.'), pool
-        )
-        if k in by_target:
-            _scale_stats(raw, by_target[k], st)
-        out.append(st)
-
-    def failed(k, e):
-        findings.append(Finding('stats', 'error', k, f'cannot be read: {e}', 'fetch the shard again'))
-
-    try:
-        with _OneThread():
-            _each(src, keys, one, failed)
-            ws = WeightStats(out, layer_stats(out))
-            for row in ws.worst(worst):
-                s = ws.by_key()[row.kurtosis_key]
-                if math.isfinite(s.std) and s.std > 0:
-                    ws.histograms[row.layer] = (s.key, *_histogram(src.get(s.key), s.mean, s.std))
-    finally:
-        src.close()
-        pool.shutdown()
-    return ws
-
-# %% ../nbs/12b_explore.ipynb #dfc1e50e
-@dataclass
-class TensorDiff:
-    "How one tensor differs between two checkpoints, compared as dequantized float32 values."
-
-    key: str
-    identical: bool  # bit-identical values (equal xxh3-128 hashes of the dequantized bytes)
-    max_abs: float  # largest |a − b|
-    rel_l2: float  # ‖a − b‖ / ‖a‖
-    cosine: float  # a·b / (‖a‖ ‖b‖)
-    norm_a: float  # ‖a‖, which per-layer figures weigh by
-    hash_a: str
-    hash_b: str
-    dtype_a: str = ''  # the dtypes compared, e.g. 'float32' and 'bfloat16'
-    dtype_b: str = ''
-    equal: bool = False  # equal values, whatever their dtypes: a tensor only cast is equal, not identical
-
-# %% ../nbs/12b_explore.ipynb #dfc1e50e-1
-def _hash(t: torch.Tensor) -> str:
-    return xxhash.xxh3_128(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
-
-# %% ../nbs/12b_explore.ipynb #5daab305
-def compare_tensors(
-    key: str,  # names the result
-    a: torch.Tensor,  # the base's values
-    b: torch.Tensor,  # the other's, of the same shape
-    ha: str | None = None,
-    hb: str | None = None,  # their hashes, when the caller has them
-) -> TensorDiff:
-    "`TensorDiff` of two tensors of one shape: hashes first, then sums over cache-sized float32 chunks."
-    ha, hb = ha or _hash(a), hb or _hash(b)
-    da, db = (str(t.dtype).removeprefix('torch.') for t in (a, b))
-    same, equal = ha == hb and da == db, True
-    fa, fb = a.reshape(-1), b.reshape(-1)
-    n = fa.numel()
-    bx, by, bd, bp = (torch.empty(min(n, _CHUNK)) for _ in range(4))
-    mx = dd = aa = bb = ab = 0.0
-    for i in range(0, n, _CHUNK):
-        k = min(_CHUNK, n - i)
-        x, y, d, p = bx[:k], by[:k], bd[:k], bp[:k]
-        x.copy_(fa[i : i + k])
-        aa += float(torch.mul(x, x, out=p).sum())
-        if same:
-            continue
-        y.copy_(fb[i : i + k])
-        equal = equal and torch.equal(x, y)
-        torch.sub(x, y, out=d)
-        mx = max(mx, float(d.abs_().max()))
-        dd += float(torch.mul(d, d, out=p).sum())
-        bb += float(torch.mul(y, y, out=p).sum())
-        ab += float(torch.mul(x, y, out=p).sum())
-    if same:
-        return TensorDiff(key, True, 0.0, 0.0, 1.0, math.sqrt(aa), ha, hb, da, db, True)
-    rel = math.sqrt(dd / aa) if aa else (0.0 if dd == 0 else math.inf)
-    cos = ab / math.sqrt(aa * bb) if aa and bb else float('nan')
-    return TensorDiff(key, False, mx, rel, cos, math.sqrt(aa), ha, hb, da, db, equal)
-
-# %% ../nbs/12b_explore.ipynb #4b149476
-@dataclass
-class LayerDiff:
-    "A layer's change: its tensors' differences pooled, ‖a − b‖ / ‖a‖ over all of them."
-
-    layer: str
-    tensors: int
-    changed: int
-    rel_l2: float
-    max_abs: float
-
-# %% ../nbs/12b_explore.ipynb #4b149476-1
-def _layer_diffs(diffs: list) -> list[LayerDiff]:
-    "Per layer (tensors outside the numbered blocks under their own key), most changed first."
-    groups = {}
-    for d in diffs:
-        groups.setdefault(layer_of(d.key)[0] or d.key, []).append(d)
-    out = []
-    for name, ds in groups.items():
-        dd, aa = sum((d.rel_l2 * d.norm_a) ** 2 for d in ds if math.isfinite(d.rel_l2)), sum(d.norm_a**2 for d in ds)
-        out.append(
-            LayerDiff(
-                name,
-                len(ds),
-                sum(not d.equal for d in ds),
-                math.sqrt(dd / aa) if aa else 0.0,
-                max(d.max_abs for d in ds),
-            )
-        )
-    return sorted(out, key=lambda row: (-row.rel_l2, -row.max_abs, row.layer))
-
-# %% ../nbs/12b_explore.ipynb #4b149476-2
-def _read_hashed(src, k: str, out: torch.Tensor) -> tuple:
-    "(tensor `k` of `src` read into `out`, its hash): run on a reader thread"
-    # into memory the caller's thread allocated.
-    t = src.get(k, out=out)
-    return t, _hash(t)
-
-# %% ../nbs/12b_explore.ipynb #6d05c2e1
-@dataclass
-class CheckpointDiff:
-    "Two checkpoints compared: the keys, every shared tensor most changed first, and per layer."
-
-    a: str  # the base checkpoint's folder name
-    b: str
-    added: list  # keys only `b` has
-    removed: list  # keys only `a` has
-    reshaped: list  # (key, shape in a, shape in b)
-    tensors: list  # `TensorDiff`s, most changed first
-    layers: list  # `LayerDiff`s, most changed first
-    findings: list = field(default_factory=list)
-
-    @property
-    def changed(self) -> list:  # values differ
-        return [d for d in self.tensors if not d.equal]
-
-    @property
-    def retyped(self) -> list:  # another dtype, equal values
-        return [d for d in self.tensors if d.equal and d.dtype_a != d.dtype_b]
-
-# %% ../nbs/12b_explore.ipynb #6d05c2e1-1
-def _rank(d: TensorDiff) -> tuple:
-    return (d.equal, d.identical, -(d.rel_l2 if math.isfinite(d.rel_l2) else math.inf), -d.max_abs, d.key)
-
-# %% ../nbs/12b_explore.ipynb #5c0a4201
-def _diff_path(p) -> Path:
-    "A GGUF file `p` is or holds (`gguf_file`), else `p` as a safetensors checkpoint folder."
-    from mstar_utils.gguf import gguf_file
-
-    return gguf_file(p) or checkpoint_dir_(p)
-
-# %% ../nbs/12b_explore.ipynb #5c0a4202
-def _diff_side(p: Path, findings: list) -> tuple:
-    "(values source, its float keys, {key: `Stored`}, {target: `QuantizedTensor`}) of a folder or a GGUF file."
-    if p.suffix == '.gguf':
-        src, tensors = _gguf_opened(p)[2:]
-        return src, set(src.keys()), tensors, {}  # GGUF values are float32, under the model's names
-    config = _parse_json(p / 'config.json')[0] or {}
-    tensors = stored_tensors(p, findings)
-    src, _, units = value_source(p, config, tensors, values_dtype(p, config))
-    floats = {k for k in src.keys() if src.dtype(k).is_floating_point}  # noqa: SIM118 (a source has no __iter__)
-    return src, floats, tensors, {u.target: u for u in units}
-
-# %% ../nbs/12b_explore.ipynb #5c0a4203
-def _gguf_opened(f: Path) -> tuple:
-    "(config, meta model, `GGUFSource`, {key: `Stored`}) of GGUF file `f`, as `load_model` builds them."
-    # a Stored's dtype is the GGUF type's name ('Q4_K'; 'Q4_K+Q5_0' for joined experts)
-    from mstar_utils.gguf import GGUFSource, gguf_config, gguf_model_class, read_gguf
-    from mstar_utils.model import build_on_meta
-
-    h = read_gguf(f)
-    config = gguf_config(f, h)
-    model = build_on_meta(config, gguf_model_class(config), torch.float32)
-    src = GGUFSource(f, model, config, h)
-    return config, model, src, {k: Stored(f.name, q, shape, n) for k, (q, shape, n) in src.stored().items()}
-
-# %% ../nbs/12b_explore.ipynb #34446645
-def diff_checkpoints(
-    a,  # the base checkpoint folder
-    b,  # the checkpoint compared with it (a fine-tune, a requantization, ...)
-) -> CheckpointDiff:
-    "Compare two checkpoints a tensor at a time, dequantized: structure, then hashes and numbers."
-    A, B, findings = _diff_path(a), _diff_path(b), []  # FileNotFoundError saying what a path is instead
-    side = [_diff_side(p, findings) for p in (A, B)]
-    (sa, ka, ta, ua), (sb, kb, _, _) = side
-    common = sorted(ka & kb, key=lambda k: _order_key(ta, ua, k))
-    reshaped = [(k, tuple(sa.shape(k)), tuple(sb.shape(k))) for k in common if tuple(sa.shape(k)) != tuple(sb.shape(k))]
-    same, diffs = [k for k in common if tuple(sa.shape(k)) == tuple(sb.shape(k))], []
-    try:
-        bufs = _Buffers(2)
-        with _OneThread(), ThreadPoolExecutor(2, thread_name_prefix='explore-diff') as ex:
-            for k in same:
-                # buffers allocated here and reused: fresh memory costs more to fault in than the read,
-                # and memory freed by the reader threads would stay in their own malloc arenas
-                oa, ob = bufs.view(0, tuple(sa.shape(k)), sa.dtype(k)), bufs.view(1, tuple(sb.shape(k)), sb.dtype(k))
-                fa, fb = ex.submit(_read_hashed, sa, k, oa), ex.submit(_read_hashed, sb, k, ob)
-                (x, hx), (y, hy) = fa.result(), fb.result()
-                diffs.append(compare_tensors(k, x, y, hx, hy))
-                del x, y, oa, ob
-    finally:
-        sa.close()
-        sb.close()
-    diffs.sort(key=_rank)
-    return CheckpointDiff(
-        A.name, B.name, sorted(kb - ka), sorted(ka - kb), reshaped, diffs, _layer_diffs(diffs), findings
-    )
-
-# %% ../nbs/12b_explore.ipynb #48f1601d
-def _depth_label(key: str, layer: str, stacks: int) -> str:
-    "A tensor family's name in the depth plots: the key past its layer number"
-    # after the stack's name when there are several (Whisper).
-    stack = layer.rpartition('.')[0].split('.')
-    rest = key[len(layer) + 1 :].removesuffix('.weight')
-    return f'{stack[-2]} {rest}' if stacks > 1 and len(stack) > 1 else rest
-
-# %% ../nbs/12b_explore.ipynb #48f1601d-1
-def plot_depth(
-    ws: WeightStats,  # from `weight_stats`
-):
-    "A matplotlib `Figure`: each weight family's absmax and std over depth; None without numbered layers."
-    import matplotlib.pyplot as plt
-
-    stacks = len({layer_of(s.key)[0].rpartition('.')[0] for s in ws.tensors if layer_of(s.key)[0]})
-    fams = {}
-    for s in ws.tensors:
-        layer, i = layer_of(s.key)
-        if layer is not None and len(s.shape) >= 2:
-            fams.setdefault(_depth_label(s.key, layer, stacks), []).append((i, s.absmax, s.std))
-    if not fams:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout='constrained')
-    for j, (fam, pts) in enumerate(sorted(fams.items())):
-        pts.sort()
-        for ax, col in zip(axes, (1, 2), strict=True):
-            ax.plot(
-                [p[0] for p in pts],
-                [p[col] for p in pts],
-                marker='.',
-                color=f'C{j % 10}',
-                ls='-' if j < 10 else '--',
-                label=fam,
-            )
-    axes[0].set(xlabel='layer', ylabel='absmax', yscale='log', title='largest |weight| by layer')
-    axes[1].set(xlabel='layer', ylabel='std', yscale='log', title='standard deviation by layer')
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc='outside right center', fontsize='x-small')
-    return fig
-
-# %% ../nbs/12b_explore.ipynb #37082a1d
-def plot_worst(
-    ws: WeightStats,  # from `weight_stats`
-):
-    "A `Figure`: each worst layer's heaviest-tailed weight, standardized; None without histograms."
-    import matplotlib.pyplot as plt
-
-    if not ws.histograms:
-        return None
-    fig, ax = plt.subplots(figsize=(11, 3.6), layout='constrained')
-    for key, edges, counts in ws.histograms.values():
-        ax.stairs([max(c, 0.5) for c in counts], edges, label=f'{key} (kurtosis {ws.by_key()[key].kurtosis:.1f})')
-    ax.set(
-        yscale='log',
-        xlabel='(w − mean) / std',
-        ylabel='weights',
-        title='worst layers: value distribution of their heaviest-tailed weight',
-    )
-    ax.legend(fontsize='x-small')
-    ax.grid(alpha=0.3)
-    return fig
-
-# %% ../nbs/12b_explore.ipynb #1b4e560f
-def _size(n: float) -> str:
-    "Bytes with a k/M/G/T prefix (powers of 1000), as the report prints them."
-    for p in ('B', 'kB', 'MB', 'GB', 'TB'):
-        if abs(n) < 1000 or p == 'TB':
-            return f'{n:.0f} {p}' if p == 'B' else f'{n:.1f} {p}'
-        n /= 1000
-
-# %% ../nbs/12b_explore.ipynb #1b4e560f-1
-def _num(x) -> str:
-    "A statistic for a table: 4 significant digits, '–' for None."
-    if x is None:
-        return '–'
-    if isinstance(x, bool):
-        return 'yes' if x else ''
-    if isinstance(x, int):
-        return f'{x:,}'
-    return f'{x:.4g}'
-
-# %% ../nbs/12b_explore.ipynb #1b4e560f-2
-def _bytes_line(nbytes: dict) -> str:
-    return ', '.join(f'{_size(v)} {k}' for k, v in sorted(nbytes.items(), key=lambda kv: -kv[1]))
-
-# %% ../nbs/12b_explore.ipynb #1b4e560f-3
-def _clean(o):
-    "`o` for JSON: non-finite floats as strings, tuples as lists, dataclasses as dicts."
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    if hasattr(o, '__dataclass_fields__'):
-        return _clean(asdict(o))
-    return o
-
-# %% ../nbs/12b_explore.ipynb #8805e521
-_E = html.escape
-_TABLE = 'border-collapse:collapse;font-size:12px;margin:4px 0'
-_CELL = 'padding:1px 8px;border-bottom:1px solid #ddd;text-align:left;vertical-align:top'
-
-
-def _html_table(head: list, rows: list) -> str:
-    "An HTML table of `rows` (lists of cell strings, escaped here) under `head`."
-    th = ''.join(f'<th style="{_CELL}">{_E(str(h))}</th>' for h in head)
-    body = ''.join('<tr>' + ''.join(f'<td style="{_CELL}">{_E(str(c))}</td>' for c in r) + '</tr>' for r in rows)
-    return f'<table style="{_TABLE}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
-
-# %% ../nbs/12b_explore.ipynb #8805e521-1
-def _text_table(head: list, rows: list) -> list[str]:
-    "Aligned text lines of `rows` under `head`."
-    cells = [[str(h) for h in head]] + [[str(c) for c in r] for r in rows]
-    w = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    return ['  ' + '  '.join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in cells]
-
-# %% ../nbs/12b_explore.ipynb #8805e521-2
-def _img(b64: str | None) -> str:
-    return f'<img alt="plot" style="max-width:100%" src="data:image/png;base64,{b64}">' if b64 else ''
-
-# %% ../nbs/12b_explore.ipynb #4045d3e4
-def _tree_row(n: TreeNode) -> str:
-    "A tree row's figures: tensors it stands for, parameters, bytes by dtype, a tensor's shape."
-    rep = f' ×{n.repeat}' if n.repeat > 1 else ''
-    if n.shape is not None:
-        return f'{list(n.shape)} {n.dtype}{rep}' + (f' ({n.tensors} tensors)' if n.tensors > 1 else '')
-    return f'{n.tensors:,} tensors, {n.params:,} params, {_bytes_line(n.nbytes)}{rep}'
-
-# %% ../nbs/12b_explore.ipynb #4045d3e4-1
-def tree_html(n: TreeNode, depth: int = 0) -> str:
-    "The module tree as nested `<details>`: the first level open, the rest collapsed."
-    label = f'<code>{_E(n.path or "(checkpoint)")}</code> <span style="color:gray">{_E(_tree_row(n))}</span>'
-    if not n.children:
-        return f'<div style="margin-left:1.2em">{label}</div>'
-    kids = ''.join(tree_html(c, depth + 1) for c in n.children)
-    opening = f'<details{" open" if depth == 0 else ""} style="margin-left:{0 if depth == 0 else 1.2}em">'
-    return f'{opening}<summary>{label}</summary>{kids}</details>'
-
-# %% ../nbs/12b_explore.ipynb #4045d3e4-2
-def tree_lines(n: TreeNode, depth: int = 0) -> list[str]:
-    "The module tree as indented text lines."
-    out = [f'{"  " * depth}{n.path or "(checkpoint)"}  {_tree_row(n)}']
-    for c in n.children:
-        out += tree_lines(c, depth + 1)
-    return out
-
 # %% ../nbs/12b_explore.ipynb #4e5aa6e9
 @dataclass
 class Exploration:
@@ -1492,336 +656,13 @@ class Exploration:
     def of(self, section: str) -> list:
         return [f for f in self.findings if f.section == section]
 
-# %% ../nbs/12b_explore.ipynb #c004f5e5
-_LEVELS = {'error': 0, 'warning': 1, 'note': 2}
+    _repr_html_ = exploration_html  # collapsible sections in Jupyter
+    __str__ = __repr__ = exploration_text  # the same sections as text
+    to_dict = exploration_dict
 
-
-def _finding_rows(fs: list) -> list:
-    return [(f.level, f.where, f.what, f.fix) for f in sorted(fs, key=lambda f: _LEVELS.get(f.level, 3))]
-
-# %% ../nbs/12b_explore.ipynb #c004f5e5-1
-def _findings_part(fs: list) -> tuple:
-    "(html, lines) of a section's findings."
-    if not fs:
-        return '', []
-    return _html_table(['', 'where', 'what', 'fix'], _finding_rows(fs)), [
-        f'  {level.upper()}: {w}: {what}' + (f' (fix: {fix})' if fix else '')
-        for level, w, what, fix in _finding_rows(fs)
-    ]
-
-# %% ../nbs/12b_explore.ipynb #9566fd41
-def _structure(self: Exploration) -> tuple:
-    t = self.tree
-    return (f'{t.tensors:,} tensors, {t.params:,} parameters, {_bytes_line(t.nbytes)}', tree_html(t), tree_lines(t)[1:])
-
-# %% ../nbs/12b_explore.ipynb #9566fd41-1
-def _formats(self: Exploration) -> tuple:
-    rows = [
-        (f.family, f.format, f.tensors, f'{f.params:,}', _size(f.stored_bytes), f'{f.bits_per_weight:.2f}')
-        for f in self.formats
-    ]
-    params, nbytes = sum(f.params for f in self.formats), sum(f.stored_bytes for f in self.formats)
-    head = ['family', 'format', 'tensors', 'weights', 'stored', 'bits/weight']
-    kinds = sorted({f.format for f in self.formats})
-    return (
-        f'{len(kinds)} format(s), {8 * nbytes / max(params, 1):.2f} bits per weight overall',
-        _html_table(head, rows),
-        _text_table(head, rows),
-    )
-
-# %% ../nbs/12b_explore.ipynb #c12024
-def _spread(v: list) -> str:
-    "Per-rank bytes: one size when the ranks agree, else the least and most and then every rank's."
-    if not v:
-        return '–'
-    if min(v) == max(v):
-        return _size(v[0])
-    lo, hi = _size(min(v)), _size(max(v))
-    if lo == hi:
-        return f'{lo} (ranks differ by {max(v) - min(v):,} B)'
-    return ', '.join(map(_size, v)) if len(v) == 2 else f'{lo}–{hi}: ' + ', '.join(map(_size, v))
-
-# %% ../nbs/12b_explore.ipynb #c12024-1
-def _par(r: RankBytes) -> str:
-    return f"{'EP' if r.expert_parallel else 'TP'} {r.world_size}"
-
-# %% ../nbs/12b_explore.ipynb #c12024-2
-def _ranks(self: Exploration) -> tuple:
-    head = ['parallel', 'read per rank', 'held per rank', 'read by all ranks', 'loads']
-    rows = [
-        (
-            _par(r),
-            _spread(r.read_bytes),
-            _spread(r.held_bytes),
-            _size(sum(r.read_bytes)) if r.read_bytes else '–',
-            'refused (see above)' if r.refused else 'yes',
-        )
-        for r in self.ranks
-    ]
-    if not rows:
-        return ('not computed', '', [])
-    loads = [r for r in self.ranks if not r.refused]  # the sizes listed are those load_model accepts
-    tp, ep = (
-        [str(r.world_size) for r in loads if not r.expert_parallel],
-        [str(r.world_size) for r in loads if r.expert_parallel],
-    )
-    refused = [_par(r) for r in self.ranks if r.refused]
-    summary = (
-        f'TP {", ".join(tp) or "none"}'
-        + (f' and EP {", ".join(ep)}' if ep else '')
-        + (f'; refused: {", ".join(refused)}' if refused else '')
-    )
-    return summary, _html_table(head, rows), _text_table(head, rows)
-
-# %% ../nbs/12b_explore.ipynb #c12024-3
-def _kv(self: Exploration) -> tuple:
-    if self.kv is None:
-        return ('not computed', '', [])
-    k = self.kv
-    return (
-        f"{k['kv_bytes_per_token']:,} bytes per token, {k['kv_fixed_bytes_per_request']:,} fixed per request",
-        ''.join(f'<div>{_E(line)}</div>' for line in self.kv_lines) + _img(self.plots.get('kv')),
-        ['  ' + line for line in self.kv_lines],
-    )
-
-# %% ../nbs/12b_explore.ipynb #bba0a152
-_T_HEAD = [
-    'tensor',
-    'shape',
-    'dtype',
-    'absmax',
-    'mean',
-    'std',
-    'kurtosis',
-    'NaN',
-    'Inf',
-    'zero',
-    'outlier rows',
-    'scales min',
-    'max',
-    'outliers',
-]
-
-
-def _t_row(s: TensorStats) -> list:
-    return [
-        s.key,
-        list(s.shape),
-        s.dtype,
-        *map(
-            _num,
-            (
-                s.absmax,
-                s.mean,
-                s.std,
-                s.kurtosis,
-                s.nan or None,
-                s.inf or None,
-                s.all_zero,
-                s.outlier_channels,
-                s.scale_min,
-                s.scale_max,
-                s.scale_outliers,
-            ),
-        ),
-    ]
-
-# %% ../nbs/12b_explore.ipynb #bba0a152-1
-def _stats(self: Exploration) -> tuple:
-    ws = self.stats
-    if ws is None:
-        return ('not computed (explore(folder, stats=True), or mstar-utils inspect --stats)', '', [])
-    bad = sum(1 for s in ws.tensors if s.nan or s.inf or s.all_zero)
-    worst = ', '.join(row.layer for row in ws.worst())
-    lhead = ['layer', 'tensors', 'absmax', 'of', 'max weight kurtosis', 'of', 'NaN', 'Inf', 'zero', 'outlier rows']
-    lrows = [
-        (
-            row.layer,
-            row.tensors,
-            _num(row.absmax),
-            row.absmax_key[len(row.layer) + 1 :],
-            _num(row.kurtosis),
-            row.kurtosis_key[len(row.layer) + 1 :],
-            row.nan or '',
-            row.inf or '',
-            row.all_zero or '',
-            _num(row.outlier_channels),
-        )
-        for row in ws.layers
-    ]
-    top = sorted(ws.tensors, key=lambda s: -s.kurtosis if math.isfinite(s.kurtosis) else -math.inf)
-    summary = (
-        f'{len(ws.tensors)} tensors, {bad} with NaN, Inf or all zeros; '
-        f'worst layers (weight kurtosis): {worst or "none"}'
-    )
-    body = (
-        ''.join(_img(self.plots.get(p)) for p in ('depth', 'worst'))
-        + _html_table(lhead, lrows)
-        + '<details><summary>every tensor, heaviest tails first</summary>'
-        + _html_table(_T_HEAD, [_t_row(s) for s in top])
-        + '</details>'
-    )
-    return summary, body, _text_table(lhead, lrows) + [''] + _text_table(_T_HEAD, [_t_row(s) for s in top[:10]])
-
-# %% ../nbs/12b_explore.ipynb #b77122ab
-def _dtypes(t: TensorDiff) -> str:
-    return t.dtype_a if t.dtype_a == t.dtype_b else f'{t.dtype_a} → {t.dtype_b}'
-
-# %% ../nbs/12b_explore.ipynb #b77122ac
-def _diff_parts(d: CheckpointDiff, n: int = 20) -> tuple:
-    "(summary, html, lines) of a `CheckpointDiff`."
-    summary = (
-        f'{d.a} → {d.b}: {len(d.changed)} tensors changed, {len(d.tensors) - len(d.changed) - len(d.retyped)} '
-        f'identical, {len(d.retyped)} retyped, {len(d.added)} added, {len(d.removed)} removed, '
-        f'{len(d.reshaped)} reshaped'
-    )
-    head = ['tensor', 'dtype', 'max |a−b|', 'rel L2', 'cosine']
-    rows = [(t.key, _dtypes(t), _num(t.max_abs), _num(t.rel_l2), _num(t.cosine)) for t in d.changed[:n]]
-    lh, lr = (
-        ['layer', 'tensors', 'changed', 'rel L2', 'max |a−b|'],
-        [(row.layer, row.tensors, row.changed, _num(row.rel_l2), _num(row.max_abs)) for row in d.layers[:n]],
-    )
-    keys = [
-        ('added', d.added),
-        ('removed', d.removed),
-        ('reshaped', [f'{k} {list(a)} → {list(b)}' for k, a, b in d.reshaped]),
-        ('retyped, values equal', [f'{t.key} {_dtypes(t)}' for t in d.retyped]),
-    ]
-    lines = [f'  {w}: {listed(v, 8)}' for w, v in keys if v]
-    body = ''.join(f'<div>{_E(line.strip())}</div>' for line in lines) + _html_table(head, rows) + _html_table(lh, lr)
-    return summary, body, lines + _text_table(head, rows) + [''] + _text_table(lh, lr)
-
-# %% ../nbs/12b_explore.ipynb #b77122ac-1
-def _files(self: Exploration) -> tuple:
-    n = len(self.of('files'))
-    return (f'{n} file(s) missing or that cannot be parsed' if n else 'every file parses', '', [])
-
-# %% ../nbs/12b_explore.ipynb #933d0b63
-_SECTIONS = [
-    ('files', '0. Files', _files),
-    ('structure', '1. Structure', _structure),
-    ('formats', '2. Formats', _formats),
-    ('load', '3. Will it load', None),
-    ('ranks', '4. Bytes per rank', _ranks),
-    ('kv', '5. KV cache', _kv),
-    ('stats', '6. Weight statistics', _stats),
-    ('diff', '7. Diff', None),
-]
-
-
-def _parts(self: Exploration) -> list:
-    "[(title, summary, html, lines)] for every section, its findings first."
-    out = []
-    for sec, title, fn in _SECTIONS:
-        if sec == 'diff' and self.diff is None:
-            continue
-        if sec == 'load':
-            errs = [f for f in self.of('load') if f.level == 'error']
-            summary, body, lines = (
-                (f'no: {len(errs)} error(s)' if errs else 'yes' + _notes(len(self.of('load')))),
-                '',
-                [],
-            )
-        elif sec == 'diff':
-            summary, body, lines = _diff_parts(self.diff)
-        else:
-            summary, body, lines = fn(self)
-        fh, fl = _findings_part(self.of(sec))
-        out.append((title, summary, fh + body, fl + lines))
-    return out
-
-# %% ../nbs/12b_explore.ipynb #933d0b63-1
-def _notes(n: int) -> str:
-    return f' ({n} notes and warnings)' if n > 1 else ' (1 note or warning)' if n else ''
-
-# %% ../nbs/12b_explore.ipynb #2a230e50
-@patch
-def _repr_html_(self: Exploration) -> str:
-    "Collapsible sections, each with its findings, tables and plots; the module tree as nested `<details>`."
-    secs = ''.join(
-        f'<details open style="margin:6px 0"><summary><b>{_E(t)}</b>: {_E(s)}</summary>'
-        f'<div style="margin-left:1em">{b}</div></details>'
-        for t, s, b, _ in _parts(self)
-    )
-    return f'<div class="mstar-explore" style="font-size:13px"><div><b>{_E(self.checkpoint)}</b></div>{secs}</div>'
-
-# %% ../nbs/12b_explore.ipynb #2a230e50-1
-@patch
-def __str__(self: Exploration) -> str:
-    out = [self.checkpoint]
-    for t, s, _, lines in _parts(self):
-        out += ['', f'{t}: {s}', *lines]
-    return '\n'.join(out)
-
-# %% ../nbs/12b_explore.ipynb #2a230e50-2
-@patch
-def __repr__(self: Exploration) -> str:
-    return str(self)
-
-# %% ../nbs/12b_explore.ipynb #41de1c26
-@patch
-def to_dict(self: Exploration) -> dict:
-    "Every section as JSON-ready data (plots left out)."
-    d = {
-        'checkpoint': self.checkpoint,
-        'findings': self.findings,
-        'structure': self.tree,
-        'formats': [{**asdict(f), 'bits_per_weight': f.bits_per_weight} for f in self.formats],
-        'ranks': self.ranks,
-        'kv': self.kv,
-        'stats': None if self.stats is None else {'tensors': self.stats.tensors, 'layers': self.stats.layers},
-        'diff': None if self.diff is None else diff_dict(self.diff),
-    }
-    return _clean(d)
-
-# %% ../nbs/12b_explore.ipynb #41de1c26-1
-@patch
-def to_json(self: Exploration, indent: int | None = 1) -> str:
-    "`to_dict` as a JSON string."
-    return json.dumps(self.to_dict(), indent=indent)
-
-# %% ../nbs/12b_explore.ipynb #41de1c26-2
-def diff_dict(d: CheckpointDiff) -> dict:
-    "A `CheckpointDiff` as JSON-ready data."
-    return _clean(
-        {
-            'a': d.a,
-            'b': d.b,
-            'added': d.added,
-            'removed': d.removed,
-            'reshaped': d.reshaped,
-            'changed': d.changed,
-            'retyped': [{'key': t.key, 'dtype_a': t.dtype_a, 'dtype_b': t.dtype_b} for t in d.retyped],
-            'identical': [t.key for t in d.tensors if t.identical],
-            'layers': d.layers,
-            'findings': d.findings,
-        }
-    )
-
-# %% ../nbs/12b_explore.ipynb #a078a65a
-@patch
-def _repr_html_(self: CheckpointDiff) -> str:
-    s, body, _ = _diff_parts(self)
-    fh, _ = _findings_part(self.findings)
-    head = f'<summary><b>Diff</b>: {_E(s)}</summary>'
-    return f'<div class="mstar-explore" style="font-size:13px"><details open>{head}{fh}{body}</details></div>'
-
-# %% ../nbs/12b_explore.ipynb #a078a65a-1
-@patch
-def __str__(self: CheckpointDiff) -> str:
-    s, _, lines = _diff_parts(self)
-    return '\n'.join([s, *_findings_part(self.findings)[1], *lines])
-
-# %% ../nbs/12b_explore.ipynb #a078a65a-2
-@patch
-def __repr__(self: CheckpointDiff) -> str:
-    return str(self)
-
-# %% ../nbs/12b_explore.ipynb #a078a65a-3
-@patch
-def to_json(self: CheckpointDiff, indent: int | None = 1) -> str:
-    "`diff_dict` as a JSON string."
-    return json.dumps(diff_dict(self), indent=indent)
+    def to_json(self, indent: int | None = 1) -> str:
+        "`to_dict` as a JSON string."
+        return json.dumps(self.to_dict(), indent=indent)
 
 # %% ../nbs/12b_explore.ipynb #7df7f1ea-2
 def _folder(path, findings: list) -> Path:
@@ -1874,7 +715,7 @@ def _explore_gguf(f: Path, stats: bool, base) -> Exploration:
 
     findings, tensors, formats, ranks, plots = [], {}, [], [], {}
     try:
-        config, model, src, tensors = _gguf_opened(f)
+        config, model, src, tensors = open_gguf(f)
     except (ValueError, NotImplementedError, KeyError, OSError) as e:
         findings.append(Finding('load', 'error', f.name, f'load_model refuses it: {e}', 'as the message says'))
     else:
@@ -1907,7 +748,7 @@ def explore(
     ckpt = _folder(checkpoint_dir, findings)
     weightless = bool(findings)
     findings += check_files(ckpt)
-    config = _parse_json(ckpt / 'config.json')[0] or {}
+    config = read_config(ckpt)
     tensors = {} if weightless else stored_tensors(ckpt, findings)
     findings += format_findings(config, tensors)
     formats = format_families(tensors, quantized_units(ckpt, config, tensors, findings))

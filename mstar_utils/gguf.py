@@ -477,20 +477,29 @@ def _arch_of(model_type: str) -> int | None:
     "gguf-py's MODEL_ARCH for a transformers `model_type`, its spelling mapped as transformers maps it."
     from gguf import MODEL_ARCH_NAMES
 
-    spelt = {'cohere': 'command-r', 'qwen2_moe': 'qwen2moe', 'qwen3_moe': 'qwen3moe', 'gemma3_text': 'gemma3'}
+    spelt = {
+        'cohere': 'command-r',
+        'qwen2_moe': 'qwen2moe',
+        'qwen3_moe': 'qwen3moe',
+        'gemma3_text': 'gemma3',
+        'minimax_m2': 'minimax-m2',
+        'gpt_oss': 'gpt-oss',
+    }
     name = spelt.get(model_type, model_type)
     return next((a for a, n in MODEL_ARCH_NAMES.items() if n == name), None)
 
 # %% ../nbs/06b_gguf.ipynb #7c1e0a02
-_STACKED = ('qwen2moe', 'qwen3moe')  # the GGUF architectures whose stacked experts transformers joins
-_EXPERTS = re.compile(r'model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)')
+_STACKED = ('qwen2moe', 'qwen3moe', 'minimax-m2')  # the GGUF architectures whose stacked experts transformers joins
+_EXPERTS = re.compile(r'model\.layers\.(\d+)\.mlp\.(?:experts\.(gate_up_proj|down_proj)|(e_score_correction_bias))')
 
 
 def _stacked_names(keys, arch: str) -> dict:
-    "{GGUF name: the model's key} of the stacked experts: gate, then up, both the key's fused `gate_up_proj`."
+    "{GGUF name: the model's key} of the stacked experts (gate, then up, both `gate_up_proj`) and router biases."
     out = {}
     for k in keys if arch in _STACKED else ():
-        if m := _EXPERTS.fullmatch(k):
+        if (m := _EXPERTS.fullmatch(k)) and m[3]:
+            out[f'blk.{m[1]}.exp_probs_b.bias'] = k
+        elif m:
             for w in ('gate', 'up') if m[2] == 'gate_up_proj' else ('down',):
                 out[f'blk.{m[1]}.ffn_{w}_exps.weight'] = k
     return out
@@ -679,24 +688,32 @@ def gguf_model_class(config) -> type:
     try:
         return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
+        if config.model_type in ('t5', 'umt5'):
+            raise NotImplementedError(f'GGUF: a {config.model_type} file is not read: {_REFUSED["t5"]}') from None
         raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026
-# architectures whose tensors transformers reshapes or rescales beyond renaming: not read here
-_RESHAPED = (
-    'gpt-oss',
-    'gpt_oss',
-    'bloom',
-    't5',
-    't5encoder',
-    'gpt2',
-    'mamba',
-    'nemotron',
-    'gemma2',
-    'gemma3',
-    'lfm2',
-    'minimax-m2',
-)
+# architectures not read, and why; each other one transformers reads is read here
+_REFUSED = {
+    'gpt-oss': (
+        "transformers' from_pretrained(gguf_file=...) leaves its experts (gate_up_proj, down_proj and their biases) "
+        'unloaded, newly initialized: there is no load to equal; load the safetensors release'
+    ),
+    'gpt_oss': "not llama.cpp's name for gpt-oss (its files say 'gpt-oss'), whose experts transformers leaves unloaded",
+    'qwen35': (
+        'transformers reads it through its newer GGUF conversion path (norms offset, value heads regrouped), '
+        'not mirrored here; load it with from_pretrained(gguf_file=...)'
+    ),
+    'qwen35moe': 'as qwen35: transformers regroups its value heads and offsets its norms on load, not mirrored here',
+    't5': (
+        'an encoder-decoder, where load_model reads causal LMs; transformers loads it with '
+        'T5ForConditionalGeneration.from_pretrained(gguf_file=...)'
+    ),
+    't5encoder': (
+        'an encoder alone, where load_model reads causal LMs; transformers loads it with '
+        'T5EncoderModel.from_pretrained(gguf_file=...)'
+    ),
+}
 # {architecture: (a part of a tensor's name, the dim transformers inserts)}: a 1-d file tensor read with one more dim
 _UNSQUEEZED = {'qwen2moe': ('ffn_gate_inp_shexp', 0), 'qwen3moe': ('ffn_gate_inp_shexp', 0)}
 
@@ -705,6 +722,40 @@ def _rows(t: GGUFTensor) -> tuple:
     "The stored shape of tensor `t`'s bytes: [rows, row bytes]."
     rows = int(np.prod(t.shape[:-1], dtype=np.int64))
     return (rows, t.data.numel() // max(rows, 1))
+
+# %% ../nbs/06b_gguf.ipynb #rwk001
+def _bloom_qkv(
+    x: torch.Tensor,  # Bloom's attn_qkv weight [3·hidden, hidden] or bias [3·hidden], as the file holds it
+    config,  # its BloomConfig
+) -> torch.Tensor:
+    "Bloom's fused qkv rows from the file's q, k, v blocks back to transformers' order: head by head, q k v each."
+    h = config.n_head
+    return x.reshape(3, h, x.shape[0] // 3 // h, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+# %% ../nbs/06b_gguf.ipynb #rwk004
+def _log_negated(x: torch.Tensor, config) -> torch.Tensor:
+    "Mamba's A_log from the file's A = −exp(A_log): log(−A) by numpy, as transformers computes it, bit for bit."
+    return x if x.is_meta else torch.from_numpy(np.log(-x.numpy()))
+
+# %% ../nbs/06b_gguf.ipynb #rwk006
+_MINUS_ONE = [('norm.weight', lambda x, c: x - 1)]  # llama.cpp stores Gemma's and Nemotron's norms as 1 + w
+_T = lambda x, c: x.T  # noqa: E731
+_UNSQUEEZE = lambda x, c: x.unsqueeze(1)  # noqa: E731
+# {architecture: [(a part of a tensor's name, what transformers does to its values)]}, each match in turn
+_REWORKED = {
+    'gemma2': _MINUS_ONE,
+    'gemma3': _MINUS_ONE,
+    'nemotron': _MINUS_ONE,
+    'gpt2': [(p, _T) for p in ('attn_qkv.weight', 'ffn_down.weight', 'ffn_up.weight', 'attn_output.weight')],
+    'bloom': [('attn_qkv', _bloom_qkv)],
+    'mamba': [('ssm_conv1d.weight', _UNSQUEEZE), ('ssm_a', _log_negated)],
+    'lfm2': [('shortconv.conv.weight', _UNSQUEEZE)],
+}
+
+
+def _reworks(arch: str, name: str) -> list:
+    "What transformers does, in turn, to the values of GGUF tensor `name` of architecture `arch`: [fn(x, config)]."
+    return [fn for part, fn in _REWORKED.get(arch, ()) if part in name]
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026-1
 class GGUFSource(Source):
@@ -723,10 +774,9 @@ class GGUFSource(Source):
         self.path, self.what = Path(path), str(path)
         header = header or read_gguf(self.path)
         self.arch = header.metadata.get('general.architecture')
-        if self.arch in _RESHAPED:
+        if self.arch in _REFUSED:
             raise NotImplementedError(
-                f'{self.path.name}: GGUF architecture {self.arch!r} is not read (transformers '
-                'reshapes its tensors); read: the others gguf-py maps'
+                f'{self.path.name}: GGUF architecture {self.arch!r} is not read: {_REFUSED[self.arch]}'
             )
         names, self.config = gguf_names(model, config), config
         parts = {}  # the model's key: its GGUF tensors, in the map's order (gate before up)
@@ -736,7 +786,14 @@ class GGUFSource(Source):
         self.tensors = {k: ts[0] for k, ts in parts.items() if len(ts) == 1}
         self.joined = {k: ts for k, ts in parts.items() if len(ts) > 1}  # stacked experts' gate and up, along dim 1
         self.unmapped = [n for n in header.tensors if n not in names]  # what transformers skips too (e.g. rope_freqs)
+        self.reworked = {k: fns for k, t in self.tensors.items() if (fns := _reworks(self.arch, t.name))}
         self.shapes = _model_shapes(self.arch, self.tensors, self.joined)
+        for k, fns in self.reworked.items():  # the shape transformers' rework gives
+            self.shapes[k] = tuple(
+                functools.reduce(
+                    lambda x, fn: fn(x, config), fns, torch.empty(self.tensors[k].shape, device='meta')
+                ).shape
+            )
         self.kept = set()  # keys read as their stored blocks, uint8 [rows, row bytes] (`keep_gguf`)
         # the stored bytes, uint8 [rows, row bytes] under the same keys (a joined key's parts: their GGUF names): read,
         # sliced and counted as safetensors are
@@ -808,6 +865,9 @@ def read_many(
                 pass
             elif k in self.kept:
                 dest.copy_(rows)
+            elif k in self.reworked:  # float32 values, reworked as transformers does, then rounded once
+                x = dequantize_gguf(rows, t.qtype).view(t.shape)
+                dest.copy_(functools.reduce(lambda x, fn: fn(x, self.config), self.reworked[k], x))
             else:
                 dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
         if dest is not d:
@@ -827,8 +887,8 @@ def resolve(self: GGUFSource, k: str):
     t = self.tensors[k]
     if k in self.kept:
         return self.raw, k  # the stored bytes as they are: a rank reads its rows or whole blocks
-    if len(t.shape) != 2 or k in self.shapes:
-        return None  # a 1-d or 3-d tensor, or one reshaped, is read whole, then cut
+    if len(t.shape) != 2 or k in self.shapes or k in self.reworked:
+        return None  # a 1-d or 3-d tensor, or one reshaped or reworked, is read whole, then cut
     op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
     return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
 
@@ -915,11 +975,11 @@ def keep_gguf(
     src: GGUFSource,  # the file's source over `model`; its kept keys then read as stored bytes
     dtype: torch.dtype = torch.float32,  # what `forward` dequantizes to
 ) -> list:
-    "Swap each `nn.Linear` the file stores in a block type for a `QuantizedLinear`; the kept keys."
+    "Swap each block-type `nn.Linear` that transformers leaves as stored for a `QuantizedLinear`."
     units = []
     for k, t in src.tensors.items():
         m = model.get_submodule(k[: -len('.weight')]) if k.endswith('.weight') else None
-        if t.qtype in _BLOCK_DECODERS and isinstance(m, torch.nn.Linear):
+        if t.qtype in _BLOCK_DECODERS and isinstance(m, torch.nn.Linear) and k not in src.reworked:
             op = GGUFDequantize(int(t.qtype), src._heads(t), dtype)
             units.append(QuantizedTensor(k, [k], op, [_rows(t)], [torch.uint8]))
     keep_quantized(model, units)

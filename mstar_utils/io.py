@@ -163,7 +163,7 @@ class _Packer:
         self.run += n
         self.fill += n
 
-# %% ../nbs/01b_io.ipynb #4a9e1c0a
+# %% ../nbs/01b_io.ipynb #4a9e1c0a-2
 @patch
 def add(self: _Packer, i: int, path, pos: int, n: int):
     "Pack item `i`, `n` bytes at `pos` of `path`, across as many chunks as it needs."
@@ -190,7 +190,7 @@ def add(self: _Packer, i: int, path, pos: int, n: int):
         self.take(i, at, take)
         at += take
 
-# %% ../nbs/01b_io.ipynb #4a9e1c0b
+# %% ../nbs/01b_io.ipynb #4a9e1c0b-2
 def plan_chunks(
     spans: list,  # a `Span` (file, byte offset in the file, byte count) per item
     cap: int,  # bytes a chunk may hold, >= 64

@@ -427,9 +427,9 @@ def _kv_heads(text) -> int:
 # %% ../nbs/09_kv.ipynb #8a9b0c1d
 def _attention_token_bytes(text, nbytes: int) -> int:
     "Bytes one token takes in one attention layer: the MLA latent, else K and V of each KV head."
-    # The MLA latent when the config sets `kv_lora_rank`.
+    # The MLA latent when the config sets `kv_lora_rank`; GLM-5-Next's has no rotary part (`qk_rope_head_dim` 0).
     if getattr(text, 'kv_lora_rank', None):
-        return (_need(text, 'kv_lora_rank') + _need(text, 'qk_rope_head_dim')) * nbytes
+        return (_need(text, 'kv_lora_rank') + _need(text, 'qk_rope_head_dim', 0)) * nbytes
     heads, kv_heads = _need(text, 'num_attention_heads'), _kv_heads(text)
     head_dim = _first(text, 'head_dim', 'attention_head_dim')  # Zamba: attention_head_dim
     if head_dim is None:
@@ -631,6 +631,17 @@ def _state_shape(t, kind: str) -> StateShape:
         'Gated DeltaNet, Kimi Delta Attention, short convolutions, lightning attention, CCA and RG-LRU are)'
     )
 
+# %% ../nbs/09_kv.ipynb #85668b47
+def _kpool_indexer_token_bytes(t, nbytes: int, convention: str) -> int:
+    "Bytes per token of GLM-5-Next's pooled indexer row: key, pool gate score and a validity flag."
+    if convention == 'vllm':
+        raise ValueError(
+            f"{t.model_type} config: vLLM 0.32 keeps the pooled indexer's keys per index_kpool tokens, and the "
+            "incomplete pool's tail, in caches of their own, so its layout there is not counted; pass "
+            "convention='transformers' for the bytes transformers' cache holds"
+        )
+    return (2 * _need(t, 'index_head_dim') + 1) * nbytes
+
 # %% ../nbs/09_kv.ipynb #7879b3ad
 # Indexers whose key leaves transformers' modeling in float32: dots3's RoPE tables for indexed layers are built from
 # `inputs_embeds.float()`, so the rotated key is promoted and its cache holds float32 whatever the model's dtype.
@@ -641,6 +652,8 @@ def _indexer_token_bytes(t, nbytes: int, convention: str) -> int:
     "Bytes per token of an indexer key: vLLM's fp8 with a float32 scale per 128, or transformers' dtype."
     # transformers' is `nbytes` (or its float32). Qwen4-Exp's QSA indexer names its key `indexer_head_dim`, with
     # `indexer_kv_heads` of them; vLLM keeps those keys compressed in a cache of its own, not counted here.
+    if getattr(t, 'index_kpool', None) is not None:  # GLM-5-Next's pooled indexer
+        return _kpool_indexer_token_bytes(t, nbytes, convention)
     if getattr(t, 'indexer_head_dim', None) is not None:
         if convention == 'vllm':
             raise ValueError(

@@ -10,6 +10,7 @@ from pathlib import Path
 from mstar_utils.kv import (
     KVCachePool,
     KVGeometry,
+    KVPlan,
     checked_count,
     kv_bytes_per_token,
     kv_cache_pool,
@@ -35,6 +36,29 @@ def _plot_title(g: KVGeometry, page_size: int) -> str:
         f'{g.model_type}, {g.dtype}: {g.bytes_per_token:,} B per token, {g.fixed_bytes / 2**20:.2f} MiB fixed per '
         f'request, {page_size * g.bytes_per_token / 2**10:g} KiB per page of {page_size}'
     )
+
+# %% ../nbs/09b_kv_figures.ipynb #09bsplit2
+def _plot_pools(
+    ax2,  # the right-hand axes
+    ctx: list[int],  # the context lengths
+    pages: list[int],  # the pages one request holds at each
+    page_bytes: int,  # the bytes of one page
+    fixed: int,  # a request's fixed bytes
+    budgets_gib,  # pools of these many GiB of KV cache
+    max_num_pages: int | None,  # also a pool of exactly this many pages
+):
+    "Draw on `ax2` the requests each pool holds at each context length."
+    pools = [(f'{b:g} GiB', _requests_in(int(b * 2**30), pages, page_bytes, fixed)) for b in budgets_gib]
+    if max_num_pages is not None:
+        n = checked_count(max_num_pages, 'max_num_pages')
+        pools.append((f'{n} pages', [max((n - 1) // p, 0) if p else float('nan') for p in pages]))
+    for i, (label, reqs) in enumerate(pools):
+        ax2.plot(ctx, reqs, drawstyle='steps-post', label=label, color=f'C{i + 1}')
+    ax2.set_yscale('log')
+    ax2.set(
+        xlabel='context length (tokens)', ylabel='max concurrent requests', title='requests a pool holds at that length'
+    )
+    ax2.legend(title='KV cache pool', fontsize='small')
 
 # %% ../nbs/09b_kv_figures.ipynb #357ef7c3
 def plot_kv(
@@ -65,17 +89,7 @@ def plot_kv(
         ax1.secondary_yaxis(
             'right', functions=(lambda p: (p * page_bytes + fixed) / 2**20, lambda m: (m * 2**20 - fixed) / page_bytes)
         ).set_ylabel(f'MiB per request ({fixed / 2**20:.2f} fixed)')
-    pools = [(f'{b:g} GiB', _requests_in(int(b * 2**30), pages, page_bytes, fixed)) for b in budgets_gib]
-    if max_num_pages is not None:
-        n = checked_count(max_num_pages, 'max_num_pages')
-        pools.append((f'{n} pages', [max((n - 1) // p, 0) if p else float('nan') for p in pages]))
-    for i, (label, reqs) in enumerate(pools):
-        ax2.plot(ctx, reqs, drawstyle='steps-post', label=label, color=f'C{i + 1}')
-    ax2.set_yscale('log')
-    ax2.set(
-        xlabel='context length (tokens)', ylabel='max concurrent requests', title='requests a pool holds at that length'
-    )
-    ax2.legend(title='KV cache pool', fontsize='small')
+    _plot_pools(ax2, ctx, pages, page_bytes, fixed, budgets_gib, max_num_pages)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.suptitle(title or _plot_title(g, page_size))
@@ -201,6 +215,14 @@ def plot_kv_curve(
     ax.set_title(title or _kv_curve_title(c))
     return fig
 
+# %% ../nbs/09b_kv_figures.ipynb #09bsplit4
+def _plan_dict(
+    plan: KVPlan,  # from `plan_kv_pools`
+) -> dict:
+    "`plan` as a JSON-ready dict, with the labels of its short pools and its verdict."
+    plain = {**asdict(plan), 'pools': [asdict(p) for p in plan.pools], 'warnings': list(plan.warnings)}
+    return {**plain, 'short': [p.label for p in plan.short], 'verdict': plan.verdict}
+
 # %% ../nbs/09b_kv_figures.ipynb #8768efae
 def kv_report(
     checkpoint_dir,  # a checkpoint folder, or its config.json
@@ -234,20 +256,10 @@ def kv_report(
     )
     if max_num_pages is None:
         return rep
-    pool = KVCachePool(
-        g.max_seq_len,
-        page_size,
-        max_num_pages,
-        name=Path(checkpoint_dir).name or 'kv',
-        fixed_pages_per_request=fixed_pages,
-    )
-    plan = plan_kv_pools([pool], max_concurrent_requests, config_path)
-    plain = {**asdict(plan), 'pools': [asdict(p) for p in plan.pools], 'warnings': list(plan.warnings)}
-    return {
-        **rep,
-        'plan': {**plain, 'short': [p.label for p in plan.short], 'verdict': plan.verdict},
-        'verdict': plan.verdict,
-    }
+    name = Path(checkpoint_dir).name or 'kv'
+    pool = KVCachePool(g.max_seq_len, page_size, max_num_pages, name=name, fixed_pages_per_request=fixed_pages)
+    plan = _plan_dict(plan_kv_pools([pool], max_concurrent_requests, config_path))
+    return {**rep, 'plan': plan, 'verdict': plan['verdict']}
 
 # %% ../nbs/09b_kv_figures.ipynb #50617283
 def format_kv_report(

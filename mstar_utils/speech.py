@@ -236,6 +236,30 @@ def timestamp_ids(checkpoint_dir) -> range:
         first = whisper_decoding_config(d, warn=False).no_timestamps_token_id
     return range(first + 1, cfg['vocab_size'])
 
+# %% ../nbs/11_speech.ipynb #4ae6e7ea
+def _multilingual_settings(
+    gc,  # a multilingual Whisper's `GenerationConfig`, filled in place
+    added: dict,  # its tokenizer's added vocabulary, token -> id
+) -> list[str]:
+    "Fill in a multilingual config's language and task tokens, and its task, saying what was derived."
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
+
+    derived = []
+    if not getattr(gc, 'lang_to_id', None):
+        gc.lang_to_id = {f'<|{c}|>': added[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in added}
+        if gc.lang_to_id:
+            derived.append(f'lang_to_id ({len(gc.lang_to_id)} language tokens)')
+    if not getattr(gc, 'task_to_id', None):
+        gc.task_to_id = {t: added[f'<|{t}|>'] for t in TASK_IDS if f'<|{t}|>' in added}
+        if gc.task_to_id:
+            derived.append(f'task_to_id={gc.task_to_id}')
+    # no task and no old-style forced prompt: OpenAI's default, as Whisper was never trained without a task token
+    untasked = getattr(gc, 'task', None) is None and not getattr(gc, 'forced_decoder_ids', None)
+    if untasked and 'transcribe' in gc.task_to_id:
+        gc.task = 'transcribe'
+        derived.append("task='transcribe' (OpenAI's default)")
+    return derived
+
 # %% ../nbs/11_speech.ipynb #f9d0f0d8
 _WARNED: set = set()
 
@@ -247,7 +271,6 @@ def whisper_decoding_config(
 ):
     "The folder's `GenerationConfig` with what Whisper decoding needs, ids it lacks from the tokenizer."
     from transformers import AutoTokenizer, GenerationConfig
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TASK_IDS
     from mstar_utils.ct2_whisper import OPENAI_MAX_INITIAL_TIMESTAMP, OPENAI_MULTILINGUAL_VOCAB
 
     d, cfg = Path(checkpoint_dir), whisper_config_json(checkpoint_dir)
@@ -277,14 +300,8 @@ def whisper_decoding_config(
     if getattr(gc, 'is_multilingual', None) is None:
         gc.is_multilingual = cfg['vocab_size'] >= OPENAI_MULTILINGUAL_VOCAB
         derived.append(f"is_multilingual={gc.is_multilingual} (vocab_size {cfg['vocab_size']})")
-    if gc.is_multilingual and not getattr(gc, 'lang_to_id', None):
-        gc.lang_to_id = {f'<|{c}|>': added[f'<|{c}|>'] for c in LANGUAGES if f'<|{c}|>' in added}
-        if gc.lang_to_id:
-            derived.append(f'lang_to_id ({len(gc.lang_to_id)} language tokens)')
-    if gc.is_multilingual and not getattr(gc, 'task_to_id', None):
-        gc.task_to_id = {t: added[f'<|{t}|>'] for t in TASK_IDS if f'<|{t}|>' in added}
-        if gc.task_to_id:
-            derived.append(f'task_to_id={gc.task_to_id}')
+    if gc.is_multilingual:
+        derived += _multilingual_settings(gc, added)
     if getattr(gc, 'max_initial_timestamp_index', None) is None:
         gc.max_initial_timestamp_index = round(OPENAI_MAX_INITIAL_TIMESTAMP / 0.02)
         derived.append(f'max_initial_timestamp_index={gc.max_initial_timestamp_index} (OpenAI: 1 s)')

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 # %% auto #0
-__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS', 'TP_VISION',
-           'scratch_dir', 'PrintHandler', 'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal',
+__all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'DSV3_TINY', 'CT_FLOAT_GROUPS', 'CT_PACK_GROUPS',
+           'TP_VISION', 'scratch_dir', 'PrintHandler', 'ListHandler', 'assert_tensors_equal', 'assert_state_dict_equal',
            'tiny_configs', 'tiny_model', 'save_tiny', 'checkpoint_tensors', 'save_mla_checkpoint', 'released_kv_config',
            'gemma3_4b_it_config', 'tiny_kv_config', 'transformers_kv_cache', 'cache_layer_bytes', 'redecorated',
            'metaspace_tokenizer', 'clip_tokenizer_folder', 'ctc_tokenizer', 'sentencepiece_model_tokenizer',
@@ -29,8 +29,8 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'C
            'ct_actorder_reference', 'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits',
            'tp_jobs', 'tp_cells', 'tp_configs', 'tp_model', 'tp_inputs', 'jfk_resampled', 'formats_config',
            'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference', 'tiny_llama_gguf_config',
-           'tiny_moe_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint',
-           'write_bnb_checkpoint', 'RankReads', 'rank_reads']
+           'tiny_moe_gguf_config', 'tiny_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize',
+           'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
 # %% ../nbs/98_testing.ipynb #6994d434
 def scratch_dir(
@@ -507,6 +507,21 @@ def sentencepiece_model_tokenizer(
     return BertGenerationTokenizer(vocab_file=str(folder / 'tokenizer.model'))
 
 # %% ../nbs/98_testing.ipynb #a9ad5d25
+# DeepSeek-V3's tiny MLA and routing: one dense layer, then experts with one shared; q/kv ranks, nope/rope/v head dims
+DSV3_TINY = dict(
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=136,
+    kv_lora_rank=144,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    max_position_embeddings=64,
+)
+
+
 def quantized_configs() -> dict:
     "Tiny configs of the architectures each format ships for, by format."
     import transformers as tf
@@ -526,20 +541,11 @@ def quantized_configs() -> dict:
         intermediate_size=200,
         moe_intermediate_size=72,
         num_hidden_layers=2,
-        first_k_dense_replace=1,
         n_routed_experts=3,
         num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        q_lora_rank=136,
-        kv_lora_rank=144,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=24,
-        max_position_embeddings=64,
+        **DSV3_TINY,
     )
     gpt_oss = tf.GptOssConfig(
         vocab_size=256,
@@ -1012,18 +1018,9 @@ def tp_configs() -> dict:
         'deepseek_v3': tf.DeepseekV3Config(
             **_dims(160, 200, 2, 2, vocab_size=256, num_key_value_heads=2),
             moe_intermediate_size=96,  # 24 a rank at TP 4: grouped_mm wants rows of whole 16 bytes
-            first_k_dense_replace=1,
             n_routed_experts=6,
             num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            q_lora_rank=136,
-            kv_lora_rank=144,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=16,
-            v_head_dim=24,
-            max_position_embeddings=64,
+            **DSV3_TINY,
         ),
         'gpt_oss': tf.GptOssConfig(
             **_dims(64, 96, 2, 2, vocab_size=256, num_key_value_heads=1, head_dim=32),
@@ -1275,64 +1272,176 @@ def tiny_moe_gguf_config(
     )
     return CONFIG_MAPPING[model_type](**{**base, **kw})
 
+# %% ../nbs/98_testing.ipynb #tgac001
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
+_EXPERTS4 = dict(num_local_experts=4, num_experts_per_tok=2)
+# llama.cpp's architecture names, where not transformers' model type
+_LLAMACPP_ARCH = {
+    'qwen2_moe': 'qwen2moe',
+    'qwen3_moe': 'qwen3moe',
+    'gemma3_text': 'gemma3',
+    'minimax_m2': 'minimax-m2',
+    'gpt_oss': 'gpt-oss',
+}
+# what transformers' GGUF config tables leave at the class default is left there: GPT-2's n_positions (the file's
+# context length goes to n_ctx), Mamba's expand, Gemma's soft-capping and query scale, the MoEs' expert widths
+_TINY_GGUF = {
+    'gemma2': _ATTN | dict(sliding_window=64),
+    'gemma3_text': _ATTN | dict(sliding_window=64),
+    'nemotron': _ATTN,
+    'gpt2': dict(num_attention_heads=4, max_position_embeddings=1024, bos_token_id=0, eos_token_id=0),
+    'bloom': dict(num_attention_heads=4),
+    'mamba': dict(state_size=16),
+    'lfm2': _ATTN | dict(num_hidden_layers=3, full_attn_idxs=[1], block_auto_adjust_ff_dim=False, head_dim=None),
+    'minimax_m2': _ATTN | _EXPERTS4 | dict(rotary_dim=64),
+    'gpt_oss': _ATTN | _EXPERTS4 | dict(sliding_window=64),
+}
+
+
+def tiny_gguf_config(
+    model_type: str,  # a key of `_TINY_GGUF`: gemma2, gemma3_text, nemotron, gpt2, bloom, mamba, lfm2, ...
+    **kw,  # config entries to change
+):
+    "A tiny config of `model_type` whose GGUF file transformers reads back whole: hidden size 256."
+    from transformers import CONFIG_MAPPING
+
+    base = dict(vocab_size=333, hidden_size=256, num_hidden_layers=2, tie_word_embeddings=False)
+    extra = {k: v for k, v in _TINY_GGUF[model_type].items() if v is not None}
+    if model_type in ('gemma2', 'gemma3_text', 'gpt2', 'bloom', 'mamba', 'lfm2'):
+        base['tie_word_embeddings'] = True  # as their releases are
+    if model_type not in ('mamba', 'bloom', 'gpt2'):
+        base['max_position_embeddings'] = 128
+    return CONFIG_MAPPING[model_type](**{**base, **extra, **kw})
+
 # %% ../nbs/98_testing.ipynb #c98c013
 def _gguf_header(w, config):
-    "Write a Llama's or a Qwen MoE's `config` metadata to gguf-py writer `w`, as llama.cpp's converter does."
-    w.add_name(f'tiny-{config.model_type}')
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(config.rope_parameters['rope_theta'])
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_vocab_size(config.vocab_size)
-    if getattr(config, 'num_experts', None):
-        w.add_expert_count(config.num_experts)
-        w.add_expert_used_count(config.num_experts_per_tok)
-        w.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if getattr(config, 'shared_expert_intermediate_size', None):
-        w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if config.model_type == 'qwen3_moe':
+    "Write `config`'s metadata to gguf-py writer `w` under the keys llama.cpp's converter writes for it."
+    c, mt = config, config.model_type
+    w.add_name(f'tiny-{mt}')
+    w.add_context_length(getattr(c, 'max_position_embeddings', None) or 2**20)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_vocab_size(c.vocab_size)
+    if mt in ('gpt2', 'lfm2'):  # transformers reads their vocabulary size from the tokens
+        w.add_token_list([f'<t{i}>' for i in range(c.vocab_size)])
+    if mt == 'mamba':
+        w.add_ssm_conv_kernel(c.conv_kernel)
+        w.add_ssm_inner_size(c.intermediate_size)
+        w.add_ssm_state_size(c.state_size)
+        w.add_ssm_time_step_rank(c.time_step_rank)
+        w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+        return
+    w.add_feed_forward_length(getattr(c, 'intermediate_size', None) or 4 * c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    if mt in ('gpt2', 'bloom'):
+        w.add_head_count_kv(c.num_attention_heads)
+        w.add_layer_norm_eps(c.layer_norm_epsilon)
+        return
+    head_dim = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
+    w.add_rope_dimension_count(getattr(c, 'rotary_dim', None) or head_dim)
+    rope = c.rope_parameters
+    w.add_rope_freq_base(rope.get('rope_theta') or rope['full_attention']['rope_theta'])  # Gemma 3: global layers'
+    w.add_layer_norm_rms_eps(getattr(c, 'rms_norm_eps', None) or c.norm_eps)
+    _gguf_header_arch(w, c, head_dim)
+
+# %% ../nbs/98_testing.ipynb #c98c013-1
+def _gguf_header_arch(w, c, head_dim: int):
+    "Write the keys of config `c` only some architectures have: key-value heads, experts, windows, key length."
+    mt = c.model_type
+    if mt == 'lfm2':  # its attention layers by their key-value heads, 0 for a conv layer
+        w.add_head_count_kv([c.num_key_value_heads * (t == 'full_attention') for t in c.layer_types])
+        w.add_shortconv_l_cache(c.conv_L_cache)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+    if experts := getattr(c, 'num_experts', None) or getattr(c, 'num_local_experts', None):
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(getattr(c, 'moe_intermediate_size', None) or c.intermediate_size)
+    if getattr(c, 'shared_expert_intermediate_size', None):
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if mt in ('qwen3_moe', 'gemma2', 'gemma3_text', 'minimax_m2', 'gpt_oss'):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if getattr(c, 'sliding_window', None):
+        w.add_sliding_window(c.sliding_window)
+    if mt == 'minimax_m2':
+        import gguf
+
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # its router's, as llama.cpp writes it
+
+# %% ../nbs/98_testing.ipynb #c98c013-2
+def _llamacpp_layout(
+    g: str,  # the tensor's GGUF name
+    x,  # its values as transformers holds them, float32 numpy
+    config,
+):
+    "Tensor `g`'s values as llama.cpp's converter stores them: what transformers' GGUF loader undoes, done."
+    import numpy as np
+
+    mt = config.model_type
+    if mt == 'llama' and ('.attn_q.' in g or '.attn_k.' in g):
+        return _llamacpp_permute(x, config.num_attention_heads if '.attn_q.' in g else config.num_key_value_heads)
+    if mt in ('gemma2', 'gemma3_text', 'nemotron') and g.endswith('norm.weight'):
+        return x + 1  # their norms scale by 1 + w
+    if mt == 'gpt2' and re.search(r'\.(attn_qkv|attn_output|ffn_up|ffn_down)\.weight$', g):
+        return np.ascontiguousarray(x.T)  # Conv1D [in, out] stored as [out, in]
+    if mt == 'bloom' and '.attn_qkv.' in g:  # head by head q k v, stored as all q, all k, all v
+        h = config.num_attention_heads
+        return np.ascontiguousarray(x.reshape(h, 3, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape))
+    if mt == 'mamba' and g.endswith('.ssm_a'):
+        return -np.exp(x)
+    if (mt, g.split('.')[-2]) in (('mamba', 'ssm_conv1d'), ('lfm2', 'conv')) and g.endswith('.weight'):
+        return np.ascontiguousarray(x.squeeze(1))  # [channels, 1, kernel] stored as [channels, kernel]
+    return x.reshape(-1) if '.ffn_gate_inp_shexp.' in g else x  # a [1, hidden] gate stored 1-d
 
 # %% ../nbs/98_testing.ipynb #c98c014
 def _gguf_tensors(model, config) -> list:
     "(GGUF name, float32 array) of each tensor llama.cpp's converter writes for `model`, in its layout."
-    import numpy as np
     from mstar_utils.gguf import gguf_names
 
     names, out = {v: k for k, v in gguf_names(model, config).items()}, []
     for k, t in model.state_dict().items():
         x = t.float().numpy()
-        if m := re.fullmatch(r'model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)', k):
-            # stacked experts [experts, rows, cols]: gate and up apart, as llama.cpp stores them
-            parts = (
-                zip(('gate', 'up'), np.split(x, 2, axis=1), strict=True) if m[2] == 'gate_up_proj' else [('down', x)]
-            )
-            out += [(f'blk.{m[1]}.ffn_{p}_exps.weight', np.ascontiguousarray(v)) for p, v in parts]
+        if m := re.fullmatch(
+            r'model\.layers\.(\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)(_bias)?|e_score_correction_bias)', k
+        ):
+            out += _stacked_experts(m[1], m[2], x, config)
             continue
         g = names.get(k)
         if g is None or (g == 'output.weight' and config.tie_word_embeddings):
             continue
-        if config.model_type == 'llama' and ('.attn_q.' in g or '.attn_k.' in g):
-            x = _llamacpp_permute(x, config.num_attention_heads if '.attn_q.' in g else config.num_key_value_heads)
-        out.append((g, x.reshape(-1) if '.ffn_gate_inp_shexp.' in g else x))  # a [1, hidden] gate stored 1-d
+        out.append((g, _llamacpp_layout(g, x, config)))
     return out
+
+# %% ../nbs/98_testing.ipynb #c98c014-0
+def _stacked_experts(
+    layer: str,  # the layer's number
+    what: str,  # 'experts.gate_up_proj', 'experts.down_proj' (and '_bias'), or 'e_score_correction_bias'
+    x,  # the tensor as transformers holds it, float32 numpy
+    config,
+) -> list:
+    "(GGUF name, array) of a MoE layer's stacked experts as llama.cpp stores them: gate and up apart."
+    import numpy as np
+
+    if what == 'e_score_correction_bias':
+        return [(f'blk.{layer}.exp_probs_b.bias', x)]
+    suffix = '.bias' if what.endswith('_bias') else '.weight'
+    if config.model_type == 'gpt_oss':  # gate and up interleaved on the last dim, weights [experts, in, out]
+        parts = [('gate', x[..., ::2]), ('up', x[..., 1::2])] if 'gate_up' in what else [('down', x)]
+        parts = [(p, v if suffix == '.bias' else v.swapaxes(1, 2)) for p, v in parts]
+    else:  # [experts, 2 × rows, hidden]: gate rows, then up rows
+        parts = list(zip(('gate', 'up'), np.split(x, 2, axis=1), strict=True)) if 'gate_up' in what else [('down', x)]
+    return [(f'blk.{layer}.ffn_{p}_exps{suffix}', np.ascontiguousarray(v)) for p, v in parts]
 
 # %% ../nbs/98_testing.ipynb #c98c014-1
 def write_gguf_checkpoint(
     dest,  # the .gguf file to write
     qtypes,  # {a part of a tensor's GGUF name: GGML type}, the first match wins; else `default`
     default='Q8_0',  # the type of 2-d and 3-d weights no entry matches
-    config=None,  # a LlamaConfig or a Qwen MoE config; None: `tiny_llama_gguf_config()`
+    config=None,  # a tiny config (`tiny_llama_gguf_config`, `tiny_moe_gguf_config`, `tiny_gguf_config`); None: a Llama
     seed: int = 0,  # the random init's and the random codes' seed
 ) -> Path:
-    "A tiny random Llama or Qwen MoE written by gguf-py as llama.cpp writes one."
+    "A tiny random model of `config` written by gguf-py as llama.cpp writes one."
     import gguf
     import numpy as np
     from transformers import AutoModelForCausalLM
@@ -1340,12 +1449,11 @@ def write_gguf_checkpoint(
     config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    arch = {'qwen2_moe': 'qwen2moe', 'qwen3_moe': 'qwen3moe'}.get(config.model_type, config.model_type)
-    w = gguf.GGUFWriter(str(dest), arch)
+    w = gguf.GGUFWriter(str(dest), _LLAMACPP_ARCH.get(config.model_type, config.model_type))
     _gguf_header(w, config)
     for g, x in _gguf_tensors(model, config):
         qt = gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)]
-        if x.ndim == 1:
+        if x.ndim == 1 or g.endswith('.bias') or x.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0]:  # F32, as llama.cpp
             w.add_tensor(g, x, raw_dtype=gguf.GGMLQuantizationType.F32)
             continue
         codes = _gguf_codes(x.reshape(-1, x.shape[-1]), qt, rng)  # experts' rows one after another

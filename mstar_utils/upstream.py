@@ -14,7 +14,8 @@ __all__ = ['transformers_version', 'UpstreamChanged', 'reach', 'config_tp_plan',
            'decode_special_floats', 'set_expert_parallel', 'detect_timestamp_from_logprob', 'checkpoint_conversions',
            'model_renamings', 'rename_key', 'weight_ops', 'cache_classes', 'output_cache', 'cache_arg',
            'fp8_dequantize_reference', 'fp8_grid_dequantize', 'fp8_quantize_op', 'mxfp4_dequantize_reference',
-           'fp4_values', 'gguf_config_mappings', 'gguf_reverse_permute', 'gguf_tensor_processors']
+           'fp4_values', 'gguf_config_mappings', 'gguf_reverse_permute', 'gguf_tensor_processors',
+           'gguf_converted_archs']
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0006
 def transformers_version() -> str:
@@ -243,3 +244,11 @@ def gguf_reverse_permute(w, n_head: int, n_kv: int | None = None):
 def gguf_tensor_processors() -> dict:
     "{GGUF architecture: transformers' TensorProcessor} of the architectures whose tensors it reworks."
     return dict(reach('modeling_gguf_pytorch_utils.TENSOR_PROCESSORS'))
+
+# %% ../nbs/01c_upstream.ipynb #1b0c0049
+def gguf_converted_archs() -> tuple:
+    "The GGUF architectures transformers reads through its newer conversion path; () where it has none."
+    try:
+        return tuple(reach('integrations.gguf.gguf_conversion_mapping.GGUF_ARCHS'))
+    except UpstreamChanged:  # before 5.25 every GGUF goes through `modeling_gguf_pytorch_utils`
+        return ()

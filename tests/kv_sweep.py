@@ -115,8 +115,12 @@ def sweep_one(
     model_type: str, dtype=torch.bfloat16, overrides: dict | None = None, device: str = 'meta'
 ) -> SweepResult:
     """Build `model_type`'s causal LM from its config class's defaults (or `overrides` of them) on meta, fill its cache
-    at two lengths, compare. A tiny config whose forward meta cannot run (`nonzero`) runs on `device='cpu'`."""
-    from transformers import AutoModelForCausalLM
+    at two lengths, compare. A tiny config whose forward meta cannot run (`nonzero`) runs on `device='cpu'`. A class
+    with no causal LM (GLM-5-Next) is built as its base model, whose forward returns the same cache."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    auto = AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
 
     try:
         text = _config(model_type, dtype, overrides=overrides).get_text_config(decoder=True)
@@ -136,7 +140,7 @@ def sweep_one(
         try:
             with warnings.catch_warnings(), torch.device(device):
                 warnings.simplefilter('ignore')
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+                model = auto.from_config(config, dtype=dtype).eval()
         except Exception as e:
             return SweepResult(model_type, 'skipped', f'model build: {type(e).__name__}: {str(e)[:120]}')
         try:

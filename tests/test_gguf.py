@@ -604,12 +604,14 @@ def test_moe_ranks_are_slices_of_the_full_load(mt, moe):
 
 
 def test_every_architecture_transformers_reworks_is_read_or_refused():
-    "Each architecture with its own TensorProcessor in transformers: read here (Llama, the Qwen MoEs) or refused."
-    from mstar_utils.gguf import _RESHAPED, _STACKED
-    from mstar_utils.upstream import gguf_tensor_processors
+    "Each architecture with its own TensorProcessor in transformers: read here (Llama, stacked or reworked) or refused."
+    from mstar_utils.gguf import _REFUSED, _REWORKED, _STACKED
+    from mstar_utils.upstream import gguf_converted_archs, gguf_tensor_processors
 
-    assert set(gguf_tensor_processors()) <= {'llama', *_STACKED, *_RESHAPED}
-    assert not set(_STACKED) & set(_RESHAPED)
+    assert set(gguf_tensor_processors()) <= {'llama', *_STACKED, *_REWORKED, *_REFUSED}
+    assert not ({*_STACKED} | {*_REWORKED}) & set(_REFUSED)
+    # transformers' newer conversion path (5.25 on) reworks its architectures' tensors too
+    assert set(gguf_converted_archs()) <= {*_REWORKED, *_REFUSED}
 
 
 # ---- explore, inspect --stats and diff on a GGUF file: tensors under the model's names, their block types

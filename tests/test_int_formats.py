@@ -428,7 +428,8 @@ def test_explore_lists_only_the_tp_sizes_load_accepts(name, ckpts):
     """explore's bytes-per-rank summary names a size only where load_plan and load_model take it; the others are
     refused by both."""
     from transformers import AutoConfig
-    from mstar_utils.explore import _ranks, explore, rank_table
+    from mstar_utils.explore import explore, rank_table
+    from mstar_utils.explore_render import _ranks
 
     d = ckpts[name][0]
     rows, _ = rank_table(d, AutoConfig.from_pretrained(d))

@@ -191,6 +191,27 @@ def test_released_deepseek_v32_indexer():
     assert kv_bytes_per_token(released('DeepseekV3Config')) == c.num_hidden_layers * latent
 
 
+def test_released_glm5_next_pooled_indexer():
+    c = released('Glm5NextTextConfig')
+    indexed = [i for i, k in enumerate(c.layer_types) if k == 'indexed_attention']
+    # transformers' DynamicIndexedLayer: the latent (no rotary part), and in each layer that runs its own indexer a
+    # packed row of the key, the pool gate's score and a validity flag (Glm5NextTextIndexer.forward)
+    row = 2 * c.index_head_dim + 1
+    full = [i for i in indexed if c.indexer_types[i] == 'full']
+    assert kv_bytes_per_token(c, convention='transformers') == (len(indexed) * c.kv_lora_rank + len(full) * row) * 2
+    k = c.linear_num_heads * c.linear_head_dim
+    n = c.layer_types.count('linear_attention')
+    assert kv_fixed_bytes_per_request(c, convention='transformers') == n * (
+        3 * k * c.linear_conv_kernel_dim * 2 + c.linear_num_heads * c.linear_head_dim**2 * 4
+    )
+    with pytest.raises(
+        ValueError, match="glm5_next_text config: vLLM 0.32 keeps the pooled indexer.*convention='transformers'"
+    ):
+        kv_geometry(c)
+    with pytest.raises(ValueError, match="convention='transformers'"):
+        kv_geometry(released('Glm5NextConfig'))
+
+
 def test_released_qwen3_next_and_kimi_linear():
     q = released('Qwen3NextConfig')
     conv = 2 * q.linear_num_key_heads * q.linear_key_head_dim + q.linear_num_value_heads * q.linear_value_head_dim

@@ -82,6 +82,30 @@ _QWEN4_EXP = dict(
     indexer_compress_ratio=4,
     eos_token_id=1,
 )
+_GLM5_NEXT = dict(
+    _T,
+    num_hidden_layers=4,
+    num_key_value_heads=4,  # its MLA asks for as many as the query heads
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    index_head_dim=16,
+    index_n_heads=2,
+    index_topk=8,
+    index_kpool=4,
+    linear_head_dim=8,
+    linear_num_heads=2,
+    hc_mult=2,
+    pad_token_id=0,
+    # a 'shared' indexed layer reuses the selection of the indexed layer just before it, and keeps no indexer row
+    layer_types=['linear_attention', 'indexed_attention', 'indexed_attention', 'linear_attention'],
+    indexer_types=['full', 'full', 'shared', 'full'],
+)
 # Tiny configs of the classes whose layer kinds were once named but refused: ZAYA's CCA, Inkling's short
 # convolutions (and Inkling2-Loop's per-pass caches), RecurrentGemma's RG-LRU, Qwen4-Exp's QSA indexer and PLE
 # windows. Their released shapes run in the slow sweep where meta can run them; these run in seconds.
@@ -113,9 +137,24 @@ TINY = {
     ),
     'qwen4_exp_text': _QWEN4_EXP,
     'qwen4_exp': dict(text_config=_QWEN4_EXP),
+    # GLM-5-Next: KDA layers, and MLA without a rotary part beside a pooled indexer; no causal-LM class, so the
+    # sweep builds its base model
+    'glm5_next_text': _GLM5_NEXT,
+    'glm5_next': dict(
+        text_config=_GLM5_NEXT,
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            num_heads=2,
+            intermediate_size=32,
+            out_hidden_size=64,
+            projection_intermediate_size=32,
+        ),
+    ),
 }
-# Qwen4-Exp's QSA indexer selects tokens with `nonzero`, which meta cannot run: its tiny model runs on the CPU
-DEVICE = {'qwen4_exp_text': 'cpu', 'qwen4_exp': 'cpu'}
+# Qwen4-Exp's QSA indexer and GLM-5-Next's forward call `nonzero`, which meta cannot run: their tiny models run on
+# the CPU
+DEVICE = {'qwen4_exp_text': 'cpu', 'qwen4_exp': 'cpu', 'glm5_next_text': 'cpu', 'glm5_next': 'cpu'}
 
 
 @pytest.mark.parametrize('model_type', TINY)

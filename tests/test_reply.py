@@ -25,7 +25,11 @@ from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, token
 from mstar_utils.detokenize import TextChunkDetokenizer, TextOutput
 from mstar_utils.testing import ctc_tokenizer, metaspace_tokenizer, sentencepiece_model_tokenizer
 
-from engine.cases import mistral_text_output, vllm_text_so_far  # tests/engine: vLLM's holding rules, in plain Python
+from engine.cases import (  # tests/engine: vLLM's holding rules, in plain Python
+    mistral_text_output,
+    vllm_slow_deltas,
+    vllm_text_so_far,
+)
 
 SLOW = bool(os.environ.get('MSTAR_SLOW'))
 EXAMPLES = 120 if SLOW else 12
@@ -323,6 +327,27 @@ ALPHABET = st.sampled_from(
     list("abcdefg xyz.,!?\n") + list('你好世界東京') + ['é', 'ß', '👍', '🏽', '🎉', '\u0301', 'Ω']
 )
 TEXT = st.text(ALPHABET, min_size=1, max_size=40)
+
+
+@PROPERTY
+@given(prompt=TEXT, reply=TEXT, bos=st.booleans(), keep_special=st.booleans())
+def test_sentencepiece_model_reply_after_a_prompt_as_vllm(prompt, reply, bos, keep_special):
+    "'decode' mode with `prompt_ids`: each step's text so far and the whole reply equal vLLM's slow detokenizer's."
+    t = tok('spm')
+    p = [t.bos_token_id] * bos + t.encode(prompt, add_special_tokens=False)
+    ids = t.encode(reply, add_special_tokens=False)
+    to = TextOutput(TextChunkDetokenizer(t, keep_special=keep_special), frozenset({eos('spm')}))
+    r = to.reply(prompt_ids=p)
+    theirs = vllm_slow_deltas(t, p, ids, skip_special_tokens=not keep_special)
+    mine, so_far = b'', ''
+    for i, delta in zip(ids, theirs, strict=True):
+        mine, so_far = mine + r.step([i]), so_far + delta
+        assert mine.decode(errors='replace').startswith(so_far), (mine, so_far)
+    mine += r.finish()
+    # vLLM's rule is decode of a window of the prompt's last ids with the reply, less the window's own text
+    window = [i for i in p[-7:] if keep_special or i != t.bos_token_id][-5:]
+    whole, before = (t.convert_tokens_to_string(t.convert_ids_to_tokens(w)) for w in (window + ids, window))
+    assert mine.decode() == so_far == whole[len(before) :] or so_far.endswith('\ufffd'), (mine, so_far)
 
 
 @st.composite

@@ -157,6 +157,15 @@ def test_one_concept_rooms_stand_in_layers():
     assert not {'languages', 'kv_figures'} & g['generation'], g['generation']
 
 
+def test_explore_rooms_stand_in_layers():
+    """explore's three rooms: the rendering knows no section (it stands on `convert` alone, for `listed`), the files
+    and weights room builds on it, and explore on both; neither room below imports explore."""
+    g = graph()
+    assert g['explore_render'] == {'convert'}, g['explore_render']
+    assert 'explore_render' in g['explore_weights'] and 'explore' not in g['explore_weights'], g['explore_weights']
+    assert {'explore_weights', 'explore_render'} <= g['explore'], g['explore']
+
+
 # the one function that parses a checkpoint's JSON files
 JSON_READERS = {('sources', 'read_json')}
 

@@ -261,6 +261,27 @@ def test_fine_tune_transcribes_jfk_as_transformers(tmp_path, drop):
         assert getattr(ours, k) == getattr(orig, k), k
 
 
+@pytest.mark.parametrize('name', MODELS)
+def test_stripped_fine_tune_decodes_as_transformers_with_the_derived_config(tmp_path, name):
+    """A fine-tune whose generation_config.json lost its timestamp, language and task keys: our ids equal transformers'
+    `generate` given the config we derive, and equal the original checkpoint's."""
+    from transformers import GenerationConfig
+    from mstar_utils.speech import log_mel
+
+    ft, model = _fine_tune(tmp_path, name, STRIPPED), _model(name)
+    features = log_mel(ft, read_audio(ck.jfk_audio()))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        ours, derived = transcribe(ft, ck.jfk_audio(), model=model), whisper_decoding_config(ft, warn=False)
+    orig = GenerationConfig.from_pretrained(ck.whisper_checkpoint(name))
+    assert getattr(derived, 'task', None) == getattr(orig, 'task', None)  # base: 'transcribe'; tiny.en: none
+    eos = orig.eos_token_id
+    with torch.inference_mode():
+        assert ours.ids == model.generate(features, generation_config=derived)[0].tolist() + [eos]
+        assert ours.ids == model.generate(features, generation_config=orig)[0].tolist() + [eos]
+    assert 'ask not what your country can do for you, ask what' in ours.text.lower()
+
+
 @SLOW
 def test_multilingual_fine_tune_derives_languages_and_tasks(tmp_path):
     from transformers import GenerationConfig

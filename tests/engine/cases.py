@@ -179,6 +179,47 @@ def vllm_text_so_far(det, ids, hold: int) -> str:
     return t[: max(0, len(t) - hold)]
 
 
+def vllm_slow_deltas(tokenizer, prompt_ids, ids, skip_special_tokens: bool) -> list[str]:
+    """The text vLLM's detokenizer for a tokenizer without tokenizer.json (its SlowIncrementalDetokenizer) adds at each
+    of `ids` after `prompt_ids`, its rule in plain Python."""
+    # It starts on the tokens of the prompt's last 7 ids (special ones dropped when skipped), the window reaching 5
+    # back from their end. At each id it joins the tokens from the window's start, and lets out what that adds to the
+    # text of the window's tokens before the new ones, unless it adds nothing or ends in U+FFFD; then the window moves
+    # on to the tokens it let out. An added token is its own piece of text, pieces joined by a space.
+    added = set(tokenizer.get_added_vocab())
+    special = set(tokenizer.all_special_tokens) if skip_special_tokens else set()
+
+    def text(tokens):
+        if not added:
+            return tokenizer.convert_tokens_to_string(tokens)
+        pieces, run = [], []
+        for t in tokens:
+            if t in special:
+                continue
+            if t in added:
+                pieces += [tokenizer.convert_tokens_to_string(run)] if run else []
+                pieces, run = pieces + [t], []
+            else:
+                run.append(t)
+        return ' '.join(pieces + ([tokenizer.convert_tokens_to_string(run)] if run else []))
+
+    def tokens_of(some):
+        return [t or '' for t in tokenizer.convert_ids_to_tokens(some, skip_special_tokens=skip_special_tokens)]
+
+    tokens = tokens_of(list(prompt_ids)[-7:])
+    read = len(tokens)
+    start, out = max(read - 5, 0), []
+    for i in ids:
+        tokens += tokens_of([i])
+        before, now = text(tokens[start:read]), text(tokens[start:])
+        if len(now) <= len(before) or now.endswith('\ufffd'):
+            out.append('')
+            continue
+        out.append(now[len(before) :])
+        start, read = read, len(tokens)
+    return out
+
+
 def check_stream(text_output, p, ro, deltas) -> dict:
     "Our `Reply` fed each delta's ids against vLLM's deltas; counts of the deltas equal to ours and held by vLLM."
     # vLLM's text so far must be a prefix of what a client's decoder shows of ours, and equal to its holding rules

@@ -143,6 +143,22 @@ def configs():
         ),
     )
     yield (
+        'DeepSeek-V3.2 (MLA, indexer)',
+        lambda: c(
+            'DeepseekV32Config',
+            'DeepseekV32ForCausalLM',
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            index_head_dim=128,  # vLLM's indexer backend takes head sizes 32, 64 and 128
+            index_n_heads=4,
+            index_topk=64,
+            **{**mla, 'q_lora_rank': 32},  # its indexer reads the query's latent
+            **moe,
+        ),
+    )
+    yield (
         'Qwen3-Next (Gated DeltaNet)',
         lambda: c(
             'Qwen3NextConfig',

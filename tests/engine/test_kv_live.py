@@ -11,7 +11,7 @@ CUT = ['Qwen2 (GQA)', 'Gemma-3', 'DeepSeek-V2 (MLA)', 'Jamba', 'Qwen3-Next (Gate
 
 @pytest.mark.parametrize('name', CUT)
 def test_live_engine_equals_ours(name, tmp_path):
-    import collect_kv
+    from engine import collect_kv
 
     cfg = dict(collect_kv.configs())[name]()
     cfg.save_pretrained(tmp_path)
@@ -28,3 +28,15 @@ def test_live_engine_equals_ours(name, tmp_path):
     )
     assert (v.num_blocks, v.block_size, v.kv_cache_tokens) == (f['num_blocks'], f['block_size'], f['kv_cache_tokens'])
     assert v.max_concurrency == pytest.approx(f['max_concurrency'], rel=1e-12)
+
+
+def test_live_engine_refuses_deepseek_v32(tmp_path):
+    "DeepSeek-V3.2 is refused as kv_figures.json says: its indexed layers take sparse MLA, which vLLM's CPU refuses."
+    from engine import collect_kv
+
+    name = 'DeepSeek-V3.2 (MLA, indexer)'
+    recorded = collect_kv.json.loads(collect_kv.OUT.read_text(encoding='utf-8'))['architectures'][name]['refused']
+    dict(collect_kv.configs())[name]().save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError) as e:
+        collect_kv.figures(str(tmp_path), collect_kv.BUDGETS[0], collect_kv.LENS[0])
+    assert recorded == f'NotImplementedError: {e.value}'

@@ -1,0 +1,200 @@
+"""GGUF architectures whose tensors transformers reworks on load (Gemma 2/3, Nemotron, GPT-2, Bloom, Mamba, LFM2)
+and MiniMax-M2's stacked experts: tiny files written by gguf-py in llama.cpp's layout against
+from_pretrained(gguf_file=...), at one rank and at two; gpt-oss and T5 refused with the reason."""
+
+import contextlib
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import gguf
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from mstar_utils.gguf import gguf_config, read_gguf
+from mstar_utils.model import load_model, load_plan
+from mstar_utils.testing import assert_state_dict_equal, assert_tensors_equal, tiny_gguf_config, write_gguf_checkpoint
+from mstar_utils.upstream import gguf_tensor_processors, transformers_version
+
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
+ARCH = {'gemma3_text': 'gemma3', 'minimax_m2': 'minimax-m2'}  # llama.cpp's names, where not the model type
+READ = ['gemma2', 'gemma3_text', 'nemotron', 'gpt2', 'bloom', 'mamba', 'lfm2', 'minimax_m2']
+# a mix of block types: K-quants, legacy quants, the Q8_0 default; rows not whole blocks are F32, as llama.cpp has them
+# transformers 5.25 reads LFM2 through its newer GGUF reader, which refuses Q5_0, Q5_1 and some IQ types: none here
+TYPES = {'ffn_down': 'Q4_K', 'attn_q': 'Q5_K', 'attn_qkv': 'Q4_1', 'ffn_up_exps': 'Q6_K', 'ssm_in': 'Q4_0'}
+WITH_TP = ['gemma2', 'gemma3_text', 'nemotron', 'minimax_m2']  # the others' configs declare no tensor-parallel plan
+
+
+def needs_processor(mt):
+    "Skip where the installed transformers has no GGUF tensor processor for the architecture."
+    arch = ARCH.get(mt, mt)
+    if arch not in gguf_tensor_processors():
+        pytest.skip(f'transformers {transformers_version()} has no GGUF tensor processor for {arch!r}')
+
+
+def from_pretrained(f, **kw):
+    with contextlib.redirect_stderr(io.StringIO()):
+        return AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, **kw)
+
+
+def logits(m):
+    with torch.no_grad():
+        return m(IDS).logits
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+    out = {}
+    for mt in READ + ['gpt_oss']:
+        if ARCH.get(mt, mt) in gguf_tensor_processors() or mt == 'gpt_oss':
+            d = tmp_path_factory.mktemp(mt)
+            out[mt] = write_gguf_checkpoint(d / f'{mt}.gguf', TYPES, config=tiny_gguf_config(mt))
+    return out
+
+
+@pytest.mark.parametrize('mt', READ)
+def test_files_load_as_from_pretrained(mt, files):
+    "Every parameter and the logits equal transformers' load of the file, and so does the config."
+    needs_processor(mt)
+    f = files[mt]
+    ref = from_pretrained(f).eval()
+    assert read_gguf(f).metadata['general.architecture'] == ARCH.get(mt, mt) and ref.config.model_type == mt
+    for m in (load_model(f), load_model(f.parent)):
+        assert_state_dict_equal(m, ref)
+        assert_tensors_equal(logits(m), logits(ref))
+    assert gguf_config(f, read_gguf(f)).to_dict() == AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
+    assert m.bytes_read == sum(t.data.numel() for t in read_gguf(f).tensors.values())
+
+
+@pytest.mark.parametrize(
+    'mt, key, gguf_name',
+    [
+        ('gemma3_text', 'model.layers.0.self_attn.q_norm.weight', 'blk.0.attn_q_norm.weight'),
+        ('nemotron', 'model.norm.weight', 'output_norm.weight'),
+        ('gpt2', 'transformer.h.1.attn.c_attn.weight', 'blk.1.attn_qkv.weight'),
+        ('bloom', 'transformer.h.0.self_attention.query_key_value.bias', 'blk.0.attn_qkv.bias'),
+        ('mamba', 'backbone.layers.1.mixer.A_log', 'blk.1.ssm_a'),
+        ('mamba', 'backbone.layers.0.mixer.conv1d.weight', 'blk.0.ssm_conv1d.weight'),
+        ('lfm2', 'model.layers.2.conv.conv.weight', 'blk.2.shortconv.conv.weight'),
+    ],
+)
+def test_reworked_tensor_is_transformers_processor_of_gguf_py(mt, key, gguf_name, files):
+    "A reworked tensor: transformers' own processor applied to gguf-py's dequantization of the file's tensor."
+    needs_processor(mt)
+    f = files[mt]
+    t = next(t for t in gguf.GGUFReader(f).tensors if t.name == gguf_name)
+    cfg = {'n_head': 4, 'hidden_size': 256}  # what Bloom's processor reads
+    want = gguf_tensor_processors()[ARCH.get(mt, mt)](cfg).process(
+        gguf.quants.dequantize(t.data, t.tensor_type), gguf_name
+    )
+    got = load_model(f).state_dict()[key]
+    assert_tensors_equal(got, torch.from_numpy(np.array(want.weights)))
+
+
+@pytest.mark.parametrize('mt', ['gpt2', 'gemma2'])
+def test_bfloat16_is_one_rounding_and_keep_leaves_reworked_weights(mt, files):
+    "bfloat16: one rounding of the float32 values; keep: reworked weights (GPT-2's Conv1D) load as values."
+    from mstar_utils.quantized import QuantizedLinear
+
+    needs_processor(mt)
+    f = files[mt]
+    full = load_model(f).state_dict()
+    half = load_model(f, dtype=torch.bfloat16).state_dict()
+    for k in full:
+        assert_tensors_equal(half[k], full[k].to(torch.bfloat16))
+    kept = load_model(f, quantized='keep')
+    q = [n for n, m in kept.named_modules() if isinstance(m, QuantizedLinear)]
+    if mt == 'gemma2':
+        assert 'model.layers.0.self_attn.q_proj' in q
+        torch.testing.assert_close(logits(kept), logits(load_model(f)), atol=1e-4, rtol=0)
+    else:  # Conv1D is no nn.Linear; the lm_head is
+        assert q == []
+        assert_tensors_equal(kept.transformer.h[0].attn.c_attn.weight, full['transformer.h.0.attn.c_attn.weight'])
+
+
+def test_bloom_keep_leaves_the_regrouped_qkv(files):
+    "Bloom's fused qkv, regrouped after dequantizing, is not kept as blocks; its dense layers are."
+    from mstar_utils.quantized import QuantizedLinear
+
+    needs_processor('bloom')
+    f = files['bloom']
+    kept = load_model(f, quantized='keep')
+    attn = kept.transformer.h[0].self_attention
+    assert not isinstance(attn.query_key_value, QuantizedLinear) and isinstance(attn.dense, QuantizedLinear)
+    torch.testing.assert_close(logits(kept), logits(load_model(f)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize('mt', WITH_TP)
+@pytest.mark.parametrize('expert_parallel', [False, True])
+def test_ranks_are_slices_of_the_full_load(mt, expert_parallel, files):
+    "At 2 ranks each tensor is its plan's slice of the whole load, and the plan counts the bytes the load reads."
+    from mstar_utils.tensor_parallel import Sharding, take
+
+    from mstar_utils.tensor_parallel import tp_plan
+
+    needs_processor(mt)
+    if expert_parallel and mt != 'minimax_m2':
+        pytest.skip('expert parallelism: the MoE only')
+    try:
+        tp_plan(tiny_gguf_config(mt), 2)
+    except ValueError as e:  # Nemotron's plan came after 5.19
+        pytest.skip(f'transformers {transformers_version()}: {e}')
+    f = files[mt]
+    fsd, cut = load_model(f).state_dict(), 0
+    for r in range(2):
+        m = load_model(f, rank=r, world_size=2, expert_parallel=expert_parallel)
+        values = Sharding(m.tp_sharding.plan, r, 2)
+        for k, t in m.state_dict().items():
+            assert_tensors_equal(t, take(fsd[k], values.slice_for(k, fsd[k].shape)))
+            cut += t.shape != fsd[k].shape
+        assert m.tp_bytes_read == load_plan(f, r, 2, expert_parallel=expert_parallel).total_bytes
+    assert cut > 0
+    if mt == 'minimax_m2':
+        gu = m.model.layers[0].mlp.experts.gate_up_proj
+        assert gu.shape == ((2, 1024, 256) if expert_parallel else (4, 512, 256))
+
+
+@pytest.mark.parametrize('mt', ['gpt2', 'bloom', 'mamba', 'lfm2'])
+def test_no_plan_is_refused_as_for_safetensors(mt, files):
+    "Architectures whose config declares no tensor-parallel plan are refused at 2 ranks, naming the config."
+    needs_processor(mt)
+    with pytest.raises(ValueError, match=r'declares no base_model_tp_plan; pass a plan'):
+        load_model(files[mt], rank=0, world_size=2)
+
+
+def test_gpt_oss_is_refused_because_transformers_loads_no_experts(files):
+    "transformers reports a gpt-oss file's experts missing (newly initialized); load_model refuses, saying so."
+    f = files['gpt_oss']
+    _, info = from_pretrained(f, output_loading_info=True)
+    assert {'model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj'} <= set(
+        info['missing_keys']
+    )
+    with pytest.raises(NotImplementedError, match=r"gpt_oss\.gguf: GGUF architecture 'gpt-oss' is not read: .*experts"):
+        load_model(f)
+
+
+def test_t5_is_refused_as_an_encoder_decoder(tmp_path):
+    "A T5 file (gguf-py's writer, T5's keys) is refused by name: load_model reads causal LMs."
+    w = gguf.GGUFWriter(str(tmp_path / 't5.gguf'), 't5')
+    w.add_name('flan-t5-tiny')
+    for add, v in [('add_context_length', 512), ('add_embedding_length', 64), ('add_block_count', 1)]:
+        getattr(w, add)(v)
+    w.add_feed_forward_length(128)
+    w.add_head_count(2)
+    w.add_key_length(32)
+    w.add_vocab_size(100)
+    w.add_tensor('token_embd.weight', np.zeros((100, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(
+        NotImplementedError, match=r'a t5 file is not read: an encoder-decoder.*T5ForConditionalGeneration'
+    ):
+        load_model(tmp_path / 't5.gguf')
