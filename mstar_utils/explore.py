@@ -204,49 +204,13 @@ class FormatFamily:
 def _family(key: str) -> str:
     return re.sub(r'(?<=\.)\d+(?=\.|$)', '*', key)
 
-# %% ../nbs/12b_explore.ipynb #58efe83b
-def _granularity(block) -> str:
-    "How many weights one scale covers, in words."
-    if block is None:
-        return ''
-    br, bc = block
-    if br is None and bc is None:
-        return 'per tensor'
-    if br == 1 and bc is None:
-        return 'per channel'
-    if br == 1:
-        return f'groups of {bc}'
-    return f'block {br}x{bc}'
-
 # %% ../nbs/12b_explore.ipynb #58efe83b-1
 def describe_format(
-    op,  # a dequantizing operation of the quantized page (`QuantizedTensor.op`)
+    op,  # a dequantizing operation (`QuantizedTensor.op`): any `Dequantize`, GGUF's included
     dtypes: list,  # the stored tensors' dtypes, in `op.suffixes` order
 ) -> str:
-    "One line for a quantized format: codes, how many weights a scale covers, the scale's key and dtype."
-    name, short = type(op).__name__, [str(d).removeprefix('torch.') for d in dtypes]
-    gran = _granularity(getattr(op, 'block', None))
-    if name == 'FP8BlockDequantize':
-        return f'fp8 {short[0]}, {gran}, weight{op.scale} {short[1]}'
-    if name == 'FloatQuantizedDequantize':
-        return f"compressed-tensors {short[0]}, {gran}, weight_scale {short[1]}{'' if op.symmetric else ', zero point'}"
-    if name == 'PackQuantizedDequantize':
-        zero_point = '' if op.symmetric else ', zero point'
-        return f"compressed-tensors pack-quantized int{op.num_bits} in int32, {gran}{zero_point}"
-    if name == 'MXFP4Dequantize':
-        return 'MXFP4: E2M1 codes two a byte, an E8M0 scale per 32 weights'
-    groups = 'one group' if getattr(op, 'group_size', 0) <= 0 else f'groups of {op.group_size}'
-    if name == 'GPTQDequantize':
-        act_order = ', act-order' if op.act_order else ''
-        zeros = 'gptq' if op.v1 else 'gptq_v2'
-        return f"GPTQ int{op.bits} in int32, {groups}{act_order}, {zeros} zero points"
-    if name == 'AWQDequantize':
-        return f'AWQ int4 in int32 (GEMM order), {groups}'
-    if name == 'BnB4bitDequantize':
-        return f"bitsandbytes {op.quant_type}, absmax per {op.blocksize}{', nested' if op.nested_blocksize else ''}"
-    if name == 'BnBInt8Dequantize':
-        return 'bitsandbytes int8, SCB per row'
-    return f"{name}{', ' + gran if gran else ''}"
+    "One line for a quantized format: what its op says of itself (`Dequantize.describe`)."
+    return op.describe(dtypes)
 
 # %% ../nbs/12b_explore.ipynb #9817bd9b
 _FP8 = tuple(

@@ -28,9 +28,9 @@ __all__ = ['MLA_CONFIG', 'KV_ARCHITECTURES', 'CLIP_MERGES', 'WAV2VEC2_CHARS', 'D
            'write_mxfp4_checkpoint', 'write_compressed_tensors_checkpoint', 'write_ct_actorder_checkpoint',
            'ct_actorder_reference', 'write_quantized_checkpoint', 'dequantized_reference', 'run_ranks', 'tp_logits',
            'tp_jobs', 'tp_cells', 'tp_configs', 'tp_model', 'tp_inputs', 'jfk_resampled', 'formats_config',
-           'write_ct_preset_checkpoint', 'ct_nvfp4_reference', 'ct_preset_reference', 'tiny_llama_gguf_config',
-           'tiny_moe_gguf_config', 'tiny_gguf_config', 'write_gguf_checkpoint', 'gptq_quantize', 'awq_quantize',
-           'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
+           'write_ct_preset_checkpoint', 'as_modelopt', 'ct_nvfp4_reference', 'ct_preset_reference',
+           'tiny_llama_gguf_config', 'tiny_moe_gguf_config', 'tiny_gguf_config', 'write_gguf_checkpoint',
+           'gptq_quantize', 'awq_quantize', 'write_int4_checkpoint', 'write_bnb_checkpoint', 'RankReads', 'rank_reads']
 
 # %% ../nbs/98_testing.ipynb #6994d434
 def scratch_dir(
@@ -1161,6 +1161,35 @@ def write_ct_preset_checkpoint(
     dest, _ = _saved(model, dest)
     comp.update_config(str(dest))
     return dest
+
+# %% ../nbs/98_testing.ipynb #08fd2a6e
+def as_modelopt(
+    folder,  # a compressed-tensors NVFP4 checkpoint (`write_ct_preset_checkpoint(..., 'NVFP4A16')`)
+    dest,  # the checkpoint folder to write
+    f4: bool = False,  # store the codes as F4 (`float4_e2m1fn_x2`) rather than U8
+) -> Path:
+    "`folder` rewritten in NVIDIA ModelOpt's NVFP4 layout and config, which compressed-tensors' converter reverses."
+    from safetensors.torch import load_file
+
+    sd, out = load_file(str(Path(folder) / 'model.safetensors')), {}
+    for k, v in sd.items():
+        if k.endswith('.weight_packed'):
+            out[k[:-7]] = v.view(torch.float4_e2m1fn_x2) if f4 else v
+        elif k.endswith('.weight_global_scale'):
+            out[k[: -len('_global_scale')] + '_scale_2'] = (1 / v).reshape(())  # ModelOpt stores it inverted
+        else:
+            out[k] = v
+    for k in [k for k in out if k.endswith('.weight_scale_2')]:
+        out[k[: -len('weight_scale_2')] + 'input_scale'] = torch.ones(())
+    shutil.copytree(folder, dest, dirs_exist_ok=True)
+    qc = {
+        'quant_method': 'modelopt',
+        'quant_algo': 'NVFP4',
+        'group_size': 16,
+        'exclude_modules': ['lm_head'],
+        'producer': {'name': 'modelopt'},
+    }
+    return _rewrite(Path(dest), out, qc, torch.bfloat16)
 
 # %% ../nbs/98_testing.ipynb #fmtt003
 def ct_nvfp4_reference(

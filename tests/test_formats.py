@@ -22,6 +22,7 @@ from mstar_utils.quantized import FloatQuantizedDequantize, NVFP4Dequantize, Den
 from mstar_utils.sources import checkpoint_source, read_header
 from mstar_utils.testing import (
     _rewrite,
+    as_modelopt,
     assert_tensors_equal,
     ct_nvfp4_reference,
     ct_preset_reference,
@@ -63,30 +64,6 @@ def ckpts(tmp_path_factory):
     }
     out['modelopt'] = as_modelopt(out['nvfp4'], root / 'modelopt')
     return out
-
-
-def as_modelopt(folder, dest, f4=False):
-    """compressed-tensors' NVFP4 checkpoint in ModelOpt's layout (what compressed-tensors' ModelOpt converter
-    reverses); `f4`: codes as F4."""
-    sd, out = load_file(str(folder / 'model.safetensors')), {}
-    for k, v in sd.items():
-        if k.endswith('.weight_packed'):
-            out[k[:-7]] = v.view(torch.float4_e2m1fn_x2) if f4 else v
-        elif k.endswith('.weight_global_scale'):
-            out[k[: -len('_global_scale')] + '_scale_2'] = (1 / v).reshape(())
-        else:
-            out[k] = v
-    for k in [k for k in out if k.endswith('.weight_scale_2')]:
-        out[k[: -len('weight_scale_2')] + 'input_scale'] = torch.ones(())
-    shutil.copytree(folder, dest, dirs_exist_ok=True)
-    qc = {
-        'quant_method': 'modelopt',
-        'quant_algo': 'NVFP4',
-        'group_size': 16,
-        'exclude_modules': ['lm_head'],
-        'producer': {'name': 'modelopt'},
-    }
-    return _rewrite(dest, out, qc, torch.bfloat16)
 
 
 def modelopt_reference(d, dest, dtype):

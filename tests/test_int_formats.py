@@ -17,14 +17,13 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from mstar_utils.model import load_model, load_plan
+from mstar_utils.quant_int import _unpack_cols, _unpack_rows
 from mstar_utils.quantized import (
     AWQ_ORDER,
     AWQDequantize,
     GPTQDequantize,
     QuantizedLinear,
     QuantizedTensor,
-    _unpack_cols,
-    _unpack_rows,
     dequantize_cut,
     held_names,
     keep_quantized,

@@ -26,7 +26,10 @@ from mstar_utils.loading import ModuleAndPrefix, load_weights_from_hf_shards, pr
 from mstar_utils.mla import MLAAttention, rope_freqs
 from mstar_utils.model import CONVERSIONS_BY_MODEL_TYPE, build_on_meta, load_model
 from mstar_utils.quantized import *
-from mstar_utils.quantized import _fragments, _ct_scheme
+from mstar_utils.quant_float import *
+from mstar_utils.quant_int import *
+from mstar_utils.quantized import _fragments
+from mstar_utils.quant_float import _ct_scheme
 from mstar_utils.sources import DictSource, checkpoint_source
 from mstar_utils.testing import (
     assert_state_dict_equal,

@@ -89,8 +89,6 @@ def test_at_most_three_exported_cells_in_a_row():
 
 # ---- whole sentences: a docstring is one complete sentence, not the first line of a sentence a comment finishes
 
-# Notebooks other work is rewriting now; their docstrings get the same fix there. Empty this set once it lands.
-PENDING = {'06_quantized.ipynb'}
 SENTENCE_END = re.compile(r'[.!?][)`\'"]*\s*\Z')
 
 
@@ -110,8 +108,6 @@ def test_no_docstring_is_continued_in_a_comment():
     "A docstring that stops short of a sentence's end and goes on in a `#` comment fails: say it in one sentence."
     bad = []
     for nb in notebooks():
-        if nb.name in PENDING:
-            continue
         for i, s in exported_cells(nb):
             for name, doc, after in docstrings_with_next_line(s or ''):
                 if after.startswith('#') and not after.startswith('#|') and not SENTENCE_END.search(doc):
