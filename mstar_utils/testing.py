@@ -1168,7 +1168,7 @@ def as_modelopt(
     dest,  # the checkpoint folder to write
     f4: bool = False,  # store the codes as F4 (`float4_e2m1fn_x2`) rather than U8
 ) -> Path:
-    "`folder` rewritten in ModelOpt's NVFP4 layout and config, which compressed-tensors' converter reverses."
+    "`folder` in ModelOpt's NVFP4 layout and config, which compressed-tensors' converter reverses."
     from safetensors.torch import load_file
 
     sd, out = load_file(str(Path(folder) / 'model.safetensors')), {}
