@@ -33,10 +33,8 @@ from mstar_utils.convert import (
 from .mla import MLAAttention
 from .quantized import quantized_conversions
 from .tensor_parallel import Sharding, tp_plan, shard_module, load_weights_sharded
+from .detokenizers import ByteLevelDetokenizer, SentencePieceDetokenizer, TextChunkDetokenizer
 from mstar_utils.detokenize import (
-    ByteLevelDetokenizer,
-    SentencePieceDetokenizer,
-    TextChunkDetokenizer,
     TextOutput,
     TextStream,
     Reply,
@@ -66,6 +64,7 @@ from mstar_utils import (
     mla as _mla,
     quantized as _quantized,
     tensor_parallel as _tensor_parallel,
+    detokenizers as _detokenizers,
     detokenize as _detokenize,
     kv as _kv,
     kv_figures as _kv_figures,
@@ -87,6 +86,7 @@ _MODULES = [
     _mla,
     _quantized,
     _tensor_parallel,
+    _detokenizers,
     _detokenize,
     _kv,
     _kv_figures,
