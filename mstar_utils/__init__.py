@@ -96,7 +96,8 @@ _MODULES = [
     _report,
     _explore,
 ]
-__all__ = [n for m in _MODULES for n in m.__all__ if n in globals()]  # the names imported above, in the modules' order
+# the names imported above, in the modules' order; a name a module re-exports counts once, at its own module
+__all__ = list(dict.fromkeys(n for m in _MODULES for n in m.__all__ if n in globals()))
 
 # %% ../nbs/99_api.ipynb #52e4f1cb
 def _summary(obj) -> str:
