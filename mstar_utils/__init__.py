@@ -41,10 +41,8 @@ from mstar_utils.detokenize import (
     drop_stop_tokens,
     generation_eos_ids,
 )
+from .kv_pools import kv_pages, check_kv_pools_fit, plan_kv_pools
 from mstar_utils.kv import (
-    kv_pages,
-    check_kv_pools_fit,
-    plan_kv_pools,
     kv_geometry,
     kv_bytes_per_token,
     vllm_concurrency,
@@ -66,6 +64,7 @@ from mstar_utils import (
     tensor_parallel as _tensor_parallel,
     detokenizers as _detokenizers,
     detokenize as _detokenize,
+    kv_pools as _kv_pools,
     kv as _kv,
     kv_figures as _kv_figures,
     generation as _generation,
@@ -88,6 +87,7 @@ _MODULES = [
     _tensor_parallel,
     _detokenizers,
     _detokenize,
+    _kv_pools,
     _kv,
     _kv_figures,
     _generation,
