@@ -33,20 +33,16 @@ from mstar_utils.convert import (
 from .mla import MLAAttention
 from .quantized import quantized_conversions
 from .tensor_parallel import Sharding, tp_plan, shard_module, load_weights_sharded
+from .detokenizers import ByteLevelDetokenizer, SentencePieceDetokenizer, TextChunkDetokenizer
 from mstar_utils.detokenize import (
-    ByteLevelDetokenizer,
-    SentencePieceDetokenizer,
-    TextChunkDetokenizer,
     TextOutput,
     TextStream,
     Reply,
     drop_stop_tokens,
     generation_eos_ids,
 )
+from .kv_pools import kv_pages, check_kv_pools_fit, plan_kv_pools
 from mstar_utils.kv import (
-    kv_pages,
-    check_kv_pools_fit,
-    plan_kv_pools,
     kv_geometry,
     kv_bytes_per_token,
     vllm_concurrency,
@@ -66,7 +62,9 @@ from mstar_utils import (
     mla as _mla,
     quantized as _quantized,
     tensor_parallel as _tensor_parallel,
+    detokenizers as _detokenizers,
     detokenize as _detokenize,
+    kv_pools as _kv_pools,
     kv as _kv,
     kv_figures as _kv_figures,
     generation as _generation,
@@ -87,7 +85,9 @@ _MODULES = [
     _mla,
     _quantized,
     _tensor_parallel,
+    _detokenizers,
     _detokenize,
+    _kv_pools,
     _kv,
     _kv_figures,
     _generation,
@@ -96,7 +96,8 @@ _MODULES = [
     _report,
     _explore,
 ]
-__all__ = [n for m in _MODULES for n in m.__all__ if n in globals()]  # the names imported above, in the modules' order
+# the names imported above, in the modules' order; a name a module re-exports counts once, at its own module
+__all__ = list(dict.fromkeys(n for m in _MODULES for n in m.__all__ if n in globals()))
 
 # %% ../nbs/99_api.ipynb #52e4f1cb
 def _summary(obj) -> str:

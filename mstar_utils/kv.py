@@ -4,265 +4,39 @@
 
 # %% ../nbs/09_kv.ipynb #81ac17fa
 from __future__ import annotations
-import logging
-import operator
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mstar_utils.kv_pools import (
+    checked_count,
+    kv_pages,
+    kv_max_requests,
+    KVCachePool,
+    KVPoolFit,
+    KVPlan,
+    plan_kv_pools,
+    check_kv_pools_fit,
+)
+
 # %% auto #0
-__all__ = ['CONVENTIONS', 'checked_count', 'kv_pages', 'kv_max_requests', 'KVCachePool', 'KVPoolFit', 'KVPlan', 'plan_kv_pools',
-           'check_kv_pools_fit', 'dtype_bytes', 'read_model_config', 'StateShape', 'KVLayer', 'KVGeometry',
-           'kv_geometry', 'kv_bytes_per_token', 'kv_fixed_bytes_per_request', 'kv_page_bytes', 'kv_cache_pool',
-           'VLLMGroup', 'VLLMConcurrency', 'vllm_concurrency']
+__all__ = ['CONVENTIONS', 'dtype_bytes', 'read_model_config', 'StateShape', 'KVLayer', 'KVGeometry', 'kv_geometry',
+           'kv_bytes_per_token', 'kv_fixed_bytes_per_request', 'kv_page_bytes', 'kv_cache_pool', 'VLLMGroup',
+           'VLLMConcurrency', 'vllm_concurrency', 'checked_count', 'kv_pages', 'kv_max_requests', 'KVCachePool',
+           'KVPoolFit', 'KVPlan', 'plan_kv_pools', 'check_kv_pools_fit']
 
-# %% ../nbs/09_kv.ipynb #0b85a89e
-def checked_count(
-    value,  # the count to check
-    what: str,  # its name, for the error
-    minimum: int = 0,  # the least value allowed
-) -> int:
-    "`value` as an int ≥ `minimum`; `ValueError` naming `what` otherwise."
-    # Bools and floats are refused, even integral ones.
-    if isinstance(value, bool):
-        raise ValueError(f'{what} must be an integer, got the bool {value!r}')
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(f'{what} must be an integer, got {type(value).__name__} {value!r}') from None
-    if n < minimum:
-        raise ValueError(f'{what} must be at least {minimum}, got {n}')
-    return n
-
-# %% ../nbs/09_kv.ipynb #4e0c6b1a
-def kv_pages(
-    tokens: int,  # tokens each request holds, ≥ 0
-    page_size: int,  # token slots per page, ≥ 1
-    requests: int,  # concurrent requests, ≥ 0
-) -> int:  # requests × ceil(tokens / page_size) + 1
-    "Pages for `requests` sequences of `tokens` tokens each"
-    tokens, requests = checked_count(tokens, 'tokens'), checked_count(requests, 'requests')
-    page_size = checked_count(page_size, 'page_size', 1)
-    return requests * -(-tokens // page_size) + 1
-
-# %% ../nbs/09_kv.ipynb #eff48c5d
-def kv_max_requests(
-    max_num_pages: int,  # pages in the pool, sink page included
-    tokens: int,  # tokens each request holds, ≥ 1
-    page_size: int,  # token slots per page
-) -> int:
-    "The largest `C` with `kv_pages(tokens, page_size, C) <= max_num_pages`"
-    max_num_pages = checked_count(max_num_pages, 'max_num_pages')
-    per = kv_pages(tokens, page_size, 1) - 1
-    if per == 0:
-        raise ValueError('tokens must be at least 1: requests of 0 tokens take no pages, so any number of them fits')
-    return max(max_num_pages - 1, 0) // per
-
-# %% ../nbs/09_kv.ipynb #9ca85697
-@dataclass(frozen=True)
-class KVCachePool:
-    "One paged KV cache pool; `ValueError` at construction when a count is not an integer in range."
-
-    max_seq_len: int  # longest sequence a request may reach, in tokens, ≥ 1
-    page_size: int  # token slots per page, ≥ 1
-    max_num_pages: int  # pages on the accelerator, sink page included
-    name: str = ''  # the pool in messages
-    cpu_offload_pages: int = 0  # pages parked in host memory; they never count towards what fits
-    fixed_pages_per_request: int = 0  # pages a request holds whatever its length: recurrent states, windows (hybrids)
-
-    def __post_init__(self):
-        what = 'KVCachePool' + (f' {self.name!r}' if self.name else '')
-        for attr, lo in (
-            ('max_seq_len', 1),
-            ('page_size', 1),
-            ('max_num_pages', 0),
-            ('cpu_offload_pages', 0),
-            ('fixed_pages_per_request', 0),
-        ):
-            object.__setattr__(self, attr, checked_count(getattr(self, attr), f'{what} {attr}', lo))
-
-    @property
-    def max_requests(self) -> int:
-        "Requests of `max_seq_len` tokens (and their fixed pages) the on-device pages hold"
-        per = kv_pages(self.max_seq_len, self.page_size, 1) - 1 + self.fixed_pages_per_request
-        return max(self.max_num_pages - 1, 0) // per
-
-# %% ../nbs/09_kv.ipynb #f2f85bfe
-def _labeled_pools(pools) -> list[tuple[str, object]]:
-    "(label, pool) pairs from a list of pools, a dict from node to pool, or `None`; `TypeError` for anything else."
-    if pools is None:
-        return []
-    if isinstance(pools, dict):
-
-        def label(node, p):
-            name = getattr(p, 'name', '') or ''
-            return f'{node}' if not name or name == str(node) else f'{node} ({name})'
-
-        return [(label(node, p), p) for node, p in pools.items()]
-    if isinstance(pools, (list, tuple)):
-        return [(getattr(p, 'name', '') or f'#{i}', p) for i, p in enumerate(pools)]
-    raise TypeError(
-        f'KV cache pools: got {type(pools).__name__}; expected a list of pools, a dict from node to pool, or None'
-    )
-
-# %% ../nbs/09_kv.ipynb #1f6a2b3c
-@dataclass(frozen=True)
-class KVPoolFit:
-    "One pool measured against the cap"
-
-    label: str  # the pool in messages: its node, its name or `#i`
-    max_seq_len: int
-    page_size: int
-    max_num_pages: int  # sink page included
-    pages_per_request: int  # pages one request of max_seq_len takes, its fixed pages included, sink not
-    max_requests: int  # requests of max_seq_len the pool holds next to its sink page
-    pages_needed: int | None = None  # pages the cap takes, sink included; None without a cap
-    fixed_pages: int = 0  # of pages_per_request, those a request holds whatever its length
-
-    @property
-    def fits(self) -> bool:
-        "The pool holds the cap (without a cap: at least one request)."
-        return self.max_requests >= 1 if self.pages_needed is None else self.pages_needed <= self.max_num_pages
-
-    @property
-    def tight(self) -> bool:
-        "The pool holds the cap with 10 % of its pages or fewer spare (the cap takes at least 90 %)."
-        return self.pages_needed is not None and self.fits and 10 * self.pages_needed >= 9 * self.max_num_pages
-
-# %% ../nbs/09_kv.ipynb #3d7e9a01
-def _pool_fit(label: str, pool, cap: int | None, config_path: str) -> KVPoolFit:
-    "`pool`'s geometry, validated, against `cap`; errors name `config_path` and the pool."
-    vals = []
-    for attr, lo in (('max_seq_len', 1), ('page_size', 1), ('max_num_pages', 0)):
-        if not hasattr(pool, attr):
-            raise TypeError(
-                f'{config_path}: KV cache pool {label!r} ({type(pool).__name__}) has no {attr}; '
-                'expected max_seq_len, page_size and max_num_pages'
-            )
-        vals.append(checked_count(getattr(pool, attr), f'{config_path}: KV cache pool {label!r} {attr}', lo))
-    seq, ps, n = vals
-    fixed = checked_count(
-        getattr(pool, 'fixed_pages_per_request', 0), f'{config_path}: KV cache pool {label!r} fixed_pages_per_request'
-    )
-    per = kv_pages(seq, ps, 1) - 1 + fixed
-    return KVPoolFit(label, seq, ps, n, per, max(n - 1, 0) // per, None if cap is None else cap * per + 1, fixed)
-
-# %% ../nbs/09_kv.ipynb #6a7b8c9d
-@dataclass(frozen=True)
-class KVPlan:
-    "What `plan_kv_pools` found"
-
-    config_path: str  # the file the cap comes from, named in messages
-    max_concurrent_requests: int | None  # the cap; None leaves admission unbounded
-    pools: tuple[KVPoolFit, ...] = ()
-    max_requests: int | None = None  # the largest cap every pool holds; None without pools
-    error: str | None = None  # why the cap is refused; None when the pools hold it
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def short(self) -> tuple[KVPoolFit, ...]:
-        "The pools that fall short."
-        return tuple(p for p in self.pools if not p.fits)
-
-    @property
-    def verdict(self) -> str:
-        "`'refused'`, `'warning'` (fits, with warnings) or `'fits'`."
-        return 'refused' if self.error else 'warning' if self.warnings else 'fits'
-
-# %% ../nbs/09_kv.ipynb #7c8d9e0f
-def _refusal(pools: tuple[KVPoolFit, ...], cap: int | None, best: int, config_path: str) -> str | None:
-    "The refusal for `pools` that cannot take `cap` (without a cap: one request each); `None` when they can."
-    short = [p for p in pools if not p.fits]
-    if not short:
-        return None
-    if cap is None:
-        p = short[0]
-        return (
-            f'{config_path}: KV cache pool {p.label!r} cannot hold one request of max_seq_len {p.max_seq_len}: that '
-            f'needs {p.pages_per_request + 1} pages of {p.page_size} tokens (sink page included), the pool has '
-            f'{p.max_num_pages}'
-        )
-
-    def per(p):
-        return f' ({p.fixed_pages} of them fixed state)' if p.fixed_pages else ''
-
-    lines = [
-        f'pool {p.label!r} needs {p.pages_needed} pages ({cap} × {p.pages_per_request} pages of {p.page_size} tokens '
-        f'for max_seq_len {p.max_seq_len}{per(p)}, + 1 sink page) and has {p.max_num_pages}'
-        for p in short
-    ]
-    hint = (
-        f'The largest max_concurrent_requests that fits is {best}'
-        if best
-        else 'No max_concurrent_requests fits: not even one request of max_seq_len fits next to the sink page'
-    )
-    return f'{config_path}: max_concurrent_requests: {cap} does not fit the KV cache: ' + '; '.join(lines) + f'. {hint}'
-
-# %% ../nbs/09_kv.ipynb #8d9e0f1a
-def _warnings(pools: tuple[KVPoolFit, ...], cap: int | None, best: int, config_path: str) -> tuple[str, ...]:
-    "The warnings for `pools` that hold `cap`: no cap at all, or pools within 10 % of their limit."
-    if cap is None:
-        return (
-            f'{config_path} sets no max_concurrent_requests, so admission is unbounded and requests past what the KV '
-            f'cache holds get offloaded; the largest max_concurrent_requests that fits is {best} ('
-            + ', '.join(f'pool {p.label!r}: {p.max_requests}' for p in pools)
-            + ')',
-        )
-    return tuple(
-        f'{config_path}: KV cache pool {p.label!r} is within 10% of its limit: {cap} requests of max_seq_len '
-        f'{p.max_seq_len} take {p.pages_needed} of its {p.max_num_pages} pages'
-        for p in pools
-        if p.tight
-    )
-
-# %% ../nbs/09_kv.ipynb #9e0f1a2b
-def plan_kv_pools(
-    pools,  # a list of pools, a dict from node to pool, or None (no KV cache)
-    max_concurrent_requests: int | None = None,  # the cap; None leaves admission unbounded
-    config_path: str = 'serving config',  # the file the cap comes from, named in messages
-) -> KVPlan:
-    "Whether `pools` hold `max_concurrent_requests` requests at full length, as data"
-    cap = (
-        None
-        if max_concurrent_requests is None
-        else checked_count(max_concurrent_requests, f'{config_path}: max_concurrent_requests', 1)
-    )
-    fits = tuple(_pool_fit(label, p, cap, config_path) for label, p in _labeled_pools(pools))
-    if not fits:
-        return KVPlan(config_path, cap)
-    best = min(p.max_requests for p in fits)
-    error = _refusal(fits, cap, best, config_path)
-    return KVPlan(config_path, cap, fits, best, error, () if error else _warnings(fits, cap, best, config_path))
-
-# %% ../nbs/09_kv.ipynb #1b2c3d4e
-_log = logging.getLogger('mstar_utils.kv')
-
-
-def _model_pools(model):
-    "`model.get_kv_cache_config()`, `None` for a model without it."
-    # `TypeError` naming the model for anything but a list, dict or `None`.
-    get = getattr(model, 'get_kv_cache_config', None)
-    pools = get() if callable(get) else None
-    if pools is not None and not isinstance(pools, (list, tuple, dict)):
-        raise TypeError(
-            f'{type(model).__name__}.get_kv_cache_config() returned {type(pools).__name__}; '
-            'expected a list of pools, a dict from node to pool, or None'
-        )
-    return pools
-
-# %% ../nbs/09_kv.ipynb #835c35ac
-def check_kv_pools_fit(
-    model,  # has `get_kv_cache_config()`, or keeps no KV cache
-    config: dict,  # the serving config; `max_concurrent_requests` is the cap
-    config_path: str,  # the config's file, named in messages
-    log: logging.Logger | None = None,  # for the warnings; None: the `mstar_utils.kv` logger
-) -> None:
-    "Refuse a `max_concurrent_requests` the model's KV caches cannot hold"
-    plan = plan_kv_pools(_model_pools(model), (config or {}).get('max_concurrent_requests'), config_path)
-    if plan.error:
-        raise ValueError(plan.error)
-    for w in plan.warnings:
-        (_log if log is None else log).warning(w)
+# %% ../nbs/09_kv.ipynb #09reexp1
+# the pools page's names, importable from here as before the pages split
+_all_ = [
+    'checked_count',
+    'kv_pages',
+    'kv_max_requests',
+    'KVCachePool',
+    'KVPoolFit',
+    'KVPlan',
+    'plan_kv_pools',
+    'check_kv_pools_fit',
+]
 
 # %% ../nbs/09_kv.ipynb #e88d9fb3
 _DTYPE_BYTES = {

@@ -354,7 +354,7 @@ def test_byte_level_random_ids(name, data):
 
 
 def _byte_chars():
-    from mstar_utils.detokenize import _BYTE_DECODER
+    from mstar_utils.detokenizers import _BYTE_DECODER
 
     return list(_BYTE_DECODER)
 

@@ -149,12 +149,15 @@ def test_the_cli_only_formats():
 def test_one_concept_rooms_stand_in_layers():
     """The rooms split out of a larger one sit below or beside it, never above: the language codes stand on their
     own, the CTranslate2 converter on the safetensors room alone (for `read_json`), the checkpoint cache builds on the
-    converter, the KV figures on the KV planner."""
+    converter, the KV figures on the KV planner; the detokenizers and the KV pools on no room, below the streaming
+    and KV rooms."""
     g = graph()
     assert g['ct2_whisper'] == {'sources'} and g['languages'] == set(), (g['ct2_whisper'], g['languages'])
     assert g['checkpoints'] == {'ct2_whisper'}, g['checkpoints']
     assert g['kv_figures'] == {'kv'} and 'kv_figures' not in g['kv'], (g['kv_figures'], g['kv'])
     assert not {'languages', 'kv_figures'} & g['generation'], g['generation']
+    assert g['detokenizers'] == set() and 'detokenizers' in g['detokenize'], (g['detokenizers'], g['detokenize'])
+    assert g['kv_pools'] == set() and 'kv_pools' in g['kv'], (g['kv_pools'], g['kv'])
 
 
 def test_explore_rooms_stand_in_layers():
