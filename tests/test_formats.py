@@ -20,8 +20,8 @@ from compressed_tensors.quantization import preset_name_to_scheme
 from mstar_utils.model import load_model
 from mstar_utils.quantized import FloatQuantizedDequantize, NVFP4Dequantize, DenseQuantized, quantized_tensors
 from mstar_utils.sources import checkpoint_source, read_header
+from mstar_utils.testing_formats import _rewrite
 from mstar_utils.testing import (
-    _rewrite,
     as_modelopt,
     assert_tensors_equal,
     ct_nvfp4_reference,

@@ -30,9 +30,8 @@ from mstar_utils.quantized import (
     quantized_tensors,
 )
 from mstar_utils.sources import checkpoint_source
+from mstar_utils.testing_formats import _pack, _rewrite
 from mstar_utils.testing import (
-    _pack,
-    _rewrite,
     assert_tensors_equal,
     awq_quantize,
     formats_config,
