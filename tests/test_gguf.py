@@ -158,7 +158,7 @@ def test_chunks_of_later_types_decode_as_gguf_py(qtype):
 @pytest.mark.parametrize('heads', [None, 4])
 def test_fresh_and_resident_outputs_decode_alike(qtype, heads):
     "Into fresh memory one thread decodes while another faults the output in; into resident memory, all threads decode."
-    from mstar_utils.gguf import _resident
+    from mstar_utils.gguf_blocks import _resident
     import mmap
 
     rows = 64  # 16M values in all: 64 MB of float32, in pieces of several rows
