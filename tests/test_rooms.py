@@ -170,7 +170,7 @@ def test_explore_rooms_stand_in_layers():
 
 
 # the one function that parses a checkpoint's JSON files
-JSON_READERS = {('sources', 'read_json')}
+JSON_READERS = {('io', 'read_json')}
 
 
 def own_nodes(fn):
@@ -220,7 +220,7 @@ def json_file_parses(path: Path) -> list[tuple[str, int]]:
 
 def test_a_checkpoints_json_files_are_read_by_read_json():
     """No module parses a JSON file it reads itself: config, generation, tokenizer and index files all go through
-    `sources.read_json`, so a broken one is named with the same reasons wherever it is read."""
+    `io.read_json` (which `sources` re-exports), so a broken one is named with the same reasons wherever it is read."""
     bad = [
         f'{p.name}:{line} ({fn})'
         for p in sorted(PKG.glob('*.py'))
@@ -229,7 +229,7 @@ def test_a_checkpoints_json_files_are_read_by_read_json():
         if (p.stem, fn) not in JSON_READERS
     ]
     assert bad == [], bad
-    assert [fn for fn, _ in json_file_parses(PKG / 'sources.py')] == ['read_json']  # the check sees the one reader
+    assert [fn for fn, _ in json_file_parses(PKG / 'io.py')] == ['read_json']  # the check sees the one reader
 
 
 INTERNAL = re.compile(
