@@ -150,7 +150,7 @@ def test_one_concept_rooms_stand_in_layers():
     """The rooms split out of a larger one sit below or beside it, never above: the language codes stand on their
     own, the CTranslate2 converter on the safetensors room alone (for `read_json`), the checkpoint cache builds on the
     converter, the KV figures on the KV planner; the detokenizers and the KV pools on no room, below the streaming
-    and KV rooms."""
+    and KV rooms; what settles a checkpoint that disagrees with its config below `load_model`."""
     g = graph()
     assert g['ct2_whisper'] == {'sources'} and g['languages'] == set(), (g['ct2_whisper'], g['languages'])
     assert g['checkpoints'] == {'ct2_whisper'}, g['checkpoints']
@@ -158,6 +158,7 @@ def test_one_concept_rooms_stand_in_layers():
     assert not {'languages', 'kv_figures'} & g['generation'], g['generation']
     assert g['detokenizers'] == set() and 'detokenizers' in g['detokenize'], (g['detokenizers'], g['detokenize'])
     assert g['kv_pools'] == set() and 'kv_pools' in g['kv'], (g['kv_pools'], g['kv'])
+    assert 'model' not in g['reconcile'] and 'reconcile' in g['model'], (g['reconcile'], g['model'])
 
 
 def test_explore_rooms_stand_in_layers():
