@@ -5,12 +5,14 @@
 # %% ../nbs/01b_io.ipynb #b1c0a004
 from __future__ import annotations
 import ctypes
+import json
 import mmap as _mmap
 import os
 import sys
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -18,7 +20,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['read_at', 'populate_pages', 'Span', 'Part', 'Segment', 'plan_chunks', 'Reads', 'read_direct', 'HostCopier',
-           'CudaCopier', 'copier_for', 'read_staged', 'sequential']
+           'CudaCopier', 'copier_for', 'read_staged', 'sequential', 'JSONFileError', 'MissingJSONFile', 'read_json']
 
 # %% ../nbs/01b_io.ipynb #8c41e9b2
 _IOV_MAX = 1024  # POSIX IOV_MAX on Linux: buffers one preadv may fill
@@ -428,3 +430,53 @@ def sequential(
     finally:
         for fd in fds if advise else []:
             advise(fd, 0, 0, os.POSIX_FADV_NORMAL)
+
+# %% ../nbs/01b_io.ipynb #7a1d0e02
+class JSONFileError(ValueError):
+    "A JSON file of a checkpoint that cannot be used; its message is `'{path}: {reason}'`."
+
+    def __init__(
+        self,
+        path: str | Path,  # the file
+        reason: str,  # what is wrong with it, one of `read_json`'s reasons
+    ):
+        super().__init__(f'{path}: {reason}')
+        self.path, self.reason = Path(path), reason
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason)
+
+# %% ../nbs/01b_io.ipynb #7a1d0e04
+class MissingJSONFile(JSONFileError, FileNotFoundError):
+    "A JSON file that does not exist: both a `JSONFileError` and a `FileNotFoundError`."
+
+# %% ../nbs/01b_io.ipynb #7a1d0e06
+def read_json(
+    path: str | Path,  # a JSON file: config.json, generation_config.json, tokenizer.json, the index, ...
+    missing=...,  # returned when the file does not exist; `...`: raise `MissingJSONFile`
+    object_pairs_hook=None,  # as `json.loads`'s: builds each object from its (key, value) pairs
+) -> dict:
+    "The JSON object in `path`; a `JSONFileError` naming the file and what is wrong when there is none."
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: a file stands where a folder should be
+        if missing is ...:
+            raise MissingJSONFile(p, 'missing') from None
+        return missing
+    except OSError as e:
+        raise JSONFileError(p, f'cannot be read ({e.strerror or e})') from None
+    try:
+        text = raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise JSONFileError(p, f'not UTF-8 text ({e})') from None
+    if not text.strip():
+        raise JSONFileError(p, 'empty (0 bytes of JSON)')
+    try:
+        d = json.loads(text, object_pairs_hook=object_pairs_hook)
+    except (ValueError, RecursionError) as e:  # also an int past Python's digit limit, nesting too deep
+        raise JSONFileError(p, f'not valid JSON ({e}); the file is cut short or was edited by hand') from None
+    if not isinstance(d, dict):
+        kind = {list: 'array', str: 'string', bool: 'boolean', type(None): 'null'}.get(type(d), 'number')
+        raise JSONFileError(p, f'holds a JSON {kind}, expected an object')
+    return d

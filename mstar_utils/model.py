@@ -22,19 +22,28 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['CONVERSIONS_BY_MODEL_TYPE', 'model_class_for', 'meta_module', 'build_on_meta', 'auto_conversions',
-           'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'checkpoint_dtype',
-           'model_dtype', 'TPOptions', 'LoadOptions', 'start_reads', 'model_source', 'load_model', 'load_model_sharded',
-           'load_gguf_model', 'PlannedTensor', 'FileReads', 'LoadPlan', 'lineage', 'load_plan']
+           'transformers_conversions', 'transformers_conversions_skipped', 'checkpoint_renames', 'TPOptions',
+           'LoadOptions', 'start_reads', 'model_source', 'load_model', 'load_model_sharded', 'load_gguf_model',
+           'PlannedTensor', 'FileReads', 'LoadPlan', 'lineage', 'load_plan', 'checkpoint_dtype', 'model_dtype']
 
 # %% ../nbs/03_load_model.ipynb #4236b782-1
 from .sources import checkpoint_dir as _checkpoint_dir
 from .loading import ModuleAndPrefix, check_loaded, process_weights_after_loading
 from .convert import MIXTRAL_CONVERSIONS, QWEN2_MOE_CONVERSIONS, QWEN3_MOE_CONVERSIONS, listed
-from .sources import checkpoint_source, RenamedSource, read_weight_map, read_header, FileSource, ReadAhead
+from .sources import checkpoint_source, RenamedSource, FileSource, ReadAhead
 from .sources import JSONFileError, read_json
 from .loading import load_from_source, named_tensors
 from .convert import converted_source, OPERATIONS, Operation, WeightConverter, DEEPSEEK_V2_CONVERSIONS
 from .quantized import quantized_source
+from mstar_utils.reconcile import (
+    checkpoint_dtype,
+    model_dtype,
+    untie_stored,
+    retie_equal,
+    built_buffers_kept,
+    initialize_unloaded,
+    report_kept_buffers,
+)
 from mstar_utils.tensor_parallel import (
     Slice,
     Sharding,
@@ -48,11 +57,9 @@ from mstar_utils.upstream import (
     build_model,
     checkpoint_conversions,
     dtype_plan,
-    mark_initialized,
     model_renamings,
     no_init_weights,
     rename_key,
-    tied_weights_keys,
     unexpected_key_patterns,
     weight_ops,
 )
@@ -268,136 +275,9 @@ def _report_unexpected(model, keys: list, where, strict: bool):
         raise ValueError(msg + '; pass strict=False to load anyway')
     _log.warning(msg)
 
-# %% ../nbs/03_load_model.ipynb #3a7c0d02
-def checkpoint_dtype(
-    ckpt: Path,  # a checkpoint folder
-) -> torch.dtype | None:
-    "The dtype `from_pretrained(dtype='auto')` gives a model whose config.json sets none."
-    first = sorted(set(read_weight_map(ckpt).values()), key=str)[0]
-    infos = read_header(first)[1]
-    for k in sorted(infos):
-        dt = infos[k].dtype
-        if dt.is_floating_point and dt.itemsize >= 2:
-            return dt
-    return None
-
-# %% ../nbs/03_load_model.ipynb #3a7c0d15
-def model_dtype(
-    config,  # the model's transformers config
-    ckpt: Path,  # its checkpoint folder
-    dtype: torch.dtype | None = None,  # asked for by the caller
-) -> torch.dtype | None:
-    "The dtype to build the model in, as `from_pretrained(dtype='auto')` picks it."
-    return dtype or getattr(config, 'dtype', None) or checkpoint_dtype(ckpt)
-
-# %% ../nbs/03_load_model.ipynb #3a7c0d06
-def _untie_stored(
-    model: torch.nn.Module,  # built on meta, ties tied
-    keys,  # the checkpoint's keys under the model's names (anything with `in`)
-) -> list[tuple[str, str]]:
-    "Give each tied name of `model` that `keys` holds, past the first, a meta parameter of its own."
-    # So that both load; returns the (kept, untied) name pairs, for `_retie_equal`.
-    groups, pairs = {}, []
-    for n, t, is_param in named_tensors(model):
-        if is_param:
-            groups.setdefault(id(t), (t, []))[1].append(n)
-    for t, names in groups.values():
-        stored = [n for n in names if n in keys]
-        for n in stored[1:]:
-            owner, _, leaf = n.rpartition('.')
-            setattr(
-                model.get_submodule(owner),
-                leaf,
-                torch.nn.Parameter(torch.empty_like(t, device='meta'), requires_grad=t.requires_grad),
-            )
-            pairs.append((stored[0], n))
-    return pairs
-
-# %% ../nbs/03_load_model.ipynb #3a7c0d07
-def _retie_equal(
-    model: torch.nn.Module,  # loaded, after `_untie_stored`
-    pairs: list,  # its (kept, untied) name pairs
-    where: str,  # names the checkpoint in the warning
-) -> list[str]:
-    "Tie each untied name to its kept one again where the values are equal; returns the names left untied."
-    # Where they differ, it warns and drops the tie from `all_tied_weights_keys`, as `from_pretrained` does.
-    left, tied = [], tied_weights_keys(model)
-    for kept, n in pairs:
-        a, b = model.get_parameter(kept), model.get_parameter(n)
-        owner, _, leaf = n.rpartition('.')
-        if a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b):
-            setattr(model.get_submodule(owner), leaf, a)
-            continue
-        left.append(n)
-        if isinstance(tied, dict):
-            for k in [k for k, v in tied.items() if {k, v} == {kept, n}]:
-                tied.pop(k)
-        _log.warning(
-            f'{where}: {n!r} is tied to {kept!r} by the config, but the checkpoint holds both with different values, '
-            'so they are loaded untied, as from_pretrained does; '
-            'set tie_word_embeddings=False in config.json to silence this'
-        )
-    return left
-
-# %% ../nbs/03_load_model.ipynb #3a7c0d09
-@contextmanager
-def _built_buffers_kept(
-    model: torch.nn.Module,  # built on meta, buffers real
-    keys,  # the checkpoint's keys under the model's names (anything with `in`)
-):
-    "For the block, the persistent buffers built and missing from `keys` count as non-persistent."
-    # Built: not on meta. A load then keeps them as built. Yields their names.
-    loaded = {id(t) for n, t, _ in named_tensors(model) if n in keys}  # an alias of a stored buffer is loaded with it
-    names, marked = [], []
-    for n, t, is_param in named_tensors(model):
-        if is_param or t.is_meta or n in keys or id(t) in loaded:
-            continue
-        owner, _, leaf = n.rpartition('.')
-        mod = model.get_submodule(owner)
-        if leaf not in mod._non_persistent_buffers_set:
-            mod._non_persistent_buffers_set.add(leaf)
-            marked.append((mod, leaf))
-        names.append(n)
-    try:
-        yield names
-    finally:
-        for mod, leaf in marked:
-            mod._non_persistent_buffers_set.discard(leaf)
-
-# %% ../nbs/03_load_model.ipynb #3a7c0d12
-def _initialize_unloaded(
-    model: torch.nn.Module,  # loaded; a transformers `PreTrainedModel` (others are left as they are)
-    loaded,  # the names the load filled (`LoadResult` entry)
-) -> None:
-    "Run the model's `initialize_weights` over what the load did not fill, as `from_pretrained` does."
-    # That is the non-persistent buffers and the buffers the checkpoint lacks; the loaded tensors are marked
-    # `_is_hf_initialized`, which transformers' init functions skip.
-    init = getattr(model, 'initialize_weights', None)
-    if not callable(init):
-        return
-    loaded = set(loaded)
-    for n, t, _ in named_tensors(model):
-        if n in loaded:
-            mark_initialized(t)
-    for m in model.modules():
-        mark_initialized(m, False)  # set by the build's own initialization, which would skip them all
-    with torch.no_grad():
-        init()
-
-# %% ../nbs/03_load_model.ipynb #3a7c0d10
-def _report_kept_buffers(
-    model: torch.nn.Module,  # the loaded model
-    kept: list,  # the names `_built_buffers_kept` yielded
-    where: str,  # names the checkpoint
-):
-    "Warn on the `mstar_utils.model` logger about the buffers the checkpoint lacked: how many, the first few."
-    # `_built_buffers_kept` names them; `_initialize_unloaded` initializes them.
-    if not kept:
-        return
-    _log.warning(
-        f'{where}: {len(kept)} persistent buffer(s) the checkpoint lacks are initialized '
-        f'as {type(model).__name__} initializes them: {listed(kept)}'
-    )
+# %% ../nbs/03_load_model.ipynb #3a7c0d01-x1
+# reconcile's page holds them; they import from here as before
+_all_ = ['checkpoint_dtype', 'model_dtype']
 
 # %% ../nbs/03_load_model.ipynb #3a7c0d14
 def _with_skipped_rules(
@@ -642,7 +522,7 @@ class _Prepared(NamedTuple):
     whole: object  # the same keys before slicing (`source` on one device)
     raw: object  # the checkpoint's FileSource, at the bottom of `source`
     sharding: object  # this rank's Sharding; None on one device
-    untied: list  # (kept, untied) names, for `_retie_equal`
+    untied: list  # (kept, untied) names, for `retie_equal`
     what: str  # names the model in messages
 
 # %% ../nbs/03_load_model.ipynb #861597e5
@@ -669,7 +549,7 @@ def _prepared(ckpt: Path, config, model, src, *, raw, sharding, group) -> _Prepa
     "What every opener ends with: ties the checkpoint breaks undone, the model cut, the source sliced."
     whole = src
     try:
-        untied = _untie_stored(model, src)
+        untied = untie_stored(model, src)
         if sharding is not None:
             shard_module(model, sharding, group)
             src = ShardedSource(src, sharding, str(ckpt))
@@ -727,7 +607,7 @@ def _read_weights(prep: _Prepared, device, progress=None):
     "(LoadResult, buffers kept as built): the prepared model filled from its source and checked."
     # On device 'meta', a dry run.
     model, src = prep.model, prep.source
-    with _built_buffers_kept(model, src) as kept:
+    with built_buffers_kept(model, src) as kept:
         res = load_from_source(src, [ModuleAndPrefix(model)], device=device, progress=progress, what=str(prep.ckpt))
         if str(device) != 'meta':
             check_loaded(model, res[0], prep.what)
@@ -737,9 +617,9 @@ def _read_weights(prep: _Prepared, device, progress=None):
 def _finish(prep: _Prepared, res, kept: list, opts: LoadOptions) -> torch.nn.Module:
     "The prepared model after `_read_weights`: re-tied, initialized, finalized, checked, in eval mode."
     model, name = prep.model, prep.ckpt.name
-    _retie_equal(model, prep.untied, name)
-    _initialize_unloaded(model, res[0])
-    _report_kept_buffers(model, kept, name)
+    retie_equal(model, prep.untied, name)
+    initialize_unloaded(model, res[0])
+    report_kept_buffers(model, kept, name)
     model.to(opts.device)  # the buffers built real on the CPU
     process_weights_after_loading(model, opts.device)
     _report_unexpected(model, res.unexpected_keys, name, opts.strict)

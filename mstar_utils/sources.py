@@ -19,12 +19,13 @@ from fastcore.basics import patch
 from safetensors import safe_open
 
 from .io import Reads, Span, copier_for, populate_pages, read_at, read_direct, read_staged, sequential
+from .io import JSONFileError, MissingJSONFile, read_json
 
 # %% auto #0
 __all__ = ['SAFETENSORS_DTYPES', 'INDEX_FILE', 'SINGLE_FILE', 'gc_paused', 'TensorInfo', 'read_header', 'checkpoint_dir',
-           'JSONFileError', 'MissingJSONFile', 'read_json', 'read_weight_map', 'Source', 'WrappedSource', 'DictSource',
-           'as_source', 'default_threads', 'FileSource', 'checkpoint_source', 'file_source', 'tensor_file_source',
-           'ReadAhead', 'RenamedSource']
+           'read_weight_map', 'Source', 'WrappedSource', 'DictSource', 'as_source', 'default_threads', 'FileSource',
+           'checkpoint_source', 'file_source', 'tensor_file_source', 'ReadAhead', 'RenamedSource', 'JSONFileError',
+           'MissingJSONFile', 'read_json']
 
 # %% ../nbs/01_safetensors.ipynb #8bda2264
 SAFETENSORS_DTYPES = {
@@ -238,54 +239,8 @@ def checkpoint_dir(path: str | Path) -> Path:
     return p
 
 # %% ../nbs/01_safetensors.ipynb #7a1d0e02
-class JSONFileError(ValueError):
-    "A JSON file of a checkpoint that cannot be used; its message is `'{path}: {reason}'`."
-
-    def __init__(
-        self,
-        path: str | Path,  # the file
-        reason: str,  # what is wrong with it, one of `read_json`'s reasons
-    ):
-        super().__init__(f'{path}: {reason}')
-        self.path, self.reason = Path(path), reason
-
-    def __reduce__(self):
-        return type(self), (self.path, self.reason)
-
-# %% ../nbs/01_safetensors.ipynb #7a1d0e04
-class MissingJSONFile(JSONFileError, FileNotFoundError):
-    "A JSON file that does not exist: both a `JSONFileError` and a `FileNotFoundError`."
-
-# %% ../nbs/01_safetensors.ipynb #7a1d0e06
-def read_json(
-    path: str | Path,  # a JSON file: config.json, generation_config.json, tokenizer.json, the index, ...
-    missing=...,  # returned when the file does not exist; `...`: raise `MissingJSONFile`
-    object_pairs_hook=None,  # as `json.loads`'s: builds each object from its (key, value) pairs
-) -> dict:
-    "The JSON object in `path`; a `JSONFileError` naming the file and what is wrong when there is none."
-    p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: a file stands where a folder should be
-        if missing is ...:
-            raise MissingJSONFile(p, 'missing') from None
-        return missing
-    except OSError as e:
-        raise JSONFileError(p, f'cannot be read ({e.strerror or e})') from None
-    try:
-        text = raw.decode('utf-8')
-    except UnicodeDecodeError as e:
-        raise JSONFileError(p, f'not UTF-8 text ({e})') from None
-    if not text.strip():
-        raise JSONFileError(p, 'empty (0 bytes of JSON)')
-    try:
-        d = json.loads(text, object_pairs_hook=object_pairs_hook)
-    except (ValueError, RecursionError) as e:  # also an int past Python's digit limit, nesting too deep
-        raise JSONFileError(p, f'not valid JSON ({e}); the file is cut short or was edited by hand') from None
-    if not isinstance(d, dict):
-        kind = {list: 'array', str: 'string', bool: 'boolean', type(None): 'null'}.get(type(d), 'number')
-        raise JSONFileError(p, f'holds a JSON {kind}, expected an object')
-    return d
+# read_json's page is the reader engine's; its names import from here as before
+_all_ = ['JSONFileError', 'MissingJSONFile', 'read_json']
 
 # %% ../nbs/01_safetensors.ipynb #484fc4e8
 class _Object(dict):

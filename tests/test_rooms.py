@@ -150,7 +150,8 @@ def test_one_concept_rooms_stand_in_layers():
     """The rooms split out of a larger one sit below or beside it, never above: the language codes stand on their
     own, the CTranslate2 converter on the safetensors room alone (for `read_json`), the checkpoint cache builds on the
     converter, the KV figures on the KV planner; the detokenizers and the KV pools on no room, below the streaming
-    and KV rooms; GGUF's block decoders on the quantized core and the page handling alone, below the GGUF room."""
+    and KV rooms; GGUF's block decoders on the quantized core and the page handling alone, below the GGUF room;
+    what settles a checkpoint that disagrees with its config below `load_model`."""
     g = graph()
     assert g['ct2_whisper'] == {'sources'} and g['languages'] == set(), (g['ct2_whisper'], g['languages'])
     assert g['checkpoints'] == {'ct2_whisper'}, g['checkpoints']
@@ -159,6 +160,7 @@ def test_one_concept_rooms_stand_in_layers():
     assert g['detokenizers'] == set() and 'detokenizers' in g['detokenize'], (g['detokenizers'], g['detokenize'])
     assert g['kv_pools'] == set() and 'kv_pools' in g['kv'], (g['kv_pools'], g['kv'])
     assert g['gguf_blocks'] == {'quantized', 'io'} and 'gguf_blocks' in g['gguf'], (g['gguf_blocks'], g['gguf'])
+    assert 'model' not in g['reconcile'] and 'reconcile' in g['model'], (g['reconcile'], g['model'])
 
 
 def test_explore_rooms_stand_in_layers():
@@ -171,7 +173,7 @@ def test_explore_rooms_stand_in_layers():
 
 
 # the one function that parses a checkpoint's JSON files
-JSON_READERS = {('sources', 'read_json')}
+JSON_READERS = {('io', 'read_json')}
 
 
 def own_nodes(fn):
@@ -221,7 +223,7 @@ def json_file_parses(path: Path) -> list[tuple[str, int]]:
 
 def test_a_checkpoints_json_files_are_read_by_read_json():
     """No module parses a JSON file it reads itself: config, generation, tokenizer and index files all go through
-    `sources.read_json`, so a broken one is named with the same reasons wherever it is read."""
+    `io.read_json` (which `sources` re-exports), so a broken one is named with the same reasons wherever it is read."""
     bad = [
         f'{p.name}:{line} ({fn})'
         for p in sorted(PKG.glob('*.py'))
@@ -230,7 +232,7 @@ def test_a_checkpoints_json_files_are_read_by_read_json():
         if (p.stem, fn) not in JSON_READERS
     ]
     assert bad == [], bad
-    assert [fn for fn, _ in json_file_parses(PKG / 'sources.py')] == ['read_json']  # the check sees the one reader
+    assert [fn for fn, _ in json_file_parses(PKG / 'io.py')] == ['read_json']  # the check sees the one reader
 
 
 INTERNAL = re.compile(
