@@ -496,6 +496,21 @@ def _key_findings(model, src, findings: list):
                 )
     _unexpected_findings(model, src, names, findings)
 
+# %% ../nbs/12b_explore.ipynb #bf21fc4b
+def _refusal(
+    ckpt: Path,  # the checkpoint folder
+    e: Exception,  # what `load_model`'s source raised
+) -> Finding:
+    "The error for `load_model` refusing `ckpt` with `e`, its message naming files within the folder."
+    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return Finding(
+        'load',
+        'error',
+        _quoted(msg) or ckpt.name,
+        f'load_model refuses it: {msg.replace(str(ckpt) + "/", "").replace(str(ckpt), ckpt.name)}',
+        'as the message says',
+    )
+
 # %% ../nbs/12b_explore.ipynb #bf21fc4c
 def load_findings(
     ckpt: Path,  # a checkpoint folder
@@ -518,31 +533,13 @@ def load_findings(
     try:
         src = model_source(ckpt, config, model)
     except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as e:
-        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        out.append(
-            Finding(
-                'load',
-                'error',
-                _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "").replace(str(ckpt), ckpt.name)}',
-                'as the message says',
-            )
-        )
+        out.append(_refusal(ckpt, e))
         return out, None
     try:
         _key_findings(model, src, out)
     except (ValueError, KeyError, OSError) as e:  # a shard whose header is read only now
         src.close()
-        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        out.append(
-            Finding(
-                'load',
-                'error',
-                _quoted(msg) or ckpt.name,
-                f'load_model refuses it: {msg.replace(str(ckpt) + "/", "").replace(str(ckpt), ckpt.name)}',
-                'as the message says',
-            )
-        )
+        out.append(_refusal(ckpt, e))
         return out, None
     return out, src
 

@@ -77,6 +77,37 @@ def _version(pkg: str) -> str:
     except PackageNotFoundError:
         return '?'
 
+# %% ../nbs/12c_explore_weights.ipynb #22952a02
+def _parser_finding(
+    name: str,  # the file's name, one of `_JSON_FILES`
+    p: Path,  # the file
+    d: dict | None,  # its parsed JSON
+) -> Finding | None:
+    "The error for `name`'s own parser (tokenizers, transformers) refusing `p`, else None."
+    if name == 'tokenizer.json':
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(p))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+            return Finding(
+                'files',
+                'error',
+                name,
+                f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
+                'upgrade tokenizers to the release that wrote the file, or save the tokenizer again with this one',
+            )
+    if name == 'generation_config.json':
+        from transformers import GenerationConfig
+
+        try:
+            GenerationConfig.from_dict(d)
+        except Exception as e:
+            return Finding(
+                'files', 'error', name, f'transformers cannot read it: {e}', 'fix or remove the setting it names'
+            )
+    return None
+
 # %% ../nbs/12c_explore_weights.ipynb #22952a03
 def check_files(
     ckpt: Path,  # a checkpoint folder
@@ -96,38 +127,8 @@ def check_files(
         d, err = _parse_json(p)
         if err:
             out.append(Finding('files', 'error', name, err, f'restore {name} from the release it came with'))
-            continue
-        if name == 'tokenizer.json':
-            from tokenizers import Tokenizer
-
-            try:
-                Tokenizer.from_file(str(p))
-            except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
-                out.append(
-                    Finding(
-                        'files',
-                        'error',
-                        name,
-                        f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
-                        'upgrade tokenizers to the release that wrote the file, '
-                        'or save the tokenizer again with this one',
-                    )
-                )
-        if name == 'generation_config.json':
-            from transformers import GenerationConfig
-
-            try:
-                GenerationConfig.from_dict(d)
-            except Exception as e:
-                out.append(
-                    Finding(
-                        'files',
-                        'error',
-                        name,
-                        f'transformers cannot read it: {e}',
-                        'fix or remove the setting it names',
-                    )
-                )
+        elif (f := _parser_finding(name, p, d)) is not None:
+            out.append(f)
     return out
 
 # %% ../nbs/12c_explore_weights.ipynb #a6444383
@@ -184,6 +185,39 @@ def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
         wm = {k: f for f, h in headers.items() for k in (h or {})}
     return wm, headers
 
+# %% ../nbs/12c_explore_weights.ipynb #3582e03a
+def _unindexed_findings(
+    ckpt: Path,  # a checkpoint folder with an index
+    where: dict,  # {key: shard Path} as the shards' headers hold them
+    wm: dict,  # {key: shard Path} as the index lists them
+    headers: dict,  # {shard Path: header or None}: the shards read
+    findings: list,  # receives a warning per key the index leaves out and a note naming stray shards
+):
+    "A finding for each key the index does not list, and one naming the shards it names no key in."
+    extra = sorted(k for k, f in where.items() if k not in wm)
+    for k in extra:
+        findings.append(
+            Finding(
+                'files',
+                'warning',
+                k,
+                f'{where[k].name} holds it, but the index does not list it, so no loader reads it',
+                'add it to the weight_map of model.safetensors.index.json, or drop it from the shard',
+            )
+        )
+    named = {f.name for f in headers}
+    loose = sorted(p.name for p in ckpt.glob('*.safetensors') if p.name not in named)
+    if loose:
+        findings.append(
+            Finding(
+                'files',
+                'note',
+                ', '.join(loose),
+                'safetensors files the index names no key in',
+                'left over from another save: remove them',
+            )
+        )
+
 # %% ../nbs/12c_explore_weights.ipynb #3582e03b
 def stored_tensors(
     ckpt: Path,  # a checkpoint folder
@@ -215,29 +249,7 @@ def stored_tensors(
             continue
         out[k] = Stored(f.name, ti.dtype, tuple(ti.shape), ti.end - ti.begin)
     if indexed:
-        extra = sorted(k for k, f in where.items() if k not in wm)
-        for k in extra:
-            findings.append(
-                Finding(
-                    'files',
-                    'warning',
-                    k,
-                    f'{where[k].name} holds it, but the index does not list it, so no loader reads it',
-                    'add it to the weight_map of model.safetensors.index.json, or drop it from the shard',
-                )
-            )
-        named = {f.name for f in headers}
-        loose = sorted(p.name for p in ckpt.glob('*.safetensors') if p.name not in named)
-        if loose:
-            findings.append(
-                Finding(
-                    'files',
-                    'note',
-                    ', '.join(loose),
-                    'safetensors files the index names no key in',
-                    'left over from another save: remove them',
-                )
-            )
+        _unindexed_findings(ckpt, where, wm, headers, findings)
     return out
 
 # %% ../nbs/12c_explore_weights.ipynb #6c2201c1
