@@ -199,12 +199,17 @@ def _kv_heads(text) -> int:
     return _need(text, 'num_attention_heads')
 
 # %% ../nbs/09_kv.ipynb #8a9b0c1d
-def _attention_token_bytes(text, nbytes: int) -> int:
+_VLLM_QUERY_KV_HEADS = {'zamba2'}  # vLLM's attention for these keeps a K and V per query head
+
+
+def _attention_token_bytes(text, nbytes: int, convention: str = 'transformers') -> int:
     "Bytes one token takes in one attention layer: the MLA latent, else K and V of each KV head."
     # The MLA latent when the config sets `kv_lora_rank`; GLM-5-Next's has no rotary part (`qk_rope_head_dim` 0).
     if getattr(text, 'kv_lora_rank', None):
         return (_need(text, 'kv_lora_rank') + _need(text, 'qk_rope_head_dim', 0)) * nbytes
     heads, kv_heads = _need(text, 'num_attention_heads'), _kv_heads(text)
+    if convention == 'vllm' and text.model_type in _VLLM_QUERY_KV_HEADS:  # whatever num_key_value_heads says
+        kv_heads = heads
     head_dim = _first(text, 'head_dim', 'attention_head_dim')  # Zamba: attention_head_dim
     if head_dim is None:
         hidden = _need(text, 'hidden_size')
@@ -506,21 +511,23 @@ def _layer_cache(
         window = _need(text, 'attention_chunk_size' if kind == 'chunked_attention' else 'sliding_window')
         window = min(window - (convention == 'transformers'), max_seq_len or window)  # transformers keeps window - 1
     if kind == 'cross_attention':
-        return KVLayer(i, kind, _attention_token_bytes(text, nbytes), image_tokens)
+        return KVLayer(i, kind, _attention_token_bytes(text, nbytes, convention), image_tokens)
     if kind in ('full_attention', 'sliding_attention', 'chunked_attention'):
         mla = kind == 'full_attention' and getattr(text, 'kv_lora_rank', None)
-        token = _attention_token_bytes(text, nbytes) * (_SLIDING_KV_FACTOR.get(text.model_type, 1) if window else 1)
+        token = _attention_token_bytes(text, nbytes, convention) * (
+            _SLIDING_KV_FACTOR.get(text.model_type, 1) if window else 1
+        )
         prefix = _first(text, _PREFIX_TOKENS[text.model_type]) if text.model_type in _PREFIX_TOKENS else 0
         return KVLayer(i, 'mla' if mla else kind, token, window, prefix * token)
     if kind == 'indexed_attention':  # HY-V4: a 'shared' layer reuses an earlier layer's indexer keys
         shared = (getattr(text, 'indexer_types', None) or {}) and text.indexer_types[i] == 'shared'
         index = 0 if shared else _indexer_token_bytes(text, state_nbytes, convention)
-        return KVLayer(i, kind, _attention_token_bytes(text, nbytes) + index)
+        return KVLayer(i, kind, _attention_token_bytes(text, nbytes, convention) + index)
     if kind in ('linear_attention', 'conv', 'hybrid', 'hybrid_sliding'):
         shape = _state_shape(text, kind)
         state = shape.bytes(state_nbytes, ssm_nbytes or state_nbytes, convention)
         state += _ple_state_bytes(text, i, state_nbytes, convention)
-        token = _attention_token_bytes(text, nbytes) if kind.startswith('hybrid') else 0
+        token = _attention_token_bytes(text, nbytes, convention) if kind.startswith('hybrid') else 0
         if kind == 'hybrid_sliding' and getattr(text, 'swa_num_key_value_heads', None):  # Inkling's own heads
             token = 2 * _need(text, 'swa_num_key_value_heads') * _need(text, 'swa_head_dim') * nbytes
         return KVLayer(i, kind, token, window, state, shape.family)
@@ -769,10 +776,14 @@ def _vllm_specs(
     return specs
 
 # %% ../nbs/09_kv.ipynb #7fb27b941602401d91542211134fc71a
-def _vllm_block_size(g: KVGeometry, block_size: int) -> int:
+def _vllm_block_size(g: KVGeometry, block_size: int, config=None) -> int:
     "The attention block size vLLM settles on: raised in whole `block_size`s until a page holds the largest state."
-    # vLLM's Platform._align_hybrid_block_size, for a model with both attention and recurrent layers.
+    # vLLM's Platform._align_hybrid_block_size, for a model with both attention and recurrent layers. It sizes
+    # attention by the config's KV heads, even where the layers keep one per query head (Zamba2).
     attn = max((layer.token_bytes for layer in g.layers if layer.kind != 'cross_attention'), default=0)
+    if g.model_type in _VLLM_QUERY_KV_HEADS:
+        text = read_model_config(config).get_text_config(decoder=True)
+        attn = attn * _kv_heads(text) // _need(text, 'num_attention_heads')
     state = max((layer.state_bytes for layer in g.layers), default=0)
     if not attn or not state:
         return block_size
@@ -792,7 +803,7 @@ def vllm_concurrency(
 ) -> VLLMConcurrency:
     "The maximum concurrency vLLM logs for `config` and a pool, its blocks per request"
     g = kv_geometry(config, dtype, 'vllm', ssm_dtype)
-    block_size = _vllm_block_size(g, checked_count(block_size, 'block_size', 1))
+    block_size = _vllm_block_size(g, checked_count(block_size, 'block_size', 1), config)
     mml = checked_count(max_model_len or g.max_seq_len, 'max_model_len', 1)
     batched = checked_count(max_num_batched_tokens, 'max_num_batched_tokens', 1)
     if not any(layer.token_bytes for layer in g.layers):  # attention-free: one state block of max_model_len tokens

@@ -1,12 +1,12 @@
 """`vllm_concurrency(config, budget_bytes=...)` against engines started now: a cut of tests/engine/kv_figures.json
-(a dense model, sliding windows, MLA and two recurrent hybrids) at one budget and one `max_model_len`, the engine's
-figures taken live; tests/test_kv_vllm.py checks every architecture against the collected file."""
+(a dense model, sliding windows, MLA and three recurrent hybrids, Zamba2's KV heads included) at one budget and one
+`max_model_len`, the engine's figures taken live; tests/test_kv_vllm.py checks every architecture against the file."""
 
 import pytest
 
 from mstar_utils.kv import vllm_concurrency
 
-CUT = ['Qwen2 (GQA)', 'Gemma-3', 'DeepSeek-V2 (MLA)', 'Jamba', 'Qwen3-Next (Gated DeltaNet)']
+CUT = ['Qwen2 (GQA)', 'Gemma-3', 'DeepSeek-V2 (MLA)', 'Jamba', 'Qwen3-Next (Gated DeltaNet)', 'Zamba2']
 
 
 @pytest.mark.parametrize('name', CUT)
