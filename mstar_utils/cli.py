@@ -231,7 +231,7 @@ def _inspect_output(ckpt, rep: dict, ex, prompt, audio, max_new_tokens: int, as_
             flush=True,
         )
     if audio is not None:
-        _transcribe(ckpt, audio, rep, as_json, head)
+        _transcribe(ckpt, audio, rep, as_json, head=head)
     if prompt is not None:
         out = io.BytesIO() if as_json else _StdoutBytes(head)
         ids = generate_reply(ckpt, prompt, max_new_tokens, out=out, log=sys.stderr)
@@ -267,11 +267,11 @@ def inspect(
     _check_task(rep, prompt, audio)
     if rep['model_type'] == 'whisper':
         rep['whisper'] = whisper_report(ckpt)
-    rep['kv'], rep['kv_lines'] = _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot)
+    rep['kv'], rep['kv_lines'] = _kv_section(ckpt, page_size, kv_pages, max_concurrent_requests, plot=plot)
     ex = _explored(ckpt) if stats else None
     if ex is not None:
         rep['explore'] = ex.to_dict()
-    return _inspect_output(ckpt, rep, ex, prompt, audio, max_new_tokens, json)
+    return _inspect_output(ckpt, rep, ex, prompt, audio=audio, max_new_tokens=max_new_tokens, as_json=json)
 
 # %% ../nbs/14_cli.ipynb #a08a19a1
 def _explored(ckpt):

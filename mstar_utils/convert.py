@@ -378,7 +378,7 @@ def _group(keys, conv, what='checkpoint'):
                 f'{what}: target {target!r} is produced by two converters, '
                 f'for {listed(sorted(g.keys), 1, fmt=repr)} and {key!r}'
             )
-        _add_member(members[target], pi, idx, key, target, c.source_patterns[pi], what)
+        _add_member(members[target], pi, idx, key, target=target, pattern=c.source_patterns[pi], what=what)
         g.append_key(key)
     for target, g in groups.items():
         _check_complete(target, g, members[target], what)
@@ -469,7 +469,7 @@ class ConvertedSource(WrappedSource):
             )
         # a source has keys() but no __iter__
         self.own_keys([k for k in self.src.keys() if k not in consumed] + list(self.groups))  # noqa: SIM118
-        self._trees = {t: _tree(self.src, t, g.converter, members[t], what) for t, g in self.groups.items()}
+        self._trees = {t: _tree(self.src, t, g.converter, members[t], what=what) for t, g in self.groups.items()}
 
     def shape(self, k):
         return self._trees[k].shape if k in self._trees else self.src.shape(k)

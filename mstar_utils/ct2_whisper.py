@@ -107,8 +107,9 @@ def _ct2_norm(v: dict, src: str, out: dict, dst: str):
     out[f'{dst}.weight'], out[f'{dst}.bias'] = _take(v, f'{src}/gamma'), _take(v, f'{src}/beta')
 
 # %% ../nbs/00b_ct2_whisper.ipynb #021e5fc2-2
-def _ct2_linear(v: dict, src: str, out: dict, *dsts: str):
-    "Linear (or conv) `src` as HF `dsts`; several `dsts` split a fused matrix by rows."
+def _ct2_linear(v: dict, src: str, out: dict, dsts: str | tuple):
+    "Linear (or conv) `src` as HF `dsts`; a tuple of several `dsts` splits a fused matrix by rows."
+    dsts = (dsts,) if isinstance(dsts, str) else tuple(dsts)
     # A k_proj's bias must be zero and is dropped.
     w, b = _take(v, f'{src}/weight'), _take(v, f'{src}/bias')
     if w.shape[0] % len(dsts):
@@ -124,12 +125,12 @@ def _ct2_linear(v: dict, src: str, out: dict, *dsts: str):
 def _ct2_layer(v: dict, src: str, out: dict, dst: str, cross: bool):
     "One CTranslate2 encoder or decoder layer `src` (`cross`: with cross-attention) as HF layer `dst`."
     _ct2_norm(v, f'{src}/self_attention/layer_norm', out, f'{dst}.self_attn_layer_norm')
-    _ct2_linear(v, f'{src}/self_attention/linear_0', out, *(f'{dst}.self_attn.{p}_proj' for p in 'qkv'))
+    _ct2_linear(v, f'{src}/self_attention/linear_0', out, tuple(f'{dst}.self_attn.{p}_proj' for p in 'qkv'))
     _ct2_linear(v, f'{src}/self_attention/linear_1', out, f'{dst}.self_attn.out_proj')
     if cross:
         _ct2_norm(v, f'{src}/attention/layer_norm', out, f'{dst}.encoder_attn_layer_norm')
         _ct2_linear(v, f'{src}/attention/linear_0', out, f'{dst}.encoder_attn.q_proj')
-        _ct2_linear(v, f'{src}/attention/linear_1', out, f'{dst}.encoder_attn.k_proj', f'{dst}.encoder_attn.v_proj')
+        _ct2_linear(v, f'{src}/attention/linear_1', out, (f'{dst}.encoder_attn.k_proj', f'{dst}.encoder_attn.v_proj'))
         _ct2_linear(v, f'{src}/attention/linear_2', out, f'{dst}.encoder_attn.out_proj')
     _ct2_norm(v, f'{src}/ffn/layer_norm', out, f'{dst}.final_layer_norm')
     _ct2_linear(v, f'{src}/ffn/linear_0', out, f'{dst}.fc1')
@@ -176,7 +177,7 @@ def whisper_state_dict(ct2: CT2Model) -> dict:
         out[f'{dst}.embed_positions.weight'] = _take(v, f'{side}/position_encodings/encodings')
         _ct2_norm(v, f'{side}/layer_norm', out, f'{dst}.layer_norm')
         for i in range(_ct2_layers(v, side)):
-            _ct2_layer(v, f'{side}/layer_{i}', out, f'{dst}.layers.{i}', side == 'decoder')
+            _ct2_layer(v, f'{side}/layer_{i}', out, f'{dst}.layers.{i}', cross=side == 'decoder')
     out[f'{D}.embed_tokens.weight'] = _take(v, 'decoder/embeddings/weight')
     if v:
         raise ValueError(f'CTranslate2 variables left unconverted: {sorted(v)}')

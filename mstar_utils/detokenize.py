@@ -679,4 +679,12 @@ def reply(
     prompt_ids=(),  # the prompt's ids: a reply after a prompt with text starts mid-text, as vLLM shows it
 ) -> Reply:
     "A `Reply`: one request's stream of this model's text, with vLLM's stop parameters."
-    return Reply(self, stop, include_stop_str_in_output, min_tokens, ignore_eos, stop_token_ids, prompt_ids)
+    return Reply(
+        self,
+        stop,
+        include_stop_str_in_output,
+        min_tokens,
+        ignore_eos=ignore_eos,
+        stop_token_ids=stop_token_ids,
+        prompt_ids=prompt_ids,
+    )

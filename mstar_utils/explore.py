@@ -182,7 +182,7 @@ def module_tree(
     "The checkpoint's module tree, repeated blocks collapsed into runs (`layers.0-29`, `experts[256]`)."
     root = _node('', _nest(tensors), 1)
     if root.path:
-        root = TreeNode('', root.tensors, root.params, dict(root.nbytes), [root])
+        root = TreeNode('', root.tensors, root.params, dict(root.nbytes), children=[root])
     return root
 
 # %% ../nbs/12b_explore.ipynb #4e312912
@@ -273,7 +273,7 @@ def _fp8_findings(qc: dict, tensors: dict, findings: list):
                         k + suffix,
                         f'has shape {list(s.shape)}, but weight_block_size {list(bs)} over the '
                         f'{list(st.shape)} weight needs {list(want)} scales',
-                        f'the scales fit blocks of {fits}: set weight_block_size to that',
+                        fix=f'the scales fit blocks of {fits}: set weight_block_size to that',
                     )
                 )
         if suffix == '_scale' and 'embed' not in k:
@@ -285,7 +285,7 @@ def _fp8_findings(qc: dict, tensors: dict, findings: list):
                     "quant_method fp8 stores a linear layer's scale as weight_scale_inv; load_model multiplies "
                     "by this weight_scale all the same, but transformers' FP8Linear reads only weight_scale_inv, "
                     "so from_pretrained leaves it unset",
-                    f'rename it to {k}_scale_inv (the values stay: both multiply the codes)',
+                    fix=f'rename it to {k}_scale_inv (the values stay: both multiply the codes)',
                 )
             )
 
@@ -310,7 +310,7 @@ def format_findings(
                     k,
                     f'is stored quantized, but quantization_config.{which} names its module {m!r} ({p!r}), '
                     'so transformers builds it unquantized and will not take its codes or scales',
-                    f'drop {p!r} from {which}, or store {m} unquantized',
+                    fix=f'drop {p!r} from {which}, or store {m} unquantized',
                 )
             )
     if qc.get('quant_method') == 'fp8':
@@ -344,7 +344,7 @@ def quantized_units(
                 'error',
                 _quoted(str(e)) or 'quantization_config',
                 f'load_model refuses the checkpoint: {e}',
-                'make the stored tensors and quantization_config agree, as the message says',
+                fix='make the stored tensors and quantization_config agree, as the message says',
             )
         )
         return []
@@ -361,7 +361,7 @@ def format_families(
 
     def add(key, fmt, params, nbytes):
         f = fam.get((_family(key), fmt)) or fam.setdefault(
-            (_family(key), fmt), FormatFamily(_family(key), fmt, 0, 0, 0)
+            (_family(key), fmt), FormatFamily(_family(key), fmt, 0, 0, stored_bytes=0)
         )
         f.tensors += 1
         f.params += params
@@ -395,7 +395,7 @@ def _build(ckpt: Path, findings: list):
                 'error',
                 'config.json',
                 f'transformers cannot read it: {e}',
-                'fix config.json as the message says',
+                fix='fix config.json as the message says',
             )
         )
         return None, None
@@ -408,7 +408,7 @@ def _build(ckpt: Path, findings: list):
                 'error',
                 'config.json',
                 f'the model cannot be built from it: {type(e).__name__}: {e}',
-                'pass model_class= to load_model, or install the transformers release the architecture needs',
+                fix='pass model_class= to load_model, or install the transformers release the architecture needs',
             )
         )
         return config, None
@@ -434,7 +434,7 @@ def _unexpected_findings(model, src, names: set, findings: list):
                     'warning',
                     k,
                     f'unexpected: no tensor of {type(model).__name__} takes it, so load_model warns and leaves it',
-                    'drop it from the checkpoint, or load with the class it was saved from (model_class=)',
+                    fix='drop it from the checkpoint, or load with the class it was saved from (model_class=)',
                 )
             )
 
@@ -454,7 +454,7 @@ def _key_findings(model, src, findings: list):
                     ns[0],
                     f'tied: {", ".join(ns)} are one tensor; {stored}'
                     + ('; load_model loads both and unties them if their values differ' if len(have) > 1 else ''),
-                    '',
+                    fix='',
                 )
             )
         if not have:
@@ -465,7 +465,7 @@ def _key_findings(model, src, findings: list):
                         'note',
                         ns[0],
                         'buffer the checkpoint lacks: load_model keeps it as the model builds it',
-                        '',
+                        fix='',
                     )
                 )
             else:
@@ -475,7 +475,7 @@ def _key_findings(model, src, findings: list):
                         'error',
                         ns[0],
                         f'missing: {type(model).__name__} has it, the checkpoint has no key for it',
-                        'use the checkpoint this config belongs to; '
+                        fix='use the checkpoint this config belongs to; '
                         'if it was saved from a base model, load that submodule',
                     )
                 )
@@ -490,7 +490,7 @@ def _key_findings(model, src, findings: list):
                         n,
                         f'shape mismatch: the checkpoint has {list(got)}, '
                         f'{type(model).__name__} expects {list(t.shape)}',
-                        'the config does not describe this checkpoint: '
+                        fix='the config does not describe this checkpoint: '
                         'fix its sizes (hidden_size, vocab_size, ...) to the tensors',
                     )
                 )
@@ -508,7 +508,7 @@ def _refusal(
         'error',
         _quoted(msg) or ckpt.name,
         f'load_model refuses it: {msg.replace(str(ckpt) + "/", "").replace(str(ckpt), ckpt.name)}',
-        'as the message says',
+        fix='as the message says',
     )
 
 # %% ../nbs/12b_explore.ipynb #bf21fc4c
@@ -526,7 +526,7 @@ def load_findings(
             'warning',
             r.partition(' ->')[0],
             f"transformers fuses {r}, a rule load_model cannot apply",
-            'give load_model conv= recipes for it, or expect the keys it fuses to be missing',
+            fix='give load_model conv= recipes for it, or expect the keys it fuses to be missing',
         )
         for r in transformers_conversions_skipped(config)
     ]
@@ -572,7 +572,7 @@ def rank_bytes(
             for r in range(world_size)
         ]
     except ValueError as e:
-        return RankBytes(world_size, expert_parallel, [], [], str(e))
+        return RankBytes(world_size, expert_parallel, [], [], refused=str(e))
     return RankBytes(world_size, expert_parallel, [p.total_bytes for p in plans], [p.held_bytes for p in plans])
 
 # %% ../nbs/12b_explore.ipynb #7a94958e
@@ -588,7 +588,7 @@ def rank_table(
         tp_plan(config, 2)
     except ValueError as e:
         return [rank_bytes(checkpoint_dir, 1, built=built)], [
-            Finding('ranks', 'note', 'config.json', str(e), 'pass a plan to load_model_sharded')
+            Finding('ranks', 'note', 'config.json', str(e), fix='pass a plan to load_model_sharded')
         ]
     rows, out = [], []
     for ep in (False, True) if plans_for(cfg)[1] else (False,):
@@ -605,7 +605,7 @@ def rank_table(
                         'warning',
                         key,
                         f"{'EP' if ep else 'TP'} {ws}: load_model_sharded refuses it: {why}",
-                        fix or 'use a world size it divides',
+                        fix=fix or 'use a world size it divides',
                     )
                 )
     return rows, out
@@ -630,7 +630,7 @@ def kv_section(ckpt: Path, findings: list) -> tuple:
     try:
         rep = kv_report(ckpt)
     except (ValueError, KeyError, TypeError, OSError) as e:
-        findings.append(Finding('kv', 'note', 'config.json', f'KV cache not computed: {e}', ''))
+        findings.append(Finding('kv', 'note', 'config.json', f'KV cache not computed: {e}', fix=''))
         return None, [], None
     return rep, format_kv_report(rep), _png(plot_kv(ckpt))
 
@@ -676,7 +676,7 @@ def _folder(path, findings: list) -> Path:
                 'error',
                 SINGLE_FILE,
                 str(e).replace(str(p), p.name),
-                'copy the weights (model.safetensors, or the shards and their index) into the folder',
+                fix='copy the weights (model.safetensors, or the shards and their index) into the folder',
             )
         )
         return p
@@ -690,7 +690,7 @@ def _unbuilt(findings: list) -> tuple:
             'error',
             'config.json',
             'load_model builds the model from config.json, which is missing or cannot be parsed (see 0. Files)',
-            'restore config.json',
+            fix='restore config.json',
         )
     )
     return None, None
@@ -714,23 +714,34 @@ def _explore_gguf(f: Path, stats: bool, base) -> Exploration:
     try:
         config, model, src, tensors = open_gguf(f)
     except (ValueError, NotImplementedError, KeyError, OSError) as e:
-        findings.append(Finding('load', 'error', f.name, f'load_model refuses it: {e}', 'as the message says'))
+        findings.append(Finding('load', 'error', f.name, f'load_model refuses it: {e}', fix='as the message says'))
     else:
         try:
             _key_findings(model, src, findings)
         finally:
             src.close()
         skip = 'no tensor of the model takes it: load_model leaves it, as from_pretrained(gguf_file=...) does'
-        findings += [Finding('load', 'note', n, skip, '') for n in src.unmapped]
+        findings += [Finding('load', 'note', n, skip, fix='') for n in src.unmapped]
         fams = format_families(tensors, [])
         formats = [FormatFamily(x.family, describe_gguf_type(x.format), *astuple(x)[2:]) for x in fams]
         ranks, rf = rank_table(f, config, model)
         findings += rf
     kv, kv_lines, plots['kv'] = kv_section(f, findings)
     if stats:
-        findings.append(Finding('stats', 'note', f.name, 'weight statistics are computed for safetensors only', ''))
+        findings.append(Finding('stats', 'note', f.name, 'weight statistics are computed for safetensors only', fix=''))
     diff = diff_checkpoints(base, f) if base is not None else None
-    return Exploration(f.name, findings, module_tree(tensors), formats, ranks, kv, kv_lines, None, diff, plots)
+    return Exploration(
+        f.name,
+        findings,
+        module_tree(tensors),
+        formats,
+        ranks=ranks,
+        kv=kv,
+        kv_lines=kv_lines,
+        stats=None,
+        diff=diff,
+        plots=plots,
+    )
 
 # %% ../nbs/12b_explore.ipynb #7df7f1ea
 def explore(
@@ -759,18 +770,20 @@ def explore(
             ranks, rf = rank_table(ckpt, tcfg, model)
             findings += rf
     kv, kv_lines, plots['kv'] = kv_section(ckpt, findings)
-    ws = None
+    tree, ws = module_tree(tensors), None
     if stats:
         wf = []
         try:
             ws = weight_stats(ckpt, wf)
         except (ValueError, NotImplementedError, KeyError, OSError) as e:
-            wf.append(Finding('stats', 'error', _quoted(str(e)) or ckpt.name, f'not computed: {e}', ''))
+            wf.append(Finding('stats', 'error', _quoted(str(e)) or ckpt.name, f'not computed: {e}', fix=''))
         findings += [f for f in wf if f.section == 'stats']
         if ws is not None:
             plots.update(depth=_fig_png(plot_depth(ws)), worst=_fig_png(plot_worst(ws)))
     diff = diff_checkpoints(base, ckpt) if base is not None else None
-    return Exploration(ckpt.name, findings, module_tree(tensors), formats, ranks, kv, kv_lines, ws, diff, plots)
+    return Exploration(
+        ckpt.name, findings, tree, formats, ranks=ranks, kv=kv, kv_lines=kv_lines, stats=ws, diff=diff, plots=plots
+    )
 
 # %% ../nbs/12b_explore.ipynb #7df7f1ea-1
 def _fig_png(fig) -> str | None:

@@ -95,7 +95,7 @@ def _parser_finding(
                 'error',
                 name,
                 f'tokenizers {_version("tokenizers")} cannot parse it: {e}',
-                'upgrade tokenizers to the release that wrote the file, or save the tokenizer again with this one',
+                fix='upgrade tokenizers to the release that wrote the file, or save the tokenizer again with this one',
             )
     if name == 'generation_config.json':
         from transformers import GenerationConfig
@@ -104,7 +104,7 @@ def _parser_finding(
             GenerationConfig.from_dict(d)
         except Exception as e:
             return Finding(
-                'files', 'error', name, f'transformers cannot read it: {e}', 'fix or remove the setting it names'
+                'files', 'error', name, f'transformers cannot read it: {e}', fix='fix or remove the setting it names'
             )
     return None
 
@@ -120,13 +120,17 @@ def check_files(
             if name == 'config.json':
                 out.append(
                     Finding(
-                        'files', 'error', name, _NO_CONFIG, 'copy config.json from the release the weights came with'
+                        'files',
+                        'error',
+                        name,
+                        _NO_CONFIG,
+                        fix='copy config.json from the release the weights came with',
                     )
                 )
             continue
         d, err = _parse_json(p)
         if err:
-            out.append(Finding('files', 'error', name, err, f'restore {name} from the release it came with'))
+            out.append(Finding('files', 'error', name, err, fix=f'restore {name} from the release it came with'))
         elif (f := _parser_finding(name, p, d)) is not None:
             out.append(f)
     return out
@@ -152,7 +156,7 @@ def _read_failed(ckpt: Path, msg: str, findings: list):
         if name == INDEX_FILE
         else f'{name} is damaged or cut short: fetch it again'
     )
-    findings.append(Finding('files', 'error', name, msg, fix))
+    findings.append(Finding('files', 'error', name, msg, fix=fix))
 
 # %% ../nbs/12c_explore_weights.ipynb #b352026f
 def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
@@ -178,7 +182,7 @@ def _shard_findings(ckpt: Path, findings: list) -> tuple[dict, dict]:
                     'error',
                     f.name,
                     str(e).replace(str(f), f.name),
-                    f'{f.name} is damaged or cut short: fetch it again',
+                    fix=f'{f.name} is damaged or cut short: fetch it again',
                 )
             )
     if wm is None:
@@ -202,7 +206,7 @@ def _unindexed_findings(
                 'warning',
                 k,
                 f'{where[k].name} holds it, but the index does not list it, so no loader reads it',
-                'add it to the weight_map of model.safetensors.index.json, or drop it from the shard',
+                fix='add it to the weight_map of model.safetensors.index.json, or drop it from the shard',
             )
         )
     named = {f.name for f in headers}
@@ -214,7 +218,7 @@ def _unindexed_findings(
                 'note',
                 ', '.join(loose),
                 'safetensors files the index names no key in',
-                'left over from another save: remove them',
+                fix='left over from another save: remove them',
             )
         )
 
@@ -242,14 +246,14 @@ def stored_tensors(
                     'error',
                     k,
                     f'the index assigns it to {f.name}, whose header has no such tensor{held}',
-                    'regenerate model.safetensors.index.json from the shards '
+                    fix='regenerate model.safetensors.index.json from the shards '
                     '(transformers: from_pretrained, then save_pretrained)',
                 )
             )
             continue
         out[k] = Stored(f.name, ti.dtype, tuple(ti.shape), ti.end - ti.begin)
     if indexed:
-        _unindexed_findings(ckpt, where, wm, headers, findings)
+        _unindexed_findings(ckpt, where, wm, headers, findings=findings)
     return out
 
 # %% ../nbs/12c_explore_weights.ipynb #6c2201c1
@@ -335,7 +339,7 @@ def _reduce_rows(
         torch.mul(d, d, out=d2)
         # sums, not BLAS dots: torch's cascade sum keeps float32 error near 1e-7
         m3 = float(torch.mul(d2, d, out=p).sum())
-        mom.add(k, m, float(d2.sum()), m3, float(torch.mul(d2, d2, out=p).sum()))
+        mom.add(k, m, float(d2.sum()), m3, m4=float(torch.mul(d2, d2, out=p).sum()))
         if not math.isfinite(m):
             nan += int(torch.isnan(c).sum())
             inf += int(torch.isinf(c).sum())
@@ -354,11 +358,11 @@ def reduce_tensor(
     hi, lo = torch.zeros(rows), torch.zeros(rows)
     step = max(1, _CHUNK // max(cols, 1))
     mid = (rows // 2 // step) * step if pool is not None and t.numel() >= 4 * _CHUNK else 0
-    first = pool.submit(_reduce_rows, x2, 0, mid, step, hi, lo) if mid else None
-    mom, nan, inf = _reduce_rows(x2, mid, rows, step, hi, lo)
+    first = pool.submit(_reduce_rows, x2, 0, mid, step=step, hi=hi, lo=lo) if mid else None
+    mom, nan, inf = _reduce_rows(x2, mid, rows, step, hi=hi, lo=lo)
     if first is not None:
         m0, n0, i0 = first.result()
-        m0.add(mom.n, mom.mean, mom.m2, mom.m3, mom.m4)
+        m0.add(mom.n, mom.mean, mom.m2, mom.m3, m4=mom.m4)
         mom, nan, inf = m0, nan + n0, inf + i0
     row_max = torch.maximum(hi, lo.neg_())
     n, absmax = mom.n, float(row_max.max()) if rows and cols else float('nan')
@@ -368,13 +372,13 @@ def reduce_tensor(
         tuple(t.shape),
         dtype or str(t.dtype).removeprefix('torch.'),
         absmax,
-        mom.mean if n else float('nan'),
-        math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
-        n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'),
-        nan,
-        inf,
-        absmax == 0,
-        float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None,
+        mean=mom.mean if n else float('nan'),
+        std=math.sqrt(mom.m2 / (n - 1)) if n > 1 else float('nan'),
+        kurtosis=n * mom.m4 / mom.m2**2 - 3 if n and mom.m2 > 0 else float('nan'),
+        nan=nan,
+        inf=inf,
+        all_zero=absmax == 0,
+        outlier_channels=float((row_max > OUTLIER_FACTOR * med).float().mean()) if t.dim() >= 2 and rows else None,
     )
 
 # %% ../nbs/12c_explore_weights.ipynb #e0069529
@@ -519,13 +523,13 @@ def layer_stats(
                 i,
                 len(ss),
                 big.absmax,
-                big.key,
-                heavy.kurtosis,
-                heavy.key,
-                sum(s.nan for s in ss),
-                sum(s.inf for s in ss),
-                sum(s.all_zero for s in ss),
-                max((s.outlier_channels or 0.0) for s in ss),
+                absmax_key=big.key,
+                kurtosis=heavy.kurtosis,
+                kurtosis_key=heavy.key,
+                nan=sum(s.nan for s in ss),
+                inf=sum(s.inf for s in ss),
+                all_zero=sum(s.all_zero for s in ss),
+                outlier_channels=max((s.outlier_channels or 0.0) for s in ss),
             )
         )
     return out
@@ -598,7 +602,7 @@ def weight_stats(
         out.append(st)
 
     def failed(k, e):
-        findings.append(Finding('stats', 'error', k, f'cannot be read: {e}', 'fetch the shard again'))
+        findings.append(Finding('stats', 'error', k, f'cannot be read: {e}', fix='fetch the shard again'))
 
     try:
         with _OneThread():
@@ -664,11 +668,11 @@ def compare_tensors(
         dd += float(torch.mul(d, d, out=p).sum())
         bb += float(torch.mul(y, y, out=p).sum())
         ab += float(torch.mul(x, y, out=p).sum())
-    if same:
-        return TensorDiff(key, True, 0.0, 0.0, 1.0, math.sqrt(aa), ha, hb, da, db, True)
-    rel = math.sqrt(dd / aa) if aa else (0.0 if dd == 0 else math.inf)
-    cos = ab / math.sqrt(aa * bb) if aa and bb else float('nan')
-    return TensorDiff(key, False, mx, rel, cos, math.sqrt(aa), ha, hb, da, db, equal)
+    rel = math.sqrt(dd / aa) if aa else (0.0 if dd == 0 else math.inf)  # 0.0 when `same`: dd and mx stay 0
+    cos = 1.0 if same else ab / math.sqrt(aa * bb) if aa and bb else float('nan')
+    return TensorDiff(
+        key, same, mx, rel, cosine=cos, norm_a=math.sqrt(aa), hash_a=ha, hash_b=hb, dtype_a=da, dtype_b=db, equal=equal
+    )
 
 # %% ../nbs/12c_explore_weights.ipynb #4b149476
 @dataclass
@@ -696,7 +700,7 @@ def _layer_diffs(diffs: list) -> list[LayerDiff]:
                 len(ds),
                 sum(not d.equal for d in ds),
                 math.sqrt(dd / aa) if aa else 0.0,
-                max(d.max_abs for d in ds),
+                max_abs=max(d.max_abs for d in ds),
             )
         )
     return sorted(out, key=lambda row: (-row.rel_l2, -row.max_abs, row.layer))
@@ -799,14 +803,21 @@ def diff_checkpoints(
                 oa, ob = bufs.view(0, tuple(sa.shape(k)), sa.dtype(k)), bufs.view(1, tuple(sb.shape(k)), sb.dtype(k))
                 fa, fb = ex.submit(_read_hashed, sa, k, oa), ex.submit(_read_hashed, sb, k, ob)
                 (x, hx), (y, hy) = fa.result(), fb.result()
-                diffs.append(compare_tensors(k, x, y, hx, hy))
+                diffs.append(compare_tensors(k, x, y, hx, hb=hy))
                 del x, y, oa, ob
     finally:
         sa.close()
         sb.close()
     diffs.sort(key=_rank)
     return CheckpointDiff(
-        A.name, B.name, sorted(kb - ka), sorted(ka - kb), reshaped, diffs, _layer_diffs(diffs), findings
+        A.name,
+        B.name,
+        sorted(kb - ka),
+        sorted(ka - kb),
+        reshaped=reshaped,
+        tensors=diffs,
+        layers=_layer_diffs(diffs),
+        findings=findings,
     )
 
 # %% ../nbs/12c_explore_weights.ipynb #48f1601d

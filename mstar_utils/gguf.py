@@ -223,7 +223,7 @@ def read_gguf(path: str | Path) -> GGUFHeader:
                 f'{path}: tensor {name!r} ends at byte {start + off + nbytes}, past the end of the file '
                 f'({len(buf)}): cut short'
             )
-        tensors[name] = GGUFTensor(name, qt, shape, data[start + off : start + off + nbytes], start + off)
+        tensors[name] = GGUFTensor(name, qt, shape, data[start + off : start + off + nbytes], offset=start + off)
     return GGUFHeader(meta, tensors)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg025
@@ -572,7 +572,7 @@ def keep_gguf(
         m = model.get_submodule(k[: -len('.weight')]) if k.endswith('.weight') else None
         if t.qtype in BLOCK_DECODERS and isinstance(m, torch.nn.Linear) and k not in src.reworked:
             op = GGUFDequantize(int(t.qtype), src._heads(t), dtype)
-            units.append(QuantizedTensor(k, [k], op, [_rows(t)], [torch.uint8]))
+            units.append(QuantizedTensor(k, [k], op, [_rows(t)], dtypes=[torch.uint8]))
     keep_quantized(model, units)
     src.kept |= {u.target for u in units}
     return [u.target for u in units]

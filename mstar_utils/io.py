@@ -146,7 +146,7 @@ class _Packer:
     def close_segment(self):
         "Close the open segment, if there is one, into the open chunk."
         if self.parts is not None:
-            self.segs.append(Segment(self.file, self.offset, self.start, self.run, self.parts))
+            self.segs.append(Segment(self.file, self.offset, self.start, self.run, parts=self.parts))
         self.parts = None
 
     def close_chunk(self):
@@ -246,7 +246,7 @@ def _read_chunk(chunk: list, views, fd, names: list, sizes: list, disk: _Disk):
     for seg in chunk:
         got = read_at(fd(seg.file), views(seg), seg.offset, disk)
         if got < seg.nbytes:
-            raise _cut(seg.file, seg.parts, names, sizes, got)
+            raise _cut(seg.file, seg.parts, names, sizes, got=got)
 
 # %% ../nbs/01b_io.ipynb #2b3c8e90
 def _report(progress, chunk: list, sizes: list):
@@ -304,7 +304,7 @@ def read_direct(
     chunks = plan_chunks(spans, 8 << 20)
 
     def job(j):
-        _read_chunk(chunks[j], views, fd, reads.names, sizes, disk)
+        _read_chunk(chunks[j], views, fd, reads.names, sizes=sizes, disk=disk)
 
     _run_in_order(range(len(chunks)), job, threads, lambda j: _report(progress, chunks[j], sizes))
 
@@ -396,14 +396,16 @@ def read_staged(
     def job(j, tok):
         copier.wait(tok)
         mv = mvs[j % R]
-        _read_chunk(chunks[j], lambda seg: [mv[seg.start : seg.start + seg.nbytes]], fd, reads.names, sizes, disk)
+        _read_chunk(
+            chunks[j], lambda seg: [mv[seg.start : seg.start + seg.nbytes]], fd, reads.names, sizes=sizes, disk=disk
+        )
 
     with ThreadPoolExecutor(min(threads, R), thread_name_prefix='read') as ex:
         futs = {j: ex.submit(job, j, None) for j in range(R)}
         try:
             for j, c in enumerate(chunks):
                 futs.pop(j).result()
-                _copy_chunk(c, ring[j % R], flats, reads.dtypes, copier)
+                _copy_chunk(c, ring[j % R], flats, reads.dtypes, copier=copier)
                 token = copier.mark()
                 if j + R < len(chunks):
                     futs[j + R] = ex.submit(job, j + R, token)

@@ -518,7 +518,7 @@ def _layer_cache(
             _SLIDING_KV_FACTOR.get(text.model_type, 1) if window else 1
         )
         prefix = _first(text, _PREFIX_TOKENS[text.model_type]) if text.model_type in _PREFIX_TOKENS else 0
-        return KVLayer(i, 'mla' if mla else kind, token, window, prefix * token)
+        return KVLayer(i, 'mla' if mla else kind, token, window, state_bytes=prefix * token)
     if kind == 'indexed_attention':  # HY-V4: a 'shared' layer reuses an earlier layer's indexer keys
         shared = (getattr(text, 'indexer_types', None) or {}) and text.indexer_types[i] == 'shared'
         index = 0 if shared else _indexer_token_bytes(text, state_nbytes, convention)
@@ -530,7 +530,7 @@ def _layer_cache(
         token = _attention_token_bytes(text, nbytes, convention) if kind.startswith('hybrid') else 0
         if kind == 'hybrid_sliding' and getattr(text, 'swa_num_key_value_heads', None):  # Inkling's own heads
             token = 2 * _need(text, 'swa_num_key_value_heads') * _need(text, 'swa_head_dim') * nbytes
-        return KVLayer(i, kind, token, window, state, shape.family)
+        return KVLayer(i, kind, token, window, state_bytes=state, state=shape.family)
     what = _NOT_COUNTED.get(kind, f'{kind!r}')
     raise ValueError(
         f'{text.model_type} config: layer {i} is {what}, whose cache is not counted here (full, sliding, chunked, '
@@ -649,13 +649,23 @@ def kv_geometry(
     image = _image_tokens(config)
     layers = [
         _layer_cache(
-            i, kind, per_layer[i] if per_layer else text, nbytes, seq, image, state_nbytes, convention, ssm_nbytes
+            i,
+            kind,
+            per_layer[i] if per_layer else text,
+            nbytes,
+            max_seq_len=seq,
+            image_tokens=image,
+            state_nbytes=state_nbytes,
+            convention=convention,
+            ssm_nbytes=ssm_nbytes,
         )
         for i, kind in enumerate(_layer_kinds(text))
         if kind is not None
     ]
     layers += _loop_copies(text, layers)
-    return KVGeometry(config.model_type, name, seq, tuple(layers + _cross_attention(config, text, nbytes)), convention)
+    return KVGeometry(
+        config.model_type, name, seq, tuple(layers + _cross_attention(config, text, nbytes)), convention=convention
+    )
 
 # %% ../nbs/09_kv.ipynb #0a1b2c3e
 def kv_bytes_per_token(
@@ -808,7 +818,11 @@ def vllm_concurrency(
     batched = checked_count(max_num_batched_tokens, 'max_num_batched_tokens', 1)
     if not any(layer.token_bytes for layer in g.layers):  # attention-free: one state block of max_model_len tokens
         block_size, prefix_caching = mml, False
-    specs = [spec for layer in g.layers for spec in _vllm_specs(layer, mml, block_size, batched, 1 + prefix_caching)]
+    specs = [
+        spec
+        for layer in g.layers
+        for spec in _vllm_specs(layer, mml, block_size, batched, state_blocks=1 + prefix_caching)
+    ]
     if not specs:
         raise ValueError(f'{g.model_type} config: no layer keeps a KV cache, so vLLM plans no pool')
     kinds = Counter((kind, blocks) for kind, blocks, _ in specs)
@@ -829,5 +843,12 @@ def vllm_concurrency(
     num_blocks = checked_count(num_blocks, 'num_blocks', 1)
     per = sum(gr.blocks_per_request for gr in groups)
     return VLLMConcurrency(
-        mml, block_size, num_blocks, groups, per, num_blocks / per, (num_blocks - 1) // per, block_bytes
+        mml,
+        block_size,
+        num_blocks,
+        groups,
+        blocks_per_request=per,
+        max_concurrency=num_blocks / per,
+        admitted=(num_blocks - 1) // per,
+        block_bytes=block_bytes,
     )

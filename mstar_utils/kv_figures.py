@@ -89,7 +89,7 @@ def plot_kv(
         ax1.secondary_yaxis(
             'right', functions=(lambda p: (p * page_bytes + fixed) / 2**20, lambda m: (m * 2**20 - fixed) / page_bytes)
         ).set_ylabel(f'MiB per request ({fixed / 2**20:.2f} fixed)')
-    _plot_pools(ax2, ctx, pages, page_bytes, fixed, budgets_gib, max_num_pages)
+    _plot_pools(ax2, ctx, pages, page_bytes, fixed=fixed, budgets_gib=budgets_gib, max_num_pages=max_num_pages)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.suptitle(title or _plot_title(g, page_size))
@@ -125,7 +125,9 @@ def kv_curve(
 ) -> KVCurve:
     "The requests one pool holds against context length, one curve per limit"
     g = kv_geometry(config, dtype, convention)
-    pool = kv_cache_pool(config, page_size, max_num_pages, None, max_seq_len, dtype, convention)
+    pool = kv_cache_pool(
+        config, page_size, max_num_pages, None, max_seq_len=max_seq_len, dtype=dtype, convention=convention
+    )
     ps, n, fp = pool.page_size, pool.max_num_pages, pool.fixed_pages_per_request
     page_bytes, usable = ps * g.bytes_per_token, max(n - 1, 0) * ps * g.bytes_per_token
     top, k = pool.max_seq_len, checked_count(points, 'points', 2)
@@ -143,13 +145,13 @@ def kv_curve(
         pool,
         page_bytes,
         g.fixed_bytes,
-        tuple(ctx),
-        tuple(usable / (t * g.bytes_per_token) for t in ctx),
-        usable / g.fixed_bytes if g.fixed_bytes else None,
-        tuple(usable / (t * g.bytes_per_token + g.fixed_bytes) for t in ctx),
-        tuple(max(n - 1, 0) // (-(-t // ps) + fp) for t in ctx),
-        cap,
-        reach,
+        context=tuple(ctx),
+        per_token=tuple(usable / (t * g.bytes_per_token) for t in ctx),
+        fixed_state=usable / g.fixed_bytes if g.fixed_bytes else None,
+        unrounded=tuple(usable / (t * g.bytes_per_token + g.fixed_bytes) for t in ctx),
+        fits=tuple(max(n - 1, 0) // (-(-t // ps) + fp) for t in ctx),
+        cap=cap,
+        cap_fits_to=reach,
     )
 
 # %% ../nbs/09b_kv_figures.ipynb #53ff1ce2
@@ -305,7 +307,7 @@ def save_kv_plot(
     import matplotlib.pyplot as plt
 
     if max_num_pages is not None and kv_bytes_per_token(checkpoint_dir, dtype):
-        fig = plot_kv_curve(kv_curve(checkpoint_dir, max_num_pages, page_size, max_concurrent_requests, dtype))
+        fig = plot_kv_curve(kv_curve(checkpoint_dir, max_num_pages, page_size, max_concurrent_requests, dtype=dtype))
     else:
         fig = plot_kv(checkpoint_dir, page_size=page_size, max_num_pages=max_num_pages, dtype=dtype, **kwargs)
     path = Path(path)

@@ -141,7 +141,16 @@ def _pool_fit(label: str, pool, cap: int | None, config_path: str) -> KVPoolFit:
         getattr(pool, 'fixed_pages_per_request', 0), f'{config_path}: KV cache pool {label!r} fixed_pages_per_request'
     )
     per = kv_pages(seq, ps, 1) - 1 + fixed
-    return KVPoolFit(label, seq, ps, n, per, max(n - 1, 0) // per, None if cap is None else cap * per + 1, fixed)
+    return KVPoolFit(
+        label,
+        seq,
+        ps,
+        n,
+        pages_per_request=per,
+        max_requests=max(n - 1, 0) // per,
+        pages_needed=None if cap is None else cap * per + 1,
+        fixed_pages=fixed,
+    )
 
 # %% ../nbs/09c_kv_pools.ipynb #6a7b8c9d
 @dataclass(frozen=True)
@@ -228,7 +237,9 @@ def plan_kv_pools(
         return KVPlan(config_path, cap)
     best = min(p.max_requests for p in fits)
     error = _refusal(fits, cap, best, config_path)
-    return KVPlan(config_path, cap, fits, best, error, () if error else _warnings(fits, cap, best, config_path))
+    return KVPlan(
+        config_path, cap, fits, best, error=error, warnings=() if error else _warnings(fits, cap, best, config_path)
+    )
 
 # %% ../nbs/09c_kv_pools.ipynb #1b2c3d4e
 _log = logging.getLogger('mstar_utils.kv')  # the KV room's logger, as before the pages split

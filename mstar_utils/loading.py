@@ -234,14 +234,16 @@ def _plan(source, entries: list, what: str):
             for i, n in s.refs:
                 missing[i].append(n)
             continue
-        _check_shapes(source, keys, s, entries, what)
+        _check_shapes(source, keys, s, entries, what=what)
         _check_dtype(source, keys[0], s, what)
         plan.append((s, keys[0]))
         consumed.update(keys)
     for i, mp in enumerate(entries):
         if missing[i] and mp.enforce_missing_keys:
             names = [n for s in slots for j, n in s.refs if j == i]
-            raise _missing_error(mp, prefixes[i], missing[i], names, source, len(names) > len(missing[i]), what)
+            raise _missing_error(
+                mp, prefixes[i], missing[i], names, source=source, any_loaded=len(names) > len(missing[i]), what=what
+            )
     return plan, consumed
 
 # %% ../nbs/02_loading.ipynb #5b65b891
@@ -443,7 +445,7 @@ def _fill(source, entries, device, what, progress=None) -> LoadResult:
             (fresh if sk[0].tensor.is_meta or sk[0].tensor.device != device else in_place).append(sk)
         with torch.no_grad(), _Progress(source, plan, progress, f'loading {Path(what).name}') as bar:
             staged = _read_fresh(source, fresh, device, bar)
-            _write_all(source, in_place, device, bar, what)
+            _write_all(source, in_place, device, bar, what=what)
         for s, t in staged:
             if s.is_param:
                 _swap_storage(s.tensor, t)
@@ -504,7 +506,7 @@ def load_weights_from_file(
     modules = module_entries(modules)
     src = file_source(safetensors_file, mmap=mmap)
     try:
-        return _fill(src, modules, device, str(safetensors_file), progress)
+        return _fill(src, modules, device, str(safetensors_file), progress=progress)
     finally:
         src.close()
 
@@ -523,7 +525,7 @@ def load_weights_from_hf_shards(
     if conv:
         src = converted_source(src, conv)
     try:
-        return _fill(src, modules, device, str(repo_dir), progress)
+        return _fill(src, modules, device, str(repo_dir), progress=progress)
     finally:
         src.close()
 
@@ -537,7 +539,7 @@ def load_from_source(
 ) -> LoadResult:
     "Fill `modules` from `source`, with every check of the loaders above; the caller closes the source."
     source = as_source(source)
-    return _fill(source, module_entries(modules), device, what or source.what, progress)
+    return _fill(source, module_entries(modules), device, what or source.what, progress=progress)
 
 # %% ../nbs/02_loading.ipynb #f3cc5028
 def check_loaded(

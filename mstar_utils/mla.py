@@ -93,11 +93,11 @@ def from_config(cls: MLAAttention, config, layer_idx: int | None = None) -> MLAA
         config.num_attention_heads,
         config.kv_lora_rank,
         config.qk_nope_head_dim,
-        config.qk_rope_head_dim,
-        config.v_head_dim,
-        config.q_lora_rank,
-        config.attention_bias,
-        scale,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        attention_bias=config.attention_bias,
+        softmax_scale=scale,
         layer_idx=layer_idx,
     )
 

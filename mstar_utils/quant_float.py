@@ -216,7 +216,7 @@ def cut(self: PackQuantizedDequantize, shapes: list, dim: int, start: int, stop:
     g_idx = ((0, lo, hi) if dim == 1 else None,) if self.g_idx else ()
     shape = (hi - lo, C) if dim == 0 else (R, hi - lo)
     op = dataclasses.replace(self, weight_shape=shape, stored_shape=self.stored_shape or (R, C))
-    return StoredCut(parts[: 3 + (not self.symmetric)] + g_idx, op, cut_trim(dim, start, stop, lo, hi))
+    return StoredCut(parts[: 3 + (not self.symmetric)] + g_idx, op, cut_trim(dim, start, stop, lo, hi=hi))
 
 # %% ../nbs/06c_float_formats.ipynb #dac9d6b0-1
 @patch
@@ -229,7 +229,7 @@ def cut(self: MXFP4Dequantize, shapes: list, dim: int, start: int, stop: int) ->
         at = dim if dim < lead else lead
         return StoredCut(((at, start, stop),) * 2, self, None)
     lo, hi = start // 32, -(-stop // 32)
-    return StoredCut(((lead + 1, lo, hi),) * 2, self, cut_trim(dim, start, stop, lo * 32, hi * 32))
+    return StoredCut(((lead + 1, lo, hi),) * 2, self, cut_trim(dim, start, stop, lo * 32, hi=hi * 32))
 
 # %% ../nbs/06c_float_formats.ipynb #9855774e
 def _fp8_op(src, target: str, block: tuple | None, dtype, what: str) -> FP8BlockDequantize:
@@ -267,7 +267,7 @@ def _fp8_tensors(src, qc: dict, dtype, what: str, names: dict) -> list:
     targets = {t for k in src.keys() if (t := _strip(k, ['_scale_inv'])) is not None}  # noqa: SIM118
     targets |= {k[: -len('_scale')] for k in src.keys() if k.endswith('.weight_scale')}  # noqa: SIM118
     targets |= {k for k in src.keys() if src.dtype(k) in _FP8}  # noqa: SIM118
-    return [quantized_unit(src, t, _fp8_op(src, t, block, dtype, what), what) for t in sorted(targets)]
+    return [quantized_unit(src, t, _fp8_op(src, t, block, dtype, what=what), what) for t in sorted(targets)]
 
 
 register_format(
@@ -355,14 +355,12 @@ def _ct_g_idx(
 
 # %% ../nbs/06c_float_formats.ipynb #36a6e4c4
 _CT_FLOAT = ('float-quantized', 'int-quantized', 'naive-quantized')
-# builders (src, qc, g, module, dtype, what) -> op or None, tried first: the formats of "More formats" below
-_CT_OPS: list = []
 
 
 def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
     "The operation for `module` under config group `g`."
     fmt, w, gk = g.get('format') or qc.get('format'), g.get('weights') or {}, module + '.weight_g_idx'
-    op = next((o for b in _CT_OPS if (o := b(src, qc, g, module, dtype, what)) is not None), None)
+    op = next((o for b in _CT_OPS if (o := b(src, qc, g, module, dtype=dtype, what=what)) is not None), None)
     if op is None and fmt == 'pack-quantized':
         if module + '.weight_shape' not in src:
             raise ValueError(
@@ -370,8 +368,10 @@ def _ct_op(src, qc: dict, g: dict, module: str, dtype, what: str):
                 f'{module + ".weight_shape"!r} is missing'
             )
         block, shape = _ct_block(w, f'{what}: {module!r}'), tuple(src.get(module + '.weight_shape').tolist())
-        g_idx = _ct_g_idx(src, gk, shape, block, what)
-        op = PackQuantizedDequantize(w.get('num_bits', 4), block, shape, w.get('symmetric', True), dtype, g_idx=g_idx)
+        g_idx = _ct_g_idx(src, gk, shape, block, what=what)
+        op = PackQuantizedDequantize(
+            w.get('num_bits', 4), block, shape, w.get('symmetric', True), target_dtype=dtype, g_idx=g_idx
+        )
     elif op is None and fmt in _CT_FLOAT:
         op = FloatQuantizedDequantize(_ct_block(w, f'{what}: {module!r}'), dtype, w.get('symmetric', True))
     elif op is None:
@@ -405,10 +405,12 @@ def _ct_tensors(src, qc: dict, dtype, what: str, names: dict) -> list:
             raise ValueError(
                 f'{what}: {m!r} has quantization parameters, but no config group of quantization_config targets it'
             )
-        op, gk = _ct_op(src, qc, g, m, dtype, what), m + '.weight_g_idx'
+        op, gk = _ct_op(src, qc, g, m, dtype=dtype, what=what), m + '.weight_g_idx'
         # a g_idx in column order, read by `_ct_g_idx`, is left out of the load
         units.append(
-            quantized_unit(src, m + '.weight', op, what, (gk,) if gk in src and op.suffixes[-1] != '_g_idx' else ())
+            quantized_unit(
+                src, m + '.weight', op, what, dropped=(gk,) if gk in src and op.suffixes[-1] != '_g_idx' else ()
+            )
         )
     return units
 
@@ -444,7 +446,7 @@ class DenseQuantized(BlockScaled):
     def cut(self, shapes: list, dim: int, start: int, stop: int) -> StoredCut:
         "Exactly [start, stop) of the weight, stored as values; none of the parameters, which are dropped."
         if self.fake:  # exactly the range, with the scales of the blocks it touches
-            return _fake_cut(self, shapes, dim, start, stop)
+            return _fake_cut(self, shapes, dim, start, stop=stop)
         return StoredCut(
             ((dim % len(shapes[0]), start, stop), *((0, 0, 0) if len(s) else None for s in shapes[1:])), self, None
         )
@@ -477,7 +479,7 @@ def _fake_quantized(op: DenseQuantized, ts: list) -> torch.Tensor:
 # %% ../nbs/06c_float_formats.ipynb #fmtq003-2
 def _fake_cut(op: DenseQuantized, shapes: list, dim: int, start: int, stop: int) -> StoredCut | None:
     "Exactly [start, stop) of the weight, the scales of the blocks it touches, and the op that skips the rest of them."
-    c = BlockScaled.cut(op, shapes, dim, start, stop)
+    c = BlockScaled.cut(op, shapes, dim, start, stop=stop)
     if c is None or c.trim is None:
         return c
     d, lo, _ = c.parts[0]
@@ -518,9 +520,6 @@ def _ct_dense(src, qc: dict, g: dict, module: str, dtype, what: str) -> DenseQua
         else ()
     )
     return DenseQuantized(_ct_weight_block(w, f'{what}: {module!r}'), dtype, keys, fake)
-
-
-_CT_OPS.append(_ct_dense)
 
 # %% ../nbs/06c_float_formats.ipynb #fmtq008
 @dataclass(frozen=True)
@@ -619,9 +618,6 @@ def _ct_nvfp4(src, qc: dict, g: dict, module: str, dtype, what: str) -> NVFP4Deq
         )
     return NVFP4Dequantize(w.get('group_size') or 16, dtype)
 
-
-_CT_OPS.append(_ct_nvfp4)
-
 # %% ../nbs/06c_float_formats.ipynb #fmtq013b
 @patch
 def cut(
@@ -640,7 +636,7 @@ def cut(
         return StoredCut((part, part, part if per_expert else None), self, None)
     lo, hi = whole_units(start, stop, self.group, shapes[0][-1] * 2)
     parts = ((dim, lo // 2, hi // 2), (dim, lo // self.group, -(-hi // self.group)), None)
-    return StoredCut(parts, self, cut_trim(dim, start, stop, lo, hi))
+    return StoredCut(parts, self, cut_trim(dim, start, stop, lo, hi=hi))
 
 # %% ../nbs/06c_float_formats.ipynb #fmtq015
 def _modelopt_algo(qc: dict, module: str) -> str | None:
@@ -689,8 +685,9 @@ def _ct_mxfp8(src, qc: dict, g: dict, module: str, dtype, what: str) -> FloatQua
         raise ValueError(f'{what}: {key!r} is {src.dtype(key)}; mxfp8-quantized stores E8M0 exponents as uint8')
     return FloatQuantizedDequantize((1, (g.get('weights') or {}).get('group_size') or 32), dtype)
 
-
-_CT_OPS.append(_ct_mxfp8)
+# %% ../nbs/06c_float_formats.ipynb #ctops01
+# builders (src, qc, g, module, dtype, what) -> op or None, tried in this order before the float and packed ops
+_CT_OPS = (_ct_dense, _ct_nvfp4, _ct_mxfp8)
 
 # %% ../nbs/06c_float_formats.ipynb #qflt002
 register_format(

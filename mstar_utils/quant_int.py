@@ -106,7 +106,7 @@ def _one(self: GPTQDequantize, ts: list) -> torch.Tensor:
     q = _unpack_rows(ts[0], self.bits)[:K]
     z = _unpack_cols(ts[1], self.bits)[:, :N] + (1 if self.v1 else 0)
     gi = (ts[3] if self.g_idx else self.order.to(q.device)) if self.act_order else None
-    g = _groups(K, ts[2].shape[0], self.group_size, gi, q.device)
+    g = _groups(K, ts[2].shape[0], self.group_size, gi, device=q.device)
     return ((q - z[g]).float() * ts[2].float()[g]).T
 
 # %% ../nbs/06d_int_formats.ipynb #qintd0a
@@ -152,7 +152,7 @@ class AWQDequantize(Dequantize):
     def _one(self, ts):
         N, K = self.out_shape([t.shape for t in ts])
         q, z = _unpack_cols(ts[0], 4, AWQ_ORDER)[:, :N], _unpack_cols(ts[1], 4, AWQ_ORDER)[:, :N]
-        g = _groups(K, ts[2].shape[0], self.group_size, None, q.device)
+        g = _groups(K, ts[2].shape[0], self.group_size, None, device=q.device)
         return ((q - z[g]).float() * ts[2].float()[g]).T
 
 # %% ../nbs/06d_int_formats.ipynb #qintd1a
@@ -179,7 +179,7 @@ def _gptq_tensors(src, qc: dict, dtype, what: str, names: dict) -> list:
         act = False
         if has:
             g = stored_tensor(src, f'{m}.g_idx').long()
-            act = not torch.equal(g, _groups(len(g), 1 if gs <= 0 else 2, gs, None, g.device))
+            act = not torch.equal(g, _groups(len(g), 1 if gs <= 0 else 2, gs, None, device=g.device))
             if act and not qc.get('desc_act', True):
                 raise ValueError(
                     f"{what}: {m + '.g_idx'!r} is not k // group_size ({gs}): it orders the inputs by "
@@ -187,9 +187,11 @@ def _gptq_tensors(src, qc: dict, dtype, what: str, names: dict) -> list:
                 )
         # the op takes no stored g_idx: plain groups are k // group_size, act-order holds the g_idx just read
         held = dict(order=g, order_key=f'{m}.g_idx') if act else {}
-        op = GPTQDequantize(bits, gs, fmt == 'gptq', act, dtype, False, len(g) if has else 0, **held)
+        op = GPTQDequantize(
+            bits, gs, fmt == 'gptq', act, target_dtype=dtype, g_idx=False, inputs=len(g) if has else 0, **held
+        )
         # the g_idx read above is dropped from the load, so it is read no more
-        units.append(quantized_unit(src, m + '.weight', op, what, (f'{m}.g_idx',) if has else ()))
+        units.append(quantized_unit(src, m + '.weight', op, what, dropped=(f'{m}.g_idx',) if has else ()))
     return units
 
 
@@ -231,7 +233,7 @@ def cut(self: GPTQDequantize, shapes: list, dim: int, start: int, stop: int) -> 
     if dim == 0:
         lo, hi = whole_units(start, stop, per, N)
         parts = ((1, lo, hi), (1, lo // per, -(-hi // per)), (1, lo, hi), None)
-        return StoredCut(parts[: len(shapes)], self, cut_trim(0, start, stop, lo, hi))
+        return StoredCut(parts[: len(shapes)], self, cut_trim(0, start, stop, lo, hi=hi))
     if self.act_order:
         raise ValueError(
             f'act-order g_idx (desc_act) permutes the {K} inputs across the groups, so inputs '
@@ -244,7 +246,7 @@ def cut(self: GPTQDequantize, shapes: list, dim: int, start: int, stop: int) -> 
     groups = None if G == 1 else (0, lo // n, -(-hi // n))
     parts = ((0, lo // per, -(-hi // per)), groups, groups, (0, lo, hi))
     op = dataclasses.replace(self, inputs=hi - lo) if self.inputs else self  # no g_idx to count the cut's inputs
-    return StoredCut(parts[: len(shapes)], op, cut_trim(1, start, stop, lo, hi))
+    return StoredCut(parts[: len(shapes)], op, cut_trim(1, start, stop, lo, hi=hi))
 
 # %% ../nbs/06d_int_formats.ipynb #gab018-1
 @patch
@@ -254,12 +256,12 @@ def cut(self: AWQDequantize, shapes: list, dim: int, start: int, stop: int) -> S
     if dim % 2 == 0:
         lo, hi = whole_units(start, stop, 8, N)
         words = (1, lo // 8, -(-hi // 8))
-        return StoredCut((words, words, (1, lo, hi)), self, cut_trim(0, start, stop, lo, hi))
+        return StoredCut((words, words, (1, lo, hi)), self, cut_trim(0, start, stop, lo, hi=hi))
     G = shapes[2][0]
     n = self.group_size
     lo, hi = whole_units(start, stop, 1 if G == 1 else n, K)
     groups = None if G == 1 else (0, lo // n, -(-hi // n))
-    return StoredCut(((0, lo, hi), groups, groups), self, cut_trim(1, start, stop, lo, hi))
+    return StoredCut(((0, lo, hi), groups, groups), self, cut_trim(1, start, stop, lo, hi=hi))
 
 # %% ../nbs/06d_int_formats.ipynb #gab021
 def _blockwise(x: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
@@ -396,7 +398,15 @@ def _bnb_op(src, key: str, dtype, what: str) -> BnB4bitDequantize:
     nested = st.get('nested_blocksize', 0) if 'nested_offset' in st else 0
     offset, codes = float(st.get('nested_offset', 0.0)), key.partition(_BNB_STATE)[0]
     storage = src.dtype(codes) if codes in src else torch.uint8  # bnb_4bit_quant_storage; a missing key is named later
-    return BnB4bitDequantize(st['quant_type'], tuple(st['shape']), st['blocksize'], nested, offset, dtype, storage)
+    return BnB4bitDequantize(
+        st['quant_type'],
+        tuple(st['shape']),
+        st['blocksize'],
+        nested,
+        nested_offset=offset,
+        target_dtype=dtype,
+        quant_storage=storage,
+    )
 
 # %% ../nbs/06d_int_formats.ipynb #gab023-2
 def _bnb_tensors(src, qc: dict, dtype, what: str, names: dict) -> list:
@@ -408,7 +418,8 @@ def _bnb_tensors(src, qc: dict, dtype, what: str, names: dict) -> list:
         states = [k for k in sorted(src.keys()) if _BNB_STATE in k]
         # the quant state, read once to build the op, is dropped from the load
         return [
-            quantized_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what, (k,)) for k in states
+            quantized_unit(src, k.partition(_BNB_STATE)[0], _bnb_op(src, k, dtype, what), what, dropped=(k,))
+            for k in states
         ]
     return [
         quantized_unit(src, m + '.weight', BnBInt8Dequantize(dtype, f'{m}.weight_format' in src), what)

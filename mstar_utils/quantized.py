@@ -335,7 +335,7 @@ def cut(
         return StoredCut(((dim, start, stop),) + (None,) * (len(shapes) - 1), self, None)  # one scale: all
     lo, hi = whole_units(start, stop, n, w[dim])
     scales = tuple((dim, lo // n, -(-hi // n)) if tuple(s) == grid else None for s in shapes[1:])
-    return StoredCut(((dim, lo, hi), *scales), self, cut_trim(dim, start, stop, lo, hi))
+    return StoredCut(((dim, lo, hi), *scales), self, cut_trim(dim, start, stop, lo, hi=hi))
 
 # %% ../nbs/06_quantized.ipynb #dea6c242
 @dataclass
@@ -403,7 +403,7 @@ def quantized_unit(src, target: str, op, what: str, dropped: tuple = ()) -> Quan
             f'{what}: {keys[bad[1]]!r} has shape {list(shapes[bad[1]])} beside {keys[bad[0]]!r} '
             f'{list(shapes[bad[0]])}; {type(op).__name__} needs {bad[2]}'
         )
-    return QuantizedTensor(target, keys, op, shapes, dtypes, dropped)
+    return QuantizedTensor(target, keys, op, shapes, dtypes=dtypes, dropped=dropped)
 
 # %% ../nbs/06_quantized.ipynb #gab014
 def stored_tensor(src, k: str) -> torch.Tensor:
@@ -467,7 +467,7 @@ def quantized_tensors(
             f'{what}: quantization_config.quant_method {method!r} is not supported '
             f'({", ".join(map(repr, _FORMATS))} are)'
         )
-    return fmt.tensors(src, qc, dtype or torch.bfloat16, what, names or {})
+    return fmt.tensors(src, qc, dtype or torch.bfloat16, what, names=names or {})
 
 # %% ../nbs/06_quantized.ipynb #ab7f1df5
 def _tail(k: str, n: int) -> str:
@@ -717,7 +717,7 @@ def keep_quantized(
             raise _not_keepable(u)
         path = renamed_module(u.target.rpartition('.')[0], names or {})
         if u.target.startswith(prefix):
-            _place(model, u, path[len(prefix) :], lin, whole, per)
+            _place(model, u, path[len(prefix) :], lin, whole=whole, per=per)
     for path, parts in per.items():  # fused as the experts' own parameters: a wrapped module must hold nothing else
         inner = model.get_submodule(path)
         held = [n for n, sub in inner.named_modules() if n and [*sub.parameters(False), *sub.buffers(False)]]
@@ -738,7 +738,9 @@ def keep_quantized(
         stored = next(
             (u.target[: -len(p + '.weight')] for p, u in parts.items() if u.target.endswith(f'.{p}.weight')), None
         )
-        swap = QuantizedExperts(model.get_submodule(path), whole.get(path), parts, conv, prefix + path + '.', stored)
+        swap = QuantizedExperts(
+            model.get_submodule(path), whole.get(path), parts, conv, prefix=prefix + path + '.', stored=stored
+        )
         model.set_submodule(path, swap)
     # rules match checkpoint or model names
     kept = [n for u in units for k in u.sources for n in {k, (names or {}).get(k, k)}]

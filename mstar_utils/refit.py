@@ -259,8 +259,9 @@ def get(self: _Requantized, k, out=None):
     return t if out is None else out.copy_(t)
 
 # %% ../nbs/03c_refit.ipynb #5c0a9e1c
-def _stored_as(quantize, keys: dict, spec: dict, target: str, t: torch.Tensor) -> dict:
+def _stored_as(t: torch.Tensor, quantize, keys: dict, spec: dict, target: str) -> dict:
     "{stored key: tensor} that `quantize` makes of `t`, in the stored shapes; `ValueError` naming a key it lacks."
+    # `t` comes first: the requantizer of `_Kept` is this with the rest bound by keyword
     got, out = quantize(t), {}
     for s, k in keys.items():  # keys: {suffix: stored key}; spec: {stored key: (shape, dtype)}
         if s not in got:
@@ -309,7 +310,10 @@ def _requantized(raw: _Incoming, model, built, what: str) -> Source:
             fixed = {k: src.get(k) for k in u.sources if k.endswith('_shape')}
             by = "transformers' Fp8Quantize" if fmt == 'fp8' else "compressed-tensors' compressor"
             kept[u.target] = _Kept(
-                spec, functools.partial(_stored_as, q, keys, spec, u.target), f'requantize {fmt} ({by})', fixed
+                spec,
+                functools.partial(_stored_as, quantize=q, keys=keys, spec=spec, target=u.target),
+                f'requantize {fmt} ({by})',
+                fixed,
             )
     finally:
         src.close()
@@ -340,7 +344,7 @@ def _model_stack(model, raw: _Incoming, what: str) -> _Stack:
     sharding = getattr(model, 'tp_sharding', None)
     src = whole if sharding is None else ShardedSource(whole, sharding, what)
     tensors = {n: t for n, t, _ in named_tensors(model)}
-    return _Stack(bottom, src, whole, sharding, tensors, [ModuleAndPrefix(model)])
+    return _Stack(bottom, src, whole, sharding, tensors=tensors, entries=[ModuleAndPrefix(model)])
 
 # %% ../nbs/03c_refit.ipynb #a50da051
 def _stack(target, spec: dict, conv, what: str) -> _Stack:
@@ -351,7 +355,7 @@ def _stack(target, spec: dict, conv, what: str) -> _Stack:
     entries = module_entries(target)
     whole = converted_source(raw, conv) if conv else raw
     tensors = {norm_prefix(mp.prefix) + n: t for mp in entries for n, t, _ in named_tensors(mp.module)}
-    return _Stack(raw, whole, whole, None, tensors, entries)
+    return _Stack(raw, whole, whole, None, tensors=tensors, entries=entries)
 
 # %% ../nbs/03c_refit.ipynb #2a75e9f5
 def _derived(entries: list) -> dict:
@@ -554,7 +558,7 @@ def refit_plan(
         rank,
         ws,
         spec,
-        routes,
+        routes=routes,
         skipped=[n for n in spec if n not in feeds],
         partial=partial,
         stack=st,

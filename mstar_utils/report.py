@@ -326,4 +326,4 @@ def generate_reply(
     text_out = TextOutput.from_checkpoint(ckpt, tokenizer=tok)
     if log:
         print(f'generating up to {max_new_tokens} tokens ...', file=log, flush=True)
-    return _greedy_reply(model, _prompt_ids(tok, prompt), text_out, max_new_tokens, out)
+    return _greedy_reply(model, _prompt_ids(tok, prompt), text_out, max_new_tokens, out=out)

@@ -724,7 +724,7 @@ def read_many(
             if dev == 'direct':
                 read_direct(g, self._fd, self.threads, progress)
             else:
-                read_staged(g, self._fd, copier_for(dev), self.threads, progress, chunk_bytes)
+                read_staged(g, self._fd, copier_for(dev), self.threads, progress=progress, chunk_bytes=chunk_bytes)
 
 # %% ../nbs/01_safetensors.ipynb #21a7b7de
 def checkpoint_source(

@@ -402,7 +402,7 @@ def _prompt(gc, name: str, language, task, timestamps: bool) -> tuple[list[int],
             raise ValueError(f"{name}: forced_decoder_ids {forced} do not follow Whisper's prompt")
         ids += [t for _, t in forced]
     if gc.is_multilingual:
-        detect = _language_and_task(gc, name, ids, language, task)
+        detect = _language_and_task(gc, name, ids, language, task=task)
     if not timestamps and ids[-1] != gc.no_timestamps_token_id:
         ids.append(gc.no_timestamps_token_id)
     elif timestamps and ids[-1] == gc.no_timestamps_token_id:
@@ -670,7 +670,7 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
     enc = model.model.encoder
     stride = enc.conv1.stride[0] * enc.conv2.stride[0]
     size, tp = stride * model.config.max_source_positions, 0.02  # frames a window, s a timestamp
-    prompt, detect = _prompt(gc, name, language, task, timestamps)
+    prompt, detect = _prompt(gc, name, language, task, timestamps=timestamps)
     tb, eos = gc.no_timestamps_token_id + 1, gc.eos_token_id
     eos = eos[0] if isinstance(eos, (list, tuple)) else eos
     limit = model.config.max_target_positions
@@ -684,7 +684,7 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
             prompt[1] = gc.lang_to_id[f'<|{lang.code}|>']
             yield lang
         toks, out, cut, pairs = [], 0, 0, False  # the window's ids, how many went out, where the open segment starts
-        for t in _greedy(model, encoded, prompt, rules, max_length, eos):
+        for t in _greedy(model, encoded, prompt, rules, max_length=max_length, eos=eos):
             last = t
             if t == eos:
                 break
@@ -697,7 +697,9 @@ def _longform(model, gc, name, frames: int, window, language, task, timestamps: 
             elif not pairs:
                 yield _Window([t], None)
                 out = len(toks)
-        closing, step = _window_end(toks, out, cut, pairs, timestamps, tb, offset, n, stride)
+        closing, step = _window_end(
+            toks, out, cut, pairs, timestamps=timestamps, tb=tb, offset=offset, n=n, stride=stride
+        )
         if closing is not None:
             yield closing
         seek += step
@@ -799,10 +801,12 @@ def _events(
     ts = range(gc.no_timestamps_token_id + 1, max(model.config.vocab_size, len(tok)))
     out = _text_output(checkpoint_dir, tok, ts, keep_special)
     words = _text_output(checkpoint_dir, tok, ts, False) if keep_special else None
-    language, task, most = (options.get(k) for k in ('language', 'task', 'max_new_tokens'))
+    lang, task, most = (options.get(k) for k in ('language', 'task', 'max_new_tokens'))
     said = bytearray()
     with torch.inference_mode():
-        for ev in _longform(model, gc, name, frames, window, language, task, timestamps, most):
+        for ev in _longform(
+            model, gc, name, frames, window=window, language=lang, task=task, timestamps=timestamps, max_new_tokens=most
+        ):
             if isinstance(ev, Language):
                 yield ev
                 continue
@@ -827,7 +831,7 @@ def transcribe_events(
     **options,  # as `generate` takes them: language=, task=, return_timestamps=, max_new_tokens=
 ) -> Iterator[bytes | Segment | Language]:
     "The transcription as it decodes: token bytes, a `Segment` as each ends, first a detected `Language`."
-    for ev in _events(checkpoint_dir, audio_path, model, device, dtype, keep_special, **options):
+    for ev in _events(checkpoint_dir, audio_path, model, device, dtype=dtype, keep_special=keep_special, **options):
         yield ev.chunk if isinstance(ev, _Token) else ev
 
 # %% ../nbs/11_speech.ipynb #ac210ffb

@@ -414,26 +414,26 @@ def _fill_node(src, node, sl: Slice, out: torch.Tensor, count):
     # The leaves are read from `src`.
     if hasattr(node, 'key'):  # a leaf of the conversion tree: one checkpoint key
         if out.is_contiguous():
-            read_slice(src, node.key, sl, out, count)
+            read_slice(src, node.key, sl, out, count=count)
         else:
-            out.copy_(read_slice(src, node.key, sl, None, count))
+            out.copy_(read_slice(src, node.key, sl, None, count=count))
         return
     route = SLICE_ROUTES.get(type(node.op))
     if route is not None:
         for kid, ksl, view in route(node, sl, out):
-            _fill_node(src, kid, ksl, view, count)
+            _fill_node(src, kid, ksl, view, count=count)
         return
     cuts = _route_dequantize(node, sl) if callable(getattr(node.op, 'cut', None)) else None
     if cuts is not None:
         for c, d, pos, n in cuts:
-            parts = [_read_part(src, k, p, count, out.is_meta) for k, p in zip(node.kids, c.parts, strict=True)]
+            parts = [_read_part(src, k, p, count, dry=out.is_meta) for k, p in zip(node.kids, c.parts, strict=True)]
             if not out.is_meta:
                 out.narrow(d, pos, n).copy_(dequantize_cut(c, parts))  # a dry read (meta) computes nothing
         return
     values = []
     for kid in node.kids:
         v = torch.empty(kid.shape, dtype=kid.dtype, device='meta' if out.is_meta else 'cpu')
-        _fill_node(src, kid, WHOLE, v, count)
+        _fill_node(src, kid, WHOLE, v, count=count)
         values.append(v)
     if not out.is_meta:
         out.copy_(take(node.op.apply(values), sl))  # a dry read (meta) computes nothing
@@ -443,7 +443,7 @@ def _read_part(src, kid, part, count, dry: bool = False) -> torch.Tensor:
     "Part `part` ((dim, start, stop), None: all) of tree `kid`'s value, read from `src`."
     ksl = WHOLE if part is None else Slice(part[0], ((part[1], part[2]),))
     v = torch.empty(slice_shape(kid.shape, ksl), dtype=kid.dtype, device='meta' if dry else 'cpu')
-    _fill_node(src, kid, ksl, v, count)
+    _fill_node(src, kid, ksl, v, count=count)
     return v
 
 # %% ../nbs/07_tensor_parallel.ipynb #5b1e14e2
@@ -460,10 +460,10 @@ def read_slice(
     if step is not None:
         inner, node = step
         if isinstance(node, str):
-            return read_slice(inner, node, sl, out, count)
+            return read_slice(inner, node, sl, out, count=count)
         if out is None:
             out = torch.empty(slice_shape(node.shape, sl), dtype=node.dtype)
-        _fill_node(inner, node, sl, out, count)
+        _fill_node(inner, node, sl, out, count=count)
         return out
     t = src.get(key, out=out) if sl.dim is None else src.get_slice(key, sl.dim, sl.ranges, out=out)
     # this source read all of it to cut the slice
@@ -713,7 +713,7 @@ def shard_module(
         _fix_sizes(m)
     sharding.replicated.sort(key=lambda e: -e[1])
     if sharding.world_size > 1:
-        install_collectives(module, sharding, cut, group, prefix)
+        install_collectives(module, sharding, cut, group, prefix=prefix)
     return cut
 
 # %% ../nbs/07_tensor_parallel.ipynb #2aabb65b

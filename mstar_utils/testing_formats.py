@@ -411,7 +411,7 @@ def _preset_qparams(model, compress: bool):
             m.weight_zero_point.data = z.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
         if not compress:
             m.weight.data = fake_quantize(
-                m.weight.data, m.weight_scale, getattr(m, 'weight_zero_point', None), args, gs
+                m.weight.data, m.weight_scale, getattr(m, 'weight_zero_point', None), args, global_scale=gs
             )
 
 # %% ../nbs/98b_testing_formats.ipynb #fmtt001

@@ -142,7 +142,7 @@ def model_renamings(model) -> list:
 # %% ../nbs/01c_upstream.ipynb #1b0c0024
 def rename_key(key: str, rules: list, prefix, names: dict) -> str:
     "`key` renamed by transformers' `rename_source_key` with renaming `rules` (`model_renamings`)."
-    return reach('core_model_loading.rename_source_key')(key, rules, [], prefix, names)[0]
+    return reach('core_model_loading.rename_source_key')(key, rules, [], prefix, meta_state_dict=names)[0]
 
 # %% ../nbs/01c_upstream.ipynb #1b0c0025
 def weight_ops():

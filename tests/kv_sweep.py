@@ -130,7 +130,7 @@ def sweep_one(
     t2 = t1 + 4
     for decoder in (False, True):
         try:
-            config = _config(model_type, dtype, t2, decoder, overrides)
+            config = _config(model_type, dtype, t2, decoder, overrides=overrides)
         except Exception as e:
             return SweepResult(model_type, 'skipped', f'config class: {type(e).__name__}: {str(e)[:120]}')
         try:
@@ -160,7 +160,13 @@ def sweep_one(
     note = 'cross-attention left out: a causal-LM forward encodes no image or audio' if cross else ''
     ok = rem == 0 and grows == g.bytes_per_token and stays == g.fixed_bytes - cross
     return SweepResult(
-        model_type, 'matched' if ok else 'mismatched', note, grows, stays, g.bytes_per_token, g.fixed_bytes - cross
+        model_type,
+        'matched' if ok else 'mismatched',
+        note,
+        grows,
+        stays=stays,
+        per_token=g.bytes_per_token,
+        fixed=g.fixed_bytes - cross,
     )
 
 

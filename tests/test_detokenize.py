@@ -900,7 +900,7 @@ def test_decoder_family_corpus(name):
         except Exception:
             continue
         if '\ufffd' not in ref.decode(ids):
-            assert bare_rule(det, ref, ids, edge, mode) == want, (name, text)
+            assert bare_rule(det, ref, ids, edge, mode=mode) == want, (name, text)
         lead += det.to_bytes(ids) != want
         partial += check_stream(det, ids, rng, det.to_bytes(ids).decode(), rounds=1)
     assert edge == 'exact' or lead > 50, lead  # the edge rule is really exercised
@@ -1108,7 +1108,7 @@ def test_hot_step_path_agrees_with_general_path(toks, name):
     _one_token_steps_agree(to, fn, general, ids)
     assert to.step_bytes(torch.tensor([tok.eos_token_id])) == b''
     # multi-token steps (speculative, MTP): 2 and 3 tokens, a stop id anywhere, cold then warm, 1-d and 2-d
-    _multi_token_steps_agree(to, fn, general, ids, random.Random(name))
+    _multi_token_steps_agree(to, fn, general, ids, rng=random.Random(name))
     for f in (to.step_bytes, fn):
         _bad_steps_raise(f, tok, ids)
     # more stop ids, none, and a stop set that is no set: the short cut's stop checks, against the general path

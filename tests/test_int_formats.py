@@ -133,12 +133,12 @@ def weights_of(ckpts, name):
 @pytest.mark.parametrize('v1,sym', [(True, True), (False, False)])
 def test_gptq_decodes_the_packed_integers(N, K, bits, group_size, act_order, v1, sym):
     torch.manual_seed(N + K + bits)
-    t, ref = gptq_quantize(torch.randn(N, K), bits, group_size, sym, act_order, v1)
+    t, ref = gptq_quantize(torch.randn(N, K), bits, group_size, sym, act_order=act_order, v1=v1)
     ts = [t[k] for k in GPTQ_KEYS]
-    op = GPTQDequantize(bits, group_size, v1, act_order, torch.float32)
+    op = GPTQDequantize(bits, group_size, v1, act_order, target_dtype=torch.float32)
     assert op.mismatch([x.shape for x in ts]) is None
     assert_tensors_equal(op.apply(ts), ref)
-    wrong = GPTQDequantize(bits, group_size, not v1, act_order, torch.float32).apply(
+    wrong = GPTQDequantize(bits, group_size, not v1, act_order, target_dtype=torch.float32).apply(
         ts
     )  # the zero-point offset is read
     assert not torch.equal(wrong, ref)
@@ -247,7 +247,7 @@ def test_keep_refuses_codes_of_a_linear_elsewhere_by_key():
     t, _ = gptq_quantize(torch.randn(8, 64), 4, 32)
     keys = [f'0.{k}' for k in GPTQ_KEYS]
     u = QuantizedTensor(
-        '0.weight', keys, GPTQDequantize(4, 32, True, False), [t[k].shape for k in GPTQ_KEYS], [torch.int32] * 4
+        '0.weight', keys, GPTQDequantize(4, 32, True, False), [t[k].shape for k in GPTQ_KEYS], dtypes=[torch.int32] * 4
     )
     with pytest.raises(NotImplementedError) as e:
         keep_quantized(torch.nn.Sequential(torch.nn.Embedding(8, 64)), [u])
@@ -366,9 +366,9 @@ def test_cuts_read_whole_words_and_groups(fmt, dim):
     ts = [t[k] for k in keys]
     # plain groups: the load takes no g_idx, and the op counts the inputs itself
     op = {
-        'gptq': GPTQDequantize(4, 32, True, False, torch.float32),
+        'gptq': GPTQDequantize(4, 32, True, False, target_dtype=torch.float32),
         'awq': AWQDequantize(32, torch.float32),
-        'gptq_no_g_idx': GPTQDequantize(4, 32, True, False, torch.float32, g_idx=False, inputs=K),
+        'gptq_no_g_idx': GPTQDequantize(4, 32, True, False, target_dtype=torch.float32, g_idx=False, inputs=K),
     }[fmt]
     size = (N, K)[dim]
     for a in range(0, size, 3):
@@ -460,7 +460,9 @@ def test_a_format_keep_cannot_hold_is_still_refused_by_key():
         keepable: ClassVar[bool] = False
         format_name: ClassVar[str] = 'a new format'
 
-    u = QuantizedTensor('0.weight', ['0.weight', '0.weight_scale_inv'], Unkept(), [(2, 2), (1, 1)], [torch.uint8] * 2)
+    u = QuantizedTensor(
+        '0.weight', ['0.weight', '0.weight_scale_inv'], Unkept(), [(2, 2), (1, 1)], dtypes=[torch.uint8] * 2
+    )
     with pytest.raises(NotImplementedError) as e:
         keep_quantized(torch.nn.Sequential(torch.nn.Linear(2, 2)), [u])
     msg = str(e.value)

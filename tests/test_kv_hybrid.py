@@ -419,12 +419,12 @@ def test_vllm_figures_of_its_own_test():
         layer_types=['full_attention'] * 32 + ['sliding_attention'] * 32,
     )
     # "num_blocks=int(1024 * 1.5) ... assert max_concurrency_full_attention == 1.5"
-    assert vllm_concurrency(full, int(1024 * 1.5), 16, 16384, 1024).max_concurrency == 1.5
+    assert vllm_concurrency(full, int(1024 * 1.5), 16, 16384, max_num_batched_tokens=1024).max_concurrency == 1.5
     # "num_blocks=129 * 3 ... assert max_concurrency_sliding_window == 3"
-    v = vllm_concurrency(window, 129 * 3, 16, 16384, 1024)
+    v = vllm_concurrency(window, 129 * 3, 16, 16384, max_num_batched_tokens=1024)
     assert v.max_concurrency == 3 and v.blocks_per_request == 129
     # "num_blocks=(1024 + 129) * 3 ... assert max_concurrency_hybrid_model == 3"
-    v = vllm_concurrency(both, (1024 + 129) * 3, 16, 16384, 1024)
+    v = vllm_concurrency(both, (1024 + 129) * 3, 16, 16384, max_num_batched_tokens=1024)
     assert v.max_concurrency == 3 and [(gr.kind, gr.layers) for gr in v.groups] == [
         ('full_attention', 32),
         ('sliding_attention', 32),

@@ -189,10 +189,12 @@ def test_pack_quantized_actorder_matches_compressed_tensors(bits, n, sym, R, C, 
     stored += ([] if sym else [pack_to_int32(z, bits, packed_dim=0)]) + [g_idx]
     order = g_idx.argsort()
     want = dequantize(unpack_from_int32(stored[0], bits, torch.Size([R, C]))[:, order], s, z, args)[:, order.argsort()]
-    op = PackQuantizedDequantize(bits, (1, n), (R, C), sym, dtype, g_idx=True)
+    op = PackQuantizedDequantize(bits, (1, n), (R, C), sym, target_dtype=dtype, g_idx=True)
     assert op.mismatch([t.shape for t in stored]) is None
     assert_tensors_equal(op.apply(stored), want)
-    assert not torch.equal(PackQuantizedDequantize(bits, (1, n), (R, C), sym, dtype).apply(stored[:-1]), want)
+    assert not torch.equal(
+        PackQuantizedDequantize(bits, (1, n), (R, C), sym, target_dtype=dtype).apply(stored[:-1]), want
+    )
     for dim in (0, 1):
         L = (R, C)[dim]
         for a, b in [(0, L // 2), (L // 2, L), (L // 4, 3 * L // 4)]:
@@ -679,14 +681,14 @@ def test_mla_absorbs_from_fp8(mode, ckpts, refs):
 
 
 def test_block_slice():
-    assert block_slice('k', 128, 0, 4096, 32768) == slice(0, 32)
-    assert block_slice('k', 128, 256, 300, 300) == slice(2, 3)
+    assert block_slice('k', 128, 0, 4096, size=32768) == slice(0, 32)
+    assert block_slice('k', 128, 256, 300, size=300) == slice(2, 3)
     with pytest.raises(
         ValueError, match="'model.layers.3.mlp.down_proj.weight': a shard boundary at 100 cuts through a block of 128"
     ):
-        block_slice('model.layers.3.mlp.down_proj.weight', 128, 0, 100, 300)
+        block_slice('model.layers.3.mlp.down_proj.weight', 128, 0, 100, size=300)
     with pytest.raises(ValueError, match="'k': shard"):
-        block_slice('k', 128, 256, 512, 300)
+        block_slice('k', 128, 256, 512, size=300)
 
 
 def test_compressed_tensors_targets_name_the_models_modules_not_the_checkpoints(tmp_path):

@@ -240,8 +240,8 @@ def mla(q_lora_rank=24):
         c['num_attention_heads'],
         c['kv_lora_rank'],
         c['qk_nope_head_dim'],
-        c['qk_rope_head_dim'],
-        c['v_head_dim'],
+        qk_rope_head_dim=c['qk_rope_head_dim'],
+        v_head_dim=c['v_head_dim'],
         q_lora_rank=q_lora_rank,
     )
 

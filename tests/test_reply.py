@@ -122,7 +122,7 @@ def run(reply, steps):
 def check_contract(t, reply, steps, stop, include, min_tokens, stop_ids):
     "Each step's output prefixes the final reply; it holds back less than the longest stop, none if kept."
     ids = [i for s in steps for i in s]
-    final, reason, _ = reference(t, ids, stop, include, min_tokens, stop_ids)
+    final, reason, _ = reference(t, ids, stop, include, min_tokens=min_tokens, stop_ids=stop_ids)
     hold = 0 if include else max((len(s.encode()) for s in stop), default=1) - 1  # a kept stop: nothing held, as vLLM
     out, seen = b'', []
     for s in steps:
@@ -175,7 +175,10 @@ def test_stop_token_kept_or_not():
     for include in (False, True):
         r = text_output('mistral').reply(include_stop_str_in_output=include)
         out, _ = run(r, [ids[:2], ids[2:]])
-        assert out == reference(t, ids, (), include, 0, {t.eos_token_id})[0] and r.stop_reason == t.eos_token_id
+        assert (
+            out == reference(t, ids, (), include, min_tokens=0, stop_ids={t.eos_token_id})[0]
+            and r.stop_reason == t.eos_token_id
+        )
     assert out.endswith(t.eos_token.encode())
     r = text_output('mistral').reply(ignore_eos=True)
     assert run(r, [ids])[0] + r.finish() == decode(t, ids) and not r.stopped
@@ -196,7 +199,7 @@ def test_multi_token_step_ends_mid_step():
     for stop, stop_ids in ((['gamma'], ()), ((), {ids[2]})):
         r = text_output('qwen').reply(stop=stop, stop_token_ids=stop_ids)
         out = r.step(torch.tensor(ids))
-        assert out == reference(t, ids, stop, False, 0, stop_ids)[0] and r.stopped
+        assert out == reference(t, ids, stop, False, min_tokens=0, stop_ids=stop_ids)[0] and r.stopped
 
 
 def test_ties_broken_by_list_order():
@@ -221,7 +224,7 @@ def test_min_tokens_with_stop_string():
     for m in (0, 2, 5, 9):
         r = text_output('qwen').reply(stop=['e'], min_tokens=m)
         out, _ = run(r, [[i] for i in ids])
-        assert out == reference(t, ids, ['e'], False, m)[0], m
+        assert out == reference(t, ids, ['e'], False, min_tokens=m)[0], m
     assert out.startswith(b' is Lee, and I')
 
 
@@ -234,7 +237,7 @@ def test_min_tokens_with_stop_id():
     for m in range(6):
         r = text_output('qwen').reply(min_tokens=m)
         out = run(r, [[i] for i in seq])[0] + r.finish()
-        assert out == reference(t, seq, (), False, m, {eos})[0], m
+        assert out == reference(t, seq, (), False, min_tokens=m, stop_ids={eos})[0], m
         assert r.stopped == (m <= 4)
 
 
@@ -395,7 +398,9 @@ def test_contract_property(name):
     def prop(c):
         steps, stop, include, min_tokens = c
         r = text_output(name).reply(stop=stop, include_stop_str_in_output=include, min_tokens=min_tokens)
-        check_contract(tok(name), r, steps, stop, include, min_tokens, text_output(name).stop_token_ids)
+        check_contract(
+            tok(name), r, steps, stop, include=include, min_tokens=min_tokens, stop_ids=text_output(name).stop_token_ids
+        )
 
     prop()
 

@@ -379,7 +379,7 @@ def test_rules_equal_transformers_processors(timestamps):
 
     ckpt = ck.whisper_checkpoint('tiny.en')
     gc, vocab = whisper_decoding_config(ckpt), _model('tiny.en').config.vocab_size
-    prompt, _ = _prompt(gc, ckpt.name, None, None, timestamps)
+    prompt, _ = _prompt(gc, ckpt.name, None, None, timestamps=timestamps)
     hf = [
         SuppressTokensAtBeginLogitsProcessor(gc.begin_suppress_tokens, begin_index=len(prompt)),
         SuppressTokensLogitsProcessor(gc.suppress_tokens),

@@ -387,7 +387,7 @@ def test_a_buffer_is_refilled_only_after_its_copies(smol_ckpt, ref):
 
     def spy(chunk, buf, flats, dts, copier):
         order.append(buf.data_ptr())
-        real(chunk, buf, flats, dts, copier)
+        real(chunk, buf, flats, dts, copier=copier)
 
     mio._copy_chunk, saved = spy, mio._copy_chunk
     try:

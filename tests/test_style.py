@@ -25,6 +25,25 @@ def test_no_package_line_over_120_characters():
     assert long == [], long
 
 
+# torch's tensor shape methods take their dims by position (`t.view(n, 8, 2, 1, 1)`): they are not counted
+SHAPE_METHODS = {'view', 'reshape', 'permute', 'expand', 'repeat', 'new_zeros', 'new_empty'}
+
+
+def test_no_call_passes_more_than_4_arguments_by_position():
+    """Past the fourth, a call names its arguments (`Finding(..., fix=...)`), so a reader need not count; a starred
+    argument is not counted, nor the dims of torch's tensor shape methods."""
+    bad = []
+    for p in sorted(PKG.glob('*.py')):
+        if p.name == '_modidx.py':
+            continue
+        for n in ast.walk(ast.parse(p.read_text('utf-8'))):
+            if not isinstance(n, ast.Call) or (isinstance(n.func, ast.Attribute) and n.func.attr in SHAPE_METHODS):
+                continue
+            if (k := sum(not isinstance(a, ast.Starred) for a in n.args)) > 4:
+                bad.append(f'{p.name}:{n.lineno}: {ast.unparse(n.func)} gets {k} arguments by position')
+    assert bad == [], '\n'.join(bad)
+
+
 def public_docstrings():
     "(name, docstring) of every name in each module's `__all__`, and of the public methods of its classes."
     for m in MODULES:
