@@ -273,7 +273,9 @@ def first_definition(nb: Path) -> int:
 
 def test_one_call_table_names_every_page():
     pages = {nb.stem for nb in notebooks()}
-    assert (sorted(pages - set(ONE_CALL)), sorted(set(ONE_CALL) - pages)) == ([], []), '(pages not listed, listed not pages)'
+    assert (sorted(pages - set(ONE_CALL)), sorted(set(ONE_CALL) - pages)) == ([], []), (
+        '(pages not listed, listed not pages)'
+    )
 
 
 def test_each_page_shows_its_one_call_within_its_first_quarter():
