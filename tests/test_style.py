@@ -201,7 +201,7 @@ def test_cell_ids_are_unique_in_each_notebook():
     assert repeated == {}, repeated
 
 
-# ---- each page opens with its one call: after its why, on a real checkpoint, before the machinery (issue 43)
+# ---- each page opens with its one call: after its why, on a real checkpoint, before the machinery
 
 # The public function or class a reader comes to each page for. A page with no call is exempt, with the reason.
 ONE_CALL = {
