@@ -218,3 +218,107 @@ def test_cell_ids_are_unique_in_each_notebook():
         )
     }
     assert repeated == {}, repeated
+
+
+# ---- each page opens with its one call: after its why, on a real checkpoint, before the machinery
+
+# The public function or class a reader comes to each page for. A page with no call is exempt, with the reason.
+ONE_CALL = {
+    '00_checkpoints': 'smollm2_checkpoint',
+    '00b_ct2_whisper': 'write_hf_whisper',
+    '01_safetensors': 'checkpoint_source',
+    '01b_io': 'read_direct',
+    '01c_upstream': 'reach',
+    '02_loading': 'load_from_source',
+    '03_load_model': 'load_model',
+    '03b_reconcile': 'checkpoint_dtype',
+    '03c_refit': 'refit',
+    '04_convert': 'converted_source',
+    '05_mla': 'MLAAttention',
+    '06_quantized': 'load_model',  # a quantized checkpoint, dequantized and kept
+    '06b_gguf': 'load_model',  # a GGUF file
+    '06c_float_formats': 'load_model',  # a checkpoint of the page's family: compressed-tensors
+    '06d_int_formats': 'load_model',  # a checkpoint of the page's family: GPTQ
+    '06e_gguf_blocks': 'dequantize_gguf',
+    '07_tensor_parallel': 'load_model',  # at one rank of two
+    '08_detokenize': 'TextOutput',
+    '08b_detokenizers': 'TextChunkDetokenizer',
+    '09_kv': 'kv_cache_pool',
+    '09b_kv_figures': 'plot_kv',
+    '09c_kv_pools': 'plan_kv_pools',
+    '10_generation': 'load_generation_defaults',
+    '10b_languages': 'base_language',
+    '11_speech': 'transcribe',
+    '12_report': 'checkpoint_report',
+    '12b_explore': 'explore',
+    '12c_explore_weights': 'weight_stats',
+    '12d_explore_render': 'exploration_text',
+    '14_cli': 'inspect',
+    '98_testing': 'save_tiny',
+    '98b_testing_formats': 'write_quantized_checkpoint',
+    'index': 'load_model',  # the README's example
+    '13_benchmarks': None,  # the published results of benchmarks/bench_load.py, read from its JSON: no call of ours
+    '15_main': None,  # `python -m mstar_utils`: a command, run in a subprocess, and no function
+    '99_api': None,  # the list of every public name: it exports the names, and calls none
+}
+
+HIDDEN_CELL = re.compile(r'^\s*#\|\s*(export[is]?|hide)\b', re.M)
+
+
+def calls(s: str, name: str) -> bool:
+    "Whether code `s` calls `name`: `name(...)`, `x.name(...)` or `name.method(...)`."
+    code = '\n'.join(line for line in s.splitlines() if not line.lstrip().startswith(('#|', '%', '!')))
+    for n in ast.walk(ast.parse(code)):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Attribute) and f.attr == name:
+            return True
+        while isinstance(f, ast.Attribute):
+            f = f.value
+        if isinstance(f, ast.Name) and f.id == name:
+            return True
+    return False
+
+
+def first_definition(nb: Path) -> int:
+    "Index of the first exported cell of `nb` that defines something (the machinery), or its cell count if none."
+    for i, s in exported_cells(nb):
+        code = '\n'.join(line for line in (s or '').splitlines() if not line.lstrip().startswith('#|'))
+        if s is not None and any(not isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.parse(code).body):
+            return i
+    return len(cells(nb))
+
+
+def test_one_call_table_names_every_page():
+    pages = {nb.stem for nb in notebooks()}
+    assert (sorted(pages - set(ONE_CALL)), sorted(set(ONE_CALL) - pages)) == ([], []), (
+        '(pages not listed, listed not pages)'
+    )
+
+
+def test_each_page_shows_its_one_call_within_its_first_quarter():
+    """The first shown code cell that calls the page's one call comes within the first quarter of its cells, or, on a
+    page whose title and imports alone fill that quarter, before its machinery (its first exported definition)."""
+    bad = []
+    for nb in notebooks():
+        name = ONE_CALL.get(nb.stem)
+        if name is None:
+            continue
+        cs = cells(nb)
+        at = next(
+            (
+                i
+                for i, c in enumerate(cs)
+                if c['cell_type'] == 'code' and not HIDDEN_CELL.search(src(c)) and calls(src(c), name)
+            ),
+            None,
+        )
+        machinery = first_definition(nb)
+        if at is None or (at > len(cs) / 4 and at > machinery):
+            bad.append(
+                f'{nb.name}: the first shown call of {name} is cell {at} of {len(cs)}: past the first quarter '
+                f'(cell {len(cs) / 4:g}) and after the first exported definition (cell {machinery}); add an opening '
+                'call cell after the imports'
+            )
+    assert bad == [], '\n'.join(bad)
