@@ -17,7 +17,7 @@ import torch
 from fastcore.basics import patch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from .quantized import QuantizedTensor, Dequantize, StoredCut, keep_quantized
+from .quantized import QuantizedTensor, Dequantize, StoredCut, cut_trim, keep_quantized, whole_units
 from .sources import Source, TensorInfo, tensor_file_source
 from .gguf_blocks import *  # noqa: F403
 from .gguf_blocks import BLOCK_DECODERS, GGUF_TYPES, PLAIN_TYPES, dequantize_gguf
@@ -310,9 +310,10 @@ _UNSQUEEZED = {'qwen2moe': ('ffn_gate_inp_shexp', 0), 'qwen3moe': ('ffn_gate_inp
 
 
 def _rows(t: GGUFTensor) -> tuple:
-    "The stored shape of tensor `t`'s bytes: [rows, row bytes]."
-    rows = int(np.prod(t.shape[:-1], dtype=np.int64))
-    return (rows, t.data.numel() // max(rows, 1))
+    "The stored shape of tensor `t`'s bytes: [rows, row bytes], stacked experts' [experts, rows, row bytes]."
+    lead = tuple(t.shape[:1]) if len(t.shape) == 3 else ()  # one expert's rows after another's: a rank reads its own
+    rows = int(np.prod(t.shape[len(lead) : -1], dtype=np.int64))
+    return (*lead, rows, t.data.numel() // max(rows * int(np.prod(lead, dtype=np.int64)), 1))
 
 # %% ../nbs/06b_gguf.ipynb #rwk001
 def _bloom_qkv(
@@ -460,7 +461,7 @@ def read_many(
                 x = dequantize_gguf(rows, t.qtype).view(t.shape)
                 dest.copy_(functools.reduce(lambda x, fn: fn(x, self.config), self.reworked[k], x))
             else:
-                dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
+                dequantize_gguf(rows, t.qtype, dest.view(*rows.shape[:-1], -1), self._heads(t))
         if dest is not d:
             d.copy_(dest)
         if progress:
@@ -470,7 +471,7 @@ def read_many(
 @patch
 def resolve(self: GGUFSource, k: str):
     "(bytes source, dequantizing tree) of key `k`, so a slice reads only its blocks; None: read whole."
-    if k in self.joined:  # stacked experts: their parts read whole, joined, then cut
+    if k in self.joined:  # stacked experts: a rank reads its experts, or its rows or blocks of every expert
         ts = self.joined[k]
         op = GGUFJoin(tuple(int(t.qtype) for t in ts), tuple(t.shape for t in ts))
         kids = [GGUFStored(t.name, _rows(t), torch.uint8) for t in ts]
@@ -478,8 +479,11 @@ def resolve(self: GGUFSource, k: str):
     t = self.tensors[k]
     if k in self.kept:
         return self.raw, k  # the stored bytes as they are: a rank reads its rows or whole blocks
+    if len(t.shape) == 3 and k not in self.shapes and k not in self.reworked:  # stacked experts of one part (down)
+        op = GGUFJoin((int(t.qtype),), (tuple(t.shape),))
+        return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
     if len(t.shape) != 2 or k in self.shapes or k in self.reworked:
-        return None  # a 1-d or 3-d tensor, or one reshaped or reworked, is read whole, then cut
+        return None  # a 1-d tensor, or one reshaped or reworked, is read whole, then cut
     op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
     return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
 
@@ -506,9 +510,9 @@ def _read_joined(self: GGUFSource, k: str, dest: torch.Tensor) -> None:
     at = 0
     for t in self.joined[k]:
         _decoded(self.path, t)
-        rows, n = self.raw.get(t.name), t.shape[1]  # [experts × n, row bytes]
+        rows, n = self.raw.get(t.name), t.shape[1]  # [experts, n, row bytes]
         for e in range(t.shape[0] if not rows.is_meta else 0):
-            dequantize_gguf(rows[e * n : (e + 1) * n], t.qtype, dest[e, at : at + n])
+            dequantize_gguf(rows[e], t.qtype, dest[e, at : at + n])
         at += n
 
 # %% ../nbs/06b_gguf.ipynb #7c1e0a21
@@ -597,15 +601,16 @@ class GGUFTree(NamedTuple):
 # %% ../nbs/06b_gguf.ipynb #7c1e0a11
 @dataclass(frozen=True)
 class GGUFJoin:
-    "(each part's blocks, uint8 [experts × rows, row bytes]) → their values joined on dim 1."
+    "(each part's blocks, uint8 [experts, rows, row bytes]) → their values joined on dim 1."
 
     qtypes: tuple  # each part's GGML type
     shapes: tuple  # each part's values' shape [experts, rows, cols]
+    target_dtype: torch.dtype = torch.float32  # the values' dtype: a load plan calls the op a dequantize
 
     def apply(self, tensors: list) -> torch.Tensor:
-        return torch.cat(
-            [dequantize_gguf(b, q).view(s) for b, q, s in zip(tensors, self.qtypes, self.shapes, strict=True)], 1
-        )
+        parts = zip(tensors, self.qtypes, self.shapes, strict=True)
+        # a cut's parts outside its rows are empty: left out
+        return torch.cat([dequantize_gguf(b, q).view(s) for b, q, s in parts if s[1]], 1)
 
 # %% ../nbs/06b_gguf.ipynb #acbc4030
 @patch
@@ -627,3 +632,30 @@ def cut(
         op = self if not self.heads else replace(self, heads=(hi - lo) // unit)
         return StoredCut(((0, lo, hi),), op, trim)
     return StoredCut(((1, lo // block * size, hi // block * size),), self, trim)
+
+# %% ../nbs/06b_gguf.ipynb #5a7e0c02
+@patch
+def cut(
+    self: GGUFJoin,
+    shapes: list,  # each part's stored shape [experts, rows, row bytes]
+    dim: int,  # the dim of the joined values cut: 0 experts, 1 rows (each part's in turn), 2 columns
+    start: int,  # the range taken: [start, stop)
+    stop: int,
+) -> StoredCut:
+    "The bytes [start, stop) of `dim` needs: its experts, each part's rows in it, or whole column blocks."
+    d, sizes = dim % 3, [GGML_QUANT_SIZES[T(q)] for q in self.qtypes]
+    if d == 0:
+        vals = tuple((stop - start, *s[1:]) for s in self.shapes)
+        return StoredCut(((0, start, stop),) * len(self.shapes), replace(self, shapes=vals), None)
+    if d == 1:  # a part the range misses is read as no rows
+        at, parts = 0, []
+        for s in self.shapes:
+            parts.append((1, min(max(start - at, 0), s[1]), min(max(stop - at, 0), s[1])))
+            at += s[1]
+        vals = tuple((s[0], hi - lo, s[2]) for s, (_, lo, hi) in zip(self.shapes, parts, strict=True))
+        return StoredCut(tuple(parts), replace(self, shapes=vals), None)
+    block = int(np.lcm.reduce([b for b, _ in sizes]))  # whole blocks of every part's type
+    lo, hi = whole_units(start, stop, block, self.shapes[0][2])
+    vals = tuple((*s[:2], hi - lo) for s in self.shapes)
+    parts = tuple((2, lo // b * n, hi // b * n) for b, n in sizes)
+    return StoredCut(parts, replace(self, shapes=vals), cut_trim(2, start, stop, lo, hi))
