@@ -75,12 +75,19 @@ def _arch_of(model_type: str) -> int | None:
         'gemma3_text': 'gemma3',
         'minimax_m2': 'minimax-m2',
         'gpt_oss': 'gpt-oss',
+        'qwen3_5_text': 'qwen35',
+        'qwen3_5_moe_text': 'qwen35moe',
     }
     name = spelt.get(model_type, model_type)
     return next((a for a, n in MODEL_ARCH_NAMES.items() if n == name), None)
 
 # %% ../nbs/06b_gguf.ipynb #7c1e0a02
-_STACKED = ('qwen2moe', 'qwen3moe', 'minimax-m2')  # the GGUF architectures whose stacked experts transformers joins
+_STACKED = (
+    'qwen2moe',
+    'qwen3moe',
+    'minimax-m2',
+    'qwen35moe',
+)  # the GGUF architectures whose stacked experts transformers joins
 _EXPERTS = re.compile(r'model\.layers\.(\d+)\.mlp\.(?:experts\.(gate_up_proj|down_proj)|(e_score_correction_bias))')
 
 
@@ -114,6 +121,8 @@ def gguf_names(
         hit = next((g for i in range(len(parts)) if (g := tmap.get_name('.'.join(parts[i:]))) is not None), None)
         if hit is not None:
             out.setdefault(hit + dot + suffix, name)
+        elif m := re.fullmatch(r'model\.layers\.(\d+)\.linear_attn\.dt_bias', name):  # Qwen3.5's; not in gguf-py's map
+            out[f'blk.{m[1]}.ssm_dt.bias'] = name
     return out | _stacked_names(model.state_dict(), gguf.MODEL_ARCH_NAMES[arch])
 
 # %% ../nbs/06b_gguf.ipynb #fmtg020
@@ -291,11 +300,6 @@ _REFUSED = {
         'unloaded, newly initialized: there is no load to equal; load the safetensors release'
     ),
     'gpt_oss': "not llama.cpp's name for gpt-oss (its files say 'gpt-oss'), whose experts transformers leaves unloaded",
-    'qwen35': (
-        'transformers reads it through its newer GGUF conversion path (norms offset, value heads regrouped), '
-        'not mirrored here; load it with from_pretrained(gguf_file=...)'
-    ),
-    'qwen35moe': 'as qwen35: transformers regroups its value heads and offsets its norms on load, not mirrored here',
     't5': (
         'an encoder-decoder, where load_model reads causal LMs; transformers loads it with '
         'T5ForConditionalGeneration.from_pretrained(gguf_file=...)'
@@ -306,7 +310,7 @@ _REFUSED = {
     ),
 }
 # {architecture: (a part of a tensor's name, the dim transformers inserts)}: a 1-d file tensor read with one more dim
-_UNSQUEEZED = {'qwen2moe': ('ffn_gate_inp_shexp', 0), 'qwen3moe': ('ffn_gate_inp_shexp', 0)}
+_UNSQUEEZED = {a: ('ffn_gate_inp_shexp', 0) for a in ('qwen2moe', 'qwen3moe', 'qwen35moe')}
 
 
 def _rows(t: GGUFTensor) -> tuple:
@@ -329,6 +333,20 @@ def _log_negated(x: torch.Tensor, config) -> torch.Tensor:
     "Mamba's A_log from the file's A = −exp(A_log): log(−A) by numpy, as transformers computes it, bit for bit."
     return x if x.is_meta else torch.from_numpy(np.log(-x.numpy()))
 
+# %% ../nbs/06b_gguf.ipynb #rwk005-1
+def _grouped(
+    x: torch.Tensor,  # Qwen3.5 values whose value heads llama.cpp's converter tiled along `dim`
+    config,  # its text config
+    width: int = 1,  # the entries a value head has along `dim` (1: one row a head)
+    offset: int = 0,  # entries before the value heads (the fused qkv's q and k), left where they are
+    dim: int = 0,  # 0: rows; 1: columns (the out projection's inputs)
+) -> torch.Tensor:
+    "The value heads along `dim` from the file's tiled order back to transformers', grouped by key head."
+    k = config.linear_num_key_heads
+    v = x.movedim(dim, 0)
+    tail = v[offset:].reshape(config.linear_num_value_heads // k, k, width, *v.shape[1:]).transpose(0, 1)
+    return torch.cat([v[:offset], tail.reshape(v[offset:].shape)]).movedim(0, dim)
+
 # %% ../nbs/06b_gguf.ipynb #rwk006
 _MINUS_ONE = [('norm.weight', lambda x, c: x - 1)]  # llama.cpp stores Gemma's and Nemotron's norms as 1 + w
 _T = lambda x, c: x.T  # noqa: E731
@@ -343,11 +361,25 @@ _REWORKED = {
     'mamba': [('ssm_conv1d.weight', _UNSQUEEZE), ('ssm_a', _log_negated)],
     'lfm2': [('shortconv.conv.weight', _UNSQUEEZE)],
 }
+_QK = lambda c: 2 * c.linear_key_head_dim * c.linear_num_key_heads  # noqa: E731 (the q and k rows before the values)
+_VALUES = lambda x, c: _grouped(x, c, c.linear_value_head_dim, _QK(c))  # noqa: E731
+# Qwen3.5: every norm but the linear attention's stored as 1 + w, A as −exp(A_log), value heads tiled (qkv's after q, k)
+_REWORKED['qwen35'] = _REWORKED['qwen35moe'] = [
+    *[(p, _MINUS_ONE[0][1]) for p in ('output_norm.weight', '.attn_norm.weight', 'post_attention_norm.weight')],
+    *[(p, _MINUS_ONE[0][1]) for p in ('attn_q_norm.weight', 'attn_k_norm.weight')],
+    ('.ssm_a', lambda x, c: _grouped(torch.log(-x), c)),
+    *[(p, lambda x, c: _grouped(x, c)) for p in ('ssm_dt.bias', 'ssm_alpha.weight', 'ssm_beta.weight')],
+    ('attn_gate.weight', lambda x, c: _grouped(x, c, c.linear_value_head_dim)),
+    ('attn_qkv.weight', _VALUES),
+    ('ssm_conv1d.weight', _VALUES),
+    ('ssm_conv1d.weight', _UNSQUEEZE),
+    ('ssm_out.weight', lambda x, c: _grouped(x, c, c.linear_value_head_dim, dim=1)),
+]
 
 
 def _reworks(arch: str, name: str) -> list:
     "What transformers does, in turn, to the values of GGUF tensor `name` of architecture `arch`: [fn(x, config)]."
-    return [fn for part, fn in _REWORKED.get(arch, ()) if part in name]
+    return [fn for part, fn in _REWORKED.get(arch, ()) if name.endswith(part) or f'{part}.' in name]
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026-1
 class GGUFSource(Source):
