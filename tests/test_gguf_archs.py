@@ -45,7 +45,7 @@ READ = [
 # transformers 5.25 reads LFM2 through its newer GGUF reader, which refuses Q5_0, Q5_1 and some IQ types: none here
 TYPES = {'ffn_down': 'Q4_K', 'attn_q': 'Q5_K', 'attn_qkv': 'Q4_1', 'ffn_up_exps': 'Q6_K', 'ssm_in': 'Q4_0'}
 WITH_TP = ['gemma2', 'gemma3_text', 'nemotron', 'minimax_m2', 'qwen3_5_text', 'qwen3_5_moe_text']
-# transformers 5.25 dequantizes Qwen3.5-MoE's joined gate_up_proj by one block type: its gate and up share one
+# transformers dequantizes Qwen3.5-MoE's joined gate_up_proj by one block type (5.19, 5.25): its gate and up share one
 SAME_GATE_UP = {'ffn_gate_exps': 'Q6_K'}  # the others' configs declare no tensor-parallel plan
 
 
