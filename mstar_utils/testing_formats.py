@@ -627,8 +627,8 @@ def tiny_gguf_config(
     return CONFIG_MAPPING[model_type](**{**base, **extra, **kw})
 
 # %% ../nbs/98b_testing_formats.ipynb #35a1e000
-# Qwen3.5 (transformers reads its GGUF files through its newer GGUF path): 2 key heads of 2 value heads each in its linear-attention
-# layers, the second of every two layers a full attention one, a quarter of each head rotated by mrope
+# Qwen3.5 (transformers reads its GGUF files through its newer GGUF path): 2 key heads of 2 value heads each in its
+# linear-attention layers, the second of every two layers a full attention one, a quarter of each head rotated by mrope
 _LLAMACPP_ARCH |= {'qwen3_5_text': 'qwen35', 'qwen3_5_moe_text': 'qwen35moe'}
 _ROPE35 = dict(rope_type='default', rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[4, 2, 2])
 _DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
