@@ -17,7 +17,7 @@ import torch
 from fastcore.basics import patch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from .quantized import QuantizedTensor, Dequantize, StoredCut, keep_quantized
+from .quantized import QuantizedTensor, Dequantize, StoredCut, cut_trim, keep_quantized, whole_units
 from .sources import Source, TensorInfo, tensor_file_source
 from .gguf_blocks import *  # noqa: F403
 from .gguf_blocks import BLOCK_DECODERS, GGUF_TYPES, PLAIN_TYPES, dequantize_gguf
@@ -75,12 +75,19 @@ def _arch_of(model_type: str) -> int | None:
         'gemma3_text': 'gemma3',
         'minimax_m2': 'minimax-m2',
         'gpt_oss': 'gpt-oss',
+        'qwen3_5_text': 'qwen35',
+        'qwen3_5_moe_text': 'qwen35moe',
     }
     name = spelt.get(model_type, model_type)
     return next((a for a, n in MODEL_ARCH_NAMES.items() if n == name), None)
 
 # %% ../nbs/06b_gguf.ipynb #7c1e0a02
-_STACKED = ('qwen2moe', 'qwen3moe', 'minimax-m2')  # the GGUF architectures whose stacked experts transformers joins
+_STACKED = (
+    'qwen2moe',
+    'qwen3moe',
+    'minimax-m2',
+    'qwen35moe',
+)  # the GGUF architectures whose stacked experts transformers joins
 _EXPERTS = re.compile(r'model\.layers\.(\d+)\.mlp\.(?:experts\.(gate_up_proj|down_proj)|(e_score_correction_bias))')
 
 
@@ -114,6 +121,8 @@ def gguf_names(
         hit = next((g for i in range(len(parts)) if (g := tmap.get_name('.'.join(parts[i:]))) is not None), None)
         if hit is not None:
             out.setdefault(hit + dot + suffix, name)
+        elif m := re.fullmatch(r'model\.layers\.(\d+)\.linear_attn\.dt_bias', name):  # Qwen3.5's; not in gguf-py's map
+            out[f'blk.{m[1]}.ssm_dt.bias'] = name
     return out | _stacked_names(model.state_dict(), gguf.MODEL_ARCH_NAMES[arch])
 
 # %% ../nbs/06b_gguf.ipynb #fmtg020
@@ -291,11 +300,6 @@ _REFUSED = {
         'unloaded, newly initialized: there is no load to equal; load the safetensors release'
     ),
     'gpt_oss': "not llama.cpp's name for gpt-oss (its files say 'gpt-oss'), whose experts transformers leaves unloaded",
-    'qwen35': (
-        'transformers reads it through its newer GGUF conversion path (norms offset, value heads regrouped), '
-        'not mirrored here; load it with from_pretrained(gguf_file=...)'
-    ),
-    'qwen35moe': 'as qwen35: transformers regroups its value heads and offsets its norms on load, not mirrored here',
     't5': (
         'an encoder-decoder, where load_model reads causal LMs; transformers loads it with '
         'T5ForConditionalGeneration.from_pretrained(gguf_file=...)'
@@ -306,13 +310,14 @@ _REFUSED = {
     ),
 }
 # {architecture: (a part of a tensor's name, the dim transformers inserts)}: a 1-d file tensor read with one more dim
-_UNSQUEEZED = {'qwen2moe': ('ffn_gate_inp_shexp', 0), 'qwen3moe': ('ffn_gate_inp_shexp', 0)}
+_UNSQUEEZED = {a: ('ffn_gate_inp_shexp', 0) for a in ('qwen2moe', 'qwen3moe', 'qwen35moe')}
 
 
 def _rows(t: GGUFTensor) -> tuple:
-    "The stored shape of tensor `t`'s bytes: [rows, row bytes]."
-    rows = int(np.prod(t.shape[:-1], dtype=np.int64))
-    return (rows, t.data.numel() // max(rows, 1))
+    "The stored shape of tensor `t`'s bytes: [rows, row bytes], stacked experts' [experts, rows, row bytes]."
+    lead = tuple(t.shape[:1]) if len(t.shape) == 3 else ()  # one expert's rows after another's: a rank reads its own
+    rows = int(np.prod(t.shape[len(lead) : -1], dtype=np.int64))
+    return (*lead, rows, t.data.numel() // max(rows * int(np.prod(lead, dtype=np.int64)), 1))
 
 # %% ../nbs/06b_gguf.ipynb #rwk001
 def _bloom_qkv(
@@ -328,6 +333,20 @@ def _log_negated(x: torch.Tensor, config) -> torch.Tensor:
     "Mamba's A_log from the file's A = −exp(A_log): log(−A) by numpy, as transformers computes it, bit for bit."
     return x if x.is_meta else torch.from_numpy(np.log(-x.numpy()))
 
+# %% ../nbs/06b_gguf.ipynb #rwk005-1
+def _grouped(
+    x: torch.Tensor,  # Qwen3.5 values whose value heads llama.cpp's converter tiled along `dim`
+    config,  # its text config
+    width: int = 1,  # the entries a value head has along `dim` (1: one row a head)
+    offset: int = 0,  # entries before the value heads (the fused qkv's q and k), left where they are
+    dim: int = 0,  # 0: rows; 1: columns (the out projection's inputs)
+) -> torch.Tensor:
+    "The value heads along `dim` from the file's tiled order back to transformers', grouped by key head."
+    k = config.linear_num_key_heads
+    v = x.movedim(dim, 0)
+    tail = v[offset:].reshape(config.linear_num_value_heads // k, k, width, *v.shape[1:]).transpose(0, 1)
+    return torch.cat([v[:offset], tail.reshape(v[offset:].shape)]).movedim(0, dim)
+
 # %% ../nbs/06b_gguf.ipynb #rwk006
 _MINUS_ONE = [('norm.weight', lambda x, c: x - 1)]  # llama.cpp stores Gemma's and Nemotron's norms as 1 + w
 _T = lambda x, c: x.T  # noqa: E731
@@ -342,11 +361,25 @@ _REWORKED = {
     'mamba': [('ssm_conv1d.weight', _UNSQUEEZE), ('ssm_a', _log_negated)],
     'lfm2': [('shortconv.conv.weight', _UNSQUEEZE)],
 }
+_QK = lambda c: 2 * c.linear_key_head_dim * c.linear_num_key_heads  # noqa: E731 (the q and k rows before the values)
+_VALUES = lambda x, c: _grouped(x, c, c.linear_value_head_dim, _QK(c))  # noqa: E731
+# Qwen3.5: every norm but the linear attention's stored as 1 + w, A as −exp(A_log), value heads tiled (qkv's after q, k)
+_REWORKED['qwen35'] = _REWORKED['qwen35moe'] = [
+    *[(p, _MINUS_ONE[0][1]) for p in ('output_norm.weight', '.attn_norm.weight', 'post_attention_norm.weight')],
+    *[(p, _MINUS_ONE[0][1]) for p in ('attn_q_norm.weight', 'attn_k_norm.weight')],
+    ('.ssm_a', lambda x, c: _grouped(torch.log(-x), c)),
+    *[(p, lambda x, c: _grouped(x, c)) for p in ('ssm_dt.bias', 'ssm_alpha.weight', 'ssm_beta.weight')],
+    ('attn_gate.weight', lambda x, c: _grouped(x, c, c.linear_value_head_dim)),
+    ('attn_qkv.weight', _VALUES),
+    ('ssm_conv1d.weight', _VALUES),
+    ('ssm_conv1d.weight', _UNSQUEEZE),
+    ('ssm_out.weight', lambda x, c: _grouped(x, c, c.linear_value_head_dim, dim=1)),
+]
 
 
 def _reworks(arch: str, name: str) -> list:
     "What transformers does, in turn, to the values of GGUF tensor `name` of architecture `arch`: [fn(x, config)]."
-    return [fn for part, fn in _REWORKED.get(arch, ()) if part in name]
+    return [fn for part, fn in _REWORKED.get(arch, ()) if name.endswith(part) or f'{part}.' in name]
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026-1
 class GGUFSource(Source):
@@ -460,7 +493,7 @@ def read_many(
                 x = dequantize_gguf(rows, t.qtype).view(t.shape)
                 dest.copy_(functools.reduce(lambda x, fn: fn(x, self.config), self.reworked[k], x))
             else:
-                dequantize_gguf(rows, t.qtype, dest.view(rows.shape[0], -1), self._heads(t))
+                dequantize_gguf(rows, t.qtype, dest.view(*rows.shape[:-1], -1), self._heads(t))
         if dest is not d:
             d.copy_(dest)
         if progress:
@@ -470,7 +503,7 @@ def read_many(
 @patch
 def resolve(self: GGUFSource, k: str):
     "(bytes source, dequantizing tree) of key `k`, so a slice reads only its blocks; None: read whole."
-    if k in self.joined:  # stacked experts: their parts read whole, joined, then cut
+    if k in self.joined:  # stacked experts: a rank reads its experts, or its rows or blocks of every expert
         ts = self.joined[k]
         op = GGUFJoin(tuple(int(t.qtype) for t in ts), tuple(t.shape for t in ts))
         kids = [GGUFStored(t.name, _rows(t), torch.uint8) for t in ts]
@@ -478,8 +511,11 @@ def resolve(self: GGUFSource, k: str):
     t = self.tensors[k]
     if k in self.kept:
         return self.raw, k  # the stored bytes as they are: a rank reads its rows or whole blocks
+    if len(t.shape) == 3 and k not in self.shapes and k not in self.reworked:  # stacked experts of one part (down)
+        op = GGUFJoin((int(t.qtype),), (tuple(t.shape),))
+        return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
     if len(t.shape) != 2 or k in self.shapes or k in self.reworked:
-        return None  # a 1-d or 3-d tensor, or one reshaped or reworked, is read whole, then cut
+        return None  # a 1-d tensor, or one reshaped or reworked, is read whole, then cut
     op = GGUFDequantize(int(t.qtype), self._heads(t), torch.float32)
     return self.raw, GGUFTree(op, [GGUFStored(k, _rows(t), torch.uint8)], tuple(t.shape), torch.float32)
 
@@ -506,9 +542,9 @@ def _read_joined(self: GGUFSource, k: str, dest: torch.Tensor) -> None:
     at = 0
     for t in self.joined[k]:
         _decoded(self.path, t)
-        rows, n = self.raw.get(t.name), t.shape[1]  # [experts × n, row bytes]
+        rows, n = self.raw.get(t.name), t.shape[1]  # [experts, n, row bytes]
         for e in range(t.shape[0] if not rows.is_meta else 0):
-            dequantize_gguf(rows[e * n : (e + 1) * n], t.qtype, dest[e, at : at + n])
+            dequantize_gguf(rows[e], t.qtype, dest[e, at : at + n])
         at += n
 
 # %% ../nbs/06b_gguf.ipynb #7c1e0a21
@@ -597,15 +633,16 @@ class GGUFTree(NamedTuple):
 # %% ../nbs/06b_gguf.ipynb #7c1e0a11
 @dataclass(frozen=True)
 class GGUFJoin:
-    "(each part's blocks, uint8 [experts × rows, row bytes]) → their values joined on dim 1."
+    "(each part's blocks, uint8 [experts, rows, row bytes]) → their values joined on dim 1."
 
     qtypes: tuple  # each part's GGML type
     shapes: tuple  # each part's values' shape [experts, rows, cols]
+    target_dtype: torch.dtype = torch.float32  # the values' dtype: a load plan calls the op a dequantize
 
     def apply(self, tensors: list) -> torch.Tensor:
-        return torch.cat(
-            [dequantize_gguf(b, q).view(s) for b, q, s in zip(tensors, self.qtypes, self.shapes, strict=True)], 1
-        )
+        parts = zip(tensors, self.qtypes, self.shapes, strict=True)
+        # a cut's parts outside its rows are empty: left out
+        return torch.cat([dequantize_gguf(b, q).view(s) for b, q, s in parts if s[1]], 1)
 
 # %% ../nbs/06b_gguf.ipynb #acbc4030
 @patch
@@ -627,3 +664,30 @@ def cut(
         op = self if not self.heads else replace(self, heads=(hi - lo) // unit)
         return StoredCut(((0, lo, hi),), op, trim)
     return StoredCut(((1, lo // block * size, hi // block * size),), self, trim)
+
+# %% ../nbs/06b_gguf.ipynb #5a7e0c02
+@patch
+def cut(
+    self: GGUFJoin,
+    shapes: list,  # each part's stored shape [experts, rows, row bytes]
+    dim: int,  # the dim of the joined values cut: 0 experts, 1 rows (each part's in turn), 2 columns
+    start: int,  # the range taken: [start, stop)
+    stop: int,
+) -> StoredCut:
+    "The bytes [start, stop) of `dim` needs: its experts, each part's rows in it, or whole column blocks."
+    d, sizes = dim % 3, [GGML_QUANT_SIZES[T(q)] for q in self.qtypes]
+    if d == 0:
+        vals = tuple((stop - start, *s[1:]) for s in self.shapes)
+        return StoredCut(((0, start, stop),) * len(self.shapes), replace(self, shapes=vals), None)
+    if d == 1:  # a part the range misses is read as no rows
+        at, parts = 0, []
+        for s in self.shapes:
+            parts.append((1, min(max(start - at, 0), s[1]), min(max(stop - at, 0), s[1])))
+            at += s[1]
+        vals = tuple((s[0], hi - lo, s[2]) for s, (_, lo, hi) in zip(self.shapes, parts, strict=True))
+        return StoredCut(tuple(parts), replace(self, shapes=vals), None)
+    block = int(np.lcm.reduce([b for b, _ in sizes]))  # whole blocks of every part's type
+    lo, hi = whole_units(start, stop, block, self.shapes[0][2])
+    vals = tuple((*s[:2], hi - lo) for s in self.shapes)
+    parts = tuple((2, lo // b * n, hi // b * n) for b, n in sizes)
+    return StoredCut(parts, replace(self, shapes=vals), cut_trim(2, start, stop, lo, hi))

@@ -626,6 +626,15 @@ def tiny_gguf_config(
         base['max_position_embeddings'] = 128
     return CONFIG_MAPPING[model_type](**{**base, **extra, **kw})
 
+# %% ../nbs/98b_testing_formats.ipynb #35a1e000
+# Qwen3.5 (transformers reads its GGUF files through its newer GGUF path): 2 key heads of 2 value heads each in its
+# linear-attention layers, the second of every two layers a full attention one, a quarter of each head rotated by mrope
+_LLAMACPP_ARCH |= {'qwen3_5_text': 'qwen35', 'qwen3_5_moe_text': 'qwen35moe'}
+_ROPE35 = dict(rope_type='default', rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[4, 2, 2])
+_DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+_TINY_GGUF['qwen3_5_text'] = _ATTN | _DELTANET | dict(full_attention_interval=2, rope_parameters=_ROPE35)
+_TINY_GGUF['qwen3_5_moe_text'] = _TINY_GGUF['qwen3_5_text'] | dict(num_experts=4, num_experts_per_tok=2)
+
 # %% ../nbs/98b_testing_formats.ipynb #c98c013
 def _gguf_header(w, config):
     "Write `config`'s metadata to gguf-py writer `w` under the keys llama.cpp's converter writes for it."
@@ -635,7 +644,12 @@ def _gguf_header(w, config):
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_vocab_size(c.vocab_size)
-    if mt in ('gpt2', 'lfm2'):  # transformers reads their vocabulary size from the tokens
+    if mt in (
+        'gpt2',
+        'lfm2',
+        'qwen3_5_text',
+        'qwen3_5_moe_text',
+    ):  # transformers reads their vocabulary size from the tokens
         w.add_token_list([f'<t{i}>' for i in range(c.vocab_size)])
     if mt == 'mamba':
         w.add_ssm_conv_kernel(c.conv_kernel)
@@ -651,7 +665,8 @@ def _gguf_header(w, config):
         w.add_layer_norm_eps(c.layer_norm_epsilon)
         return
     head_dim = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
-    w.add_rope_dimension_count(getattr(c, 'rotary_dim', None) or head_dim)
+    rotary = int(head_dim * c.rope_parameters.get('partial_rotary_factor', 1.0))  # Qwen3.5's: a quarter of the head
+    w.add_rope_dimension_count(getattr(c, 'rotary_dim', None) or rotary)
     rope = c.rope_parameters
     w.add_rope_freq_base(rope.get('rope_theta') or rope['full_attention']['rope_theta'])  # Gemma 3: global layers'
     w.add_layer_norm_rms_eps(getattr(c, 'rms_norm_eps', None) or c.norm_eps)
@@ -672,11 +687,13 @@ def _gguf_header_arch(w, c, head_dim: int):
         w.add_expert_feed_forward_length(getattr(c, 'moe_intermediate_size', None) or c.intermediate_size)
     if getattr(c, 'shared_expert_intermediate_size', None):
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    if mt in ('qwen3_moe', 'gemma2', 'gemma3_text', 'minimax_m2', 'gpt_oss'):
+    if mt in ('qwen3_moe', 'gemma2', 'gemma3_text', 'minimax_m2', 'gpt_oss', 'qwen3_5_text', 'qwen3_5_moe_text'):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if getattr(c, 'sliding_window', None):
         w.add_sliding_window(c.sliding_window)
+    if mt in ('qwen3_5_text', 'qwen3_5_moe_text'):
+        _gguf_header_deltanet(w, c)
     if mt == 'minimax_m2':
         import gguf
 
@@ -705,7 +722,50 @@ def _llamacpp_layout(
         return -np.exp(x)
     if (mt, g.split('.')[-2]) in (('mamba', 'ssm_conv1d'), ('lfm2', 'conv')) and g.endswith('.weight'):
         return np.ascontiguousarray(x.squeeze(1))  # [channels, 1, kernel] stored as [channels, kernel]
+    if mt in ('qwen3_5_text', 'qwen3_5_moe_text'):
+        return _qwen35_layout(g, x, config)
     return x.reshape(-1) if '.ffn_gate_inp_shexp.' in g else x  # a [1, hidden] gate stored 1-d
+
+# %% ../nbs/98b_testing_formats.ipynb #35a1e001
+def _gguf_header_deltanet(w, c):
+    "Write Qwen3.5's keys of config `c`: the linear-attention layers' widths, the full ones' interval, mrope."
+    w.add_full_attention_interval(c.layer_types.index('full_attention') + 1)  # the config keeps the layers' types
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)  # llama.cpp's count of value heads
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    w.add_rope_dimension_sections([*c.rope_parameters['mrope_section'], 0][:4])
+
+# %% ../nbs/98b_testing_formats.ipynb #35a1e002
+def _qwen35_layout(
+    g: str,  # the tensor's GGUF name
+    x,  # its values as transformers holds them, float32 numpy
+    config,  # a Qwen3.5 (or Qwen3.5-MoE) text config
+):
+    "Qwen3.5's tensor `g` as llama.cpp stores it: norms as 1 + w, A as −exp(A_log), value heads tiled."
+    import numpy as np
+
+    c = config
+    k, per, vd = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads, c.linear_value_head_dim
+
+    def tiled(v, width=1, offset=0, dim=0):  # grouped by key head [k, per, width] → tiled [per, k, width]
+        v = np.moveaxis(v, dim, 0)
+        tail = v[offset:].reshape(k, per, width, *v.shape[1:]).swapaxes(0, 1).reshape(v[offset:].shape)
+        return np.ascontiguousarray(np.moveaxis(np.concatenate([v[:offset], tail]), 0, dim))
+
+    qk = 2 * c.linear_key_head_dim * k  # the q and k rows of the fused qkv and conv1d, as they are
+    if re.search(r'(^output_norm|\.attn_norm|\.post_attention_norm|\.attn_[qk]_norm)\.weight$', g):
+        return x + 1  # every norm but the linear attention's own (ssm_norm)
+    if g.endswith('.ssm_a'):
+        return tiled(-np.exp(x))
+    if re.search(r'\.(ssm_dt\.bias|ssm_alpha\.weight|ssm_beta\.weight)$', g):
+        return tiled(x)
+    if g.endswith(('.attn_gate.weight', '.attn_qkv.weight', '.ssm_conv1d.weight')):
+        return tiled(x.squeeze(1) if x.ndim == 3 else x, vd, 0 if 'gate' in g else qk)  # conv1d stored 2-d
+    if g.endswith('.ssm_out.weight'):
+        return tiled(x, vd, dim=1)  # its input columns
+    return x.reshape(-1) if '.ffn_gate_inp_shexp.' in g else x
 
 # %% ../nbs/98b_testing_formats.ipynb #c98c014
 def _gguf_tensors(model, config) -> list:

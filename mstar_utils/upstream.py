@@ -250,5 +250,5 @@ def gguf_converted_archs() -> tuple:
     "The GGUF architectures transformers reads through its newer conversion path; () where it has none."
     try:
         return tuple(reach('integrations.gguf.gguf_conversion_mapping.GGUF_ARCHS'))
-    except UpstreamChanged:  # before 5.25 every GGUF goes through `modeling_gguf_pytorch_utils`
+    except UpstreamChanged:  # a release without it reads every GGUF through `modeling_gguf_pytorch_utils`
         return ()

@@ -603,6 +603,36 @@ def test_moe_ranks_are_slices_of_the_full_load(mt, moe):
         assert gu.keys == ['blk.0.ffn_gate_exps.weight', 'blk.0.ffn_up_exps.weight']
 
 
+@pytest.mark.parametrize('expert_parallel', [False, True])
+@pytest.mark.parametrize('down', ['Q8_0', 'Q4_K'])
+def test_moe_ranks_read_their_share_of_the_stacked_experts(expert_parallel, down, tmp_path):
+    "Each of 2 ranks reads half the stacked experts' bytes (a Q4_K down cut mid-block: 2 of its 3 blocks a row)."
+    from mstar_utils.model import load_plan
+    from mstar_utils.tensor_parallel import Sharding, take
+
+    types = {**MOE_TYPES, 'ffn_down_exps': down}
+    f = write_gguf_checkpoint(tmp_path / 'moe.gguf', types, config=tiny_moe_gguf_config('qwen3_moe'))
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name).state_dict()
+    stored = {w: 0 for w in ('gate', 'up', 'down')}  # the file's bytes of each stacked part, by gguf-py's reader
+    for t in gguf.GGUFReader(f).tensors:
+        if '_exps' in t.name:
+            stored[t.name.split('_')[1]] += int(t.n_bytes)
+    assert stored['down'] and list(ref['model.layers.0.mlp.experts.down_proj'].shape) == [4, 256, 768]
+    # the down cut at column 384: a row's 3 Q4_K blocks of 256, the middle one read by both ranks
+    down_share = 2 / 3 if down == 'Q4_K' and not expert_parallel else 1 / 2
+    for r in range(2):
+        m = load_model(f, rank=r, world_size=2, expert_parallel=expert_parallel)
+        values = Sharding(m.tp_sharding.plan, r, 2)
+        for k, t in m.state_dict().items():
+            assert_tensors_equal(t, take(ref[k], values.slice_for(k, ref[k].shape)), k)
+        plan = load_plan(f, r, 2, expert_parallel=expert_parallel)
+        assert m.tp_bytes_read == plan.total_bytes
+        read = {
+            w: sum(t.bytes for t in plan.tensors if t.name.endswith(f'experts.{w}_proj')) for w in ('gate_up', 'down')
+        }
+        assert read == {'gate_up': (stored['gate'] + stored['up']) // 2, 'down': int(stored['down'] * down_share)}
+
+
 def test_every_architecture_transformers_reworks_is_read_or_refused():
     "Each architecture with its own TensorProcessor in transformers: read here (Llama, stacked or reworked) or refused."
     from mstar_utils.gguf import _REFUSED, _REWORKED, _STACKED

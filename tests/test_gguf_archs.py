@@ -1,5 +1,5 @@
-"""GGUF architectures whose tensors transformers reworks on load (Gemma 2/3, Nemotron, GPT-2, Bloom, Mamba, LFM2)
-and MiniMax-M2's stacked experts: tiny files written by gguf-py in llama.cpp's layout against
+"""GGUF architectures whose tensors transformers reworks on load (Gemma 2/3, Nemotron, GPT-2, Bloom, Mamba, LFM2,
+Qwen3.5 and Qwen3.5-MoE) and MiniMax-M2's stacked experts: tiny files written by gguf-py in llama.cpp's layout against
 from_pretrained(gguf_file=...), at one rank and at two; gpt-oss and T5 refused with the reason."""
 
 import contextlib
@@ -18,23 +18,46 @@ from transformers.utils import logging as hf_logging
 from mstar_utils.gguf import gguf_config, read_gguf
 from mstar_utils.model import load_model, load_plan
 from mstar_utils.testing import assert_state_dict_equal, assert_tensors_equal, tiny_gguf_config, write_gguf_checkpoint
-from mstar_utils.upstream import gguf_tensor_processors, transformers_version
+from mstar_utils.upstream import gguf_converted_archs, gguf_tensor_processors, transformers_version
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
-ARCH = {'gemma3_text': 'gemma3', 'minimax_m2': 'minimax-m2'}  # llama.cpp's names, where not the model type
-READ = ['gemma2', 'gemma3_text', 'nemotron', 'gpt2', 'bloom', 'mamba', 'lfm2', 'minimax_m2']
+ARCH = {
+    'gemma3_text': 'gemma3',
+    'minimax_m2': 'minimax-m2',
+    'qwen3_5_text': 'qwen35',
+    'qwen3_5_moe_text': 'qwen35moe',
+}  # llama.cpp's names, where not the model type
+READ = [
+    'gemma2',
+    'gemma3_text',
+    'nemotron',
+    'gpt2',
+    'bloom',
+    'mamba',
+    'lfm2',
+    'minimax_m2',
+    'qwen3_5_text',
+    'qwen3_5_moe_text',
+]
 # a mix of block types: K-quants, legacy quants, the Q8_0 default; rows not whole blocks are F32, as llama.cpp has them
 # transformers 5.25 reads LFM2 through its newer GGUF reader, which refuses Q5_0, Q5_1 and some IQ types: none here
 TYPES = {'ffn_down': 'Q4_K', 'attn_q': 'Q5_K', 'attn_qkv': 'Q4_1', 'ffn_up_exps': 'Q6_K', 'ssm_in': 'Q4_0'}
-WITH_TP = ['gemma2', 'gemma3_text', 'nemotron', 'minimax_m2']  # the others' configs declare no tensor-parallel plan
+WITH_TP = ['gemma2', 'gemma3_text', 'nemotron', 'minimax_m2', 'qwen3_5_text', 'qwen3_5_moe_text']
+# transformers dequantizes Qwen3.5-MoE's joined gate_up_proj by one block type (5.19, 5.25): its gate and up share one
+SAME_GATE_UP = {'ffn_gate_exps': 'Q6_K'}  # the others' configs declare no tensor-parallel plan
+
+
+def reads(arch):
+    "Whether the installed transformers reads GGUF architecture `arch`: a tensor processor, or its newer path."
+    return arch in gguf_tensor_processors() or arch in gguf_converted_archs()
 
 
 def needs_processor(mt):
     "Skip where the installed transformers has no GGUF tensor processor for the architecture."
     arch = ARCH.get(mt, mt)
-    if arch not in gguf_tensor_processors():
+    if not reads(arch):
         pytest.skip(f'transformers {transformers_version()} has no GGUF tensor processor for {arch!r}')
 
 
@@ -52,9 +75,10 @@ def logits(m):
 def files(tmp_path_factory):
     out = {}
     for mt in READ + ['gpt_oss']:
-        if ARCH.get(mt, mt) in gguf_tensor_processors() or mt == 'gpt_oss':
+        if reads(ARCH.get(mt, mt)) or mt == 'gpt_oss':
             d = tmp_path_factory.mktemp(mt)
-            out[mt] = write_gguf_checkpoint(d / f'{mt}.gguf', TYPES, config=tiny_gguf_config(mt))
+            types = TYPES | SAME_GATE_UP if mt == 'qwen3_5_moe_text' else TYPES
+            out[mt] = write_gguf_checkpoint(d / f'{mt}.gguf', types, config=tiny_gguf_config(mt))
     return out
 
 
@@ -139,7 +163,7 @@ def test_ranks_are_slices_of_the_full_load(mt, expert_parallel, files):
     from mstar_utils.tensor_parallel import tp_plan
 
     needs_processor(mt)
-    if expert_parallel and mt != 'minimax_m2':
+    if expert_parallel and mt not in ('minimax_m2', 'qwen3_5_moe_text'):
         pytest.skip('expert parallelism: the MoE only')
     try:
         tp_plan(tiny_gguf_config(mt), 2)
@@ -153,7 +177,15 @@ def test_ranks_are_slices_of_the_full_load(mt, expert_parallel, files):
         for k, t in m.state_dict().items():
             assert_tensors_equal(t, take(fsd[k], values.slice_for(k, fsd[k].shape)))
             cut += t.shape != fsd[k].shape
-        assert m.tp_bytes_read == load_plan(f, r, 2, expert_parallel=expert_parallel).total_bytes
+        plan = load_plan(f, r, 2, expert_parallel=expert_parallel)
+        assert m.tp_bytes_read == plan.total_bytes
+        if mt in ('minimax_m2', 'qwen3_5_moe_text'):  # stacked experts: each rank reads half their bytes, by gguf-py
+            stored = {w: 0 for w in ('gate', 'up', 'down')}
+            for t in gguf.GGUFReader(f).tensors:
+                if '_exps' in t.name:
+                    stored[t.name.split('_')[1]] += int(t.n_bytes)
+            read = {w: sum(t.bytes for t in plan.tensors if t.name.endswith(f'.{w}_proj')) for w in ('gate_up', 'down')}
+            assert read == {'gate_up': (stored['gate'] + stored['up']) // 2, 'down': stored['down'] // 2}
     assert cut > 0
     if mt == 'minimax_m2':
         gu = m.model.layers[0].mlp.experts.gate_up_proj
