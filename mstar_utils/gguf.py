@@ -690,4 +690,4 @@ def cut(
     lo, hi = whole_units(start, stop, block, self.shapes[0][2])
     vals = tuple((*s[:2], hi - lo) for s in self.shapes)
     parts = tuple((2, lo // b * n, hi // b * n) for b, n in sizes)
-    return StoredCut(parts, replace(self, shapes=vals), cut_trim(2, start, stop, lo, hi))
+    return StoredCut(parts, replace(self, shapes=vals), cut_trim(2, start, stop, lo, hi=hi))
