@@ -5,6 +5,7 @@
 # %% ../nbs/08_detokenize.ipynb #92c55ea2
 from __future__ import annotations
 import functools
+import itertools
 import numbers
 import reprlib
 from pathlib import Path
@@ -373,6 +374,24 @@ def advance(
             return _Advance(new, chunk if self.include else buf[:-k])
     return _Advance(0, buf[sent:])
 
+# %% ../nbs/08_detokenize.ipynb #rp000009-v
+def _vllm_slow_text(
+    tokenizer,  # a Python (slow) tokenizer
+    ids: list[int],
+    added: frozenset,  # its added tokens (`get_added_vocab`)
+) -> str:
+    "The text of `ids` as vLLM's slow detokenizer joins it: added tokens apart, pieces joined by spaces."
+    # Runs of other tokens go through `convert_tokens_to_string`, which drops what a run's first piece starts with
+    # where `decode` keeps it (SentencePiece's lone '▁▁' after `<s>`).
+    tokens = [t or '' for t in tokenizer.convert_ids_to_tokens(ids)]
+    if not added:
+        return tokenizer.convert_tokens_to_string(tokens)
+    pieces = []
+    for is_added, group in itertools.groupby(tokens, lambda t: t in added):
+        run = list(group)
+        pieces += run if is_added else [tokenizer.convert_tokens_to_string(run)]
+    return ' '.join(pieces)
+
 # %% ../nbs/08_detokenize.ipynb #rp000009
 class _DecodeWindow:
     "A reply's text in `'decode'` mode, streamed as `decode` of a window of its last ids gives it."
@@ -380,8 +399,11 @@ class _DecodeWindow:
     def __init__(self, det: TextChunkDetokenizer):
         self.det, self.ids, self.start, self.read, self.sent = det, [], 0, 0, 0
         self.cleanup = cleans_up(det.tokenizer)
+        self.added = None  # after a prompt, its added tokens: the text is then joined as vLLM's slow detokenizer does
 
     def _text(self, lo: int, hi: int | None = None) -> str:
+        if self.added is not None:
+            return _vllm_slow_text(self.det.tokenizer, self.ids[lo:hi], self.added)
         return self.det.tokenizer.decode(self.ids[lo:hi], skip_special_tokens=False)
 
 # %% ../nbs/08_detokenize.ipynb #rp000010
@@ -463,6 +485,8 @@ def prime(self: _DecodeWindow, prompt_ids) -> _DecodeWindow:
     ids = [self.det._check_id(i) for i in _token_ids(prompt_ids)[-_PROMPT_READ:]]
     ids = [i for i in ids if i not in self.det._skip][-_PROMPT_KEPT:]
     self.ids, self.start, self.read, self.sent = ids, 0, len(ids), 0
+    if len(_token_ids(prompt_ids)):
+        self.added = frozenset(self.det.tokenizer.get_added_vocab())
     return self
 
 # %% ../nbs/08_detokenize.ipynb #rp000012

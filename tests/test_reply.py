@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from mstar_utils.checkpoints import minilm_checkpoint, smollm2_checkpoint, tokenizer_folder
@@ -334,6 +334,7 @@ TEXT = st.text(ALPHABET, min_size=1, max_size=40)
 
 @PROPERTY
 @given(prompt=TEXT, reply=TEXT, bos=st.booleans(), keep_special=st.booleans())
+@example(prompt=' ', reply='?', bos=True, keep_special=True)  # '▁▁' after <s>: decode keeps its spaces, vLLM not
 def test_sentencepiece_model_reply_after_a_prompt_as_vllm(prompt, reply, bos, keep_special):
     "'decode' mode with `prompt_ids`: each step's text so far and the whole reply equal vLLM's slow detokenizer's."
     t = tok('spm')
@@ -347,10 +348,13 @@ def test_sentencepiece_model_reply_after_a_prompt_as_vllm(prompt, reply, bos, ke
         mine, so_far = mine + r.step([i]), so_far + delta
         assert mine.decode(errors='replace').startswith(so_far), (mine, so_far)
     mine += r.finish()
-    # vLLM's rule is decode of a window of the prompt's last ids with the reply, less the window's own text
+    assert mine.decode() == so_far or so_far.endswith('\ufffd'), (mine, so_far)
+    # a window of the prompt's last ids with no added token in it: the text is the tokenizer's own of the window and
+    # the reply, less the window's (with one, vLLM converts the runs between added tokens apart)
     window = [i for i in p[-7:] if keep_special or i != t.bos_token_id][-5:]
-    whole, before = (t.convert_tokens_to_string(t.convert_ids_to_tokens(w)) for w in (window + ids, window))
-    assert mine.decode() == so_far == whole[len(before) :] or so_far.endswith('\ufffd'), (mine, so_far)
+    if not set(t.convert_ids_to_tokens(window)) & set(t.get_added_vocab()):
+        whole, before = (t.convert_tokens_to_string(t.convert_ids_to_tokens(w)) for w in (window + ids, window))
+        assert so_far == whole[len(before) :] or so_far.endswith('\ufffd'), (so_far, whole, before)
 
 
 @st.composite
