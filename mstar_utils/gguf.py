@@ -73,6 +73,7 @@ def _arch_of(model_type: str) -> int | None:
         'qwen2_moe': 'qwen2moe',
         'qwen3_moe': 'qwen3moe',
         'gemma3_text': 'gemma3',
+        'gemma4_text': 'gemma4',
         'minimax_m2': 'minimax-m2',
         'gpt_oss': 'gpt-oss',
         'qwen3_5_text': 'qwen35',
@@ -113,7 +114,12 @@ def gguf_names(
 
     arch = _arch_of(config.model_type)
     if arch is None:
-        raise NotImplementedError(f'GGUF: gguf-py has no tensor-name map for model_type {config.model_type!r}')
+        why = f'GGUF: gguf-py has no tensor-name map for model_type {config.model_type!r}'
+        if config.model_type == 'mistral':  # transformers' from_pretrained(gguf_file=...) fails alike
+            why += (
+                " (a 'llama' file named 'mistral'; with another general.name it reads as Llama, as llama.cpp reads it)"
+            )
+        raise NotImplementedError(why)
     tmap, out = get_tensor_name_map(arch, config.num_hidden_layers), {}
     for name in model.state_dict():
         base, dot, suffix = name.rpartition('.') if name.endswith(('.weight', '.bias')) else (name, '', '')
@@ -236,19 +242,8 @@ def read_gguf(path: str | Path) -> GGUFHeader:
     return GGUFHeader(meta, tensors)
 
 # %% ../nbs/06b_gguf.ipynb #fmtg025
-_SPECIAL = (
-    't5',
-    't5encoder',
-    'stablelm',
-    'qwen2moe',
-    'qwen3moe',
-    'gpt-oss',
-    'gpt_oss',
-    'minimax-m2',
-    'gemma3',
-    'gemma4',
-    'lfm2',
-)
+_SPECIAL = ('t5', 't5encoder', 'stablelm', 'qwen2moe', 'qwen3moe', 'gpt-oss', 'gpt_oss', 'minimax-m2')
+_SPECIAL += ('gemma3', 'gemma4', 'lfm2')  # configs transformers rewrites after its table
 
 
 def gguf_config(
@@ -276,6 +271,8 @@ def gguf_config(
         cfg[new] = v[0] if isinstance(v, list) and len(v) == 1 else v
     if 'vocab_size' not in cfg and 'tokenizer.ggml.tokens' in meta:
         cfg['vocab_size'] = len(meta['tokenizer.ggml.tokens'])
+    if cfg['model_type'] not in CONFIG_MAPPING:  # Deci's: transformers' table reads it, from_pretrained does not
+        raise NotImplementedError(f'{f.name}: GGUF architecture {arch!r} is not read: {_REFUSED.get(arch, arch)}')
     config = CONFIG_MAPPING[cfg['model_type']].from_dict(cfg)
     config._name_or_path = str(f.parent)  # as from_pretrained names it
     return config
@@ -289,7 +286,9 @@ def gguf_model_class(config) -> type:
         return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
         if config.model_type in ('t5', 'umt5'):
-            raise NotImplementedError(f'GGUF: a {config.model_type} file is not read: {_REFUSED["t5"]}') from None
+            raise NotImplementedError(
+                f'GGUF: a {config.model_type} file is not read: {_REFUSED[config.model_type]}'
+            ) from None
         raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026
@@ -307,6 +306,14 @@ _REFUSED = {
     't5encoder': (
         'an encoder alone, where load_model reads causal LMs; transformers loads it with '
         'T5EncoderModel.from_pretrained(gguf_file=...)'
+    ),
+    'umt5': (  # a 't5' file whose name says umt5
+        'an encoder-decoder, where load_model reads causal LMs; transformers loads it with '
+        'UMT5ForConditionalGeneration.from_pretrained(gguf_file=...)'
+    ),
+    'deci': (
+        "transformers has no config class for model_type 'deci' (DeciLM, Llama-Nemotron NAS): "
+        'from_pretrained(gguf_file=...) fails too, so there is no load to equal'
     ),
 }
 # {architecture: (a part of a tensor's name, the dim transformers inserts)}: a 1-d file tensor read with one more dim

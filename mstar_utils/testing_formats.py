@@ -620,8 +620,8 @@ def tiny_gguf_config(
 
     base = dict(vocab_size=333, hidden_size=256, num_hidden_layers=2, tie_word_embeddings=False)
     extra = {k: v for k, v in _TINY_GGUF[model_type].items() if v is not None}
-    if model_type in ('gemma2', 'gemma3_text', 'gpt2', 'bloom', 'mamba', 'lfm2'):
-        base['tie_word_embeddings'] = True  # as their releases are
+    if model_type in ('gemma2', 'gemma3_text', 'gemma4_text', 'gpt2', 'bloom', 'mamba', 'lfm2', 'falcon'):
+        base['tie_word_embeddings'] = True  # as their releases are (transformers ties a Falcon file's always)
     if model_type not in ('mamba', 'bloom', 'gpt2'):
         base['max_position_embeddings'] = 128
     return CONFIG_MAPPING[model_type](**{**base, **extra, **kw})
@@ -635,21 +635,34 @@ _DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_he
 _TINY_GGUF['qwen3_5_text'] = _ATTN | _DELTANET | dict(full_attention_interval=2, rope_parameters=_ROPE35)
 _TINY_GGUF['qwen3_5_moe_text'] = _TINY_GGUF['qwen3_5_text'] | dict(num_experts=4, num_experts_per_tok=2)
 
+# %% ../nbs/98b_testing_formats.ipynb #h42s001
+# architectures transformers reads through its plain GGUF path (no tensor processor): Mistral is a llama.cpp 'llama'
+# file named 'mistral'; Qwen3's, StableLM's and StarCoder2's head widths are the class defaults (no key length read)
+_LLAMACPP_ARCH |= {'mistral': 'llama'}
+_ATTN_KV = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
+_TINY_GGUF |= {
+    'mistral': _ATTN,
+    'qwen2': _ATTN,
+    'qwen3': _ATTN | dict(head_dim=None),
+    'phi3': _ATTN_KV | dict(pad_token_id=0),  # its default pad id, 32000, is past a tiny vocabulary
+    'falcon': dict(num_attention_heads=4),  # Falcon-7B's layout: one key-value head
+    'stablelm': _ATTN_KV,
+    'starcoder2': _ATTN_KV,
+    'gemma4_text': _ATTN_KV | dict(sliding_window=64),
+}
+_LLAMACPP_ARCH['gemma4_text'] = 'gemma4'
+
 # %% ../nbs/98b_testing_formats.ipynb #c98c013
 def _gguf_header(w, config):
     "Write `config`'s metadata to gguf-py writer `w` under the keys llama.cpp's converter writes for it."
     c, mt = config, config.model_type
-    w.add_name(f'tiny-{mt}')
+    w.add_name('mistral' if mt == 'mistral' else f'tiny-{mt}')  # transformers reads a 'llama' named so as Mistral
     w.add_context_length(getattr(c, 'max_position_embeddings', None) or 2**20)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_vocab_size(c.vocab_size)
-    if mt in (
-        'gpt2',
-        'lfm2',
-        'qwen3_5_text',
-        'qwen3_5_moe_text',
-    ):  # transformers reads their vocabulary size from the tokens
+    # transformers reads their vocabulary size from the tokens
+    if mt in ('gpt2', 'lfm2', 'starcoder2', 'qwen3_5_text', 'qwen3_5_moe_text'):
         w.add_token_list([f'<t{i}>' for i in range(c.vocab_size)])
     if mt == 'mamba':
         w.add_ssm_conv_kernel(c.conv_kernel)
@@ -660,16 +673,22 @@ def _gguf_header(w, config):
         return
     w.add_feed_forward_length(getattr(c, 'intermediate_size', None) or 4 * c.hidden_size)
     w.add_head_count(c.num_attention_heads)
-    if mt in ('gpt2', 'bloom'):
-        w.add_head_count_kv(c.num_attention_heads)
+    if mt in ('gpt2', 'bloom', 'falcon'):  # no rotary keys: Falcon's converter writes none
+        w.add_head_count_kv(getattr(c, 'num_key_value_heads', None) or c.num_attention_heads)
         w.add_layer_norm_eps(c.layer_norm_epsilon)
         return
-    head_dim = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
+    if mt == 'gemma4_text':  # its full-attention layers' head width, which transformers reads as global_head_dim
+        head_dim = max(v.get('head_dim', 0) for v in c.to_dict()['per_layer_config'].values())
+    else:
+        head_dim = getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads
     rotary = int(head_dim * c.rope_parameters.get('partial_rotary_factor', 1.0))  # Qwen3.5's: a quarter of the head
     w.add_rope_dimension_count(getattr(c, 'rotary_dim', None) or rotary)
     rope = c.rope_parameters
     w.add_rope_freq_base(rope.get('rope_theta') or rope['full_attention']['rope_theta'])  # Gemma 3: global layers'
-    w.add_layer_norm_rms_eps(getattr(c, 'rms_norm_eps', None) or c.norm_eps)
+    if mt in ('stablelm', 'starcoder2'):  # LayerNorm
+        w.add_layer_norm_eps(getattr(c, 'layer_norm_eps', None) or c.norm_epsilon)
+    else:
+        w.add_layer_norm_rms_eps(getattr(c, 'rms_norm_eps', None) or c.norm_eps)
     _gguf_header_arch(w, c, head_dim)
 
 # %% ../nbs/98b_testing_formats.ipynb #c98c013-1
@@ -687,11 +706,13 @@ def _gguf_header_arch(w, c, head_dim: int):
         w.add_expert_feed_forward_length(getattr(c, 'moe_intermediate_size', None) or c.intermediate_size)
     if getattr(c, 'shared_expert_intermediate_size', None):
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    if mt in ('qwen3_moe', 'gemma2', 'gemma3_text', 'minimax_m2', 'gpt_oss', 'qwen3_5_text', 'qwen3_5_moe_text'):
+    if mt.startswith('gemma') or mt in ('qwen3_moe', 'minimax_m2', 'gpt_oss', 'qwen3_5_text', 'qwen3_5_moe_text'):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if getattr(c, 'sliding_window', None):
         w.add_sliding_window(c.sliding_window)
+    if mt == 'phi3':  # its tokenizer's pad id, which transformers reads
+        w.add_pad_token_id(c.pad_token_id)
     if mt in ('qwen3_5_text', 'qwen3_5_moe_text'):
         _gguf_header_deltanet(w, c)
     if mt == 'minimax_m2':
@@ -709,7 +730,7 @@ def _llamacpp_layout(
     import numpy as np
 
     mt = config.model_type
-    if mt == 'llama' and ('.attn_q.' in g or '.attn_k.' in g):
+    if mt in ('llama', 'mistral') and ('.attn_q.' in g or '.attn_k.' in g):
         return _llamacpp_permute(x, config.num_attention_heads if '.attn_q.' in g else config.num_key_value_heads)
     if mt in ('gemma2', 'gemma3_text', 'nemotron') and g.endswith('norm.weight'):
         return x + 1  # their norms scale by 1 + w
@@ -772,7 +793,11 @@ def _gguf_tensors(model, config) -> list:
     "(GGUF name, float32 array) of each tensor llama.cpp's converter writes for `model`, in its layout."
     from mstar_utils.gguf import gguf_names
 
-    names, out = {v: k for k, v in gguf_names(model, config).items()}, []
+    import transformers as tf
+
+    layers = tf.LlamaConfig(num_hidden_layers=config.num_hidden_layers)  # llama.cpp writes a Mistral as a Llama
+    names = {v: k for k, v in gguf_names(model, layers if config.model_type == 'mistral' else config).items()}
+    out = []
     for k, t in model.state_dict().items():
         x = t.float().numpy()
         if m := re.fullmatch(

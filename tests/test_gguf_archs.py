@@ -1,6 +1,8 @@
 """GGUF architectures whose tensors transformers reworks on load (Gemma 2/3, Nemotron, GPT-2, Bloom, Mamba, LFM2,
-Qwen3.5 and Qwen3.5-MoE) and MiniMax-M2's stacked experts: tiny files written by gguf-py in llama.cpp's layout against
-from_pretrained(gguf_file=...), at one rank and at two; gpt-oss and T5 refused with the reason."""
+Qwen3.5 and Qwen3.5-MoE), MiniMax-M2's stacked experts, and those it reads as stored (Qwen2, Qwen3, Phi-3, Falcon,
+StableLM, StarCoder2, Gemma 4): tiny files written by gguf-py in llama.cpp's layout against
+from_pretrained(gguf_file=...), at one rank and at two; gpt-oss, T5, UMT5, Deci and Mistral-named Llama files refused
+with the reason."""
 
 import contextlib
 import io
@@ -18,17 +20,26 @@ from transformers.utils import logging as hf_logging
 from mstar_utils.gguf import gguf_config, read_gguf
 from mstar_utils.model import load_model, load_plan
 from mstar_utils.testing import assert_state_dict_equal, assert_tensors_equal, tiny_gguf_config, write_gguf_checkpoint
-from mstar_utils.upstream import gguf_converted_archs, gguf_tensor_processors, transformers_version
+from mstar_utils.upstream import (
+    gguf_config_mappings,
+    gguf_converted_archs,
+    gguf_tensor_processors,
+    transformers_version,
+)
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 101, 17]])
 ARCH = {
     'gemma3_text': 'gemma3',
+    'gemma4_text': 'gemma4',
     'minimax_m2': 'minimax-m2',
     'qwen3_5_text': 'qwen35',
     'qwen3_5_moe_text': 'qwen35moe',
 }  # llama.cpp's names, where not the model type
+# read by transformers' plain GGUF path: its config table, no tensor processor, the values as the file stores them
+# (Gemma 4's tiny file holds its per-layer embeddings at transformers' default size, which its GGUF table reads not)
+PLAIN = ['qwen2', 'qwen3', 'phi3', 'falcon', 'stablelm', 'starcoder2', 'gemma4_text']
 READ = [
     'gemma2',
     'gemma3_text',
@@ -40,18 +51,21 @@ READ = [
     'minimax_m2',
     'qwen3_5_text',
     'qwen3_5_moe_text',
+    *PLAIN,
 ]
 # a mix of block types: K-quants, legacy quants, the Q8_0 default; rows not whole blocks are F32, as llama.cpp has them
 # transformers 5.25 reads LFM2 through its newer GGUF reader, which refuses Q5_0, Q5_1 and some IQ types: none here
 TYPES = {'ffn_down': 'Q4_K', 'attn_q': 'Q5_K', 'attn_qkv': 'Q4_1', 'ffn_up_exps': 'Q6_K', 'ssm_in': 'Q4_0'}
 WITH_TP = ['gemma2', 'gemma3_text', 'nemotron', 'minimax_m2', 'qwen3_5_text', 'qwen3_5_moe_text']
+WITH_TP += ['qwen2', 'qwen3', 'phi3', 'starcoder2', 'gemma4_text']
 # transformers dequantizes Qwen3.5-MoE's joined gate_up_proj by one block type (5.19, 5.25): its gate and up share one
 SAME_GATE_UP = {'ffn_gate_exps': 'Q6_K'}  # the others' configs declare no tensor-parallel plan
 
 
 def reads(arch):
-    "Whether the installed transformers reads GGUF architecture `arch`: a tensor processor, or its newer path."
-    return arch in gguf_tensor_processors() or arch in gguf_converted_archs()
+    "Whether the installed transformers reads GGUF architecture `arch`: a tensor processor, its newer path, or plain."
+    plain = arch in {ARCH.get(mt, mt) for mt in PLAIN} and arch in gguf_config_mappings()[0]
+    return plain or arch in gguf_tensor_processors() or arch in gguf_converted_archs()
 
 
 def needs_processor(mt):
@@ -192,7 +206,7 @@ def test_ranks_are_slices_of_the_full_load(mt, expert_parallel, files):
         assert gu.shape == ((2, 1024, 256) if expert_parallel else (4, 512, 256))
 
 
-@pytest.mark.parametrize('mt', ['gpt2', 'bloom', 'mamba', 'lfm2'])
+@pytest.mark.parametrize('mt', ['gpt2', 'bloom', 'mamba', 'lfm2', 'falcon', 'stablelm'])
 def test_no_plan_is_refused_as_for_safetensors(mt, files):
     "Architectures whose config declares no tensor-parallel plan are refused at 2 ranks, naming the config."
     needs_processor(mt)
@@ -211,14 +225,14 @@ def test_gpt_oss_is_refused_because_transformers_loads_no_experts(files):
         load_model(f)
 
 
-def test_t5_is_refused_as_an_encoder_decoder(tmp_path):
-    "A T5 file (gguf-py's writer, T5's keys) is refused by name: load_model reads causal LMs."
-    w = gguf.GGUFWriter(str(tmp_path / 't5.gguf'), 't5')
-    w.add_name('flan-t5-tiny')
+def tiny_header_file(path, arch, name, **lists):
+    "A one-layer file of GGUF architecture `arch` named `name`: gguf-py's writer, the keys llama.cpp writes."
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
     for add, v in [('add_context_length', 512), ('add_embedding_length', 64), ('add_block_count', 1)]:
         getattr(w, add)(v)
-    w.add_feed_forward_length(128)
-    w.add_head_count(2)
+    w.add_feed_forward_length(lists.get('ffn', 128))
+    w.add_head_count(lists.get('heads', 2))
     w.add_key_length(32)
     w.add_vocab_size(100)
     w.add_tensor('token_embd.weight', np.zeros((100, 64), np.float32))
@@ -226,7 +240,39 @@ def test_t5_is_refused_as_an_encoder_decoder(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+@pytest.mark.parametrize('name, cls', [('flan-t5-tiny', 'T5'), ('umt5-tiny', 'UMT5')])
+def test_t5_and_umt5_are_refused_as_encoder_decoders(name, cls, tmp_path):
+    "A T5 or UMT5 file (a 't5' file, its name saying which) is refused by name: load_model reads causal LMs."
+    f = tiny_header_file(tmp_path / f'{name}.gguf', 't5', name)
+    mt = cls.lower()
+    assert AutoConfig.from_pretrained(tmp_path, gguf_file=f.name).model_type == mt  # as transformers reads it
     with pytest.raises(
-        NotImplementedError, match=r'a t5 file is not read: an encoder-decoder.*T5ForConditionalGeneration'
+        NotImplementedError, match=rf'a {mt} file is not read: an encoder-decoder.* {cls}ForConditionalGeneration'
     ):
-        load_model(tmp_path / 't5.gguf')
+        load_model(f)
+
+
+def test_deci_is_refused_as_transformers_has_no_config_class(tmp_path):
+    "A Deci file (per-layer heads and widths, as llama.cpp writes them) fails in transformers; load_model says why."
+    f = tiny_header_file(tmp_path / 'deci.gguf', 'deci', 'tiny-deci', ffn=[128], heads=[2])
+    with pytest.raises(ValueError, match=r'model type `deci` but Transformers does not recognize'):
+        from_pretrained(f)
+    with pytest.raises(
+        NotImplementedError, match=r"deci\.gguf: GGUF architecture 'deci' is not read: .*no config class"
+    ):
+        load_model(f)
+
+
+def test_mistral_named_llama_file_is_refused_as_transformers_fails(tmp_path):
+    "A 'llama' file named 'mistral': transformers reads it as Mistral, which gguf-py maps no names of; both refuse."
+    f = write_gguf_checkpoint(tmp_path / 'mistral.gguf', {}, config=tiny_gguf_config('mistral'))
+    meta = read_gguf(f).metadata
+    assert (meta['general.architecture'], meta['general.name']) == ('llama', 'mistral')
+    assert AutoConfig.from_pretrained(tmp_path, gguf_file=f.name).model_type == 'mistral'
+    with pytest.raises(NotImplementedError, match=r'Unknown gguf model_type: mistral'):
+        from_pretrained(f)
+    with pytest.raises(NotImplementedError, match=r"model_type 'mistral' \(a 'llama' file named 'mistral'"):
+        load_model(f)
