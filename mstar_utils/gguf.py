@@ -78,6 +78,7 @@ def _arch_of(model_type: str) -> int | None:
         'gpt_oss': 'gpt-oss',
         'qwen3_5_text': 'qwen35',
         'qwen3_5_moe_text': 'qwen35moe',
+        'umt5': 't5',  # a 't5' file whose name says umt5
     }
     name = spelt.get(model_type, model_type)
     return next((a for a, n in MODEL_ARCH_NAMES.items() if n == name), None)
@@ -279,16 +280,15 @@ def gguf_config(
 
 # %% ../nbs/06b_gguf.ipynb #fmtg029
 def gguf_model_class(config) -> type:
-    "The class `AutoModelForCausalLM` picks for `config`: a GGUF config names no architectures."
-    from transformers import AutoModelForCausalLM
+    "The class transformers' auto mapping picks for `config`: its seq2seq LM (T5, UMT5), else its causal LM."
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    if config.model_type in ('t5', 'umt5') and config.architectures:  # a 't5encoder' file's: transformers names it
+        raise NotImplementedError(f'GGUF: a {config.architectures[0]} file is not read: {_REFUSED["t5encoder"]}')
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     try:
-        return AutoModelForCausalLM._model_mapping[type(config)]
+        return auto._model_mapping[type(config)]
     except KeyError:
-        if config.model_type in ('t5', 'umt5'):
-            raise NotImplementedError(
-                f'GGUF: a {config.model_type} file is not read: {_REFUSED[config.model_type]}'
-            ) from None
         raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
 
 # %% ../nbs/06b_gguf.ipynb #fmtg026
@@ -299,17 +299,10 @@ _REFUSED = {
         'unloaded, newly initialized: there is no load to equal; load the safetensors release'
     ),
     'gpt_oss': "not llama.cpp's name for gpt-oss (its files say 'gpt-oss'), whose experts transformers leaves unloaded",
-    't5': (
-        'an encoder-decoder, where load_model reads causal LMs; transformers loads it with '
-        'T5ForConditionalGeneration.from_pretrained(gguf_file=...)'
-    ),
     't5encoder': (
-        'an encoder alone, where load_model reads causal LMs; transformers loads it with '
+        'an encoder alone, which transformers reads as T5EncoderModel (or UMT5EncoderModel), a class load_model '
+        'does not pick for a GGUF file nor check against from_pretrained; load it with '
         'T5EncoderModel.from_pretrained(gguf_file=...)'
-    ),
-    'umt5': (  # a 't5' file whose name says umt5
-        'an encoder-decoder, where load_model reads causal LMs; transformers loads it with '
-        'UMT5ForConditionalGeneration.from_pretrained(gguf_file=...)'
     ),
     'deci': (
         "transformers has no config class for model_type 'deci' (DeciLM, Llama-Nemotron NAS): "

@@ -652,6 +652,26 @@ _TINY_GGUF |= {
 }
 _LLAMACPP_ARCH['gemma4_text'] = 'gemma4'
 
+# %% ../nbs/98b_testing_formats.ipynb #h42t001
+# T5 and UMT5 (llama.cpp writes both as 't5'; transformers reads a file named umt5 as UMT5): gated feed-forwards, as
+# flan-t5's and umt5's are (transformers reads every 't5' file as gated), the decoder as deep as the encoder
+_LLAMACPP_ARCH |= {'t5': 't5', 'umt5': 't5'}
+_T5 = dict(num_heads=4, d_kv=64, d_ff=512, num_decoder_layers=2, feed_forward_proj='gated-gelu', decoder_start_token_id=0)
+_TINY_GGUF |= {'t5': _T5, 'umt5': _T5}
+
+
+def _gguf_header_t5(w, c):
+    "Write T5's (or UMT5's) keys of config `c` after the common ones, as llama.cpp's T5 converter writes them."
+    w.add_feed_forward_length(c.d_ff)
+    w.add_decoder_block_count(c.num_decoder_layers)
+    w.add_head_count(c.num_heads)
+    w.add_key_length(c.d_kv)
+    w.add_value_length(c.d_kv)
+    w.add_layer_norm_eps(c.layer_norm_epsilon)
+    w.add_relative_attn_buckets_count(c.relative_attention_num_buckets)
+    w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    w.add_decoder_start_token_id(c.decoder_start_token_id)
+
 # %% ../nbs/98b_testing_formats.ipynb #c98c013
 def _gguf_header(w, config):
     "Write `config`'s metadata to gguf-py writer `w` under the keys llama.cpp's converter writes for it."
@@ -671,6 +691,8 @@ def _gguf_header(w, config):
         w.add_ssm_time_step_rank(c.time_step_rank)
         w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
         return
+    if mt in ('t5', 'umt5'):
+        return _gguf_header_t5(w, c)
     w.add_feed_forward_length(getattr(c, 'intermediate_size', None) or 4 * c.hidden_size)
     w.add_head_count(c.num_attention_heads)
     if mt in ('gpt2', 'bloom', 'falcon'):  # no rotary keys: Falcon's converter writes none
@@ -842,11 +864,11 @@ def write_gguf_checkpoint(
     "A tiny random model of `config` written by gguf-py as llama.cpp writes one."
     import gguf
     import numpy as np
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = (AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM).from_config(config)
     w = gguf.GGUFWriter(str(dest), _LLAMACPP_ARCH.get(config.model_type, config.model_type))
     _gguf_header(w, config)
     for g, x in _gguf_tensors(model, config):
