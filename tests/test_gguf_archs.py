@@ -1,8 +1,8 @@
 """GGUF architectures whose tensors transformers reworks on load (Gemma 2/3, Nemotron, GPT-2, Bloom, Mamba, LFM2,
 Qwen3.5 and Qwen3.5-MoE), MiniMax-M2's stacked experts, and those it reads as stored (Qwen2, Qwen3, Phi-3, Falcon,
 StableLM, StarCoder2, Gemma 4): tiny files written by gguf-py in llama.cpp's layout against
-from_pretrained(gguf_file=...), at one rank and at two; gpt-oss, T5, UMT5, Deci and Mistral-named Llama files refused
-with the reason."""
+from_pretrained(gguf_file=...), at one rank and at two; T5 and UMT5 files against its seq2seq load; gpt-oss,
+T5-encoder, Deci and Mistral-named Llama files refused with the reason."""
 
 import contextlib
 import io
@@ -14,7 +14,7 @@ import torch
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import gguf
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from transformers.utils import logging as hf_logging
 
 from mstar_utils.gguf import gguf_config, read_gguf
@@ -243,15 +243,30 @@ def tiny_header_file(path, arch, name, **lists):
     return path
 
 
-@pytest.mark.parametrize('name, cls', [('flan-t5-tiny', 'T5'), ('umt5-tiny', 'UMT5')])
-def test_t5_and_umt5_are_refused_as_encoder_decoders(name, cls, tmp_path):
-    "A T5 or UMT5 file (a 't5' file, its name saying which) is refused by name: load_model reads causal LMs."
-    f = tiny_header_file(tmp_path / f'{name}.gguf', 't5', name)
-    mt = cls.lower()
-    assert AutoConfig.from_pretrained(tmp_path, gguf_file=f.name).model_type == mt  # as transformers reads it
-    with pytest.raises(
-        NotImplementedError, match=rf'a {mt} file is not read: an encoder-decoder.* {cls}ForConditionalGeneration'
-    ):
+@pytest.mark.parametrize('mt', ['t5', 'umt5'])
+def test_t5_and_umt5_load_as_from_pretrained(mt, tmp_path):
+    "A T5 or UMT5 file (a 't5' file, its name saying which) loads as transformers' seq2seq load: tensors, logits."
+    f = write_gguf_checkpoint(tmp_path / f'{mt}.gguf', TYPES, config=tiny_gguf_config(mt))
+    with contextlib.redirect_stderr(io.StringIO()):
+        ref = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, gguf_file=f.name).eval()
+    assert read_gguf(f).metadata['general.architecture'] == 't5' and ref.config.model_type == mt
+    assert type(ref).__name__ == f'{mt.upper()}ForConditionalGeneration'
+    dec = torch.tensor([[0, 4, 8, 15]])
+    for m in (load_model(f), load_model(f.parent)):
+        assert type(m) is type(ref)
+        assert_state_dict_equal(m, ref)
+        with torch.no_grad():
+            got, want = (x(input_ids=IDS, decoder_input_ids=dec).logits for x in (m, ref))
+        assert_tensors_equal(got, want)
+    assert gguf_config(f, read_gguf(f)).to_dict() == AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
+    assert m.bytes_read == sum(t.data.numel() for t in read_gguf(f).tensors.values())
+
+
+def test_t5_encoder_file_is_refused_by_name(tmp_path):
+    "A 't5encoder' file, which transformers reads as T5EncoderModel, is refused saying that class is not picked."
+    f = tiny_header_file(tmp_path / 'flan-t5-enc.gguf', 't5encoder', 'flan-t5-enc')
+    assert AutoConfig.from_pretrained(tmp_path, gguf_file=f.name).architectures == ['T5EncoderModel']
+    with pytest.raises(NotImplementedError, match=r'T5EncoderModel file is not read: an encoder alone'):
         load_model(f)
 
 
