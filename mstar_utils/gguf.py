@@ -280,7 +280,7 @@ def gguf_config(
 
 # %% ../nbs/06b_gguf.ipynb #fmtg029
 def gguf_model_class(config) -> type:
-    "The class transformers' auto mapping picks for `config`: its seq2seq LM (T5, UMT5), else its causal LM."
+    "The class transformers' auto mapping picks for `config`: its seq2seq LM (T5, UMT5), else causal LM."
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     if config.model_type in ('t5', 'umt5') and config.architectures:  # a 't5encoder' file's: transformers names it

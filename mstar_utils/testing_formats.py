@@ -656,7 +656,8 @@ _LLAMACPP_ARCH['gemma4_text'] = 'gemma4'
 # T5 and UMT5 (llama.cpp writes both as 't5'; transformers reads a file named umt5 as UMT5): gated feed-forwards, as
 # flan-t5's and umt5's are (transformers reads every 't5' file as gated), the decoder as deep as the encoder
 _LLAMACPP_ARCH |= {'t5': 't5', 'umt5': 't5'}
-_T5 = dict(num_heads=4, d_kv=64, d_ff=512, num_decoder_layers=2, feed_forward_proj='gated-gelu', decoder_start_token_id=0)
+_T5 = dict(num_heads=4, d_kv=64, d_ff=512, num_decoder_layers=2, feed_forward_proj='gated-gelu')
+_T5['decoder_start_token_id'] = 0  # llama.cpp's converter writes it
 _TINY_GGUF |= {'t5': _T5, 'umt5': _T5}
 
 
