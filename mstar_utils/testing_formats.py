@@ -697,7 +697,8 @@ def _gguf_header(w, config):
     w.add_feed_forward_length(getattr(c, 'intermediate_size', None) or 4 * c.hidden_size)
     w.add_head_count(c.num_attention_heads)
     if mt in ('gpt2', 'bloom', 'falcon'):  # no rotary keys: Falcon's converter writes none
-        w.add_head_count_kv(getattr(c, 'num_key_value_heads', None) or c.num_attention_heads)
+        one = getattr(c, 'multi_query', False) and not getattr(c, 'new_decoder_architecture', False)  # Falcon-7B's
+        w.add_head_count_kv(1 if one else getattr(c, 'num_kv_heads', None) or c.num_attention_heads)
         w.add_layer_norm_eps(c.layer_norm_epsilon)
         return
     if mt == 'gemma4_text':  # its full-attention layers' head width, which transformers reads as global_head_dim
