@@ -57,10 +57,10 @@ def write_nvfp4(dest: Path, cfg, seed: int = 0) -> Path:
     """A Llama of random NVFP4 codes as compressed-tensors' `nvfp4-pack-quantized` stores it: uint8 codes, E4M3 group
     scales."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     from mstar_utils.model import build_on_meta
 
-    cls, g, out = AutoModelForCausalLM._model_mapping[type(cfg)], torch.Generator().manual_seed(seed), {}
+    cls, g, out = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], torch.Generator().manual_seed(seed), {}
     for k, t in build_on_meta(cfg, cls, torch.bfloat16).state_dict().items():
         if t.ndim == 2 and '_proj' in k:
             m, (rows, cols) = k[: -len('.weight')], t.shape
@@ -115,10 +115,10 @@ def dequantizing_row(name: str, load, tmp: Path, repeat: int) -> tuple:
 def write_int4(dest: Path, cfg, method: str, seed: int = 0) -> Path:
     "A Llama of random 4-bit codes in GPTQ's (act-order, groups of 128) or AWQ's GEMM layout, float16 elsewhere."
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     from mstar_utils.model import build_on_meta
 
-    cls, g, out = AutoModelForCausalLM._model_mapping[type(cfg)], torch.Generator().manual_seed(seed), {}
+    cls, g, out = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], torch.Generator().manual_seed(seed), {}
 
     def words(*shape):
         return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=g)

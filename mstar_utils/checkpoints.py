@@ -235,7 +235,7 @@ def _build_smollm2(out: Path):
     config = q.config
     if hasattr(config, 'quantization_config'):
         del config.quantization_config
-    config._name_or_path = 'HuggingFaceTB/SmolLM2-135M-Instruct'
+    config.name_or_path = 'HuggingFaceTB/SmolLM2-135M-Instruct'
     config.dtype = torch.bfloat16
     with torch.device('meta'):
         fresh = type(q)(config)

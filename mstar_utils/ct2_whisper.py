@@ -235,7 +235,7 @@ def whisper_config(ct2: CT2Model, tokenizer, ct2_config: dict, name_or_path: str
         suppress_tokens=ct2_config['suppress_ids'],
         begin_suppress_tokens=ct2_config['suppress_ids_begin'],
     )
-    config.dtype, config._name_or_path = 'float16', name_or_path
+    config.dtype, config.name_or_path = 'float16', name_or_path
     return config
 
 # %% ../nbs/00b_ct2_whisper.ipynb #cfcd1413

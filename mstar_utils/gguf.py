@@ -275,19 +275,22 @@ def gguf_config(
     if cfg['model_type'] not in CONFIG_MAPPING:  # Deci's: transformers' table reads it, from_pretrained does not
         raise NotImplementedError(f'{f.name}: GGUF architecture {arch!r} is not read: {_REFUSED.get(arch, arch)}')
     config = CONFIG_MAPPING[cfg['model_type']].from_dict(cfg)
-    config._name_or_path = str(f.parent)  # as from_pretrained names it
+    config.name_or_path = str(f.parent)  # as from_pretrained names it
     return config
 
 # %% ../nbs/06b_gguf.ipynb #fmtg029
 def gguf_model_class(config) -> type:
-    "The class transformers' auto mapping picks for `config`: its seq2seq LM (T5, UMT5), else causal LM."
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    "The class of a GGUF file's `config`: the one it names, else its auto mapping's seq2seq or causal LM."
+    import transformers
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
 
-    if config.model_type in ('t5', 'umt5') and config.architectures:  # a 't5encoder' file's: transformers names it
-        raise NotImplementedError(f'GGUF: a {config.architectures[0]} file is not read: {_REFUSED["t5encoder"]}')
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    if config.architectures:  # transformers names T5EncoderModel or UMT5EncoderModel for a 't5encoder' file
+        if (cls := getattr(transformers, config.architectures[0], None)) is None:
+            raise ValueError(f'GGUF: transformers has no class {config.architectures[0]!r}; pass model_class=')
+        return cls
+    auto = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING if config.is_encoder_decoder else MODEL_FOR_CAUSAL_LM_MAPPING
     try:
-        return auto._model_mapping[type(config)]
+        return auto[type(config)]
     except KeyError:
         raise ValueError(f'GGUF: no causal-LM class for model_type {config.model_type!r}; pass model_class=') from None
 
@@ -299,11 +302,6 @@ _REFUSED = {
         'unloaded, newly initialized: there is no load to equal; load the safetensors release'
     ),
     'gpt_oss': "not llama.cpp's name for gpt-oss (its files say 'gpt-oss'), whose experts transformers leaves unloaded",
-    't5encoder': (
-        'an encoder alone, which transformers reads as T5EncoderModel (or UMT5EncoderModel), a class load_model '
-        'does not pick for a GGUF file nor check against from_pretrained; load it with '
-        'T5EncoderModel.from_pretrained(gguf_file=...)'
-    ),
     'deci': (
         "transformers has no config class for model_type 'deci' (DeciLM, Llama-Nemotron NAS): "
         'from_pretrained(gguf_file=...) fails too, so there is no load to equal'

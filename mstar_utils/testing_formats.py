@@ -659,19 +659,24 @@ _LLAMACPP_ARCH |= {'t5': 't5', 'umt5': 't5'}
 _T5 = dict(num_heads=4, d_kv=64, d_ff=512, num_decoder_layers=2, feed_forward_proj='gated-gelu')
 _T5['decoder_start_token_id'] = 0  # llama.cpp's converter writes it
 _TINY_GGUF |= {'t5': _T5, 'umt5': _T5}
+# a config naming one of these is an encoder alone, which llama.cpp writes as a 't5encoder' file
+_T5_ENCODERS = ('T5EncoderModel', 'UMT5EncoderModel')
 
 
 def _gguf_header_t5(w, c):
-    "Write T5's (or UMT5's) keys of config `c` after the common ones, as llama.cpp's T5 converter writes them."
+    "Write T5's (or UMT5's) keys of config `c` after the common ones, as llama.cpp's T5 converters write them."
+    encoder = (c.architectures or [None])[0] in _T5_ENCODERS  # no decoder keys
     w.add_feed_forward_length(c.d_ff)
-    w.add_decoder_block_count(c.num_decoder_layers)
+    if not encoder:
+        w.add_decoder_block_count(c.num_decoder_layers)
     w.add_head_count(c.num_heads)
     w.add_key_length(c.d_kv)
     w.add_value_length(c.d_kv)
     w.add_layer_norm_eps(c.layer_norm_epsilon)
     w.add_relative_attn_buckets_count(c.relative_attention_num_buckets)
     w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
-    w.add_decoder_start_token_id(c.decoder_start_token_id)
+    if not encoder:
+        w.add_decoder_start_token_id(c.decoder_start_token_id)
 
 # %% ../nbs/98b_testing_formats.ipynb #c98c013
 def _gguf_header(w, config):
@@ -866,12 +871,14 @@ def write_gguf_checkpoint(
     "A tiny random model of `config` written by gguf-py as llama.cpp writes one."
     import gguf
     import numpy as np
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    import transformers
 
     config, dest, rng = config or tiny_llama_gguf_config(), Path(dest), np.random.default_rng(seed)
     torch.manual_seed(seed)
-    model = (AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM).from_config(config)
-    w = gguf.GGUFWriter(str(dest), _LLAMACPP_ARCH.get(config.model_type, config.model_type))
+    auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    encoder = (config.architectures or [None])[0] in _T5_ENCODERS
+    model = getattr(transformers, config.architectures[0])(config) if encoder else auto.from_config(config)
+    w = gguf.GGUFWriter(str(dest), 't5encoder' if encoder else _LLAMACPP_ARCH.get(config.model_type, config.model_type))
     _gguf_header(w, config)
     for g, x in _gguf_tensors(model, config):
         qt = gguf.GGMLQuantizationType[next((q for part, q in qtypes.items() if part in g), default)]

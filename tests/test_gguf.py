@@ -638,8 +638,9 @@ def test_every_architecture_transformers_reworks_is_read_or_refused():
     from mstar_utils.gguf import _REFUSED, _REWORKED, _STACKED
     from mstar_utils.upstream import gguf_converted_archs, gguf_tensor_processors
 
-    # T5's processor only notes a tensor's block, its values as stored (tests/test_gguf_archs.py loads T5 and UMT5)
-    assert set(gguf_tensor_processors()) <= {'llama', 't5', *_STACKED, *_REWORKED, *_REFUSED}
+    # T5's processor (a 't5encoder' file's too) only notes a tensor's block, its values as stored
+    # (tests/test_gguf_archs.py loads T5, UMT5 and their encoders alone)
+    assert set(gguf_tensor_processors()) <= {'llama', 't5', 't5encoder', *_STACKED, *_REWORKED, *_REFUSED}
     assert not ({*_STACKED} | {*_REWORKED}) & set(_REFUSED)
     # transformers' newer conversion path (5.25 on) reworks its architectures' tensors too
     assert set(gguf_converted_archs()) <= {*_REWORKED, *_REFUSED}

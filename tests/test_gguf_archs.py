@@ -1,8 +1,8 @@
 """GGUF architectures whose tensors transformers reworks on load (Gemma 2/3, Nemotron, GPT-2, Bloom, Mamba, LFM2,
 Qwen3.5 and Qwen3.5-MoE), MiniMax-M2's stacked experts, and those it reads as stored (Qwen2, Qwen3, Phi-3, Falcon,
 StableLM, StarCoder2, Gemma 4): tiny files written by gguf-py in llama.cpp's layout against
-from_pretrained(gguf_file=...), at one rank and at two; T5 and UMT5 files against its seq2seq load; gpt-oss,
-T5-encoder, Deci and Mistral-named Llama files refused with the reason."""
+from_pretrained(gguf_file=...), at one rank and at two; T5 and UMT5 files against its seq2seq load, their encoders
+alone against the encoder class; gpt-oss, Deci and Mistral-named Llama files refused with the reason."""
 
 import contextlib
 import io
@@ -262,12 +262,27 @@ def test_t5_and_umt5_load_as_from_pretrained(mt, tmp_path):
     assert m.bytes_read == sum(t.data.numel() for t in read_gguf(f).tensors.values())
 
 
-def test_t5_encoder_file_is_refused_by_name(tmp_path):
-    "A 't5encoder' file, which transformers reads as T5EncoderModel, is refused saying that class is not picked."
-    f = tiny_header_file(tmp_path / 'flan-t5-enc.gguf', 't5encoder', 'flan-t5-enc')
-    assert AutoConfig.from_pretrained(tmp_path, gguf_file=f.name).architectures == ['T5EncoderModel']
-    with pytest.raises(NotImplementedError, match=r'T5EncoderModel file is not read: an encoder alone'):
-        load_model(f)
+@pytest.mark.parametrize('mt', ['t5', 'umt5'])
+def test_t5_and_umt5_encoder_files_load_as_from_pretrained(mt, tmp_path):
+    """A 't5encoder' file (an encoder alone, as diffusion pipelines ship T5-XXL and UMT5-XXL), which transformers reads
+    as the encoder class its config names, loads as that class's from_pretrained: tensors, hidden states, bytes."""
+    import transformers
+
+    name = f'{mt.upper()}EncoderModel'
+    f = write_gguf_checkpoint(tmp_path / f'{mt}-enc.gguf', TYPES, config=tiny_gguf_config(mt, architectures=[name]))
+    assert read_gguf(f).metadata['general.architecture'] == 't5encoder'
+    assert AutoConfig.from_pretrained(tmp_path, gguf_file=f.name).architectures == [name]
+    with contextlib.redirect_stderr(io.StringIO()):
+        ref = getattr(transformers, name).from_pretrained(tmp_path, gguf_file=f.name).eval()
+    for m in (load_model(f), load_model(f.parent)):
+        assert type(m) is type(ref)
+        assert_state_dict_equal(m, ref)
+        with torch.no_grad():
+            got, want = (x(input_ids=IDS).last_hidden_state for x in (m, ref))
+        assert_tensors_equal(got, want)
+    assert m.bytes_read == sum(t.data.numel() for t in read_gguf(f).tensors.values())
+    with pytest.raises(ValueError, match=r'declares no base_model_tp_plan; pass a plan'):
+        load_model(f, rank=0, world_size=2)
 
 
 def test_deci_is_refused_as_transformers_has_no_config_class(tmp_path):

@@ -240,7 +240,7 @@ INTERNAL = re.compile(
     r'|modeling_gguf_pytorch_utils|modeling_utils)\b'
     r'|from\s+transformers[\w.]*\s+import\s+\(?\s*_\w'
     r'|\.(?:_get_dtype_plan|base_model_tp_plan|base_model_ep_plan|_dequantize_fp8_weight|_from_config'
-    r'|all_tied_weights_keys|_is_hf_initialized|_is_expert_parallel)\b'
+    r'|all_tied_weights_keys|_is_hf_initialized|_is_expert_parallel|_model_mapping|_name_or_path)\b'
     r"|'(?:_keys_to_ignore_on_load_unexpected|_decode_special_floats|_detect_timestamp_from_logprob|_from_config"
     r"|_is_hf_initialized|all_tied_weights_keys)'"
     r'|\.past_key_values\b'  # the cache's name out of a forward changed in 5.25 (`output_cache`)
