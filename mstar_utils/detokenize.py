@@ -482,10 +482,11 @@ _PROMPT_READ, _PROMPT_KEPT = 7, 5  # vLLM reads the prompt's last 7 ids and prim
 @patch
 def prime(self: _DecodeWindow, prompt_ids) -> _DecodeWindow:
     "Start the window on the prompt's last ids, as vLLM's detokenizer does: the reply continues its text."
-    ids = [self.det._check_id(i) for i in _token_ids(prompt_ids)[-_PROMPT_READ:]]
+    prompt = _token_ids(prompt_ids)
+    ids = [self.det._check_id(i) for i in prompt[-_PROMPT_READ:]]
     ids = [i for i in ids if i not in self.det._skip][-_PROMPT_KEPT:]
     self.ids, self.start, self.read, self.sent = ids, 0, len(ids), 0
-    if len(_token_ids(prompt_ids)):
+    if len(prompt):
         self.added = frozenset(self.det.tokenizer.get_added_vocab())
     return self
 

@@ -786,13 +786,13 @@ def _vllm_specs(
     return specs
 
 # %% ../nbs/09_kv.ipynb #7fb27b941602401d91542211134fc71a
-def _vllm_block_size(g: KVGeometry, block_size: int, config=None) -> int:
+def _vllm_block_size(g: KVGeometry, block_size: int, config) -> int:
     "The attention block size vLLM settles on: raised in whole `block_size`s until a page holds the largest state."
     # vLLM's Platform._align_hybrid_block_size, for a model with both attention and recurrent layers. It sizes
     # attention by the config's KV heads, even where the layers keep one per query head (Zamba2).
     attn = max((layer.token_bytes for layer in g.layers if layer.kind != 'cross_attention'), default=0)
     if g.model_type in _VLLM_QUERY_KV_HEADS:
-        text = read_model_config(config).get_text_config(decoder=True)
+        text = config.get_text_config(decoder=True)  # `config`: read already (`read_model_config`)
         attn = attn * _kv_heads(text) // _need(text, 'num_attention_heads')
     state = max((layer.state_bytes for layer in g.layers), default=0)
     if not attn or not state:
@@ -812,6 +812,7 @@ def vllm_concurrency(
     ssm_dtype=None,  # recurrent states' dtype (vLLM's CPU build with AVX-512 BF16: float32); None: the config's
 ) -> VLLMConcurrency:
     "The maximum concurrency vLLM logs for `config` and a pool, its blocks per request"
+    config = read_model_config(config)  # once: the block size reads its heads too
     g = kv_geometry(config, dtype, 'vllm', ssm_dtype)
     block_size = _vllm_block_size(g, checked_count(block_size, 'block_size', 1), config)
     mml = checked_count(max_model_len or g.max_seq_len, 'max_model_len', 1)
