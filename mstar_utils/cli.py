@@ -71,8 +71,10 @@ def format_report(
     if rep.get('buffers'):
         L.append('buffers       ' + ', '.join(rep['buffers']) + ' (integer, not counted as parameters)')
     L.append('dtypes        ' + ', '.join(f'{k} ({v} tensors)' for k, v in rep['dtypes'].items()))
-    if rep.get('tie_word_embeddings'):
-        L.append('tied          lm_head.weight shares the input embedding (tie_word_embeddings)')
+    tied = rep.get('tied_weights')
+    if tied is None and rep.get('tie_word_embeddings'):  # no class built: the config's flag alone
+        L.append('tied          the output embedding shares the input one (tie_word_embeddings)')
+    L += [f'tied          {k} shares {v}' for k, v in (tied or {}).items()]
     t = rep['tokenizer']
     L.append(
         f"tokenizer     {t['kind']}, vocab size {t['vocab_size']}" if t else 'tokenizer     none (no tokenizer.json)'

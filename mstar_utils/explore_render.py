@@ -301,8 +301,9 @@ def _diff_parts(d, n: int = 20) -> tuple:
         ('retyped, values equal', [f'{t.key} {_dtypes(t)}' for t in d.retyped]),
     ]
     lines = [f'  {w}: {listed(v, 8)}' for w, v in keys if v]
-    body = ''.join(f'<div>{_E(line.strip())}</div>' for line in lines) + _html_table(head, rows) + _html_table(lh, lr)
-    return summary, body, lines + _text_table(head, rows) + [''] + _text_table(lh, lr)
+    table = _html_table(head, rows) if rows else ''  # no tensor changed: the layers' table alone
+    body = ''.join(f'<div>{_E(line.strip())}</div>' for line in lines) + table + _html_table(lh, lr)
+    return summary, body, lines + (_text_table(head, rows) + [''] if rows else []) + _text_table(lh, lr)
 
 # %% ../nbs/12d_explore_render.ipynb #b77122ac-1
 def _files(e) -> tuple:

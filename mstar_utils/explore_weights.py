@@ -703,7 +703,11 @@ def _layer_diffs(diffs: list) -> list[LayerDiff]:
                 max_abs=max(d.max_abs for d in ds),
             )
         )
-    return sorted(out, key=lambda row: (-row.rel_l2, -row.max_abs, row.layer))
+
+    def natural(name):  # ties in the layers' order: layers.2 before layers.10
+        return [int(p) if p.isdigit() else p for p in re.split(r'(\d+)', name)]
+
+    return sorted(out, key=lambda row: (-row.rel_l2, -row.max_abs, natural(row.layer)))
 
 # %% ../nbs/12c_explore_weights.ipynb #4b149476-2
 def _read_hashed(

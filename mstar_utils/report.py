@@ -154,6 +154,25 @@ def _tokenizer_summary(path: Path) -> dict:
         'vocab_size': Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True),
     }
 
+# %% ../nbs/12_report.ipynb #tied0002
+def _tied_weights(
+    config,  # a transformers config, or a config.json dict
+    model_class: type | None = None,  # None: the class the config names
+) -> dict | None:
+    "{tied weight: the weight it shares} as transformers ties them in the model; None where it cannot build one."
+    import torch
+    from mstar_utils.kv import read_model_config
+    from mstar_utils.model import model_class_for
+    from mstar_utils.upstream import build_model, no_init_weights, tied_weights_keys
+
+    try:
+        config = read_model_config(config)
+        cls = model_class or model_class_for(config)
+    except (ValueError, KeyError):  # no class here: the report names no ties
+        return None
+    with torch.device('meta'), no_init_weights():  # all on meta, buffers too: nothing is allocated, even for 671B
+        return dict(tied_weights_keys(build_model(cls, config, torch.float32)) or {})
+
 # %% ../nbs/12_report.ipynb #d6e6bc1f
 def checkpoint_report(
     checkpoint_dir,  # an HF checkpoint folder, a GGUF file, or a folder of one
@@ -179,6 +198,7 @@ def checkpoint_report(
         'tensors': len(wm),
         **counts,
         'tie_word_embeddings': config.get('tie_word_embeddings'),
+        'tied_weights': _tied_weights(config) if config else None,
         'tokenizer': tok,
         'stop_token_ids': stop,
         'generation_config': gen,
@@ -225,6 +245,7 @@ def _gguf_report(f: Path) -> dict:
         'dtypes': dict(Counter(t.qtype.name for t in h.tensors.values())),
         'buffers': {},
         'tie_word_embeddings': config.tie_word_embeddings,
+        'tied_weights': _tied_weights(config, cls),
         'tokenizer': tok,
         'stop_token_ids': _part(problems, f.name, lambda: sorted(TextOutput.from_checkpoint(f).stop_token_ids), []),
         'generation_config': GenerationConfig.from_model_config(config).to_diff_dict(),
@@ -244,15 +265,17 @@ def check_can_answer(
 
     if (f := gguf_file(ckpt)) is not None:  # the config and the tokenizer from the file's metadata
         h = read_gguf(f)
+        cls = gguf_model_class(gguf_config(f, h))
+    else:
+        cls = model_class_for(AutoConfig.from_pretrained(ckpt))
+    if cls.__name__ not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):  # a T5 GGUF file's too
+        raise NotACheckpoint(
+            f'{(f or ckpt).name}: {cls.__name__} is not a causal language model, so it cannot answer a prompt'
+        )
+    if f is not None:
         if 'tokenizer.ggml.tokens' not in h.metadata:
             raise NotACheckpoint(f'{f.name}: no tokenizer.ggml.tokens in its metadata, so a prompt cannot be encoded')
-        return gguf_model_class(gguf_config(f, h))
-    config = AutoConfig.from_pretrained(ckpt)
-    cls = model_class_for(config)
-    if cls.__name__ not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
-        raise NotACheckpoint(
-            f'{ckpt.name}: {cls.__name__} is not a causal language model, so it cannot answer a prompt'
-        )
+        return cls
     if not ((ckpt / 'tokenizer.json').is_file() or (ckpt / 'tokenizer_config.json').is_file()):
         raise NotACheckpoint(
             f'{ckpt.name}: no tokenizer (tokenizer.json or tokenizer_config.json), so a prompt cannot be encoded'

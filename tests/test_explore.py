@@ -68,6 +68,20 @@ def test_diff_ranks_the_perturbed_tensors_first(smol_ckpt, tuned):
     assert all(t.identical for t in d.tensors[3:]) and not (d.added or d.removed or d.reshaped)
 
 
+def test_diff_of_a_checkpoint_with_itself_lists_its_layers_in_order(smol_ckpt):
+    """Unchanged layers tie, and stand in the model's order (layers.2 before layers.10), with no empty table of
+    changed tensors above them."""
+    from transformers import AutoConfig
+
+    n = AutoConfig.from_pretrained(smol_ckpt).num_hidden_layers
+    d = diff_checkpoints(smol_ckpt, smol_ckpt)
+    blocks = [row.layer for row in d.layers if row.layer.startswith('model.layers.')]
+    assert blocks == [f'model.layers.{i}' for i in range(n)]
+    rc, out, _ = run_cli('diff', smol_ckpt, smol_ckpt)
+    assert rc == 0 and 'max |a−b|  rel L2  cosine' not in out
+    assert out.splitlines()[1].split() == ['layer', 'tensors', 'changed', 'rel', 'L2', 'max', '|a−b|']
+
+
 def test_cli_diff_json_lists_changed_tensors_most_changed_first(smol_ckpt, tuned):
     rc, out, _ = run_cli('diff', smol_ckpt, tuned, '--json')
     assert rc == 0

@@ -498,6 +498,7 @@ def test_gguf_report_equals_transformers_and_gguf_py(smol_gguf_tokenizer):
     from collections import Counter
     from mstar_utils.kv import read_model_config
     from mstar_utils.report import checkpoint_report
+    from mstar_utils.upstream import tied_weights_keys
 
     f, tok, gen = smol_gguf_tokenizer
     rep = checkpoint_report(f.parent)
@@ -512,6 +513,7 @@ def test_gguf_report_equals_transformers_and_gguf_py(smol_gguf_tokenizer):
     assert rep['tokenizer'] == {'kind': 'byte-level BPE', 'vocab_size': len(tok)}
     assert rep['stop_token_ids'] == [tok.eos_token_id] and rep['generation_config'] == gen.to_diff_dict()
     assert rep['tie_word_embeddings'] is cfg.tie_word_embeddings is True and rep['problems'] == []
+    assert rep['tied_weights'] == tied_weights_keys(ref) == {'lm_head.weight': 'model.embed_tokens.weight'}
     assert read_model_config(f.parent).to_dict() == read_model_config(f).to_dict() == cfg.to_dict()
 
 

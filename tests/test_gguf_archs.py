@@ -20,10 +20,13 @@ from transformers.utils import logging as hf_logging
 from mstar_utils.gguf import gguf_config, read_gguf
 from mstar_utils.model import load_model, load_plan
 from mstar_utils.testing import assert_state_dict_equal, assert_tensors_equal, tiny_gguf_config, write_gguf_checkpoint
+from mstar_utils.cli import format_report
+from mstar_utils.report import NotACheckpoint, check_can_answer, checkpoint_report
 from mstar_utils.upstream import (
     gguf_config_mappings,
     gguf_converted_archs,
     gguf_tensor_processors,
+    tied_weights_keys,
     transformers_version,
 )
 
@@ -260,6 +263,8 @@ def test_t5_and_umt5_load_as_from_pretrained(mt, tmp_path):
         assert_tensors_equal(got, want)
     assert gguf_config(f, read_gguf(f)).to_dict() == AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
     assert m.bytes_read == sum(t.data.numel() for t in read_gguf(f).tensors.values())
+    with pytest.raises(NotACheckpoint, match=rf'{type(ref).__name__} is not a causal language model'):
+        check_can_answer(f)  # as for a T5 safetensors folder
 
 
 @pytest.mark.parametrize('mt', ['t5', 'umt5'])
@@ -283,6 +288,11 @@ def test_t5_and_umt5_encoder_files_load_as_from_pretrained(mt, tmp_path):
     assert m.bytes_read == sum(t.data.numel() for t in read_gguf(f).tensors.values())
     with pytest.raises(ValueError, match=r'declares no base_model_tp_plan; pass a plan'):
         load_model(f, rank=0, world_size=2)
+    rep = checkpoint_report(f)  # the encoder's own ties, as transformers makes them: no head
+    assert rep['architectures'] == [name] and rep['tied_weights'] == tied_weights_keys(ref)
+    assert 'tied          encoder.embed_tokens.weight shares shared.weight' in format_report(rep).splitlines()
+    with pytest.raises(NotACheckpoint, match=rf'{name} is not a causal language model'):
+        check_can_answer(f)
 
 
 def test_deci_is_refused_as_transformers_has_no_config_class(tmp_path):

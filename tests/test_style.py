@@ -322,3 +322,22 @@ def test_each_page_shows_its_one_call_within_its_first_quarter():
                 'call cell after the imports'
             )
     assert bad == [], '\n'.join(bad)
+
+
+def test_every_tool_answers_help_without_running():
+    """Each script in tools/ prints its usage for `--help` and exits 0 at once: a newcomer's first try must not start
+    the whole suite or build the engine's venv."""
+    import subprocess
+    import sys
+
+    root = Path(mstar_utils.__file__).parent.parent
+    tools = sorted(p for p in (root / 'tools').iterdir() if p.is_file() and p.suffix != '.txt')
+    assert {'test', 'engine', 'window', 'nbrun', 'docs', 'readme'} <= {p.name for p in tools}
+    for p in tools:
+        cmd = (
+            [sys.executable, str(p), '--help']
+            if p.read_text().startswith('#!/usr/bin/env python')
+            else [str(p), '--help']
+        )
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=root)
+        assert r.returncode == 0 and len(r.stdout.strip().splitlines()) >= 2, (p.name, r.returncode, r.stderr[-500:])
