@@ -126,6 +126,22 @@ def _params_on_meta():
     finally:
         torch.nn.Module.register_parameter = register
 
+# %% ../nbs/03_load_model.ipynb #bigempty1
+_BIG_EMPTY = 2**24  # elements: a torch.empty this large is never a buffer a module fills in place
+
+
+class _BigEmptyOnMeta(torch.overrides.TorchFunctionMode):
+    "In the block, a `torch.empty` of at least `_BIG_EMPTY` elements and no device is made on meta."
+
+    # Smaller ones stay real and move to meta on registration: a few modules fill a torch.empty buffer in place.
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty and kwargs.get('device') is None:
+            size = kwargs.get('size', args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
+            if torch.Size(size).numel() >= _BIG_EMPTY:
+                kwargs = {**kwargs, 'device': 'meta'}
+        return func(*args, **kwargs)
+
 # %% ../nbs/03_load_model.ipynb #eb4f0243-1
 def _no_init():
     "transformers' `no_init_weights` (torch's `nn.init` functions and `init_weights` made no-ops); nothing without it."
@@ -137,7 +153,7 @@ def meta_module(
     dtype: torch.dtype | None = None,  # cast the result's floating-point tensors to this
 ) -> torch.nn.Module:
     "`make()` with its parameters created on `meta`, its buffers real and no weight initialized."
-    with _BUILD_LOCK, _params_on_meta(), _no_init():
+    with _BUILD_LOCK, _params_on_meta(), _BigEmptyOnMeta(), _no_init():
         m = make()
     return m if dtype is None else m.to(dtype)
 

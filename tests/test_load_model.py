@@ -385,3 +385,26 @@ def test_transformers_rules_listed_once_and_the_rest_named():
     subs = {k: CONFIG_MAPPING[t]().to_dict() for k, t in [('text_encoder', 't5'), ('audio_encoder', 'encodec')]}
     musicgen = CONFIG_MAPPING['musicgen'](**subs, decoder=CONFIG_MAPPING['musicgen_decoder']().to_dict())
     assert auto_conversions(musicgen) == []  # several text configs: get_text_config refuses to pick one
+
+
+def test_a_meta_build_allocates_no_parameter(tmp_path):
+    """DeepSeek-V3's full config, built on meta in float32 under a 12 GB address-space limit: one layer's experts
+    alone are 30 GB, so a build that allocated each parameter before moving it to meta could not finish."""
+    import subprocess
+    import sys
+
+    code = (
+        'import resource, torch, transformers\n'
+        'from mstar_utils.model import build_on_meta\n'
+        'resource.setrlimit(resource.RLIMIT_AS, (12 * 2**30, resource.RLIM_INFINITY))\n'
+        "cfg = transformers.DeepseekV3Config(architectures=['DeepseekV3ForCausalLM'])\n"
+        'm = build_on_meta(cfg, dtype=torch.float32)\n'
+        'print(sum(p.numel() for p in m.parameters()), {p.device.type for p in m.parameters()})\n'
+    )
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    with torch.device('meta'):  # transformers' own count of the same model, built wholly on meta
+        ref = DeepseekV3ForCausalLM(DeepseekV3Config())
+    assert r.stdout.split() == [str(sum(p.numel() for p in ref.parameters())), "{'meta'}"]
