@@ -156,8 +156,7 @@ def _tokenizer_summary(path: Path) -> dict:
 
 # %% ../nbs/12_report.ipynb #tied0002
 def _tied_weights(
-    config,  # a transformers config, or a config.json dict
-    model_class: type | None = None,  # None: the class the config names
+    config,  # a transformers config, or a config.json dict, naming its class
 ) -> dict | None:
     "{tied weight: the weight it shares} as transformers ties them in the model; None where it cannot build one."
     import torch
@@ -167,7 +166,7 @@ def _tied_weights(
 
     try:
         config = read_model_config(config)
-        cls = model_class or model_class_for(config)
+        cls = model_class_for(config)
     except (ValueError, KeyError):  # no class here: the report names no ties
         return None
     with torch.device('meta'), no_init_weights():  # all on meta, buffers too: nothing is allocated, even for 671B
@@ -198,7 +197,7 @@ def checkpoint_report(
         'tensors': len(wm),
         **counts,
         'tie_word_embeddings': config.get('tie_word_embeddings'),
-        'tied_weights': _tied_weights(config) if config else None,
+        'tied_weights': _part(problems, 'config.json', lambda: _tied_weights(config)) if config else None,
         'tokenizer': tok,
         'stop_token_ids': stop,
         'generation_config': gen,
@@ -208,7 +207,8 @@ def checkpoint_report(
         else _part(problems, gc.name, lambda: load_generation_defaults(ckpt)),
     }
 
-# %% ../nbs/12_report.ipynb #ggrep002
+# %% ../nbs/12_report.ipynb #ggrep002-0
+# the kind `inspect` names for a GGUF file's `tokenizer.ggml.model`
 _GGUF_TOKENIZERS = {
     'gpt2': 'byte-level BPE',
     'llama': 'SentencePiece',
@@ -216,7 +216,7 @@ _GGUF_TOKENIZERS = {
     't5': 'other (Unigram)',
 }
 
-
+# %% ../nbs/12_report.ipynb #ggrep002
 def _gguf_report(f: Path) -> dict:
     "`checkpoint_report` of GGUF file `f`, from its header and the config transformers builds from it."
     from math import prod
@@ -224,11 +224,13 @@ def _gguf_report(f: Path) -> dict:
     from mstar_utils.detokenize import TextOutput
     from mstar_utils.gguf import gguf_config, gguf_model_class, gguf_names, read_gguf
     from mstar_utils.model import build_on_meta
+    from mstar_utils.upstream import tied_weights_keys
 
     h, problems = read_gguf(f), []
     config = gguf_config(f, h)
     cls, meta = gguf_model_class(config), h.metadata
-    names = gguf_names(build_on_meta(config, cls), config)
+    model = build_on_meta(config, cls)
+    names = gguf_names(model, config)
     by_prefix = Counter()
     for name, t in h.tensors.items():
         by_prefix[_param_group(names.get(name, name))] += prod(t.shape)
@@ -245,7 +247,7 @@ def _gguf_report(f: Path) -> dict:
         'dtypes': dict(Counter(t.qtype.name for t in h.tensors.values())),
         'buffers': {},
         'tie_word_embeddings': config.tie_word_embeddings,
-        'tied_weights': _tied_weights(config, cls),
+        'tied_weights': dict(tied_weights_keys(model) or {}),  # as `_tied_weights` reads them
         'tokenizer': tok,
         'stop_token_ids': _part(problems, f.name, lambda: sorted(TextOutput.from_checkpoint(f).stop_token_ids), []),
         'generation_config': GenerationConfig.from_model_config(config).to_diff_dict(),

@@ -659,13 +659,13 @@ _LLAMACPP_ARCH |= {'t5': 't5', 'umt5': 't5'}
 _T5 = dict(num_heads=4, d_kv=64, d_ff=512, num_decoder_layers=2, feed_forward_proj='gated-gelu')
 _T5['decoder_start_token_id'] = 0  # llama.cpp's converter writes it
 _TINY_GGUF |= {'t5': _T5, 'umt5': _T5}
-# a config naming one of these is an encoder alone, which llama.cpp writes as a 't5encoder' file
+# a config naming one of these is an encoder alone, which llama.cpp writes as a 't5encoder' file (`w.arch`)
 _T5_ENCODERS = ('T5EncoderModel', 'UMT5EncoderModel')
 
 
 def _gguf_header_t5(w, c):
     "Write T5's (or UMT5's) keys of config `c` after the common ones, as llama.cpp's T5 converters write them."
-    encoder = (c.architectures or [None])[0] in _T5_ENCODERS  # no decoder keys
+    encoder = w.arch == 't5encoder'  # no decoder keys
     w.add_feed_forward_length(c.d_ff)
     if not encoder:
         w.add_decoder_block_count(c.num_decoder_layers)
